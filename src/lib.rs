@@ -1,0 +1,8 @@
+//! hyperoffload: a user-space pager that serves model weights into a reserved virtual
+//! region through userfaultfd, reads them with io_uring, and keeps the resident set
+//! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
+//! model.
+
+pub mod model;
+pub mod policy;
+pub mod size;

@@ -1,0 +1,5 @@
+//! The `hyperoffload` command line.
+
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}

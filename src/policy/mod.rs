@@ -1,0 +1,226 @@
+//! Policy interfaces: which blocks to read ahead of a fault and which resident blocks to
+//! give up when the budget is full.
+//!
+//! Policies are pure decision logic. The fault service owns all kernel state and calls
+//! them with block identities only, so every policy can be unit-tested and replayed by
+//! the simulator without userfaultfd or io_uring.
+//!
+//! What a userfaultfd pager can observe is narrower than what the kernel sees: a block
+//! that is resident never faults again, so there is no "access" signal for resident
+//! data. `EvictionPolicy::touched` is called on faults only (a demand fault, or a fault
+//! that found its block already in flight). An "LRU" built on that signal is really
+//! FIFO by first fault, as UMap's is.
+
+use std::path::Path;
+
+mod fifo;
+mod readahead;
+
+pub use fifo::FifoEviction;
+pub use readahead::{NoPrefetch, SequentialReadahead};
+
+/// Identifies one region of a pager.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RegionId(pub u32);
+
+/// Identifies a block: the `index`-th block-sized piece of region `region`, counted from
+/// the region's start.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockRef {
+    pub region: RegionId,
+    pub index: u32,
+}
+
+impl BlockRef {
+    pub fn new(region: RegionId, index: u32) -> Self {
+        Self { region, index }
+    }
+}
+
+/// What a policy is told about a region when it is added to the pager.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionInfo<'a> {
+    pub id: RegionId,
+    /// The file the region presents.
+    pub path: &'a Path,
+    /// File offset of the region's first byte.
+    pub file_offset: u64,
+    /// Bytes of file data in the region (the region's last block may be shorter).
+    pub data_len: u64,
+    /// Size of every block but possibly the last.
+    pub block_size: u64,
+    pub block_count: u32,
+}
+
+impl RegionInfo<'_> {
+    /// The file byte range of a block of this region.
+    pub fn block_file_range(&self, index: u32) -> std::ops::Range<u64> {
+        let start = index as u64 * self.block_size;
+        let end = (start + self.block_size).min(self.data_len);
+        self.file_offset + start..self.file_offset + end
+    }
+}
+
+/// Why the pager is looking for room.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ReadKind {
+    /// A thread is waiting on this block: room must be made if any block is evictable.
+    Demand,
+    /// Speculative: the policy may refuse to evict anything worth more than the incoming
+    /// block.
+    Prefetch,
+}
+
+/// What a fault found when the service looked up its block.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultOutcome {
+    /// The block had to be read: a demand read.
+    Missing,
+    /// A read of the block (a prefetch, or another thread's demand) was already in flight.
+    InFlight,
+    /// The block had been read ahead and held back until this fault: a prefetch marker,
+    /// installed now. It tells the prefetch policy that the program reached this point.
+    Staged,
+    /// The block was already installed (the fault raced with the install).
+    Resident,
+}
+
+/// When a prefetched block is installed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Install {
+    /// As soon as its read completes.
+    Eager,
+    /// Held back (staged) until the program faults on it. A resident block never faults
+    /// again, so without such markers a prefetch policy would hear nothing from a
+    /// program that runs entirely on prefetched data, and would stop reading ahead: the
+    /// same reason the kernel marks one page of each readahead window `PG_readahead`.
+    OnFault,
+}
+
+/// One block a prefetch policy asks for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PrefetchRequest {
+    pub block: BlockRef,
+    pub install: Install,
+}
+
+impl PrefetchRequest {
+    pub fn eager(block: BlockRef) -> Self {
+        Self {
+            block,
+            install: Install::Eager,
+        }
+    }
+
+    pub fn marker(block: BlockRef) -> Self {
+        Self {
+            block,
+            install: Install::OnFault,
+        }
+    }
+}
+
+/// One fault, as policies see it.
+#[derive(Copy, Clone, Debug)]
+pub struct FaultEvent {
+    pub block: BlockRef,
+    /// Monotonic time of the fault in nanoseconds since the pager started.
+    pub time_ns: u64,
+    pub outcome: FaultOutcome,
+}
+
+/// Program hints about how a range will be accessed (`madvise`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AccessHint {
+    Normal,
+    Sequential,
+    Random,
+}
+
+/// Decides which blocks to read ahead of a fault.
+pub trait PrefetchPolicy: Send {
+    fn name(&self) -> &'static str;
+
+    fn region_added(&mut self, _info: &RegionInfo<'_>) {}
+
+    fn region_removed(&mut self, _region: RegionId) {}
+
+    /// Appends to `out` the blocks worth reading after this fault, most urgent first.
+    /// The service skips blocks already resident or in flight, reads the rest in order,
+    /// and stops early when the queue is full or the eviction policy finds nothing worth
+    /// evicting for the next one. Called for every fault, whatever its outcome. A policy
+    /// that wants to hear from the program again before it has used up what was read
+    /// ahead marks a block `Install::OnFault`.
+    fn plan(&mut self, fault: &FaultEvent, out: &mut Vec<PrefetchRequest>);
+
+    /// A read finished: `bytes` took `elapsed_ns` from submission to completion. Lets a
+    /// policy size its lookahead to the measured bandwidth.
+    fn read_completed(&mut self, _block: BlockRef, _bytes: u64, _elapsed_ns: u64) {}
+
+    fn hint(&mut self, _region: RegionId, _blocks: std::ops::Range<u32>, _hint: AccessHint) {}
+}
+
+/// Ranks resident blocks for eviction.
+///
+/// The service tells the policy about every evictable resident block (`inserted`) and
+/// every block that stops being one (`removed`: evicted, dropped by a hint, pinned, or its
+/// region unmapped). Pinned and in-flight blocks are never offered.
+pub trait EvictionPolicy: Send {
+    fn name(&self) -> &'static str;
+
+    fn region_added(&mut self, _info: &RegionInfo<'_>) {}
+
+    /// The region is gone; forget all of its blocks (no `removed` calls follow).
+    fn region_removed(&mut self, region: RegionId);
+
+    /// `block` is resident and evictable.
+    fn inserted(&mut self, block: BlockRef);
+
+    /// `block` is no longer resident or no longer evictable.
+    fn removed(&mut self, block: BlockRef);
+
+    /// A fault touched `block` (whatever its state).
+    fn touched(&mut self, _fault: &FaultEvent) {}
+
+    /// Chooses one tracked block to evict so that `incoming` can be read. The block is
+    /// treated as removed once returned (the service does not call `removed` for it).
+    /// For `ReadKind::Demand` the policy must return a block whenever it tracks any;
+    /// for `ReadKind::Prefetch` it returns `None` when every tracked block is worth
+    /// more than `incoming` (e.g. will be used sooner).
+    fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef>;
+}
+
+/// Policies by name, for the CLI and the shim's configuration.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefetchKind {
+    /// Read only what faults.
+    None,
+    /// Read the blocks following a fault, growing the window while faults stay sequential.
+    Readahead,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictionKind {
+    /// Evict in the order blocks became resident.
+    Fifo,
+}
+
+impl PrefetchKind {
+    pub fn build(self) -> Box<dyn PrefetchPolicy> {
+        match self {
+            PrefetchKind::None => Box::new(NoPrefetch),
+            PrefetchKind::Readahead => Box::new(SequentialReadahead::default()),
+        }
+    }
+}
+
+impl EvictionKind {
+    pub fn build(self) -> Box<dyn EvictionPolicy> {
+        match self {
+            EvictionKind::Fifo => Box::new(FifoEviction::default()),
+        }
+    }
+}
