@@ -3,6 +3,16 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
+pub mod file;
+pub mod layout;
 pub mod model;
+pub mod pager;
 pub mod policy;
+pub mod ring;
+mod service;
 pub mod size;
+pub mod stats;
+mod uffd_ext;
+
+pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
+pub use stats::Stats;

@@ -1,0 +1,710 @@
+//! The public face of the pager: a `Pager` owns one userfaultfd, one io_uring and the
+//! service thread that serves them, under one RAM budget shared by all its regions; a
+//! `Region` presents a file's bytes at a reserved address.
+//!
+//! ```no_run
+//! use hyperoffload::{Pager, MapOptions};
+//! let pager = Pager::builder().budget(256 << 20).build()?;
+//! let region = pager.map_file("model.gguf".as_ref(), MapOptions::default())?;
+//! let bytes: &[u8] = region.as_slice(); // faults are served from the file
+//! println!("{}", bytes[0]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use thiserror::Error;
+use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
+
+use crate::file::{BackingFile, OpenError};
+use crate::layout::RegionLayout;
+use crate::policy::{
+    AccessHint, EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy, RegionId,
+};
+use crate::ring::RingError;
+use crate::service::{FaultService, ReadInjection, ServiceConfig};
+use crate::stats::Stats;
+use crate::uffd_ext;
+
+/// Default block size: the unit of residency, eviction and demand reads. Chosen by
+/// measurement (`benches/scan.rs`): small enough that a random demand fault costs
+/// little more than the kernel's own major fault, while sequential prefetch merges
+/// neighbouring blocks into reads of up to `DEFAULT_MAX_READ`.
+pub const DEFAULT_BLOCK_SIZE: u64 = 64 << 10;
+/// Largest single read: prefetches of neighbouring blocks are merged up to this size.
+pub const DEFAULT_MAX_READ: u64 = 1 << 20;
+/// Reads in flight at once.
+pub const DEFAULT_QUEUE_DEPTH: u32 = 32;
+
+/// Why a pager could not be created.
+#[derive(Debug, Error)]
+pub enum PagerError {
+    #[error("block size {0} is not a power of two of at least one page (4096)")]
+    BadBlockSize(u64),
+    #[error("read size {read} must be a multiple of the block size {block}")]
+    BadReadSize { read: u64, block: u64 },
+    #[error("budget of {budget} bytes is smaller than one block ({block} bytes)")]
+    BudgetTooSmall { budget: u64, block: u64 },
+    #[error("queue depth must be at least 1")]
+    BadQueueDepth,
+    #[error(
+        "userfaultfd is not permitted ({0}): run as root, give this user read-write access \
+         to /dev/userfaultfd, or set sysctl vm.unprivileged_userfaultfd=1 (kernel-mode \
+         faults need root or /dev/userfaultfd)"
+    )]
+    UffdNotPermitted(String),
+    #[error("userfaultfd is not available: {0}")]
+    UffdUnavailable(String),
+    #[error(
+        "this kernel's userfaultfd lacks UFFD_FEATURE_POISON (Linux 6.6+), needed to report \
+         read errors as SIGBUS"
+    )]
+    UffdNoPoison,
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    #[error("cannot create the service's eventfd: {0}")]
+    EventFd(std::io::Error),
+    #[error("cannot start the fault service thread: {0}")]
+    Spawn(std::io::Error),
+}
+
+/// Why a region could not be mapped.
+#[derive(Debug, Error)]
+pub enum MapError {
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    #[error("{path}: offset {offset} is not a multiple of the page size (4096)")]
+    UnalignedOffset { path: String, offset: u64 },
+    #[error("{path}: range {offset}+{len} is outside the file ({file_len} bytes)")]
+    OutOfRange {
+        path: String,
+        offset: u64,
+        len: u64,
+        file_len: u64,
+    },
+    #[error("{path}: length is zero")]
+    ZeroLength { path: String },
+    #[error("mapping length {map_len} is shorter than the data it must hold ({needed} bytes, page rounded)")]
+    MapTooShort { map_len: u64, needed: u64 },
+    #[error("writable regions are not supported: evicting a written page would lose the write")]
+    Writable,
+    #[error("cannot reserve {len} bytes of address space: {source}")]
+    Reserve { len: u64, source: std::io::Error },
+    #[error("cannot register the region with userfaultfd: {0}")]
+    Register(String),
+    #[error("the fault service has stopped")]
+    ServiceGone,
+}
+
+/// Why a hint was refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HintError {
+    #[error("range {start}..{end} is outside the region ({len} bytes)")]
+    OutOfRange { start: u64, end: u64, len: u64 },
+    #[error(
+        "pinning {requested} more bytes would pin {total} of a {budget}-byte budget; at \
+         least one block ({block} bytes) must stay unpinned for demand faults"
+    )]
+    PinExceedsBudget {
+        requested: u64,
+        total: u64,
+        budget: u64,
+        block: u64,
+    },
+    #[error("the fault service has stopped")]
+    ServiceGone,
+}
+
+/// Where and how a region maps a file.
+#[derive(Debug, Clone)]
+pub struct MapOptions {
+    /// File offset of the region's first byte; a multiple of the page size.
+    pub offset: u64,
+    /// Bytes of the file to present; `None` for everything from `offset` to the end.
+    pub len: Option<u64>,
+    /// Length of the mapping, if longer than the data rounded up to a page: whole pages
+    /// past the end of the file raise SIGBUS, as with mmap.
+    pub map_len: Option<u64>,
+    /// `PROT_READ`, optionally with `PROT_EXEC`.
+    pub prot: i32,
+}
+
+impl Default for MapOptions {
+    fn default() -> Self {
+        Self {
+            offset: 0,
+            len: None,
+            map_len: None,
+            prot: libc::PROT_READ,
+        }
+    }
+}
+
+/// Builds a pager.
+pub struct PagerBuilder {
+    budget: u64,
+    block_size: u64,
+    max_read: u64,
+    queue_depth: u32,
+    read_attempts: u32,
+    prefetch: Box<dyn PrefetchPolicy>,
+    eviction: Box<dyn EvictionPolicy>,
+    injection: Option<ReadInjection>,
+}
+
+impl Default for PagerBuilder {
+    fn default() -> Self {
+        Self {
+            budget: 1 << 30,
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_read: DEFAULT_MAX_READ,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            read_attempts: 3,
+            prefetch: PrefetchKind::Readahead.build(),
+            eviction: EvictionKind::Fifo.build(),
+            injection: None,
+        }
+    }
+}
+
+impl PagerBuilder {
+    /// Resident bytes of all regions together never exceed this.
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.budget = bytes;
+        self
+    }
+
+    pub fn block_size(mut self, bytes: u64) -> Self {
+        self.block_size = bytes;
+        self
+    }
+
+    /// Largest read; neighbouring prefetched blocks are merged up to it.
+    pub fn max_read(mut self, bytes: u64) -> Self {
+        self.max_read = bytes;
+        self
+    }
+
+    pub fn queue_depth(mut self, depth: u32) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// How many times a failed read is tried before its pages are poisoned.
+    pub fn read_attempts(mut self, attempts: u32) -> Self {
+        self.read_attempts = attempts.max(1);
+        self
+    }
+
+    pub fn prefetch(mut self, policy: Box<dyn PrefetchPolicy>) -> Self {
+        self.prefetch = policy;
+        self
+    }
+
+    pub fn eviction(mut self, policy: Box<dyn EvictionPolicy>) -> Self {
+        self.eviction = policy;
+        self
+    }
+
+    /// Makes reads of the given file byte range fail with `errno`, to test error paths
+    /// end to end (the read is issued; its result is replaced).
+    pub fn inject_read_error(mut self, file_range: Range<u64>, errno: i32) -> Self {
+        self.injection = Some(ReadInjection { file_range, errno });
+        self
+    }
+
+    pub fn build(self) -> Result<Pager, PagerError> {
+        let page = page_size();
+        if !self.block_size.is_power_of_two() || self.block_size < page {
+            return Err(PagerError::BadBlockSize(self.block_size));
+        }
+        let max_read = self.max_read.max(self.block_size);
+        if max_read % self.block_size != 0 {
+            return Err(PagerError::BadReadSize {
+                read: self.max_read,
+                block: self.block_size,
+            });
+        }
+        if self.budget < self.block_size {
+            return Err(PagerError::BudgetTooSmall {
+                budget: self.budget,
+                block: self.block_size,
+            });
+        }
+        if self.queue_depth == 0 {
+            return Err(PagerError::BadQueueDepth);
+        }
+        let uffd = Arc::new(create_uffd()?);
+        // SAFETY: eventfd(2) with valid flags has no memory effects; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(PagerError::EventFd(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `raw` is a freshly created descriptor nothing else owns.
+        let wakeup = unsafe { OwnedFd::from_raw_fd(raw) };
+        let shared = Arc::new(Shared {
+            commands: Mutex::new(VecDeque::new()),
+            wakeup,
+            stats: Mutex::new(Stats::default()),
+        });
+        let service = FaultService::new(
+            ServiceConfig {
+                budget: self.budget,
+                block_size: self.block_size,
+                max_read,
+                queue_depth: self.queue_depth,
+                read_attempts: self.read_attempts,
+                page_size: page,
+                injection: self.injection,
+            },
+            uffd.clone(),
+            shared.clone(),
+            self.prefetch,
+            self.eviction,
+        )?;
+        let thread = std::thread::Builder::new()
+            .name("hyperoffload-fault".into())
+            .spawn(move || service.run())
+            .map_err(PagerError::Spawn)?;
+        Ok(Pager {
+            inner: Arc::new(PagerInner {
+                uffd,
+                shared,
+                thread: Mutex::new(Some(thread)),
+                next_region: AtomicU32::new(0),
+                budget: self.budget,
+                block_size: self.block_size,
+            }),
+        })
+    }
+}
+
+fn create_uffd() -> Result<Uffd, PagerError> {
+    let build = |features: u64| {
+        UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            // Kernel-mode accesses (write(2) from a region, O_DIRECT into... ) must fault
+            // like user accesses, not fail with EFAULT: needs root or /dev/userfaultfd.
+            .user_mode_only(false)
+            .require_features(FeatureFlags::from_bits_retain(features))
+            .create()
+    };
+    match build(FeatureFlags::THREAD_ID.bits() | uffd_ext::FEATURE_POISON) {
+        Ok(uffd) => Ok(uffd),
+        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
+            PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),
+        ),
+        Err(userfaultfd::Error::OpenDevUserfaultfd(error))
+            if error.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            Err(PagerError::UffdNotPermitted(error.to_string()))
+        }
+        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EINVAL)) => {
+            // The API handshake refused the features: check whether POISON is the reason.
+            match UffdBuilder::new().user_mode_only(false).create() {
+                Ok(_) => Err(PagerError::UffdNoPoison),
+                Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
+            }
+        }
+        Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
+    }
+}
+
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as u64
+    } else {
+        4096
+    }
+}
+
+/// A request to the fault service, answered on `reply` when it has been carried out.
+pub(crate) enum Command {
+    AddRegion {
+        id: RegionId,
+        base: usize,
+        layout: RegionLayout,
+        file: BackingFile,
+        /// File offset of the region's first byte.
+        file_offset: u64,
+        reply: SyncSender<()>,
+    },
+    RemoveRegion {
+        id: RegionId,
+        reply: SyncSender<()>,
+    },
+    Prefetch {
+        id: RegionId,
+        range: Range<u64>,
+    },
+    Drop {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<()>,
+    },
+    Pin {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<Result<(), HintError>>,
+    },
+    Unpin {
+        id: RegionId,
+        range: Range<u64>,
+    },
+    Hint {
+        id: RegionId,
+        range: Range<u64>,
+        hint: AccessHint,
+    },
+    Stats {
+        reply: SyncSender<Stats>,
+    },
+    Shutdown,
+}
+
+/// State shared between API threads and the service thread.
+pub(crate) struct Shared {
+    pub(crate) commands: Mutex<VecDeque<Command>>,
+    /// Written to wake the service when a command is queued.
+    pub(crate) wakeup: OwnedFd,
+    /// Last snapshot the service published, readable even after it stopped.
+    pub(crate) stats: Mutex<Stats>,
+}
+
+impl Shared {
+    fn send(&self, command: Command) {
+        self.commands
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push_back(command);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. A full counter
+        // (EAGAIN) already means the service will wake.
+        unsafe {
+            libc::write(
+                self.wakeup.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+}
+
+struct PagerInner {
+    uffd: Arc<Uffd>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    next_region: AtomicU32,
+    budget: u64,
+    block_size: u64,
+}
+
+impl Drop for PagerInner {
+    fn drop(&mut self) {
+        self.shared.send(Command::Shutdown);
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(thread) = thread {
+            // The service aborts the process rather than unwinding, so join only fails
+            // if it was already gone.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A pager: one budget, one fault service, any number of regions. Cheap to clone.
+#[derive(Clone)]
+pub struct Pager {
+    inner: Arc<PagerInner>,
+}
+
+impl Pager {
+    pub fn builder() -> PagerBuilder {
+        PagerBuilder::default()
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.inner.budget
+    }
+
+    pub fn block_size(&self) -> u64 {
+        self.inner.block_size
+    }
+
+    /// Current statistics (asks the service; falls back to its last published snapshot
+    /// if it has stopped).
+    pub fn stats(&self) -> Stats {
+        let (reply, answer) = sync_channel(1);
+        self.inner.shared.send(Command::Stats { reply });
+        answer.recv().unwrap_or_else(|_| {
+            self.inner
+                .shared
+                .stats
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone()
+        })
+    }
+
+    /// Maps `path` (or part of it, per `options`) into a new region.
+    pub fn map_file(&self, path: &Path, options: MapOptions) -> Result<Region, MapError> {
+        if options.prot & libc::PROT_WRITE != 0 {
+            return Err(MapError::Writable);
+        }
+        let file = BackingFile::open(path)?;
+        let name = || path.display().to_string();
+        let page = page_size();
+        if options.offset % page != 0 {
+            return Err(MapError::UnalignedOffset {
+                path: name(),
+                offset: options.offset,
+            });
+        }
+        let file_len = file.len();
+        let len = match options.len {
+            Some(0) => return Err(MapError::ZeroLength { path: name() }),
+            Some(len) => len,
+            None => file_len.saturating_sub(options.offset),
+        };
+        if options.offset >= file_len || len > file_len - options.offset {
+            return Err(MapError::OutOfRange {
+                path: name(),
+                offset: options.offset,
+                len,
+                file_len,
+            });
+        }
+        let needed = len.next_multiple_of(page);
+        let map_len = options.map_len.unwrap_or(needed).next_multiple_of(page);
+        if map_len < needed {
+            return Err(MapError::MapTooShort { map_len, needed });
+        }
+        let mapping = Mapping::reserve(map_len as usize, options.prot)?;
+        // SAFETY: registers exactly the mapping just reserved, which this region owns.
+        self.inner
+            .uffd
+            .register(mapping.base as *mut libc::c_void, mapping.len)
+            .map_err(|error| MapError::Register(format!("{error:?}")))?;
+        let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
+        let layout = RegionLayout::new(len, map_len, self.inner.block_size, page);
+        let (reply, answer) = sync_channel(1);
+        self.inner.shared.send(Command::AddRegion {
+            id,
+            base: mapping.base,
+            layout,
+            file,
+            file_offset: options.offset,
+            reply,
+        });
+        answer.recv().map_err(|_| MapError::ServiceGone)?;
+        Ok(Region {
+            pager: self.clone(),
+            id,
+            mapping,
+            data_len: len,
+        })
+    }
+}
+
+/// An anonymous reservation owned by a region. Dropping it unmaps.
+struct Mapping {
+    base: usize,
+    len: usize,
+}
+
+impl Mapping {
+    fn reserve(len: usize, prot: i32) -> Result<Self, MapError> {
+        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
+        // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(MapError::Reserve {
+                len: len as u64,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let mapping = Self {
+            base: ptr as usize,
+            len,
+        };
+        // A forked child would inherit the range unregistered and read zeros where the
+        // parent reads the file. Not inheriting it makes a child's access fault loudly.
+        // SAFETY: advises only the mapping just created.
+        let rc = unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
+        if rc != 0 {
+            return Err(MapError::Reserve {
+                len: len as u64,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(mapping)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the reservation this value owns; the region dropping it
+        // holds no references into it any more (`as_slice` borrows the region).
+        let rc = unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        assert_eq!(
+            rc,
+            0,
+            "munmap of a region failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// A file's bytes at a reserved address, served on fault. Dropping it stops serving it
+/// and unmaps it.
+pub struct Region {
+    pager: Pager,
+    id: RegionId,
+    mapping: Mapping,
+    data_len: u64,
+}
+
+impl Region {
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.mapping.base as *const u8
+    }
+
+    /// Bytes of file data the region presents.
+    pub fn len(&self) -> usize {
+        self.data_len as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data_len == 0
+    }
+
+    /// Length of the mapping (data rounded up to a page, or the requested `map_len`).
+    pub fn map_len(&self) -> usize {
+        self.mapping.len
+    }
+
+    /// The file's bytes. Reading them faults pages in through the service.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is live for as long as self; its pages are only ever
+        // installed whole by the service (UFFDIO_COPY is atomic per page) and never
+        // written afterwards, so the bytes do not change under a shared reference.
+        // An evicted page is refilled with the same file bytes on the next access.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.data_len as usize) }
+    }
+
+    fn check(&self, range: &Range<u64>) -> Result<(), HintError> {
+        if range.start > range.end || range.end > self.mapping.len as u64 {
+            return Err(HintError::OutOfRange {
+                start: range.start,
+                end: range.end,
+                len: self.mapping.len as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Starts reading `range` (region offsets) within the budget; returns at once.
+    pub fn prefetch(&self, range: Range<u64>) -> Result<(), HintError> {
+        self.check(&range)?;
+        self.pager
+            .inner
+            .shared
+            .send(Command::Prefetch { id: self.id, range });
+        Ok(())
+    }
+
+    /// Drops the resident blocks wholly inside `range`; they fault in again when touched.
+    pub fn drop_range(&self, range: Range<u64>) -> Result<(), HintError> {
+        self.check(&range)?;
+        let (reply, answer) = sync_channel(1);
+        self.pager.inner.shared.send(Command::Drop {
+            id: self.id,
+            range,
+            reply,
+        });
+        answer.recv().map_err(|_| HintError::ServiceGone)
+    }
+
+    /// Keeps the blocks overlapping `range` resident (reading them now). Pinned bytes
+    /// count against the budget; pinning all of it is refused.
+    pub fn pin(&self, range: Range<u64>) -> Result<(), HintError> {
+        self.check(&range)?;
+        let (reply, answer) = sync_channel(1);
+        self.pager.inner.shared.send(Command::Pin {
+            id: self.id,
+            range,
+            reply,
+        });
+        answer.recv().map_err(|_| HintError::ServiceGone)?
+    }
+
+    pub fn unpin(&self, range: Range<u64>) -> Result<(), HintError> {
+        self.check(&range)?;
+        self.pager
+            .inner
+            .shared
+            .send(Command::Unpin { id: self.id, range });
+        Ok(())
+    }
+
+    /// Tells the prefetch policy how `range` will be read (`madvise` advice).
+    pub fn advise(&self, range: Range<u64>, hint: AccessHint) -> Result<(), HintError> {
+        self.check(&range)?;
+        self.pager.inner.shared.send(Command::Hint {
+            id: self.id,
+            range,
+            hint,
+        });
+        Ok(())
+    }
+
+    pub fn pager(&self) -> &Pager {
+        &self.pager
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let (reply, answer) = sync_channel(1);
+        self.pager
+            .inner
+            .shared
+            .send(Command::RemoveRegion { id: self.id, reply });
+        // Once acknowledged, the service never touches the range again. If the service is
+        // gone the process is aborting anyway.
+        let _ = answer.recv();
+        // Unregistering wakes any thread still waiting on the range; munmap (in
+        // `Mapping::drop`) follows.
+        let _ = self
+            .pager
+            .inner
+            .uffd
+            .unregister(self.mapping.base as *mut libc::c_void, self.mapping.len);
+    }
+}

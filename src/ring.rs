@@ -1,0 +1,282 @@
+//! io_uring for the fault service: reads into buffers the ring owns, and polls that wake
+//! the service when a uffd event or a command arrives. The one place that submits
+//! io_uring entries.
+//!
+//! As in tokio-uring, the ring owns every buffer it reads into (a slab keyed by
+//! `user_data`), so no buffer is reused or freed while the kernel may still write it.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
+use thiserror::Error;
+
+/// Why the service cannot use io_uring.
+#[derive(Debug, Error)]
+pub enum RingError {
+    #[error(
+        "io_uring is not permitted ({source}); check sysctl kernel.io_uring_disabled \
+         (0 allows it for everyone, 1 for members of kernel.io_uring_group, 2 for no one)"
+    )]
+    NotPermitted { source: io::Error },
+    #[error("io_uring is not available in this kernel ({source})")]
+    Unsupported { source: io::Error },
+    #[error("cannot create an io_uring with {entries} entries: {source} (RLIMIT_MEMLOCK too low on an old kernel?)")]
+    Setup { entries: u32, source: io::Error },
+    #[error("this kernel's io_uring lacks {0}")]
+    MissingOpcode(&'static str),
+    #[error("cannot allocate {bytes} bytes of read buffers: {source}")]
+    Buffers { bytes: usize, source: io::Error },
+    #[error("io_uring submit failed: {0}")]
+    Submit(io::Error),
+}
+
+/// A page-aligned anonymous buffer (O_DIRECT needs alignment).
+pub struct AlignedBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; moving it between threads is
+// fine, and access goes through &self / &mut self.
+unsafe impl Send for AlignedBuffer {}
+
+impl AlignedBuffer {
+    pub fn new(len: usize) -> io::Result<Self> {
+        // SAFETY: an anonymous private mapping at an address the kernel chooses touches no
+        // existing memory.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is a live read-write mapping owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping created in `new`, which nothing references
+        // any more (the ring never drops a buffer with a read in flight).
+        let rc = unsafe { libc::munmap(self.ptr.cast(), self.len) };
+        assert_eq!(
+            rc,
+            0,
+            "munmap of a read buffer failed: {}",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+/// What a completion was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// A read into `slot` finished with `result` (bytes read, or a negated errno).
+    Read { slot: u32, result: i32 },
+    /// A watched descriptor became readable. `rearm` is set when the kernel ended the
+    /// multishot poll and it must be added again.
+    Readable { token: u32, rearm: bool },
+}
+
+const POLL_BIT: u64 = 1 << 63;
+
+/// The ring, its read buffers and what each one is doing.
+pub struct ReadRing<Tag> {
+    ring: IoUring,
+    buffers: Vec<AlignedBuffer>,
+    tags: Vec<Option<Tag>>,
+    free: Vec<u32>,
+    buffer_len: usize,
+    max_buffers: u32,
+}
+
+impl<Tag> ReadRing<Tag> {
+    /// A ring with room for `max_reads` reads of up to `buffer_len` bytes in flight.
+    pub fn new(max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
+        let entries = (max_reads + 8).next_power_of_two();
+        let ring = IoUring::builder()
+            .setup_cqsize(entries * 2)
+            .build(entries)
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::EPERM) => RingError::NotPermitted { source },
+                Some(libc::ENOSYS) => RingError::Unsupported { source },
+                _ => RingError::Setup { entries, source },
+            })?;
+        let mut probe = Probe::new();
+        ring.submitter()
+            .register_probe(&mut probe)
+            .map_err(|source| RingError::Unsupported { source })?;
+        for (code, name) in [
+            (opcode::Read::CODE, "IORING_OP_READ"),
+            (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD"),
+        ] {
+            if !probe.is_supported(code) {
+                return Err(RingError::MissingOpcode(name));
+            }
+        }
+        Ok(Self {
+            ring,
+            buffers: Vec::new(),
+            tags: Vec::new(),
+            free: Vec::new(),
+            buffer_len,
+            max_buffers: max_reads,
+        })
+    }
+
+    pub fn buffer_len(&self) -> usize {
+        self.buffer_len
+    }
+
+    pub fn reads_in_flight(&self) -> usize {
+        self.tags.iter().filter(|tag| tag.is_some()).count()
+    }
+
+    /// A free buffer slot, allocating buffers lazily up to the limit.
+    pub fn checkout(&mut self) -> Result<Option<u32>, RingError> {
+        if let Some(slot) = self.free.pop() {
+            return Ok(Some(slot));
+        }
+        if self.buffers.len() as u32 >= self.max_buffers {
+            return Ok(None);
+        }
+        let buffer = AlignedBuffer::new(self.buffer_len).map_err(|source| RingError::Buffers {
+            bytes: self.buffer_len,
+            source,
+        })?;
+        self.buffers.push(buffer);
+        self.tags.push(None);
+        Ok(Some(self.buffers.len() as u32 - 1))
+    }
+
+    /// Returns a slot whose read finished (or was never started) to the free list.
+    pub fn checkin(&mut self, slot: u32) -> Option<Tag> {
+        let tag = self.tags[slot as usize].take();
+        self.free.push(slot);
+        tag
+    }
+
+    /// Starts a read of `len` bytes at file `offset` into `slot`'s buffer at
+    /// `buffer_offset`. The slot stays checked out, carrying `tag`, until `checkin`.
+    pub fn read(
+        &mut self,
+        slot: u32,
+        fd: RawFd,
+        offset: u64,
+        buffer_offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<(), RingError> {
+        assert!(
+            buffer_offset + len <= self.buffer_len,
+            "read past its buffer"
+        );
+        let ptr = self.buffers[slot as usize]
+            .as_mut_ptr()
+            .wrapping_add(buffer_offset);
+        let entry = opcode::Read::new(types::Fd(fd), ptr, len as u32)
+            .offset(offset)
+            .build()
+            .user_data(slot as u64);
+        self.tags[slot as usize] = Some(tag);
+        self.push(&entry)
+    }
+
+    /// Watches `fd` for readability with a multishot poll; completions carry `token`.
+    pub fn watch(&mut self, fd: RawFd, token: u32) -> Result<(), RingError> {
+        let entry = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+            .multi(true)
+            .build()
+            .user_data(POLL_BIT | token as u64);
+        self.push(&entry)
+    }
+
+    fn push(&mut self, entry: &squeue::Entry) -> Result<(), RingError> {
+        loop {
+            // SAFETY: a read entry points into a buffer owned by `self.buffers`, which is
+            // neither freed nor handed out again until its completion is reaped and the
+            // slot checked in; poll entries reference no memory.
+            if unsafe { self.ring.submission().push(entry) }.is_ok() {
+                return Ok(());
+            }
+            // Submission queue full: hand what is queued to the kernel and retry.
+            self.ring.submit().map_err(RingError::Submit)?;
+        }
+    }
+
+    pub fn tag(&self, slot: u32) -> Option<&Tag> {
+        self.tags[slot as usize].as_ref()
+    }
+
+    pub fn tag_mut(&mut self, slot: u32) -> Option<&mut Tag> {
+        self.tags[slot as usize].as_mut()
+    }
+
+    pub fn buffer(&self, slot: u32) -> &AlignedBuffer {
+        &self.buffers[slot as usize]
+    }
+
+    pub fn buffer_mut(&mut self, slot: u32) -> &mut AlignedBuffer {
+        &mut self.buffers[slot as usize]
+    }
+
+    /// Submits queued entries and waits until at least `want` completions are ready.
+    pub fn submit_and_wait(&mut self, want: usize) -> Result<(), RingError> {
+        loop {
+            match self.ring.submit_and_wait(want) {
+                Ok(_) => return Ok(()),
+                Err(error) if error.raw_os_error() == Some(libc::EINTR) => continue,
+                // The completion queue is full: the caller must reap before submitting.
+                Err(error) if error.raw_os_error() == Some(libc::EBUSY) => return Ok(()),
+                Err(error) => return Err(RingError::Submit(error)),
+            }
+        }
+    }
+
+    /// Moves every ready completion into `out`.
+    pub fn reap(&mut self, out: &mut Vec<Completion>) {
+        for entry in self.ring.completion() {
+            let user_data = entry.user_data();
+            if user_data & POLL_BIT != 0 {
+                out.push(Completion::Readable {
+                    token: (user_data & !POLL_BIT) as u32,
+                    rearm: !cqueue::more(entry.flags()),
+                });
+            } else {
+                out.push(Completion::Read {
+                    slot: user_data as u32,
+                    result: entry.result(),
+                });
+            }
+        }
+    }
+}

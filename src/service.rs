@@ -1,0 +1,1254 @@
+//! The fault service: one thread that turns userfaultfd page faults into io_uring reads
+//! and installs what they read, keeping resident bytes within the budget.
+//!
+//! Everything waits on the ring: multishot polls on the userfaultfd and on the command
+//! eventfd complete like reads do, so one `submit_and_wait` covers faults, commands and
+//! finished reads. The thread never touches a managed page itself, never takes a lock a
+//! faulting thread may hold (it does not print; it locks only its own command queue and
+//! stats), and if it fails it aborts the process with a message rather than leave
+//! threads waiting on faults forever.
+//!
+//! Budget accounting is exact: a read reserves its blocks' bytes before it is issued,
+//! evicting first if needed, so resident + reserved never exceeds the budget. Evictions
+//! are batched per read request (all victims for one request are dropped together, in
+//! runs of contiguous blocks).
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use userfaultfd::{Event, EventBuffer, Uffd};
+
+use crate::file::BackingFile;
+use crate::layout::{FaultLocator, Location, RegionLayout};
+use crate::pager::{Command, HintError, Shared};
+use crate::policy::{
+    BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, Install, PrefetchPolicy, PrefetchRequest,
+    ReadKind, RegionId, RegionInfo,
+};
+use crate::ring::{Completion, ReadRing, RingError};
+use crate::stats::{LatencyHistogram, Stats};
+use crate::uffd_ext::{self, Partial};
+
+const TOKEN_UFFD: u32 = 0;
+const TOKEN_COMMANDS: u32 = 1;
+/// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
+/// device we meet.
+const DIRECT_IO_ALIGN: u64 = 4096;
+/// Most prefetch requests held waiting for a free read slot.
+const MAX_QUEUED_PREFETCH: usize = 1 << 16;
+
+/// Makes reads overlapping `file_range` fail with `errno` (tests of the error path).
+#[derive(Debug, Clone)]
+pub(crate) struct ReadInjection {
+    pub file_range: Range<u64>,
+    pub errno: i32,
+}
+
+pub(crate) struct ServiceConfig {
+    pub budget: u64,
+    pub block_size: u64,
+    pub max_read: u64,
+    pub queue_depth: u32,
+    pub read_attempts: u32,
+    pub page_size: u64,
+    pub injection: Option<ReadInjection>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum BlockState {
+    Missing,
+    /// Waiting in the demand or prefetch queue for a read slot.
+    Queued,
+    Reading,
+    /// Read and held in `slot` until the program faults on it (a prefetch marker).
+    Staged {
+        slot: u32,
+    },
+    Resident,
+    /// Its read failed: its pages raise SIGBUS.
+    Poisoned,
+}
+
+struct RegionEntry {
+    base: usize,
+    layout: RegionLayout,
+    file: BackingFile,
+    file_offset: u64,
+    blocks: Vec<BlockState>,
+    pinned: Vec<bool>,
+    /// Reads in flight into this region; a removed region is forgotten when none are.
+    reads_in_flight: u32,
+    removed: bool,
+}
+
+impl RegionEntry {
+    fn info(&self, id: RegionId) -> RegionInfo<'_> {
+        RegionInfo {
+            id,
+            path: self.file.path(),
+            file_offset: self.file_offset,
+            data_len: self.layout.data_len,
+            block_size: self.layout.block_size,
+            block_count: self.layout.block_count(),
+        }
+    }
+}
+
+/// A read the ring is doing for us.
+struct ReadTag {
+    region: RegionId,
+    first: u32,
+    count: u32,
+    /// File offset and length of the whole request (length O_DIRECT aligned).
+    file_offset: u64,
+    len: usize,
+    /// Bytes of file data the request must deliver.
+    valid: usize,
+    /// Bytes received so far (short reads continue).
+    done: usize,
+    attempts: u32,
+    submitted_ns: u64,
+    /// Bytes of budget reserved for the blocks.
+    reserved: u64,
+    install: Install,
+    prefetch: bool,
+}
+
+pub(crate) struct FaultService {
+    config: ServiceConfig,
+    uffd: Arc<Uffd>,
+    shared: Arc<Shared>,
+    ring: ReadRing<ReadTag>,
+    prefetch: Box<dyn PrefetchPolicy>,
+    eviction: Box<dyn EvictionPolicy>,
+    regions: HashMap<RegionId, RegionEntry>,
+    locator: FaultLocator,
+    demand: VecDeque<BlockRef>,
+    prefetch_queue: VecDeque<PrefetchRequest>,
+    staged: VecDeque<BlockRef>,
+    /// Fault times of threads waiting on each block, for the latency histogram.
+    waiters: HashMap<BlockRef, Vec<u64>>,
+    resident: u64,
+    reserved: u64,
+    pinned: u64,
+    prefetch_reads_in_flight: u32,
+    stats: Stats,
+    fault_latency: LatencyHistogram,
+    read_latency: LatencyHistogram,
+    start: Instant,
+    last_publish_ns: u64,
+    shutting_down: bool,
+    events: EventBuffer,
+    fault_addrs: Vec<usize>,
+    plan: Vec<PrefetchRequest>,
+    victims: Vec<BlockRef>,
+    completions: Vec<Completion>,
+}
+
+/// Why serving stopped; every one of these ends the process (see `run`).
+#[derive(Debug, thiserror::Error)]
+enum ServiceError {
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    #[error("reading userfaultfd events failed: {0}")]
+    Events(String),
+    #[error("installing a block at {addr:#x} failed: {errno}")]
+    Install {
+        addr: usize,
+        errno: nix::errno::Errno,
+    },
+    #[error("dropping evicted pages at {addr:#x} failed: {error}")]
+    Evict { addr: usize, error: std::io::Error },
+}
+
+/// What an install found.
+enum Installed {
+    Done,
+    /// The range is no longer registered (unmapped under us): nothing to install into.
+    Gone,
+}
+
+impl FaultService {
+    pub(crate) fn new(
+        config: ServiceConfig,
+        uffd: Arc<Uffd>,
+        shared: Arc<Shared>,
+        prefetch: Box<dyn PrefetchPolicy>,
+        eviction: Box<dyn EvictionPolicy>,
+    ) -> Result<Self, RingError> {
+        let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
+        let stats = Stats {
+            budget_bytes: config.budget,
+            block_size: config.block_size,
+            queue_depth: config.queue_depth,
+            direct_io: true,
+            ..Stats::default()
+        };
+        Ok(Self {
+            config,
+            uffd,
+            shared,
+            ring,
+            prefetch,
+            eviction,
+            regions: HashMap::new(),
+            locator: FaultLocator::default(),
+            demand: VecDeque::new(),
+            prefetch_queue: VecDeque::new(),
+            staged: VecDeque::new(),
+            waiters: HashMap::new(),
+            resident: 0,
+            reserved: 0,
+            pinned: 0,
+            prefetch_reads_in_flight: 0,
+            stats,
+            fault_latency: LatencyHistogram::default(),
+            read_latency: LatencyHistogram::default(),
+            start: Instant::now(),
+            last_publish_ns: 0,
+            shutting_down: false,
+            events: EventBuffer::new(64),
+            fault_addrs: Vec::new(),
+            plan: Vec::new(),
+            victims: Vec::new(),
+            completions: Vec::new(),
+        })
+    }
+
+    /// Serves until shutdown. Any failure ends the process: a thread waiting on a fault
+    /// that nobody will serve would otherwise hang forever.
+    pub(crate) fn run(mut self) {
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
+        let why = match outcome {
+            Ok(Ok(())) => return,
+            Ok(Err(error)) => error.to_string(),
+            Err(panic) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panic".into()),
+        };
+        fatal(&why);
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn serve(&mut self) -> Result<(), ServiceError> {
+        self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
+        self.ring
+            .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+        loop {
+            self.ring.submit_and_wait(1)?;
+            let mut completions = std::mem::take(&mut self.completions);
+            completions.clear();
+            self.ring.reap(&mut completions);
+            for completion in completions.drain(..) {
+                match completion {
+                    Completion::Read { slot, result } => self.read_done(slot, result)?,
+                    Completion::Readable { token, rearm } => {
+                        if token == TOKEN_UFFD {
+                            self.drain_faults()?;
+                            if rearm {
+                                self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
+                            }
+                        } else {
+                            self.drain_commands()?;
+                            if rearm {
+                                self.ring
+                                    .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+                            }
+                        }
+                    }
+                }
+            }
+            self.completions = completions;
+            self.pump()?;
+            let now = self.now_ns();
+            if now - self.last_publish_ns > 100_000_000 {
+                self.publish();
+            }
+            if self.shutting_down && self.ring.reads_in_flight() == self.staged.len() {
+                self.publish();
+                return Ok(());
+            }
+        }
+    }
+
+    fn snapshot(&mut self) -> Stats {
+        let mut stats = self.stats.clone();
+        stats.resident_bytes = self.resident;
+        stats.pinned_bytes = self.pinned;
+        stats.fault_latency_us = self.fault_latency.summary();
+        stats.read_latency_us = self.read_latency.summary();
+        stats.elapsed_s = self.start.elapsed().as_secs_f64();
+        let refused = self
+            .regions
+            .values()
+            .find_map(|region| region.file.direct_refused().map(str::to_owned));
+        stats.direct_io = refused.is_none();
+        stats.direct_io_fallback = refused;
+        stats
+    }
+
+    fn publish(&mut self) {
+        self.last_publish_ns = self.now_ns();
+        let snapshot = self.snapshot();
+        *self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = snapshot;
+    }
+
+    // ---- faults -------------------------------------------------------------------
+
+    fn drain_faults(&mut self) -> Result<(), ServiceError> {
+        loop {
+            self.fault_addrs.clear();
+            let events = self
+                .uffd
+                .read_events(&mut self.events)
+                .map_err(|error| ServiceError::Events(format!("{error:?}")))?;
+            for event in events {
+                // No other events are enabled.
+                if let Event::Pagefault { addr, .. } =
+                    event.map_err(|error| ServiceError::Events(format!("{error:?}")))?
+                {
+                    self.fault_addrs.push(addr as usize);
+                }
+            }
+            if self.fault_addrs.is_empty() {
+                return Ok(());
+            }
+            let addrs = std::mem::take(&mut self.fault_addrs);
+            for &addr in &addrs {
+                self.handle_fault(addr)?;
+            }
+            self.fault_addrs = addrs;
+        }
+    }
+
+    fn handle_fault(&mut self, addr: usize) -> Result<(), ServiceError> {
+        let now = self.now_ns();
+        let page = self.config.page_size as usize;
+        let page_addr = addr & !(page - 1);
+        let Some((id, offset)) = self.locator.lookup(addr) else {
+            // A range being unmapped: its owner is waiting for us to let go. Waking is
+            // harmless; the thread retries against whatever is mapped there now.
+            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+            return Ok(());
+        };
+        let Some(region) = self.regions.get_mut(&id) else {
+            return Ok(());
+        };
+        let index = match region.layout.locate(offset) {
+            Location::PastEof => {
+                // As with a file mapping: a whole page past the end of the file is SIGBUS.
+                poison_range(&self.uffd, page_addr, page, page);
+                return Ok(());
+            }
+            Location::Block(index) => index,
+        };
+        let block = BlockRef::new(id, index);
+        self.stats.faults += 1;
+        let outcome = match region.blocks[index as usize] {
+            BlockState::Resident => {
+                // The fault raced with the install that already woke it.
+                let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+                FaultOutcome::Resident
+            }
+            BlockState::Reading => {
+                self.waiters.entry(block).or_default().push(now);
+                FaultOutcome::InFlight
+            }
+            BlockState::Queued => {
+                self.waiters.entry(block).or_default().push(now);
+                // Whatever queue it is in, it is now needed: serve it first.
+                self.demand.push_back(block);
+                FaultOutcome::InFlight
+            }
+            BlockState::Staged { slot } => {
+                self.unstage(block);
+                self.waiters.entry(block).or_default().push(now);
+                self.install_read(slot)?;
+                FaultOutcome::Staged
+            }
+            BlockState::Missing | BlockState::Poisoned => {
+                region.blocks[index as usize] = BlockState::Queued;
+                self.waiters.entry(block).or_default().push(now);
+                self.demand.push_back(block);
+                FaultOutcome::Missing
+            }
+        };
+        match outcome {
+            FaultOutcome::Missing => self.stats.demand_faults += 1,
+            _ => self.stats.prefetch_hits += 1,
+        }
+        if outcome == FaultOutcome::Resident {
+            self.fault_latency.record_ns(self.now_ns() - now);
+        }
+        let event = FaultEvent {
+            block,
+            time_ns: now,
+            outcome,
+        };
+        self.eviction.touched(&event);
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        self.prefetch.plan(&event, &mut plan);
+        for request in plan.drain(..) {
+            self.queue_prefetch(request);
+        }
+        self.plan = plan;
+        Ok(())
+    }
+
+    fn queue_prefetch(&mut self, request: PrefetchRequest) {
+        if self.prefetch_queue.len() >= MAX_QUEUED_PREFETCH {
+            return;
+        }
+        let Some(region) = self.regions.get_mut(&request.block.region) else {
+            return;
+        };
+        if let Some(state @ BlockState::Missing) =
+            region.blocks.get_mut(request.block.index as usize)
+        {
+            *state = BlockState::Queued;
+            self.prefetch_queue.push_back(request);
+        }
+    }
+
+    // ---- reads --------------------------------------------------------------------
+
+    /// Issues queued reads: demand first, then prefetch, within the budget and the
+    /// queue depth. Prefetch leaves a quarter of the slots for demand reads.
+    fn pump(&mut self) -> Result<(), ServiceError> {
+        while let Some(&block) = self.demand.front() {
+            let Some(region) = self.regions.get(&block.region) else {
+                self.demand.pop_front();
+                continue;
+            };
+            if region.removed || region.blocks[block.index as usize] != BlockState::Queued {
+                self.demand.pop_front();
+                continue;
+            }
+            let bytes = region.layout.block_bytes(block.index);
+            if !self.make_room(bytes, block, ReadKind::Demand)? {
+                break;
+            }
+            let Some(slot) = self.ring.checkout()? else {
+                self.reserved -= bytes;
+                break;
+            };
+            self.demand.pop_front();
+            self.start_read(slot, block, 1, bytes, Install::Eager, false)?;
+        }
+        let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
+        let max_blocks = (self.config.max_read / self.config.block_size) as u32;
+        let max_staged = (self.config.queue_depth / 4).max(1) as usize;
+        while self.prefetch_reads_in_flight < prefetch_limit {
+            let Some(&first) = self.prefetch_queue.front() else {
+                break;
+            };
+            let Some(region) = self.regions.get(&first.block.region) else {
+                self.prefetch_queue.pop_front();
+                continue;
+            };
+            if region.removed || region.blocks[first.block.index as usize] != BlockState::Queued {
+                self.prefetch_queue.pop_front();
+                continue;
+            }
+            let install = if first.install == Install::OnFault && self.staged.len() < max_staged {
+                Install::OnFault
+            } else {
+                Install::Eager
+            };
+            // Merge following requests for the next blocks into one read; a marker
+            // stays alone, since it is held back as a unit.
+            let mut count = 1u32;
+            if install == Install::Eager {
+                for next in self.prefetch_queue.iter().skip(1) {
+                    let index = first.block.index + count;
+                    if count >= max_blocks
+                        || next.block.region != first.block.region
+                        || next.block.index != index
+                        || next.install != Install::Eager
+                        || region.blocks.get(index as usize) != Some(&BlockState::Queued)
+                    {
+                        break;
+                    }
+                    count += 1;
+                }
+            }
+            let bytes: u64 = (first.block.index..first.block.index + count)
+                .map(|index| region.layout.block_bytes(index))
+                .sum();
+            if !self.make_room(bytes, first.block, ReadKind::Prefetch)? {
+                // Nothing resident is worth less than what the policy wants next: the
+                // rest of the plan is not worth it either.
+                self.cancel_prefetch_queue();
+                break;
+            }
+            let Some(slot) = self.ring.checkout()? else {
+                self.reserved -= bytes;
+                break;
+            };
+            for _ in 0..count {
+                self.prefetch_queue.pop_front();
+            }
+            self.start_read(slot, first.block, count, bytes, install, true)?;
+            self.stats.blocks_prefetched += count as u64;
+        }
+        Ok(())
+    }
+
+    fn cancel_prefetch_queue(&mut self) {
+        for request in self.prefetch_queue.drain(..) {
+            if let Some(region) = self.regions.get_mut(&request.block.region) {
+                let state = &mut region.blocks[request.block.index as usize];
+                if *state == BlockState::Queued && !self.waiters.contains_key(&request.block) {
+                    *state = BlockState::Missing;
+                }
+            }
+        }
+    }
+
+    /// Reserves `bytes` of budget for a read of `incoming`, evicting as the policy says.
+    /// False if no room can be made now (for a demand read: everything is in flight or
+    /// pinned, so room appears when reads complete).
+    fn make_room(
+        &mut self,
+        bytes: u64,
+        incoming: BlockRef,
+        kind: ReadKind,
+    ) -> Result<bool, ServiceError> {
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        let mut freed = 0u64;
+        let mut room = true;
+        while self.resident + self.reserved + bytes > self.config.budget + freed {
+            match self.eviction.victim(incoming, kind) {
+                Some(victim) => {
+                    let Some(region) = self.regions.get(&victim.region) else {
+                        continue;
+                    };
+                    let index = victim.index as usize;
+                    // A policy may only name evictable resident blocks; skip any other.
+                    if region.blocks.get(index) != Some(&BlockState::Resident)
+                        || region.pinned[index]
+                    {
+                        debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
+                        continue;
+                    }
+                    freed += region.layout.block_bytes(victim.index);
+                    victims.push(victim);
+                }
+                None if kind == ReadKind::Demand => {
+                    // Held-back markers are the only other thing a demand read can take
+                    // room from.
+                    match self.staged.front().copied() {
+                        Some(staged) => self.discard_staged(staged),
+                        None => {
+                            room = false;
+                            break;
+                        }
+                    }
+                }
+                None => {
+                    room = false;
+                    break;
+                }
+            }
+        }
+        self.evict(&mut victims)?;
+        self.victims = victims;
+        if room {
+            self.reserved += bytes;
+        }
+        Ok(room)
+    }
+
+    /// Drops the victims' pages, in runs of neighbouring blocks.
+    fn evict(&mut self, victims: &mut [BlockRef]) -> Result<(), ServiceError> {
+        victims.sort_unstable();
+        let mut run: Option<(RegionId, usize, usize)> = None;
+        for &victim in victims.iter() {
+            let region = self
+                .regions
+                .get_mut(&victim.region)
+                .expect("victims were checked to belong to live regions");
+            region.blocks[victim.index as usize] = BlockState::Missing;
+            let memory = region.layout.block_memory(victim.index);
+            let bytes = memory.end - memory.start;
+            self.resident -= bytes;
+            self.stats.evictions += 1;
+            self.stats.evicted_bytes += bytes;
+            let start = region.base + memory.start as usize;
+            let end = region.base + memory.end as usize;
+            run = match run {
+                Some((id, run_start, run_end)) if id == victim.region && run_end == start => {
+                    Some((id, run_start, end))
+                }
+                Some((_, run_start, run_end)) => {
+                    discard_pages(run_start, run_end)?;
+                    Some((victim.region, start, end))
+                }
+                None => Some((victim.region, start, end)),
+            };
+        }
+        if let Some((_, start, end)) = run {
+            discard_pages(start, end)?;
+        }
+        Ok(())
+    }
+
+    fn start_read(
+        &mut self,
+        slot: u32,
+        first: BlockRef,
+        count: u32,
+        reserved: u64,
+        install: Install,
+        prefetch: bool,
+    ) -> Result<(), ServiceError> {
+        let now = self.now_ns();
+        let region = self
+            .regions
+            .get_mut(&first.region)
+            .expect("reads start only for live regions");
+        let start = first.index as u64 * region.layout.block_size;
+        let end =
+            ((first.index + count) as u64 * region.layout.block_size).min(region.layout.data_len);
+        let valid = (end - start) as usize;
+        let len = (end - start).next_multiple_of(DIRECT_IO_ALIGN) as usize;
+        for index in first.index..first.index + count {
+            region.blocks[index as usize] = BlockState::Reading;
+        }
+        region.reads_in_flight += 1;
+        let file_offset = region.file_offset + start;
+        let fd = region.file.read_fd();
+        self.ring.read(
+            slot,
+            fd,
+            file_offset,
+            0,
+            len,
+            ReadTag {
+                region: first.region,
+                first: first.index,
+                count,
+                file_offset,
+                len,
+                valid,
+                done: 0,
+                attempts: 1,
+                submitted_ns: now,
+                reserved,
+                install,
+                prefetch,
+            },
+        )?;
+        if prefetch {
+            self.prefetch_reads_in_flight += 1;
+        }
+        self.stats.read_requests += 1;
+        Ok(())
+    }
+
+    fn read_done(&mut self, slot: u32, mut result: i32) -> Result<(), ServiceError> {
+        let Some(tag) = self.ring.tag(slot) else {
+            return Ok(());
+        };
+        let region_id = tag.region;
+        if let Some(injection) = &self.config.injection {
+            let range = tag.file_offset..tag.file_offset + tag.valid as u64;
+            if range.start < injection.file_range.end && injection.file_range.start < range.end {
+                result = -injection.errno;
+            }
+        }
+        let live = self
+            .regions
+            .get(&region_id)
+            .is_some_and(|region| !region.removed);
+        if !live {
+            self.finish_read(slot);
+            return Ok(());
+        }
+        if result < 0 {
+            let errno = -result;
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            let tag = self.ring.tag_mut(slot).expect("checked above");
+            if errno == libc::EINVAL && region.file.is_direct() {
+                // The filesystem took O_DIRECT at open but refuses the read: go buffered.
+                region.file.give_up_direct(format!(
+                    "O_DIRECT read refused ({}); reading through the page cache",
+                    std::io::Error::from_raw_os_error(errno)
+                ));
+            } else if tag.attempts < self.config.read_attempts {
+                tag.attempts += 1;
+                self.stats.read_retries += 1;
+            } else {
+                self.fail_read(slot);
+                return Ok(());
+            }
+            return self.continue_read(slot);
+        }
+        let tag = self.ring.tag_mut(slot).expect("checked above");
+        if result == 0 && tag.done < tag.valid {
+            // End of file before the data the region was made for: the file shrank under
+            // us. The kernel raises SIGBUS for such pages; so do we.
+            self.fail_read(slot);
+            return Ok(());
+        }
+        tag.done += result as usize;
+        if tag.done < tag.valid {
+            return self.continue_read(slot);
+        }
+        self.read_complete(slot)
+    }
+
+    /// Re-issues the unread rest of a request (after a short read or a retry).
+    fn continue_read(&mut self, slot: u32) -> Result<(), ServiceError> {
+        let tag = self.ring.tag(slot).expect("continuing a read in flight");
+        let region = self
+            .regions
+            .get(&tag.region)
+            .expect("continuing a live region");
+        // A short read may end off the direct-I/O alignment; finish such a rest buffered.
+        let fd = if tag.done as u64 % DIRECT_IO_ALIGN == 0 {
+            region.file.read_fd()
+        } else {
+            region.file.buffered_fd()
+        };
+        let (offset, done, len) = (
+            tag.file_offset + tag.done as u64,
+            tag.done,
+            tag.len - tag.done,
+        );
+        let tag = self
+            .ring
+            .checkin(slot)
+            .expect("continuing a read in flight");
+        // Re-checking out the same slot cannot fail: it was just returned.
+        let again = self.ring.checkout()?.expect("a slot was just returned");
+        debug_assert_eq!(again, slot);
+        self.ring.read(again, fd, offset, done, len, tag)?;
+        Ok(())
+    }
+
+    fn read_complete(&mut self, slot: u32) -> Result<(), ServiceError> {
+        let now = self.now_ns();
+        let tag = self.ring.tag(slot).expect("completing a read in flight");
+        let (region_id, first, count, valid) = (tag.region, tag.first, tag.count, tag.valid);
+        let elapsed = now.saturating_sub(tag.submitted_ns);
+        let install = tag.install;
+        // Bytes past the end of the file in the last page read as zeros, as with mmap.
+        let page = self.config.page_size as usize;
+        let tail = valid..valid.next_multiple_of(page).min(self.ring.buffer_len());
+        self.ring.buffer_mut(slot).as_mut_slice()[tail].fill(0);
+        self.read_latency.record_ns(elapsed);
+        self.stats.bytes_read += valid as u64;
+        self.stats.blocks_read += count as u64;
+        let block = BlockRef::new(region_id, first);
+        self.prefetch.read_completed(block, valid as u64, elapsed);
+        if install == Install::OnFault && !self.waiters.contains_key(&block) {
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            region.blocks[first as usize] = BlockState::Staged { slot };
+            self.staged.push_back(block);
+            return Ok(());
+        }
+        self.install_read(slot)
+    }
+
+    /// Installs every block of a finished read, wakes their waiters, frees the slot.
+    fn install_read(&mut self, slot: u32) -> Result<(), ServiceError> {
+        let tag = self.ring.tag(slot).expect("installing a read in flight");
+        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let region = self
+            .regions
+            .get_mut(&region_id)
+            .expect("installing into a live region");
+        let buffer = self.ring.buffer(slot).as_ptr();
+        let mut gone = false;
+        for index in first..first + count {
+            let memory = region.layout.block_memory(index);
+            let source =
+                buffer.wrapping_add(((index - first) as u64 * region.layout.block_size) as usize);
+            let target = region.base + memory.start as usize;
+            let len = (memory.end - memory.start) as usize;
+            match install(
+                &self.uffd,
+                source,
+                target,
+                len,
+                self.config.page_size as usize,
+            )? {
+                Installed::Done => {}
+                Installed::Gone => gone = true,
+            }
+        }
+        let now = self.start.elapsed().as_nanos() as u64;
+        for index in first..first + count {
+            let bytes = region.layout.block_bytes(index);
+            region.blocks[index as usize] = if gone {
+                BlockState::Missing
+            } else {
+                BlockState::Resident
+            };
+            if !gone {
+                self.resident += bytes;
+                if !region.pinned[index as usize] {
+                    self.eviction.inserted(BlockRef::new(region_id, index));
+                }
+            }
+            if let Some(times) = self.waiters.remove(&BlockRef::new(region_id, index)) {
+                for time in times {
+                    self.fault_latency.record_ns(now.saturating_sub(time));
+                }
+            }
+        }
+        self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
+        self.finish_read(slot);
+        Ok(())
+    }
+
+    /// Releases a read's slot and reservation, whatever became of it.
+    fn finish_read(&mut self, slot: u32) {
+        if let Some(tag) = self.ring.checkin(slot) {
+            self.reserved -= tag.reserved;
+            if tag.prefetch {
+                self.prefetch_reads_in_flight -= 1;
+            }
+            if let Some(region) = self.regions.get_mut(&tag.region) {
+                region.reads_in_flight -= 1;
+                if region.removed && region.reads_in_flight == 0 {
+                    self.regions.remove(&tag.region);
+                }
+            }
+        }
+    }
+
+    /// A read failed for good: threads waiting on its blocks get SIGBUS (their pages are
+    /// poisoned); blocks nobody waits for are left missing, to be tried again on demand.
+    fn fail_read(&mut self, slot: u32) {
+        let tag = self.ring.tag(slot).expect("failing a read in flight");
+        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let now = self.now_ns();
+        let region = self
+            .regions
+            .get_mut(&region_id)
+            .expect("failing a live region's read");
+        let page = self.config.page_size as usize;
+        self.stats.read_errors += 1;
+        for index in first..first + count {
+            let block = BlockRef::new(region_id, index);
+            let waited = self.waiters.remove(&block);
+            if waited.is_some() || region.pinned[index as usize] {
+                let memory = region.layout.block_memory(index);
+                let start = region.base + memory.start as usize;
+                self.stats.poisoned_pages += poison_range(
+                    &self.uffd,
+                    start,
+                    (memory.end - memory.start) as usize,
+                    page,
+                );
+                region.blocks[index as usize] = BlockState::Poisoned;
+            } else {
+                region.blocks[index as usize] = BlockState::Missing;
+            }
+            for time in waited.into_iter().flatten() {
+                self.fault_latency.record_ns(now.saturating_sub(time));
+            }
+        }
+        self.finish_read(slot);
+    }
+
+    fn unstage(&mut self, block: BlockRef) {
+        if let Some(position) = self.staged.iter().position(|&staged| staged == block) {
+            self.staged.remove(position);
+        }
+    }
+
+    /// Gives up a held-back marker: its data is discarded and its budget released.
+    fn discard_staged(&mut self, block: BlockRef) {
+        self.unstage(block);
+        if let Some(region) = self.regions.get_mut(&block.region) {
+            if let BlockState::Staged { slot } = region.blocks[block.index as usize] {
+                region.blocks[block.index as usize] = BlockState::Missing;
+                self.finish_read(slot);
+            }
+        }
+    }
+
+    // ---- commands -----------------------------------------------------------------
+
+    fn drain_commands(&mut self) -> Result<(), ServiceError> {
+        let mut counter = 0u64;
+        // SAFETY: reads 8 bytes into a live u64 from the eventfd we own; EAGAIN (nothing
+        // pending) is fine.
+        unsafe {
+            libc::read(
+                self.shared.wakeup.as_raw_fd(),
+                (&mut counter as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        loop {
+            let command = self
+                .shared
+                .commands
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .pop_front();
+            let Some(command) = command else {
+                return Ok(());
+            };
+            self.command(command)?;
+        }
+    }
+
+    fn command(&mut self, command: Command) -> Result<(), ServiceError> {
+        match command {
+            Command::AddRegion {
+                id,
+                base,
+                layout,
+                file,
+                file_offset,
+                reply,
+            } => {
+                let blocks = layout.block_count() as usize;
+                let entry = RegionEntry {
+                    base,
+                    file,
+                    file_offset,
+                    blocks: vec![BlockState::Missing; blocks],
+                    pinned: vec![false; blocks],
+                    reads_in_flight: 0,
+                    removed: false,
+                    layout,
+                };
+                self.locator.insert(base, entry.layout.map_len as usize, id);
+                let info = entry.info(id);
+                self.prefetch.region_added(&info);
+                self.eviction.region_added(&info);
+                self.regions.insert(id, entry);
+                let _ = reply.send(());
+            }
+            Command::RemoveRegion { id, reply } => {
+                self.remove_region(id);
+                let _ = reply.send(());
+            }
+            Command::Prefetch { id, range } => {
+                for index in self.blocks_of(id, &range) {
+                    self.queue_prefetch(PrefetchRequest::eager(BlockRef::new(id, index)));
+                }
+            }
+            Command::Drop { id, range, reply } => {
+                self.drop_blocks(id, &range)?;
+                let _ = reply.send(());
+            }
+            Command::Pin { id, range, reply } => {
+                let _ = reply.send(self.pin(id, &range));
+            }
+            Command::Unpin { id, range } => self.unpin(id, &range),
+            Command::Hint { id, range, hint } => {
+                let blocks = self.blocks_of(id, &range);
+                self.prefetch.hint(id, blocks, hint);
+            }
+            Command::Stats { reply } => {
+                let snapshot = self.snapshot();
+                let _ = reply.send(snapshot);
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+        Ok(())
+    }
+
+    fn blocks_of(&self, id: RegionId, range: &Range<u64>) -> Range<u32> {
+        self.regions
+            .get(&id)
+            .map(|region| region.layout.blocks_overlapping(range.clone()))
+            .unwrap_or(0..0)
+    }
+
+    fn remove_region(&mut self, id: RegionId) {
+        let staged: Vec<BlockRef> = self
+            .staged
+            .iter()
+            .copied()
+            .filter(|block| block.region == id)
+            .collect();
+        for block in staged {
+            self.discard_staged(block);
+        }
+        self.waiters.retain(|block, _| block.region != id);
+        self.locator.remove(id);
+        self.prefetch.region_removed(id);
+        self.eviction.region_removed(id);
+        let Some(region) = self.regions.get_mut(&id) else {
+            return;
+        };
+        for (index, state) in region.blocks.iter().enumerate() {
+            if *state == BlockState::Resident {
+                self.resident -= region.layout.block_bytes(index as u32);
+            }
+        }
+        for (index, pinned) in region.pinned.iter().enumerate() {
+            if *pinned {
+                self.pinned -= region.layout.block_bytes(index as u32);
+            }
+        }
+        region.removed = true;
+        if region.reads_in_flight == 0 {
+            self.regions.remove(&id);
+        }
+    }
+
+    fn drop_blocks(&mut self, id: RegionId, range: &Range<u64>) -> Result<(), ServiceError> {
+        for index in self.blocks_of(id, range) {
+            let block = BlockRef::new(id, index);
+            let region = self
+                .regions
+                .get_mut(&id)
+                .expect("blocks_of found the region");
+            let bytes = region.layout.block_bytes(index);
+            if region.pinned[index as usize] {
+                region.pinned[index as usize] = false;
+                self.pinned -= bytes;
+            } else if region.blocks[index as usize] == BlockState::Resident {
+                self.eviction.removed(block);
+            }
+            match region.blocks[index as usize] {
+                BlockState::Resident | BlockState::Poisoned => {
+                    if region.blocks[index as usize] == BlockState::Resident {
+                        self.resident -= bytes;
+                    }
+                    region.blocks[index as usize] = BlockState::Missing;
+                    let memory = region.layout.block_memory(index);
+                    discard_pages(
+                        region.base + memory.start as usize,
+                        region.base + memory.end as usize,
+                    )?;
+                    self.stats.dropped_blocks += 1;
+                }
+                BlockState::Staged { .. } => self.discard_staged(block),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn pin(&mut self, id: RegionId, range: &Range<u64>) -> Result<(), HintError> {
+        let blocks = self.blocks_of(id, range);
+        let Some(region) = self.regions.get_mut(&id) else {
+            return Err(HintError::ServiceGone);
+        };
+        let requested: u64 = blocks
+            .clone()
+            .filter(|&index| !region.pinned[index as usize])
+            .map(|index| region.layout.block_bytes(index))
+            .sum();
+        let total = self.pinned + requested;
+        if total + self.config.block_size > self.config.budget {
+            return Err(HintError::PinExceedsBudget {
+                requested,
+                total,
+                budget: self.config.budget,
+                block: self.config.block_size,
+            });
+        }
+        for index in blocks {
+            if region.pinned[index as usize] {
+                continue;
+            }
+            region.pinned[index as usize] = true;
+            let block = BlockRef::new(id, index);
+            match region.blocks[index as usize] {
+                BlockState::Resident => self.eviction.removed(block),
+                BlockState::Missing | BlockState::Poisoned => {
+                    region.blocks[index as usize] = BlockState::Queued;
+                    self.demand.push_back(block);
+                }
+                BlockState::Queued => self.demand.push_back(block),
+                BlockState::Reading | BlockState::Staged { .. } => {}
+            }
+        }
+        // Staged pinned blocks are installed right away rather than held back.
+        let staged_pinned: Vec<BlockRef> = self
+            .staged
+            .iter()
+            .copied()
+            .filter(|block| block.region == id && region.pinned[block.index as usize])
+            .collect();
+        for block in staged_pinned {
+            self.discard_staged(block);
+            if let Some(region) = self.regions.get_mut(&id) {
+                region.blocks[block.index as usize] = BlockState::Queued;
+                self.demand.push_back(block);
+            }
+        }
+        self.pinned = total;
+        Ok(())
+    }
+
+    fn unpin(&mut self, id: RegionId, range: &Range<u64>) {
+        for index in self.blocks_of(id, range) {
+            let region = self
+                .regions
+                .get_mut(&id)
+                .expect("blocks_of found the region");
+            if !region.pinned[index as usize] {
+                continue;
+            }
+            region.pinned[index as usize] = false;
+            self.pinned -= region.layout.block_bytes(index);
+            if region.blocks[index as usize] == BlockState::Resident {
+                self.eviction.inserted(BlockRef::new(id, index));
+            }
+        }
+    }
+}
+
+/// Copies `len` bytes from `source` into the registered range at `target` and wakes the
+/// threads waiting there. Pages that already exist (a racing install) are skipped; the
+/// rest are still installed, page by page if need be, so a faulting page is never left
+/// missing (which would leave its thread waiting forever).
+fn install(
+    uffd: &Uffd,
+    source: *const u8,
+    target: usize,
+    len: usize,
+    page: usize,
+) -> Result<Installed, ServiceError> {
+    let mut done = 0usize;
+    let mut stalls = 0u32;
+    while done < len {
+        // SAFETY: `source + done .. source + len` lies inside a read buffer the ring owns
+        // and no read is writing (its read completed); `target` is inside a region this
+        // service serves, registered and mapped until its `RemoveRegion` is acknowledged.
+        let result = unsafe {
+            uffd.copy(
+                source.wrapping_add(done).cast(),
+                (target + done) as *mut libc::c_void,
+                len - done,
+                true,
+            )
+        };
+        match result {
+            Ok(copied) => done += copied.max(page.min(len - done)),
+            Err(userfaultfd::Error::PartiallyCopied(copied)) if copied > 0 => done += copied,
+            Err(userfaultfd::Error::PartiallyCopied(_)) => {
+                // EAGAIN with nothing copied: a later page exists, or the address space
+                // is changing. Go page by page; a page that exists is skipped below.
+                stalls += 1;
+                if stalls > 1000 {
+                    return Err(ServiceError::Install {
+                        addr: target + done,
+                        errno: nix::errno::Errno::EAGAIN,
+                    });
+                }
+                // SAFETY: as above, one page.
+                let single = unsafe {
+                    uffd.copy(
+                        source.wrapping_add(done).cast(),
+                        (target + done) as *mut libc::c_void,
+                        page,
+                        true,
+                    )
+                };
+                match single {
+                    Ok(_) | Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::EEXIST)) => {
+                        done += page
+                    }
+                    Err(userfaultfd::Error::PartiallyCopied(_)) => {}
+                    Err(userfaultfd::Error::CopyFailed(
+                        nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
+                    )) => return Ok(Installed::Gone),
+                    Err(userfaultfd::Error::CopyFailed(errno)) => {
+                        return Err(ServiceError::Install {
+                            addr: target + done,
+                            errno,
+                        })
+                    }
+                    Err(other) => {
+                        return Err(ServiceError::Events(format!("{other:?}")));
+                    }
+                }
+            }
+            Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::EEXIST)) => done += page,
+            Err(userfaultfd::Error::CopyFailed(
+                nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
+            )) => return Ok(Installed::Gone),
+            Err(userfaultfd::Error::CopyFailed(errno)) => {
+                return Err(ServiceError::Install {
+                    addr: target + done,
+                    errno,
+                })
+            }
+            Err(other) => return Err(ServiceError::Events(format!("{other:?}"))),
+        }
+    }
+    Ok(Installed::Done)
+}
+
+/// Poisons the missing pages of `[start, start + len)` (SIGBUS on access) and wakes their
+/// waiters; pages already present are left alone. Returns how many pages were poisoned.
+fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -> u64 {
+    let mut poisoned = 0u64;
+    let mut at = start;
+    let end = start + len;
+    while at < end {
+        match uffd_ext::poison(uffd.as_raw_fd(), at, end - at) {
+            Partial::Done => {
+                poisoned += ((end - at) / page) as u64;
+                break;
+            }
+            Partial::Stopped { done, .. } => {
+                poisoned += done / page as u64;
+                // The page after what was done exists (or vanished): skip it.
+                at += done as usize + page;
+            }
+        }
+    }
+    poisoned
+}
+
+/// Drops pages so the range faults again on next access.
+fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
+    // SAFETY: the range is a page-aligned part of a region this service serves; its
+    // contents are file bytes that can be read again, and no reference the service holds
+    // points into it. (Raw syscall: the LD_PRELOAD shim interposes `madvise`.)
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_madvise,
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_DONTNEED,
+        )
+    };
+    if rc != 0 {
+        return Err(ServiceError::Evict {
+            addr: start,
+            error: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Reports why the service stopped and ends the process: threads waiting on faults
+/// would otherwise hang forever. Written with write(2): stderr's lock may be held by a
+/// thread that is itself waiting on a fault.
+fn fatal(why: &str) -> ! {
+    let message =
+        format!("hyperoffload: the fault service failed and the process cannot continue: {why}\n");
+    // SAFETY: writes a live buffer to fd 2.
+    unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+    std::process::abort();
+}

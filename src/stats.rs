@@ -1,0 +1,176 @@
+//! What the pager did: counters, residency, and latency percentiles, as one snapshot
+//! that serializes to JSON.
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+/// A latency histogram in nanoseconds (3 significant digits, any range).
+#[derive(Debug, Clone)]
+pub struct LatencyHistogram(Histogram<u64>);
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        // 3 significant figures with auto-resize never fails to construct.
+        Self(Histogram::new(3).expect("3 significant figures is a valid histogram precision"))
+    }
+}
+
+impl LatencyHistogram {
+    pub fn record_ns(&mut self, nanos: u64) {
+        // An auto-resizing histogram grows to any value, so recording cannot fail.
+        let _ = self.0.record(nanos.max(1));
+    }
+
+    pub fn merge(&mut self, other: &LatencyHistogram) {
+        // Both auto-resize, so adding cannot fail on range.
+        let _ = self.0.add(&other.0);
+    }
+
+    pub fn summary(&self) -> LatencySummary {
+        if self.0.is_empty() {
+            return LatencySummary::default();
+        }
+        let us = |nanos: u64| nanos as f64 / 1000.0;
+        LatencySummary {
+            count: self.0.len(),
+            p50: us(self.0.value_at_quantile(0.50)),
+            p90: us(self.0.value_at_quantile(0.90)),
+            p99: us(self.0.value_at_quantile(0.99)),
+            max: us(self.0.max()),
+            mean: self.0.mean() / 1000.0,
+        }
+    }
+
+    /// Counts per bucket for the given upper edges (in microseconds), plus one overflow
+    /// bucket: for plots and comparisons with another histogram on the same edges.
+    pub fn bucket_counts(&self, edges_us: &[f64]) -> Vec<u64> {
+        let mut counts = vec![0u64; edges_us.len() + 1];
+        for value in self.0.iter_recorded() {
+            let us = value.value_iterated_to() as f64 / 1000.0;
+            let bucket = edges_us.partition_point(|&edge| edge < us);
+            counts[bucket] += value.count_at_value();
+        }
+        counts
+    }
+}
+
+/// A snapshot of a pager's statistics. Field names are part of the JSON interface.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Stats {
+    /// Page faults the service handled (all outcomes).
+    pub faults: u64,
+    /// Faults whose block had to be read on demand.
+    pub demand_faults: u64,
+    /// Faults that found their block already resident, in flight or staged: the read
+    /// had been started before the program needed it.
+    pub prefetch_hits: u64,
+    /// Blocks installed from reads (demand and prefetch).
+    pub blocks_read: u64,
+    /// Blocks read because a prefetch policy asked for them.
+    pub blocks_prefetched: u64,
+    /// Bytes read from the file.
+    pub bytes_read: u64,
+    /// Read requests submitted to io_uring (a request may cover several blocks).
+    pub read_requests: u64,
+    pub read_retries: u64,
+    /// Reads that failed after retries; their pages were poisoned (SIGBUS on access).
+    pub read_errors: u64,
+    pub poisoned_pages: u64,
+    /// Blocks evicted to stay within the budget.
+    pub evictions: u64,
+    pub evicted_bytes: u64,
+    /// Blocks dropped by a `drop` hint.
+    pub dropped_blocks: u64,
+    pub budget_bytes: u64,
+    pub resident_bytes: u64,
+    pub peak_resident_bytes: u64,
+    pub pinned_bytes: u64,
+    pub block_size: u64,
+    pub queue_depth: u32,
+    /// Whether reads bypass the page cache (O_DIRECT); when not, why.
+    pub direct_io: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub direct_io_fallback: Option<String>,
+    /// Time from reading a fault event to waking its thread.
+    pub fault_latency_us: LatencySummary,
+    /// Time from submitting a read to its completion.
+    pub read_latency_us: LatencySummary,
+    /// Seconds since the pager started.
+    pub elapsed_s: f64,
+}
+
+impl Stats {
+    /// Share of faults whose read had already been started.
+    pub fn hit_rate(&self) -> f64 {
+        if self.faults == 0 {
+            0.0
+        } else {
+            self.prefetch_hits as f64 / self.faults as f64
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        // Plain numbers, strings and bools: serialization cannot fail.
+        serde_json::to_string(self).expect("stats serialize to JSON")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_buckets() {
+        let mut histogram = LatencyHistogram::default();
+        for us in 1..=100u64 {
+            histogram.record_ns(us * 1000);
+        }
+        let summary = histogram.summary();
+        assert_eq!(summary.count, 100);
+        assert!((summary.p50 - 50.0).abs() < 0.5, "{summary:?}");
+        assert!((summary.p99 - 99.0).abs() < 0.5, "{summary:?}");
+        assert!((summary.max - 100.0).abs() < 0.5, "{summary:?}");
+        assert_eq!(histogram.bucket_counts(&[10.0, 50.0]), vec![10, 40, 50]);
+    }
+
+    #[test]
+    fn empty_histogram_summarizes_to_zero() {
+        assert_eq!(
+            LatencyHistogram::default().summary(),
+            LatencySummary::default()
+        );
+    }
+
+    #[test]
+    fn json_has_the_documented_fields() {
+        let json: serde_json::Value = serde_json::from_str(&Stats::default().to_json()).unwrap();
+        for field in [
+            "faults",
+            "bytes_read",
+            "blocks_read",
+            "prefetch_hits",
+            "evictions",
+            "budget_bytes",
+            "peak_resident_bytes",
+        ] {
+            assert!(json.get(field).is_some(), "missing {field}");
+        }
+        for field in ["p50", "p90", "p99", "max"] {
+            assert!(
+                json["fault_latency_us"].get(field).is_some(),
+                "missing {field}"
+            );
+        }
+    }
+}

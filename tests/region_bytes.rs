@@ -1,0 +1,298 @@
+//! A region presents exactly the file's bytes, under a budget a quarter of the file,
+//! with 8 threads reading sequentially, randomly and in cycles; resident memory sampled
+//! from the kernel never exceeds the budget.
+
+mod common;
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use hyperoffload::policy::{EvictionKind, PrefetchKind};
+use hyperoffload::{MapOptions, Pager, Region};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(Clone, Copy, Debug)]
+enum Pattern {
+    /// Scans everything once, from a thread-specific starting point, wrapping around.
+    Sequential,
+    /// Reads random ranges (crossing block and page boundaries).
+    Random,
+    /// Scans everything from the start, three times.
+    Cyclic,
+}
+
+/// How a reader checks what it sees.
+#[derive(Clone, Copy)]
+enum Check {
+    /// Every byte.
+    Every,
+    /// The first byte of each page, and every byte of the data ranges (sparse files).
+    PagesAnd(&'static [Range<u64>]),
+}
+
+fn expected_byte(offset: u64, check: Check) -> u8 {
+    match check {
+        Check::Every => pattern_byte(offset),
+        Check::PagesAnd(data) => {
+            if data.iter().any(|range| range.contains(&offset)) {
+                pattern_byte(offset)
+            } else {
+                0
+            }
+        }
+    }
+}
+
+fn check_range(bytes: &[u8], range: Range<u64>, check: Check) {
+    match check {
+        Check::Every => {
+            for offset in range {
+                let got = bytes[offset as usize];
+                assert_eq!(got, pattern_byte(offset), "byte at offset {offset}");
+            }
+        }
+        Check::PagesAnd(_) => {
+            let mut offset = range.start;
+            while offset < range.end {
+                let got = bytes[offset as usize];
+                assert_eq!(got, expected_byte(offset, check), "byte at offset {offset}");
+                offset = (offset / 4096 + 1) * 4096;
+            }
+        }
+    }
+}
+
+fn reader(region: &Region, thread: u64, pattern: Pattern, check: Check, random_reads: u32) {
+    let bytes = region.as_slice();
+    let len = bytes.len() as u64;
+    let chunk = 256 << 10;
+    match pattern {
+        Pattern::Sequential => {
+            let start = (len / 8 * thread) & !4095;
+            let mut offset = 0;
+            while offset < len {
+                let at = (start + offset) % len;
+                let end = (at + chunk).min(len);
+                check_range(bytes, at..end, check);
+                offset += end - at;
+            }
+        }
+        Pattern::Cyclic => {
+            for _ in 0..3 {
+                let mut at = 0;
+                while at < len {
+                    let end = (at + chunk).min(len);
+                    check_range(bytes, at..end, check);
+                    at = end;
+                }
+            }
+        }
+        Pattern::Random => {
+            let mut rng = SmallRng::seed_from_u64(thread);
+            for _ in 0..random_reads {
+                let at = rng.gen_range(0..len);
+                let end = (at + rng.gen_range(1..20_000)).min(len);
+                check_range(bytes, at..end, check);
+            }
+        }
+    }
+}
+
+fn run_readers(
+    file_len: u64,
+    budget: u64,
+    block: u64,
+    patterns: &[Pattern],
+    check: Check,
+    random_reads: u32,
+    path: &std::path::Path,
+) {
+    for prefetch in [PrefetchKind::Readahead, PrefetchKind::None] {
+        let Some(pager) = pager_or_skip(
+            Pager::builder()
+                .budget(budget)
+                .block_size(block)
+                .prefetch(prefetch.build())
+                .eviction(EvictionKind::Fifo.build()),
+        ) else {
+            return;
+        };
+        let region = Arc::new(pager.map_file(path, MapOptions::default()).unwrap());
+        assert_eq!(region.len() as u64, file_len);
+        announce_region(region.as_ptr() as usize);
+        std::thread::scope(|scope| {
+            for (thread, &pattern) in patterns.iter().enumerate() {
+                let region = region.clone();
+                scope.spawn(move || reader(&region, thread as u64, pattern, check, random_reads));
+            }
+        });
+        let stats = pager.stats();
+        eprintln!(
+            "{prefetch:?} file {file_len} budget {budget}: {}",
+            stats.to_json()
+        );
+        assert!(
+            stats.peak_resident_bytes <= budget,
+            "peak resident {} exceeds budget {budget}",
+            stats.peak_resident_bytes
+        );
+        assert!(stats.faults > 0 && stats.bytes_read >= file_len);
+        if file_len > budget * 2 {
+            assert!(stats.evictions > 0, "a file 4x the budget must evict");
+        }
+        assert!(mapping_rss(region.as_ptr() as usize) <= budget);
+    }
+}
+
+const MIXED: [Pattern; 8] = [
+    Pattern::Sequential,
+    Pattern::Sequential,
+    Pattern::Sequential,
+    Pattern::Random,
+    Pattern::Random,
+    Pattern::Random,
+    Pattern::Cyclic,
+    Pattern::Cyclic,
+];
+
+/// Runs `body` in a child process while this process samples the child's region
+/// residency with the child stopped; asserts the samples stay within `budget`.
+fn sampled(test: &str, budget: u64, body: impl FnOnce()) {
+    if is_child() {
+        body();
+        return;
+    }
+    let (max_rss, samples) = run_child_sampling_rss(test, Duration::from_secs(600));
+    eprintln!("{test}: largest resident sample {max_rss} of budget {budget} ({samples} samples)");
+    assert!(samples > 0, "no residency sample was taken");
+    assert!(
+        max_rss <= budget,
+        "sampled resident {max_rss} exceeds budget {budget}"
+    );
+}
+
+#[test]
+fn awkward_size_file_with_a_quarter_budget() {
+    let len = (48 << 20) + 4097;
+    sampled(
+        "awkward_size_file_with_a_quarter_budget",
+        len / 4 / 4096 * 4096,
+        || {
+            let dir = TempDir::new("awkward");
+            let path = dir.path("model.bin");
+            // Not a block multiple, not a page multiple.
+            pattern_file(&path, len);
+            run_readers(
+                len,
+                len / 4 / 4096 * 4096,
+                64 << 10,
+                &MIXED,
+                Check::Every,
+                2000,
+                &path,
+            );
+        },
+    );
+}
+
+#[test]
+fn each_pattern_alone_with_eight_threads() {
+    sampled("each_pattern_alone_with_eight_threads", 4 << 20, || {
+        let dir = TempDir::new("patterns");
+        let path = dir.path("model.bin");
+        let len = (16 << 20) + 100;
+        pattern_file(&path, len);
+        for pattern in [Pattern::Sequential, Pattern::Random, Pattern::Cyclic] {
+            run_readers(
+                len,
+                4 << 20,
+                256 << 10,
+                &[pattern; 8],
+                Check::Every,
+                2000,
+                &path,
+            );
+        }
+    });
+}
+
+#[test]
+fn file_smaller_than_a_page() {
+    sampled("file_smaller_than_a_page", 4096, || {
+        let dir = TempDir::new("tiny");
+        let path = dir.path("tiny.bin");
+        pattern_file(&path, 3000);
+        // The smallest budget there is: one page-sized block (a quarter of a sub-page file
+        // is less than any block).
+        run_readers(3000, 4096, 4096, &MIXED, Check::Every, 200, &path);
+        let pager = pager_or_skip(Pager::builder().budget(4096).block_size(4096)).unwrap();
+        let region = pager.map_file(&path, MapOptions::default()).unwrap();
+        // The rest of the last page reads as zeros, as with mmap.
+        // SAFETY: the mapping is one whole page long.
+        let page = unsafe { std::slice::from_raw_parts(region.as_ptr(), 4096) };
+        assert!(page[3000..].iter().all(|&b| b == 0));
+    });
+}
+
+static SPARSE_DATA: [Range<u64>; 3] = [
+    0..10_000,
+    (1 << 30) + 12_345..(1 << 30) + 200_000,
+    (3 << 30) - 5000..(3 << 30) + 12_345,
+];
+
+#[test]
+fn several_gib_sparse_file() {
+    let len = (3 << 30) + 12_345;
+    sampled("several_gib_sparse_file", len / 4 / 4096 * 4096, || {
+        let dir = TempDir::new("sparse");
+        let path = dir.path("sparse.bin");
+        sparse_file(&path, len, &SPARSE_DATA);
+        let patterns = [
+            Pattern::Sequential,
+            Pattern::Sequential,
+            Pattern::Random,
+            Pattern::Random,
+            Pattern::Random,
+            Pattern::Random,
+            Pattern::Cyclic,
+            Pattern::Sequential,
+        ];
+        run_readers(
+            len,
+            len / 4 / 4096 * 4096,
+            1 << 20,
+            &patterns,
+            Check::PagesAnd(&SPARSE_DATA),
+            5000,
+            &path,
+        );
+    });
+}
+
+#[test]
+fn an_offset_and_length_present_that_part_of_the_file() {
+    let dir = TempDir::new("window");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 10 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(1 << 20)) else {
+        return;
+    };
+    let offset = 3 * 4096;
+    let len = (5 << 20) + 7;
+    let region = pager
+        .map_file(
+            &path,
+            MapOptions {
+                offset,
+                len: Some(len),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    for (i, &byte) in region.as_slice().iter().enumerate() {
+        assert_eq!(byte, pattern_byte(offset + i as u64), "byte {i}");
+    }
+}
