@@ -836,6 +836,8 @@ impl FaultService {
 
     /// A read failed for good: threads waiting on its blocks get SIGBUS (their pages are
     /// poisoned); blocks nobody waits for are left missing, to be tried again on demand.
+    /// A merged read is first split: each block is tried alone, so one bad sector costs
+    /// one block, not its neighbours.
     fn fail_read(&mut self, slot: u32) {
         let tag = self.ring.tag(slot).expect("failing a read in flight");
         let (region_id, first, count) = (tag.region, tag.first, tag.count);
@@ -844,6 +846,19 @@ impl FaultService {
             .regions
             .get_mut(&region_id)
             .expect("failing a live region's read");
+        if count > 1 {
+            for index in first..first + count {
+                let block = BlockRef::new(region_id, index);
+                if self.waiters.contains_key(&block) || region.pinned[index as usize] {
+                    region.blocks[index as usize] = BlockState::Queued;
+                    self.demand.push_back(block);
+                } else {
+                    region.blocks[index as usize] = BlockState::Missing;
+                }
+            }
+            self.finish_read(slot);
+            return;
+        }
         let page = self.config.page_size as usize;
         self.stats.read_errors += 1;
         for index in first..first + count {

@@ -1,0 +1,202 @@
+//! Bad input gets a clear error; read errors and accesses past the end of the file
+//! reach the faulting thread as SIGBUS, never as wrong bytes and never as a hang.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::time::Duration;
+
+use common::*;
+use hyperoffload::{MapError, MapOptions, Pager, PagerError};
+
+fn pager() -> Option<Pager> {
+    pager_or_skip(Pager::builder().budget(4 << 20))
+}
+
+#[test]
+fn a_read_error_reaches_the_faulting_thread_as_sigbus() {
+    if is_child() {
+        let path = std::env::var("TEST_FILE").unwrap();
+        let pager = pager_or_skip(
+            Pager::builder()
+                .budget(4 << 20)
+                .inject_read_error(5 << 20..(5 << 20) + 1, libc::EIO),
+        )
+        .unwrap();
+        let region = pager
+            .map_file(path.as_ref(), MapOptions::default())
+            .unwrap();
+        // Bytes before the bad range read fine.
+        assert_eq!(region.as_slice()[4096], pattern_byte(4096));
+        eprintln!("touching the bad block");
+        let byte = std::hint::black_box(region.as_slice()[(5 << 20) + 100]);
+        panic!("read {byte} from a block whose read failed: wrong data instead of SIGBUS");
+    }
+    let dir = TempDir::new("eio");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let status = run_child(
+        "a_read_error_reaches_the_faulting_thread_as_sigbus",
+        &[("TEST_FILE", path.display().to_string())],
+        Duration::from_secs(60),
+    );
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGBUS),
+        "child ended with {status}"
+    );
+}
+
+#[test]
+fn a_whole_page_past_the_end_of_the_file_raises_sigbus() {
+    if is_child() {
+        let path = std::env::var("TEST_FILE").unwrap();
+        let pager = pager().unwrap();
+        let region = pager
+            .map_file(
+                path.as_ref(),
+                MapOptions {
+                    map_len: Some(4 * 4096),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        // SAFETY: the mapping is four pages long.
+        let mapping = unsafe { std::slice::from_raw_parts(region.as_ptr(), 4 * 4096) };
+        assert_eq!(mapping[5000], pattern_byte(5000));
+        assert_eq!(
+            mapping[4096 + 2000],
+            0,
+            "the rest of the last data page is zeros"
+        );
+        let byte = std::hint::black_box(mapping[2 * 4096 + 1]);
+        panic!("read {byte} past the end of the file instead of SIGBUS");
+    }
+    let dir = TempDir::new("eof");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 4096 + 1000);
+    let status = run_child(
+        "a_whole_page_past_the_end_of_the_file_raises_sigbus",
+        &[("TEST_FILE", path.display().to_string())],
+        Duration::from_secs(60),
+    );
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGBUS),
+        "child ended with {status}"
+    );
+}
+
+#[test]
+fn a_read_error_on_another_block_leaves_the_rest_readable() {
+    let dir = TempDir::new("eio-partial");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(2 << 20)
+            .inject_read_error(7 << 20..8 << 20, libc::EIO),
+    ) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    // Sequential readahead runs into the bad range: a failed prefetch must not poison
+    // anything or stop the pager.
+    for (i, &byte) in region.as_slice()[..7 << 20].iter().enumerate() {
+        assert_eq!(byte, pattern_byte(i as u64));
+    }
+    let stats = pager.stats();
+    assert_eq!(stats.poisoned_pages, 0, "{}", stats.to_json());
+}
+
+#[test]
+fn bad_files_and_ranges_are_refused_with_the_reason() {
+    let Some(pager) = pager() else {
+        return;
+    };
+    let dir = TempDir::new("bad");
+    let message = |error: MapError| error.to_string();
+
+    let missing = dir.path("missing.gguf");
+    let error = pager
+        .map_file(&missing, MapOptions::default())
+        .err()
+        .unwrap();
+    assert!(matches!(error, MapError::Open(_)));
+    assert!(message(error).contains("no such file"));
+
+    let error = pager.map_file(&dir.0, MapOptions::default()).err().unwrap();
+    assert!(message(error).contains("not a regular file"));
+
+    let empty = dir.path("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let error = pager.map_file(&empty, MapOptions::default()).err().unwrap();
+    assert!(message(error).contains("empty"));
+
+    let file = dir.path("f");
+    pattern_file(&file, 10_000);
+    let at = |offset, len| MapOptions {
+        offset,
+        len,
+        ..Default::default()
+    };
+    let error = pager.map_file(&file, at(100, None)).err().unwrap();
+    assert!(
+        matches!(error, MapError::UnalignedOffset { offset: 100, .. }),
+        "{error}"
+    );
+    let error = pager.map_file(&file, at(12_288, None)).err().unwrap();
+    assert!(matches!(error, MapError::OutOfRange { .. }), "{error}");
+    let error = pager.map_file(&file, at(4096, Some(6000))).err().unwrap();
+    assert!(matches!(error, MapError::OutOfRange { .. }), "{error}");
+    let error = pager.map_file(&file, at(0, Some(0))).err().unwrap();
+    assert!(matches!(error, MapError::ZeroLength { .. }), "{error}");
+    let error = pager
+        .map_file(
+            &file,
+            MapOptions {
+                map_len: Some(4096),
+                ..Default::default()
+            },
+        )
+        .err()
+        .unwrap();
+    assert!(matches!(error, MapError::MapTooShort { .. }), "{error}");
+    let error = pager
+        .map_file(
+            &file,
+            MapOptions {
+                prot: libc::PROT_READ | libc::PROT_WRITE,
+                ..Default::default()
+            },
+        )
+        .err()
+        .unwrap();
+    assert!(matches!(error, MapError::Writable), "{error}");
+    // A good range after all the bad ones still works.
+    let region = pager.map_file(&file, at(4096, Some(5000))).unwrap();
+    assert_eq!(region.as_slice()[0], pattern_byte(4096));
+}
+
+#[test]
+fn bad_pager_settings_are_refused_with_the_reason() {
+    let error = Pager::builder().budget(1000).build().err().unwrap();
+    assert!(
+        matches!(error, PagerError::BudgetTooSmall { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("smaller than one block"));
+    let error = Pager::builder().block_size(3000).build().err().unwrap();
+    assert!(matches!(error, PagerError::BadBlockSize(3000)), "{error}");
+    let error = Pager::builder().block_size(1024).build().err().unwrap();
+    assert!(matches!(error, PagerError::BadBlockSize(1024)), "{error}");
+    let error = Pager::builder().queue_depth(0).build().err().unwrap();
+    assert!(matches!(error, PagerError::BadQueueDepth), "{error}");
+    let error = Pager::builder()
+        .block_size(64 << 10)
+        .max_read(100 << 10)
+        .build()
+        .err()
+        .unwrap();
+    assert!(matches!(error, PagerError::BadReadSize { .. }), "{error}");
+}

@@ -1,0 +1,178 @@
+//! Explicit hints (prefetch, drop, pin) and clean shutdown.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use hyperoffload::pager::HintError;
+use hyperoffload::policy::PrefetchKind;
+use hyperoffload::{MapOptions, Pager};
+
+fn scan(bytes: &[u8]) {
+    for (i, &byte) in bytes.iter().enumerate().step_by(997) {
+        assert_eq!(byte, pattern_byte(i as u64), "byte {i}");
+    }
+}
+
+#[test]
+fn pinned_blocks_stay_resident_through_scans_larger_than_the_budget() {
+    let dir = TempDir::new("pin");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 32 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(8 << 20).block_size(64 << 10)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let pinned = (1 << 20)..(3 << 20);
+    region.pin(pinned.clone()).unwrap();
+    for _ in 0..3 {
+        scan(region.as_slice());
+    }
+    let base = region.as_ptr() as usize;
+    let resident = resident_pages(
+        base + pinned.start as usize,
+        (pinned.end - pinned.start) as usize,
+    );
+    assert!(resident.iter().all(|&r| r), "a pinned page was evicted");
+    let stats = pager.stats();
+    assert_eq!(stats.pinned_bytes, 2 << 20);
+    assert!(stats.evictions > 0 && stats.peak_resident_bytes <= 8 << 20);
+    // Unpinned, they are evictable again.
+    region.unpin(pinned.clone()).unwrap();
+    for _ in 0..2 {
+        scan(region.as_slice());
+    }
+    let resident = resident_pages(
+        base + pinned.start as usize,
+        (pinned.end - pinned.start) as usize,
+    );
+    assert!(
+        resident.iter().any(|&r| !r),
+        "unpinned pages were never evicted"
+    );
+}
+
+#[test]
+fn pinning_beyond_the_budget_is_an_error() {
+    let dir = TempDir::new("pin-too-much");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 16 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(4 << 20).block_size(64 << 10)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let error = region.pin(0..4 << 20).unwrap_err();
+    assert!(
+        matches!(error, HintError::PinExceedsBudget { .. }),
+        "{error}"
+    );
+    region.pin(0..3 << 20).unwrap();
+    let error = region.pin(8 << 20..10 << 20).unwrap_err();
+    assert!(
+        matches!(error, HintError::PinExceedsBudget { .. }),
+        "{error}"
+    );
+    let error = region.pin(0..17 << 20).unwrap_err();
+    assert!(matches!(error, HintError::OutOfRange { .. }), "{error}");
+    // The pager still serves everything with the one free megabyte.
+    scan(region.as_slice());
+}
+
+#[test]
+fn dropped_ranges_fault_back_in_with_the_same_bytes() {
+    let dir = TempDir::new("drop");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 4 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(8 << 20)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    scan(region.as_slice());
+    let base = region.as_ptr() as usize;
+    assert!(resident_pages(base, 4 << 20).iter().all(|&r| r));
+    region.drop_range(1 << 20..2 << 20).unwrap();
+    let resident = resident_pages(base, 4 << 20);
+    assert!(
+        resident[256..512].iter().all(|&r| !r),
+        "dropped pages are still resident"
+    );
+    assert!(
+        resident[..256].iter().all(|&r| r),
+        "pages outside the range were dropped"
+    );
+    scan(region.as_slice());
+    assert!(pager.stats().dropped_blocks > 0);
+}
+
+#[test]
+fn prefetch_reads_ahead_of_the_program() {
+    let dir = TempDir::new("prefetch");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(16 << 20)
+            .prefetch(PrefetchKind::None.build()),
+    ) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    region.prefetch(0..8 << 20).unwrap();
+    let base = region.as_ptr() as usize;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !resident_pages(base, 8 << 20).iter().all(|&r| r) {
+        assert!(Instant::now() < deadline, "prefetch never completed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    scan(region.as_slice());
+    let stats = pager.stats();
+    assert_eq!(
+        stats.faults,
+        0,
+        "every page was prefetched: {}",
+        stats.to_json()
+    );
+    assert_eq!(stats.blocks_prefetched, stats.blocks_read);
+}
+
+#[test]
+fn dropping_the_pager_stops_its_thread_and_unmaps() {
+    if is_child() {
+        let path = std::env::var("TEST_FILE").unwrap();
+        let threads = || {
+            std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .filter(|task| {
+                    let comm = task.as_ref().unwrap().path().join("comm");
+                    std::fs::read_to_string(comm).unwrap().trim() == "hyperoffload-fa"
+                })
+                .count()
+        };
+        let pager = pager_or_skip(Pager::builder().budget(1 << 20)).unwrap();
+        let region = pager
+            .map_file(path.as_ref(), MapOptions::default())
+            .unwrap();
+        scan(region.as_slice());
+        let base = region.as_ptr() as usize;
+        assert_eq!(threads(), 1);
+        drop(region);
+        drop(pager);
+        assert_eq!(threads(), 0, "the service thread outlived its pager");
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(
+            !maps.contains(&format!("{base:x}-")),
+            "the region is still mapped"
+        );
+        return;
+    }
+    let dir = TempDir::new("shutdown");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 4 << 20);
+    let status = run_child(
+        "dropping_the_pager_stops_its_thread_and_unmaps",
+        &[("TEST_FILE", path.display().to_string())],
+        Duration::from_secs(60),
+    );
+    assert!(status.success(), "child ended with {status}");
+}
