@@ -1,5 +1,13 @@
 //! The `hyperoffload` command line.
 
-fn main() -> anyhow::Result<()> {
-    Ok(())
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    match cli::run() {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("hyperoffload: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

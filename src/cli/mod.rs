@@ -1,0 +1,34 @@
+//! The `hyperoffload` command line: one module per subcommand.
+
+use clap::{Parser, Subcommand};
+
+mod scan;
+
+#[derive(Parser)]
+#[command(
+    name = "hyperoffload",
+    version,
+    about = "A user-space pager for models larger than RAM"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Read a file through a pager region and report throughput and the pager's stats.
+    Scan(scan::ScanArgs),
+}
+
+pub fn run() -> anyhow::Result<std::process::ExitCode> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Scan(args) => scan::run(args),
+    }
+}
+
+/// Parses a size argument (`64K`, `4G`) for clap.
+pub(crate) fn size_arg(text: &str) -> Result<u64, String> {
+    hyperoffload::size::parse_size(text).map_err(|error| error.to_string())
+}

@@ -1,0 +1,214 @@
+//! `hyperoffload scan`: reads a file through a region, like a program would, and
+//! reports throughput and the pager's statistics.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use hyperoffload::policy::{EvictionKind, PrefetchKind};
+use hyperoffload::size::format_size;
+use hyperoffload::{MapOptions, Pager};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::size_arg;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScanPattern {
+    /// Each thread scans its own contiguous slice, once per pass.
+    Seq,
+    /// Each thread touches its share of the pages in random order, once per pass.
+    Random,
+    /// Every thread scans the whole file from the start, once per pass.
+    Cyclic,
+}
+
+#[derive(Args, Debug)]
+pub struct ScanArgs {
+    /// The file to read.
+    file: PathBuf,
+    /// Most bytes of the file resident at once (K/M/G suffixes).
+    #[arg(long, value_parser = size_arg)]
+    budget: u64,
+    /// Block size: the unit of residency and demand reads.
+    #[arg(long, value_parser = size_arg, default_value = "64K")]
+    block: u64,
+    #[arg(long, default_value_t = 1)]
+    threads: u32,
+    #[arg(long, value_enum, default_value_t = ScanPattern::Seq)]
+    pattern: ScanPattern,
+    #[arg(long, default_value_t = 1)]
+    passes: u32,
+    /// Check every byte read against the file read directly (pread); exit non-zero on
+    /// any mismatch.
+    #[arg(long)]
+    verify: bool,
+    /// Print the stats as one JSON object.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, value_enum, default_value_t = PrefetchKind::Readahead)]
+    prefetch: PrefetchKind,
+    #[arg(long, value_enum, default_value_t = EvictionKind::Fifo)]
+    eviction: EvictionKind,
+    /// Reads in flight at once.
+    #[arg(long, default_value_t = hyperoffload::pager::DEFAULT_QUEUE_DEPTH)]
+    queue_depth: u32,
+}
+
+const PAGE: u64 = 4096;
+const CHUNK: u64 = 1 << 20;
+
+pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.threads >= 1, "--threads must be at least 1");
+    anyhow::ensure!(args.passes >= 1, "--passes must be at least 1");
+    let pager = Pager::builder()
+        .budget(args.budget)
+        .block_size(args.block)
+        .queue_depth(args.queue_depth)
+        .prefetch(args.prefetch.build())
+        .eviction(args.eviction.build())
+        .build()?;
+    let region = pager.map_file(&args.file, MapOptions::default())?;
+    let file = File::open(&args.file)
+        .with_context(|| format!("opening {} for --verify", args.file.display()))?;
+    let bytes = region.as_slice();
+    let len = bytes.len() as u64;
+    let mismatches = AtomicU64::new(0);
+    let touched = AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for thread in 0..args.threads as u64 {
+            let (mismatches, touched, file, args) = (&mismatches, &touched, &file, &args);
+            scope.spawn(move || {
+                let ranges = thread_ranges(args, thread, len);
+                let mut expected = vec![0u8; CHUNK as usize];
+                for range in ranges {
+                    let slice = &bytes[range.start as usize..range.end as usize];
+                    if args.verify {
+                        let expected = &mut expected[..slice.len()];
+                        if file.read_exact_at(expected, range.start).is_err() || slice != expected {
+                            let first_bad = slice
+                                .iter()
+                                .zip(expected.iter())
+                                .position(|(a, b)| a != b)
+                                .unwrap_or(0);
+                            if mismatches.fetch_add(1, Ordering::Relaxed) < 10 {
+                                eprintln!("mismatch at offset {}", range.start + first_bad as u64);
+                            }
+                        }
+                    } else {
+                        touch_pages(slice);
+                    }
+                    touched.fetch_add(range.end - range.start, Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let stats = pager.stats();
+    let touched = touched.load(Ordering::Relaxed);
+    let mismatches = mismatches.load(Ordering::Relaxed);
+    let throughput = touched as f64 / elapsed / 1e6;
+    if args.json {
+        let mut json = serde_json::to_value(&stats)?;
+        let object = json.as_object_mut().expect("stats serialize to an object");
+        object.insert("file_bytes".into(), len.into());
+        object.insert("bytes_touched".into(), touched.into());
+        object.insert("scan_seconds".into(), elapsed.into());
+        object.insert("throughput_mb_s".into(), throughput.into());
+        if args.verify {
+            object.insert("mismatches".into(), mismatches.into());
+        }
+        println!("{json}");
+    } else {
+        println!(
+            "scanned {} of {} in {elapsed:.3} s: {throughput:.0} MB/s ({:?}, {} thread(s), {} pass(es))",
+            format_size(touched),
+            format_size(len),
+            args.pattern,
+            args.threads,
+            args.passes
+        );
+        println!(
+            "faults {} (demand {}, prefetch hits {}, hit rate {:.1}%), read {} in {} blocks / {} requests, evictions {}",
+            stats.faults,
+            stats.demand_faults,
+            stats.prefetch_hits,
+            stats.hit_rate() * 100.0,
+            format_size(stats.bytes_read),
+            stats.blocks_read,
+            stats.read_requests,
+            stats.evictions
+        );
+        println!(
+            "budget {}, peak resident {}, fault latency us p50 {:.0} p90 {:.0} p99 {:.0} max {:.0}{}",
+            format_size(stats.budget_bytes),
+            format_size(stats.peak_resident_bytes),
+            stats.fault_latency_us.p50,
+            stats.fault_latency_us.p90,
+            stats.fault_latency_us.p99,
+            stats.fault_latency_us.max,
+            stats
+                .direct_io_fallback
+                .as_deref()
+                .map(|why| format!("; {why}"))
+                .unwrap_or_default()
+        );
+        if args.verify {
+            println!("verify: {mismatches} mismatching chunk(s)");
+        }
+    }
+    drop(region);
+    Ok(if mismatches == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The byte ranges one thread reads, in order, for all passes.
+fn thread_ranges(args: &ScanArgs, thread: u64, len: u64) -> Vec<std::ops::Range<u64>> {
+    let threads = args.threads as u64;
+    let chunks = |range: std::ops::Range<u64>, step: u64| {
+        (range.start..range.end)
+            .step_by(step as usize)
+            .map(move |at| at..(at + step).min(range.end))
+    };
+    let mut ranges = Vec::new();
+    for pass in 0..args.passes as u64 {
+        match args.pattern {
+            ScanPattern::Seq => {
+                let share = len.div_ceil(threads).next_multiple_of(PAGE);
+                let start = (share * thread).min(len);
+                ranges.extend(chunks(start..(start + share).min(len), CHUNK));
+            }
+            ScanPattern::Cyclic => ranges.extend(chunks(0..len, CHUNK)),
+            ScanPattern::Random => {
+                let pages = len.div_ceil(PAGE);
+                let mut mine: Vec<u64> = (thread..pages).step_by(threads as usize).collect();
+                mine.shuffle(&mut SmallRng::seed_from_u64(thread * 1000 + pass));
+                ranges.extend(
+                    mine.into_iter()
+                        .map(|page| page * PAGE..(page * PAGE + PAGE).min(len)),
+                );
+            }
+        }
+    }
+    ranges
+}
+
+/// Reads one word per page: enough to fault every page in, cheap enough that the scan
+/// measures the pager rather than the loop.
+fn touch_pages(slice: &[u8]) {
+    let mut sum = 0u8;
+    for offset in (0..slice.len()).step_by(PAGE as usize) {
+        sum = sum.wrapping_add(slice[offset]);
+    }
+    std::hint::black_box(sum);
+}

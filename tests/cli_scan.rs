@@ -1,0 +1,84 @@
+//! `hyperoffload scan` end to end: the binary reads a file through a region, verifies
+//! it, and prints the documented JSON.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn scan(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .arg("scan")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn scan_verifies_every_pattern_and_prints_json_stats() {
+    let dir = TempDir::new("cli-scan");
+    let path = dir.path("f.bin");
+    pattern_file(&path, (12 << 20) + 777);
+    let file = path.to_str().unwrap();
+    for pattern in ["seq", "random", "cyclic"] {
+        let output = scan(&[
+            file,
+            "--budget",
+            "3M",
+            "--threads",
+            "8",
+            "--pattern",
+            pattern,
+            "--passes",
+            "2",
+            "--verify",
+            "--json",
+        ]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if !output.status.success()
+            && std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1")
+            && (stderr.contains("userfaultfd") || stderr.contains("io_uring"))
+        {
+            eprintln!("skipped: {stderr}");
+            return;
+        }
+        assert!(output.status.success(), "{pattern}: {stderr}");
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        for field in [
+            "faults",
+            "bytes_read",
+            "blocks_read",
+            "prefetch_hits",
+            "evictions",
+            "budget_bytes",
+            "peak_resident_bytes",
+        ] {
+            assert!(json[field].is_u64(), "{pattern}: {field} missing in {json}");
+        }
+        for field in ["p50", "p90", "p99", "max"] {
+            assert!(
+                json["fault_latency_us"][field].is_number(),
+                "{pattern}: {field}"
+            );
+        }
+        assert_eq!(json["mismatches"], 0);
+        assert_eq!(json["budget_bytes"], 3 << 20);
+        assert!(json["peak_resident_bytes"].as_u64().unwrap() <= 3 << 20);
+        assert!(json["bytes_read"].as_u64().unwrap() >= (12 << 20) + 777);
+        assert!(json["evictions"].as_u64().unwrap() > 0);
+    }
+}
+
+#[test]
+fn scan_refuses_bad_arguments_with_a_message() {
+    let output = scan(&["/nonexistent/model.gguf", "--budget", "1G"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no such file"));
+    let output = scan(&["/etc/hostname", "--budget", "12X"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("12X"));
+    let output = scan(&["/etc/hostname", "--budget", "1K"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("smaller than one block"));
+}
