@@ -12,6 +12,7 @@ pub mod ring;
 mod service;
 pub mod size;
 pub mod stats;
+pub mod sys;
 mod uffd_ext;
 
 pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};

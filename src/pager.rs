@@ -31,7 +31,7 @@ use crate::policy::{
 use crate::ring::RingError;
 use crate::service::{FaultService, ReadInjection, ServiceConfig};
 use crate::stats::Stats;
-use crate::uffd_ext;
+use crate::{sys, uffd_ext};
 
 /// Default block size: the unit of residency, eviction and demand reads. Chosen by
 /// measurement (`benches/scan.rs`): small enough that a random demand fault costs
@@ -352,6 +352,11 @@ pub(crate) enum Command {
         range: Range<u64>,
         reply: SyncSender<()>,
     },
+    Unmap {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<()>,
+    },
     Pin {
         id: RegionId,
         range: Range<u64>,
@@ -519,61 +524,93 @@ impl Pager {
     }
 }
 
-/// An anonymous reservation owned by a region. Dropping it unmaps.
+/// An anonymous reservation owned by a region. Dropping it unmaps what the program has
+/// not unmapped already: a hole may have been reused by another mapping since, which
+/// must survive.
 struct Mapping {
     base: usize,
     len: usize,
+    /// Offsets the program unmapped, in no particular order.
+    holes: Mutex<Vec<Range<usize>>>,
 }
 
 impl Mapping {
     fn reserve(len: usize, prot: i32) -> Result<Self, MapError> {
+        let reserve_error = |source| MapError::Reserve {
+            len: len as u64,
+            source,
+        };
         // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
         // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
+        let base = unsafe {
+            sys::mmap(
+                0,
                 len,
                 prot,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(MapError::Reserve {
-                len: len as u64,
-                source: std::io::Error::last_os_error(),
-            });
         }
+        .map_err(reserve_error)?;
         let mapping = Self {
-            base: ptr as usize,
+            base,
             len,
+            holes: Mutex::new(Vec::new()),
         };
         // A forked child would inherit the range unregistered and read zeros where the
         // parent reads the file. Not inheriting it makes a child's access fault loudly.
-        // SAFETY: advises only the mapping just created.
-        let rc = unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
-        if rc != 0 {
-            return Err(MapError::Reserve {
-                len: len as u64,
-                source: std::io::Error::last_os_error(),
-            });
-        }
+        // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
+        unsafe { sys::madvise(base, len, libc::MADV_DONTFORK) }.map_err(reserve_error)?;
         Ok(mapping)
+    }
+}
+
+impl Mapping {
+    /// The parts of the reservation still mapped, in address order.
+    fn live_parts(&self) -> Vec<Range<usize>> {
+        let mut holes = self
+            .holes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        holes.sort_by_key(|hole| hole.start);
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for hole in holes {
+            if hole.start > at {
+                parts.push(at..hole.start);
+            }
+            at = at.max(hole.end);
+        }
+        if at < self.len {
+            parts.push(at..self.len);
+        }
+        parts
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: unmaps exactly the reservation this value owns; the region dropping it
-        // holds no references into it any more (`as_slice` borrows the region).
-        let rc = unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-        assert_eq!(
-            rc,
-            0,
-            "munmap of a region failed: {}",
-            std::io::Error::last_os_error()
-        );
+        for part in self.live_parts() {
+            // SAFETY: unmaps a part of the reservation this value owns that the program
+            // has not unmapped; the region dropping it holds no references into it any
+            // more (`as_slice` borrows the region). Raw syscall: the LD_PRELOAD shim
+            // interposes `munmap`.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_munmap,
+                    self.base + part.start,
+                    part.end - part.start,
+                )
+            };
+            assert_eq!(
+                rc,
+                0,
+                "munmap of a region failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }
 
@@ -686,6 +723,46 @@ impl Region {
 
     pub fn pager(&self) -> &Pager {
         &self.pager
+    }
+
+    /// Unmaps `range` (page-aligned region offsets) as munmap(2) would, for a program
+    /// that unmaps part of a mapping: the blocks wholly inside it are forgotten (never
+    /// read or installed again, their budget released), then the pages are unmapped.
+    /// The rest of the region keeps working.
+    pub fn unmap_part(&self, range: Range<u64>) -> Result<(), HintError> {
+        self.check(&range)?;
+        let page = page_size();
+        let range = range.start / page * page..range.end.next_multiple_of(page);
+        if range.is_empty() {
+            return Ok(());
+        }
+        let (reply, answer) = sync_channel(1);
+        self.pager.inner.shared.send(Command::Unmap {
+            id: self.id,
+            range: range.clone(),
+            reply,
+        });
+        answer.recv().map_err(|_| HintError::ServiceGone)?;
+        // SAFETY: unmaps part of this region's own reservation, at the program's request;
+        // the service has been told and no reference we hold points there. It cannot
+        // fail for a page-aligned range inside a mapping we own.
+        let _ = unsafe {
+            sys::munmap(
+                self.mapping.base + range.start as usize,
+                (range.end - range.start) as usize,
+            )
+        };
+        self.mapping
+            .holes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(range.start as usize..range.end as usize);
+        Ok(())
+    }
+
+    /// Whether every page of the mapping has been unmapped by `unmap_part`.
+    pub fn fully_unmapped(&self) -> bool {
+        self.mapping.live_parts().is_empty()
     }
 }
 

@@ -45,21 +45,18 @@ impl AlignedBuffer {
     pub fn new(len: usize) -> io::Result<Self> {
         // SAFETY: an anonymous private mapping at an address the kernel chooses touches no
         // existing memory.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
+        let base = unsafe {
+            crate::sys::mmap(
+                0,
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        }?;
         Ok(Self {
-            ptr: ptr.cast(),
+            ptr: base as *mut u8,
             len,
         })
     }
@@ -87,13 +84,9 @@ impl Drop for AlignedBuffer {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping created in `new`, which nothing references
         // any more (the ring never drops a buffer with a read in flight).
-        let rc = unsafe { libc::munmap(self.ptr.cast(), self.len) };
-        assert_eq!(
-            rc,
-            0,
-            "munmap of a read buffer failed: {}",
-            io::Error::last_os_error()
-        );
+        if let Err(error) = unsafe { crate::sys::munmap(self.ptr as usize, self.len) } {
+            panic!("munmap of a read buffer failed: {error}");
+        }
     }
 }
 

@@ -71,6 +71,8 @@ enum BlockState {
     Resident,
     /// Its read failed: its pages raise SIGBUS.
     Poisoned,
+    /// The program unmapped it: never read or installed again.
+    Unmapped,
 }
 
 struct RegionEntry {
@@ -379,7 +381,9 @@ impl FaultService {
                 self.install_read(slot)?;
                 FaultOutcome::Staged
             }
-            BlockState::Missing | BlockState::Poisoned => {
+            // An unmapped block cannot fault; if its address was reused by a mapping of
+            // ours, serve it like a missing one.
+            BlockState::Missing | BlockState::Poisoned | BlockState::Unmapped => {
                 region.blocks[index as usize] = BlockState::Queued;
                 self.waiters.entry(block).or_default().push(now);
                 self.demand.push_back(block);
@@ -966,7 +970,22 @@ impl FaultService {
                 }
             }
             Command::Drop { id, range, reply } => {
-                self.drop_blocks(id, &range)?;
+                self.drop_blocks(id, &range, BlockState::Missing)?;
+                let _ = reply.send(());
+            }
+            Command::Unmap { id, range, reply } => {
+                // Only blocks wholly inside the range go; the pages of a block the range
+                // cuts through that were unmapped simply fail to install (ENOENT).
+                let blocks = self.blocks_of(id, &range);
+                if let Some(region) = self.regions.get(&id) {
+                    let size = region.layout.block_size;
+                    let first = (range.start.div_ceil(size) as u32).max(blocks.start);
+                    let end = ((range.end / size) as u32).min(blocks.end);
+                    if first < end {
+                        let whole = first as u64 * size..end as u64 * size;
+                        self.drop_blocks(id, &whole, BlockState::Unmapped)?;
+                    }
+                }
                 let _ = reply.send(());
             }
             Command::Pin { id, range, reply } => {
@@ -1026,7 +1045,14 @@ impl FaultService {
         }
     }
 
-    fn drop_blocks(&mut self, id: RegionId, range: &Range<u64>) -> Result<(), ServiceError> {
+    /// Drops the blocks overlapping `range`, leaving them in `to` (`Missing`: they fault
+    /// back in; `Unmapped`: the program unmapped them and their pages are gone).
+    fn drop_blocks(
+        &mut self,
+        id: RegionId,
+        range: &Range<u64>,
+        to: BlockState,
+    ) -> Result<(), ServiceError> {
         for index in self.blocks_of(id, range) {
             let block = BlockRef::new(id, index);
             let region = self
@@ -1045,15 +1071,24 @@ impl FaultService {
                     if region.blocks[index as usize] == BlockState::Resident {
                         self.resident -= bytes;
                     }
-                    region.blocks[index as usize] = BlockState::Missing;
-                    let memory = region.layout.block_memory(index);
-                    discard_pages(
-                        region.base + memory.start as usize,
-                        region.base + memory.end as usize,
-                    )?;
+                    region.blocks[index as usize] = to;
+                    if to != BlockState::Unmapped {
+                        let memory = region.layout.block_memory(index);
+                        discard_pages(
+                            region.base + memory.start as usize,
+                            region.base + memory.end as usize,
+                        )?;
+                    }
                     self.stats.dropped_blocks += 1;
                 }
-                BlockState::Staged { .. } => self.discard_staged(block),
+                BlockState::Staged { .. } => {
+                    self.discard_staged(block);
+                    let region = self.regions.get_mut(&id).expect("still there");
+                    region.blocks[index as usize] = to;
+                }
+                BlockState::Missing => region.blocks[index as usize] = to,
+                // Queued and in-flight reads finish; their installs fail harmlessly if
+                // the pages are gone.
                 _ => {}
             }
         }
@@ -1092,7 +1127,7 @@ impl FaultService {
                     self.demand.push_back(block);
                 }
                 BlockState::Queued => self.demand.push_back(block),
-                BlockState::Reading | BlockState::Staged { .. } => {}
+                BlockState::Reading | BlockState::Staged { .. } | BlockState::Unmapped => {}
             }
         }
         // Staged pinned blocks are installed right away rather than held back.
@@ -1239,22 +1274,9 @@ fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -> u64 {
 fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
-    // points into it. (Raw syscall: the LD_PRELOAD shim interposes `madvise`.)
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_madvise,
-            start as *mut libc::c_void,
-            end - start,
-            libc::MADV_DONTNEED,
-        )
-    };
-    if rc != 0 {
-        return Err(ServiceError::Evict {
-            addr: start,
-            error: std::io::Error::last_os_error(),
-        });
-    }
-    Ok(())
+    // points into it.
+    unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) }
+        .map_err(|error| ServiceError::Evict { addr: start, error })
 }
 
 /// Reports why the service stopped and ends the process: threads waiting on faults

@@ -57,7 +57,8 @@ impl LatencyHistogram {
     pub fn bucket_counts(&self, edges_us: &[f64]) -> Vec<u64> {
         let mut counts = vec![0u64; edges_us.len() + 1];
         for value in self.0.iter_recorded() {
-            let us = value.value_iterated_to() as f64 / 1000.0;
+            // The bucket's lowest value: recorded values are rounded within a bucket.
+            let us = self.0.lowest_equivalent(value.value_iterated_to()) as f64 / 1000.0;
             let bucket = edges_us.partition_point(|&edge| edge < us);
             counts[bucket] += value.count_at_value();
         }

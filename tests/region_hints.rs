@@ -176,3 +176,52 @@ fn dropping_the_pager_stops_its_thread_and_unmaps() {
     );
     assert!(status.success(), "child ended with {status}");
 }
+
+#[test]
+fn unmapping_part_of_a_region_keeps_the_rest_and_spares_a_reused_hole() {
+    let dir = TempDir::new("unmap-part");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(2 << 20)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let base = region.as_ptr() as usize;
+    scan(&region.as_slice()[..4 << 20]);
+    // Unmap 2..3 MiB (after reading it) and the last page-unaligned tail.
+    region.unmap_part(2 << 20..3 << 20).unwrap();
+    region.unmap_part((7 << 20) + 100..8 << 20).unwrap();
+    assert!(!region.fully_unmapped());
+    // The hole is really gone: map something else exactly there.
+    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
+    let reused = unsafe {
+        hyperoffload::sys::mmap(
+            base + (2 << 20),
+            1 << 20,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    }
+    .expect("the unmapped hole can be mapped again");
+    assert_eq!(reused, base + (2 << 20));
+    // SAFETY: `reused` is our own fresh read-write mapping.
+    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 1 << 20) };
+    // The rest still reads the file, twice over the budget.
+    for _ in 0..2 {
+        for range in [0..2 << 20, 3 << 20..7 << 20] {
+            for offset in range.step_by(4093) {
+                // SAFETY: offsets outside the unmapped parts of the live region.
+                let byte = unsafe { *(base as *const u8).add(offset) };
+                assert_eq!(byte, pattern_byte(offset as u64));
+            }
+        }
+    }
+    drop(region);
+    // Dropping the region left the reused hole alone.
+    // SAFETY: still our mapping.
+    assert_eq!(unsafe { *((reused + 4096) as *const u8) }, 0xAB);
+    // SAFETY: our mapping, no longer used.
+    unsafe { hyperoffload::sys::munmap(reused, 1 << 20) }.unwrap();
+}
