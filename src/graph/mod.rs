@@ -196,6 +196,20 @@ impl ModelGraph {
         Self::finish(layout, GraphSource::Learned, graph, order)
     }
 
+    /// A graph of single blocks whose predicted order is exactly `pass` (one token's
+    /// sequence of blocks), with an edge for each step of it, round the cycle.
+    pub fn from_pass(layout: BlockLayout, pass: &[u32]) -> Self {
+        let order = CyclicOrder::from_sequence(pass.iter().copied(), layout.block_count());
+        let mut transitions = Transitions::new();
+        transitions.observe_all(order.sequence().iter().copied());
+        if let Some(&first) = order.sequence().first() {
+            transitions.observe(first);
+        }
+        let mut graph = Self::learned(layout, &transitions);
+        graph.order = order;
+        graph
+    }
+
     fn finish(
         layout: BlockLayout,
         source: GraphSource,
