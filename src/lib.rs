@@ -7,3 +7,4 @@ pub mod graph;
 pub mod model;
 pub mod policy;
 pub mod size;
+pub mod trace;
