@@ -6,5 +6,6 @@
 pub mod graph;
 pub mod model;
 pub mod policy;
+pub mod sim;
 pub mod size;
 pub mod trace;

@@ -1,6 +1,6 @@
 //! Learning the access order from a trace of faulted blocks, with no model knowledge:
 //! any file format, any program. Transitions between consecutive faults become weighted
-//! edges; a greedy walk along the heaviest edges turns them back into a cyclic order.
+//! edges; an Eulerian trail along them turns them back into a cyclic order.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -8,15 +8,15 @@ use std::collections::{BTreeMap, BTreeSet};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Transitions {
     counts: BTreeMap<(u32, u32), u64>,
+    /// Counted `(before, block, after)` steps: which way the trace left a block given
+    /// how it entered it. A block shared by two places of a pass (the boundary of two
+    /// tensors that do not run back to back) is entered and left differently at each.
+    contexts: BTreeMap<(u32, u32, u32), u64>,
+    before_last: Option<u32>,
     /// Blocks seen, including ones with no transition (a trace of one fault).
     seen: BTreeSet<u32>,
     last: Option<u32>,
 }
-
-/// How far back the walk looks for a successor when the current block has no unvisited
-/// one: a block whose successors were all taken often shares one with its predecessors
-/// (two forward streams interleaving over one tensor).
-const LOOK_BACK: usize = 8;
 
 impl Transitions {
     pub fn new() -> Self {
@@ -27,10 +27,17 @@ impl Transitions {
     /// on it) is not a transition.
     pub fn observe(&mut self, block: u32) {
         self.seen.insert(block);
-        if let Some(last) = self.last.replace(block) {
-            if last != block {
+        match self.last {
+            Some(last) if last == block => {}
+            Some(last) => {
                 *self.counts.entry((last, block)).or_insert(0) += 1;
+                if let Some(before) = self.before_last {
+                    *self.contexts.entry((before, last, block)).or_insert(0) += 1;
+                }
+                self.before_last = Some(last);
+                self.last = Some(block);
             }
+            None => self.last = Some(block),
         }
     }
 
@@ -47,9 +54,22 @@ impl Transitions {
         }
     }
 
+    /// Adds a counted `(before, block, after)` step directly (loading a saved graph).
+    pub fn add_context(&mut self, before: u32, block: u32, after: u32, count: u64) {
+        if count > 0 {
+            *self.contexts.entry((before, block, after)).or_insert(0) += count;
+        }
+    }
+
+    /// `(before, block, after, count)` in ascending order.
+    pub fn contexts(&self) -> impl Iterator<Item = (u32, u32, u32, u64)> + '_ {
+        self.contexts.iter().map(|(&(a, b, c), &n)| (a, b, c, n))
+    }
+
     /// Ends the current sequence: the next fault starts a new one (a new run).
     pub fn break_sequence(&mut self) {
         self.last = None;
+        self.before_last = None;
     }
 
     pub fn blocks(&self) -> impl Iterator<Item = u32> + '_ {
@@ -65,57 +85,123 @@ impl Transitions {
         self.seen.is_empty()
     }
 
-    /// The predicted cyclic order: every seen block once. A greedy walk follows the
-    /// heaviest edge to an unvisited block (ties to the lower block index); when there is
-    /// none it tries the successors of the last few blocks walked, then jumps to the
-    /// heaviest unvisited block. The walk starts at the heaviest block, which for a cycle
-    /// is as good a start as any: the order is cyclic. Deterministic, and a function of
-    /// the counts only, so a saved graph reproduces it.
-    pub fn cyclic_order(&self) -> Vec<u32> {
-        let blocks: Vec<u32> = self.seen.iter().copied().collect();
-        let index_of = |block: u32| blocks.binary_search(&block).ok();
-        let mut successors: Vec<Vec<(u64, u32)>> = vec![Vec::new(); blocks.len()];
-        let mut weight = vec![0u64; blocks.len()];
-        for (&(a, b), &count) in &self.counts {
-            if let (Some(ia), Some(ib)) = (index_of(a), index_of(b)) {
-                successors[ia].push((count, b));
-                weight[ia] += count;
-                weight[ib] += count;
+    /// The count of the typical transition: the median over transitions observed (each
+    /// edge weighted by its count), which for a repeated pass is the number of passes.
+    fn typical_count(&self) -> u64 {
+        let mut weights: Vec<u64> = self.counts.values().copied().collect();
+        weights.sort_unstable();
+        let total: u64 = weights.iter().sum();
+        let mut seen = 0;
+        for weight in weights {
+            seen += weight;
+            if 2 * seen >= total {
+                return weight.max(1);
             }
         }
-        for list in &mut successors {
-            // Heaviest first, then lower block.
-            list.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
-        }
-        let mut by_weight: Vec<usize> = (0..blocks.len()).collect();
-        by_weight.sort_by(|&x, &y| weight[y].cmp(&weight[x]).then(x.cmp(&y)));
+        1
+    }
 
-        let mut visited = vec![false; blocks.len()];
-        let mut order: Vec<u32> = Vec::with_capacity(blocks.len());
-        let mut next_heavy = 0;
-        let mut current = by_weight.first().copied();
-        while let Some(at) = current {
-            visited[at] = true;
-            order.push(blocks[at]);
-            let unvisited_successor = |from: usize| {
-                successors[from]
-                    .iter()
-                    .filter_map(|&(_, b)| index_of(b))
-                    .find(|&i| !visited[i])
-            };
-            current = order
-                .iter()
-                .rev()
-                .take(LOOK_BACK)
-                .filter_map(|&b| index_of(b))
-                .find_map(unvisited_successor)
-                .or_else(|| {
-                    while next_heavy < by_weight.len() && visited[by_weight[next_heavy]] {
-                        next_heavy += 1;
-                    }
-                    by_weight.get(next_heavy).copied()
-                });
+    /// The predicted cyclic order: one pass, in which a block may occur several times.
+    ///
+    /// The counts are turned into per-pass multiplicities (divided by the typical count,
+    /// which is the number of passes observed); edges seen in at most half
+    /// of the passes are noise (the embedding row a token happened to read) and dropped.
+    /// An Eulerian trail over the rest (Hierholzer's algorithm) is the pass; at each block
+    /// it takes the edge the trace most often took after the same previous block, then
+    /// the heaviest. So a block shared by two places of the pass is left the way it was
+    /// entered each time, which a walk visiting each block once, or choosing by edge
+    /// weight alone, gets wrong. Edges left over (a graph that is not one trail) start further trails,
+    /// appended in turn, and blocks on no kept edge come last. Deterministic, and a
+    /// function of the counts only, so a saved graph reproduces it.
+    pub fn cyclic_order(&self) -> Vec<u32> {
+        let passes = self.typical_count();
+        // Successors as (remaining multiplicity, count, target), heaviest first.
+        let mut successors: BTreeMap<u32, Vec<(u64, u64, u32)>> = BTreeMap::new();
+        let mut balance: BTreeMap<u32, i64> = BTreeMap::new();
+        for (&(from, to), &count) in &self.counts {
+            if 2 * count <= passes {
+                continue;
+            }
+            let multiplicity = ((count + passes / 2) / passes).max(1);
+            successors
+                .entry(from)
+                .or_default()
+                .push((multiplicity, count, to));
+            *balance.entry(from).or_default() += multiplicity as i64;
+            *balance.entry(to).or_default() -= multiplicity as i64;
         }
+        for list in successors.values_mut() {
+            list.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
+        }
+        let out_weight = |list: &Vec<(u64, u64, u32)>| list.iter().map(|e| e.1).sum::<u64>();
+
+        let mut order: Vec<u32> = Vec::new();
+        let mut placed: BTreeSet<u32> = BTreeSet::new();
+        loop {
+            // A trail starts where more leaves than enters; a closed one anywhere: at the
+            // heaviest block with edges left (lowest index on ties).
+            let remaining = |node: &u32| {
+                successors
+                    .get(node)
+                    .is_some_and(|l| l.iter().any(|e| e.0 > 0))
+            };
+            let start = balance
+                .iter()
+                .filter(|(node, &b)| b > 0 && remaining(node))
+                .map(|(&node, _)| node)
+                .next()
+                .or_else(|| {
+                    successors
+                        .iter()
+                        .filter(|(node, _)| remaining(node))
+                        .max_by(|a, b| out_weight(a.1).cmp(&out_weight(b.1)).then(b.0.cmp(a.0)))
+                        .map(|(&node, _)| node)
+                });
+            let Some(start) = start else {
+                break;
+            };
+            let mut stack = vec![start];
+            let mut trail = Vec::new();
+            while let Some(&node) = stack.last() {
+                // Leave the block the way the trace most often left it when entered from
+                // where the walk came from, then by the heaviest edge.
+                let before = stack.len().checked_sub(2).map(|i| stack[i]);
+                let context = |to: u32| {
+                    before.map_or(0, |b| {
+                        self.contexts.get(&(b, node, to)).copied().unwrap_or(0)
+                    })
+                };
+                let next = successors
+                    .get_mut(&node)
+                    .and_then(|list| {
+                        list.iter_mut().filter(|e| e.0 > 0).max_by(|x, y| {
+                            (context(x.2), x.1)
+                                .cmp(&(context(y.2), y.1))
+                                .then(y.2.cmp(&x.2))
+                        })
+                    })
+                    .map(|edge| {
+                        edge.0 -= 1;
+                        edge.2
+                    });
+                match next {
+                    Some(to) => {
+                        *balance.entry(node).or_default() -= 1;
+                        *balance.entry(to).or_default() += 1;
+                        stack.push(to);
+                    }
+                    None => trail.extend(stack.pop()),
+                }
+            }
+            trail.reverse();
+            // A closed trail ends where it began: the pass wraps there by itself.
+            if trail.len() > 1 && trail.first() == trail.last() {
+                trail.pop();
+            }
+            placed.extend(trail.iter().copied());
+            order.extend(trail);
+        }
+        order.extend(self.seen.iter().copied().filter(|b| !placed.contains(b)));
         order
     }
 }
@@ -159,6 +245,18 @@ mod tests {
             .windows(2)
             .filter(|w| body.windows(2).any(|p| p == *w));
         assert_eq!(consecutive.count(), body.len() - 1, "{order:?} {at10}");
+    }
+
+    #[test]
+    fn a_block_used_twice_per_pass_is_left_the_way_it_was_entered() {
+        // Block 7 is used after 2 and again after 5: a figure of eight.
+        let pass = [1, 7, 2, 3, 4, 5, 7, 6];
+        let mut transitions = Transitions::new();
+        for _ in 0..3 {
+            transitions.observe_all(pass);
+        }
+        let order = transitions.cyclic_order();
+        assert_eq!(rotate_to(&order, 1), pass);
     }
 
     #[test]

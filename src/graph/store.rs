@@ -91,6 +91,8 @@ struct FileBody {
     edges: Vec<(u32, u32, u64)>,
     /// Blocks seen on no edge.
     lone_blocks: Vec<u32>,
+    /// `[before, block, after, count]`.
+    contexts: Vec<(u32, u32, u32, u64)>,
 }
 
 /// The result of looking for a saved graph.
@@ -128,6 +130,7 @@ pub fn encode(saved: &SavedGraph) -> String {
             .blocks()
             .filter(|b| !on_edge.contains(b))
             .collect(),
+        contexts: saved.transitions.contexts().collect(),
     };
     // Serialising plain data to a string cannot fail.
     serde_json::to_string(&body).unwrap_or_default()
@@ -170,6 +173,14 @@ pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
             )));
         }
         transitions.add_edge(from, to, count);
+    }
+    for (before, block, after, count) in body.contexts {
+        if before.max(block).max(after) >= block_count {
+            return Err(malformed(format!(
+                "step {before} -> {block} -> {after} outside the model's {block_count} blocks"
+            )));
+        }
+        transitions.add_context(before, block, after, count);
     }
     for block in body.lone_blocks.into_iter().filter(|&b| b < block_count) {
         transitions.add_edge(block, block, 0);

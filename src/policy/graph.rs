@@ -13,7 +13,7 @@
 //! (kept by the eviction side, so the prefetch side counts only bytes still to read).
 //! Either works alone: eviction advances the position from `touched`.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{
@@ -126,6 +126,11 @@ pub struct GraphPrefetch {
     consume_bytes_per_s: Option<f64>,
     /// Time from submitting a read to its completion, ns (moving average).
     read_ns: Option<f64>,
+    /// Positions the program has advanced since the first fault, unwrapped.
+    progress_steps: u64,
+    /// Per block: the position (unwrapped, as `progress_steps`) it was last requested
+    /// for. A resident block whose target is still ahead was read for this pass.
+    target: Vec<u64>,
 }
 
 /// Weight of the newest sample in the moving averages.
@@ -141,7 +146,6 @@ fn ewma(average: Option<f64>, sample: f64) -> Option<f64> {
 impl GraphPrefetch {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
         Self {
-            prediction,
             initial_lookahead_bytes: 4 << 20,
             min_lookahead_bytes: 256 << 10,
             max_lookahead_bytes: 512 << 20,
@@ -149,6 +153,9 @@ impl GraphPrefetch {
             last: None,
             consume_bytes_per_s: None,
             read_ns: None,
+            progress_steps: 0,
+            target: vec![0; prediction.graph.layout().block_count() as usize],
+            prediction,
         }
     }
 
@@ -193,6 +200,7 @@ impl PrefetchPolicy for GraphPrefetch {
         };
         if let Some((last_position, last_ns)) = self.last {
             let steps = order.distance(last_position, position) as u64;
+            self.progress_steps += steps;
             if fault.time_ns > last_ns && steps > 0 {
                 let bytes = (steps * layout.block_size) as f64;
                 let seconds = (fault.time_ns - last_ns) as f64 * 1e-9;
@@ -201,34 +209,53 @@ impl PrefetchPolicy for GraphPrefetch {
         }
         self.last = Some((position, fault.time_ns));
 
+        // Every block used within the lookahead (`window` positions) must be resident or
+        // in flight. Blocks this policy requested for a position still ahead count
+        // towards the window whether read yet or not. Other resident blocks are the part
+        // of the model kept resident: they do not count, and the walk goes through them
+        // to the blocks after, because the program raises no fault while it runs through
+        // resident blocks, so the next plan would come too late. The first block after
+        // such a stretch is a marker, so the program reports back as it leaves it.
         let lookahead = self.lookahead_bytes();
-        let window_blocks = lookahead.div_ceil(layout.block_size).max(1);
-        // Markers sit at fixed positions (multiples of the stride), so every plan agrees
-        // on them and a block first requested without one is never meant to carry one.
-        let stride = (window_blocks / self.markers_per_window.max(1)).max(1);
-        let mut planned = 0u64;
-        let mut requested = HashSet::new();
-        for step in 1..order.len() {
-            let at = (position + step) % order.len();
+        let window = lookahead.div_ceil(layout.block_size).max(1);
+        // Other markers sit at fixed positions (multiples of a power-of-two stride), so
+        // successive plans agree on them: a block first requested without a marker is
+        // never meant to carry one.
+        let stride = prev_power_of_two((window / self.markers_per_window.max(1)).max(1));
+        let mut counted = 0u64;
+        let mut after_resident_stretch = false;
+        for step in 1..order.len() as u64 {
+            let at = ((position as u64 + step) % order.len() as u64) as u32;
             let block = order.block_at(at);
-            if block == fault.block.index
-                || progress.resident[block as usize]
-                || !requested.insert(block)
-            {
+            let target = self.progress_steps + step;
+            let ours = self.target[block as usize] > self.progress_steps;
+            let resident = block == fault.block.index || progress.resident[block as usize];
+            if resident && !ours {
+                after_resident_stretch = true;
                 continue;
             }
+            counted += 1;
+            if counted > window {
+                break;
+            }
+            if resident || self.target[block as usize] == target {
+                continue;
+            }
+            self.target[block as usize] = target;
             let block_ref = BlockRef::new(fault.block.region, block);
-            out.push(if at as u64 % stride == 0 {
+            let marker = at as u64 % stride == 0 || after_resident_stretch;
+            after_resident_stretch = false;
+            out.push(if marker {
                 PrefetchRequest::marker(block_ref)
             } else {
                 PrefetchRequest::eager(block_ref)
             });
-            planned += layout.block_len(block);
-            if planned >= lookahead {
-                break;
-            }
         }
     }
+}
+
+fn prev_power_of_two(n: u64) -> u64 {
+    1 << (63 - n.max(1).leading_zeros())
 }
 
 /// Belady's rule on the predicted order.
