@@ -1,5 +1,5 @@
 //! The `hyperoffload` command line.
 
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    hyperoffload::cli::run()
 }
