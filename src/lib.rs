@@ -4,15 +4,18 @@
 //! model.
 
 pub mod file;
+pub mod graph;
 pub mod layout;
 pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod ring;
 mod service;
+pub mod sim;
 pub mod size;
 pub mod stats;
 pub mod sys;
+pub mod trace;
 mod uffd_ext;
 
 pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};

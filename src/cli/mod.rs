@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod scan;
+mod simulate;
 
 #[derive(Parser)]
 #[command(
@@ -19,12 +20,15 @@ struct Cli {
 enum Command {
     /// Read a file through a pager region and report throughput and the pager's stats.
     Scan(scan::ScanArgs),
+    /// Replay a block-access sequence against a budget with a policy and count the reads.
+    Simulate(simulate::SimulateArgs),
 }
 
 pub fn run() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(args) => scan::run(args),
+        Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
     }
 }
 

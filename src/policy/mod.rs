@@ -12,11 +12,16 @@
 //! FIFO by first fault, as UMap's is.
 
 use std::path::Path;
+use std::sync::Arc;
 
 mod fifo;
+pub mod graph;
+mod lru;
 mod readahead;
 
 pub use fifo::FifoEviction;
+pub use graph::{graph_policies, GraphEviction, GraphPrediction, GraphPrefetch};
+pub use lru::{ClockEviction, LruEviction};
 pub use readahead::{NoPrefetch, SequentialReadahead};
 
 /// Identifies one region of a pager.
@@ -199,6 +204,8 @@ pub enum PrefetchKind {
     None,
     /// Read the blocks following a fault, growing the window while faults stay sequential.
     Readahead,
+    /// Read ahead along the model graph's predicted order (needs a graph: `build_with`).
+    Graph,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -206,21 +213,48 @@ pub enum PrefetchKind {
 pub enum EvictionKind {
     /// Evict in the order blocks became resident.
     Fifo,
+    /// Evict the block used least recently (in the pager: faulted least recently).
+    Lru,
+    /// Second chance (in the pager: reference bits set by faults only).
+    Clock,
+    /// Evict the block whose predicted next use is furthest (needs a graph: `build_with`).
+    Graph,
 }
 
 impl PrefetchKind {
+    /// Builds the policy; `Graph` without a graph predicts nothing (use `build_with`).
     pub fn build(self) -> Box<dyn PrefetchPolicy> {
+        self.build_with(None)
+    }
+
+    /// Builds the policy; graph policies follow `prediction`. Give the prefetch and
+    /// eviction policies the same prediction so they share the current position.
+    pub fn build_with(self, prediction: Option<&Arc<GraphPrediction>>) -> Box<dyn PrefetchPolicy> {
         match self {
             PrefetchKind::None => Box::new(NoPrefetch),
             PrefetchKind::Readahead => Box::new(SequentialReadahead::default()),
+            PrefetchKind::Graph => Box::new(GraphPrefetch::new(
+                prediction.cloned().unwrap_or_else(GraphPrediction::empty),
+            )),
         }
     }
 }
 
 impl EvictionKind {
+    /// Builds the policy; `Graph` without a graph evicts like FIFO (use `build_with`).
     pub fn build(self) -> Box<dyn EvictionPolicy> {
+        self.build_with(None)
+    }
+
+    /// Builds the policy; graph policies follow `prediction` (see `PrefetchKind`).
+    pub fn build_with(self, prediction: Option<&Arc<GraphPrediction>>) -> Box<dyn EvictionPolicy> {
         match self {
             EvictionKind::Fifo => Box::new(FifoEviction::default()),
+            EvictionKind::Lru => Box::new(LruEviction::default()),
+            EvictionKind::Clock => Box::new(ClockEviction::default()),
+            EvictionKind::Graph => Box::new(GraphEviction::new(
+                prediction.cloned().unwrap_or_else(GraphPrediction::empty),
+            )),
         }
     }
 }

@@ -1,0 +1,204 @@
+//! `hyperoffload simulate`: bytes read per token by a policy against the floor.
+
+use std::io::BufReader;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+
+use hyperoffload::graph::{BlockLayout, ModelGraph, Transitions};
+use hyperoffload::policy::PrefetchKind;
+use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
+use hyperoffload::size::{format_size, parse_size};
+use hyperoffload::trace::TraceReader;
+
+#[derive(clap::Args)]
+pub struct SimulateArgs {
+    /// A recorded fault trace (see `src/trace.rs`).
+    #[arg(
+        long,
+        conflicts_with = "synthetic_llama",
+        required_unless_present = "synthetic_llama"
+    )]
+    trace: Option<PathBuf>,
+    /// A synthetic llama-shaped model: `LAYERS:TENSOR_BYTES` (TENSOR_BYTES is the size of
+    /// one layer's attn_q; `30:1.4M` is about 520 MB), or `default`.
+    #[arg(long)]
+    synthetic_llama: Option<String>,
+    /// Tokens to generate (synthetic), or tokens the trace holds (to report per token).
+    #[arg(long)]
+    tokens: Option<u32>,
+    /// Resident budget: a size (`128M`) or a share of the model (`50%`).
+    #[arg(long)]
+    budget: String,
+    #[arg(long, value_enum)]
+    policy: SimPolicy,
+    /// Prefetch policy (default: graph for the graph policy, none for the others).
+    #[arg(long, value_enum)]
+    prefetch: Option<PrefetchKind>,
+    /// Block size (synthetic workloads; a trace says its own).
+    #[arg(long, default_value = "64K")]
+    block: String,
+    /// Learn the graph from the first N tokens with no model knowledge and simulate the
+    /// rest. Without it the graph comes from the tensor table (synthetic), or is learned
+    /// from the whole trace, as if from an earlier identical run.
+    #[arg(long)]
+    learn: Option<usize>,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
+        (Some(path), _) => (read_trace(path, args.tokens)?, None),
+        (None, Some(spec)) => {
+            let shape = parse_shape(spec)?;
+            let block = parse_size(&args.block)?;
+            if block == 0 {
+                bail!("--block must be positive");
+            }
+            let workload = shape.workload(block, args.tokens.unwrap_or(16));
+            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout);
+            (workload, Some(graph))
+        }
+        (None, None) => bail!("give --trace FILE or --synthetic-llama LAYERS:TENSOR_BYTES"),
+    };
+    let model = workload.layout.data_len;
+    let budget = match args.budget.strip_suffix('%') {
+        Some(share) => {
+            let share: f64 = share.trim().parse().context("--budget percentage")?;
+            (model as f64 * share / 100.0) as u64
+        }
+        None => parse_size(&args.budget)?,
+    };
+
+    let (workload, graph) = match args.learn {
+        Some(tokens) => {
+            if workload.token_starts.len() <= tokens {
+                bail!("--learn {tokens} needs more than {tokens} tokens with known boundaries (--tokens)");
+            }
+            let mut transitions = Transitions::new();
+            transitions.observe_all(workload.tokens(0..tokens).accesses);
+            let rest = workload.tokens(tokens..workload.token_starts.len());
+            (rest, ModelGraph::learned(workload.layout, &transitions))
+        }
+        None => {
+            let graph = tensor_graph.unwrap_or_else(|| {
+                let mut transitions = Transitions::new();
+                transitions.observe_all(workload.accesses.iter().copied());
+                ModelGraph::learned(workload.layout, &transitions)
+            });
+            (workload, graph)
+        }
+    };
+    let graph = Arc::new(graph);
+    let timing = Timing::default();
+    let report = simulate(
+        &workload,
+        budget,
+        args.policy,
+        args.prefetch,
+        Some(&graph),
+        timing,
+    )?;
+    let floor = simulate(&workload, budget, SimPolicy::Belady, None, None, timing)?;
+    let tokens = (!workload.token_starts.is_empty())
+        .then_some(workload.token_starts.len() as u64)
+        .or(args.tokens.map(u64::from));
+    print_report(&report, &floor, model, tokens, args.json)
+}
+
+fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {
+    if spec == "default" {
+        return Ok(LlamaShape::about_500mb());
+    }
+    let (layers, bytes) = spec
+        .split_once(':')
+        .with_context(|| format!("--synthetic-llama `{spec}`: expected LAYERS:TENSOR_BYTES"))?;
+    let layers: u32 = layers.parse().context("--synthetic-llama layers")?;
+    Ok(LlamaShape::scaled(layers, parse_size(bytes)?))
+}
+
+/// The faults of the trace's first region as an access sequence. Token boundaries are
+/// unknown; with `tokens`, the trace is cut into that many equal parts.
+fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+    let reader = TraceReader::new(BufReader::new(file))?;
+    let size: Option<u64> = reader.metadata_value("size").and_then(|s| s.parse().ok());
+    let mut accesses = Vec::new();
+    let mut region = None;
+    let mut block_size = 0;
+    for record in reader {
+        let record = record?;
+        if *region.get_or_insert(record.region) != record.region {
+            continue;
+        }
+        block_size = record.block_size;
+        accesses.push(record.block);
+    }
+    if accesses.is_empty() || block_size == 0 {
+        bail!("{}: no faults in the trace", path.display());
+    }
+    let max_block = accesses.iter().copied().max().unwrap_or(0) as u64;
+    let data_len = size.unwrap_or(0).max((max_block + 1) * block_size);
+    let layout = BlockLayout::new(0, data_len, block_size)?;
+    let token_starts = match tokens {
+        Some(n) if n > 0 => (0..n as usize)
+            .map(|t| t * accesses.len() / n as usize)
+            .collect(),
+        _ => Vec::new(),
+    };
+    Ok(Workload {
+        layout,
+        accesses,
+        token_starts,
+    })
+}
+
+fn print_report(
+    report: &SimReport,
+    floor: &SimReport,
+    model: u64,
+    tokens: Option<u64>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let ratio = report.bytes_read as f64 / floor.bytes_read.max(1) as f64;
+    let per_token = report.steady_bytes_per_token(tokens);
+    let floor_per_token = floor.steady_bytes_per_token(tokens);
+    if json {
+        let value = serde_json::json!({
+            "model_bytes": model,
+            "report": report,
+            "belady_bytes_read": floor.bytes_read,
+            "ratio_to_belady": ratio,
+            "steady_bytes_per_token": per_token,
+            "belady_steady_bytes_per_token": floor_per_token,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(());
+    }
+    println!(
+        "policy {} (prefetch {}), budget {} of a {} model",
+        report.policy,
+        report.prefetch,
+        format_size(report.budget_bytes),
+        format_size(model)
+    );
+    println!(
+        "read {} ({} demand misses, {} blocks prefetched, {} wasted); belady {}; ratio {ratio:.4}",
+        format_size(report.bytes_read),
+        report.demand_misses,
+        report.prefetched_blocks,
+        report.wasted_prefetch_blocks,
+        format_size(floor.bytes_read)
+    );
+    if let (Some(ours), Some(best)) = (per_token, floor_per_token) {
+        println!(
+            "per token after the first: {} ({:.1}% of the model); belady {}",
+            format_size(ours as u64),
+            ours * 100.0 / model as f64,
+            format_size(best as u64)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,356 @@
+//! The model graph: which parts of the model file a token reads, in what order, and how
+//! central each part is. Policies use it to predict the next use of every block.
+//!
+//! Nodes are tensor *extents* (a tensor cut into pieces of bounded size, and at expert
+//! boundaries) or, for a graph learned from a fault trace, single blocks. Edges follow
+//! the per-token execution: from the tensor table and the architecture's names
+//! ([`arch`]), or from transitions observed in a trace ([`learn`]). Two outputs matter to
+//! the policies: the predicted cyclic order of blocks ([`CyclicOrder`]: one token's pass,
+//! which the next token repeats) and each block's centrality (PageRank over the weighted
+//! edges, [`rank`]).
+//!
+//! Everything here is pure computation over block indices, except [`store`], which
+//! saves and loads learned graphs beside the model file.
+
+pub mod arch;
+mod layout;
+pub mod learn;
+mod order;
+pub mod rank;
+pub mod store;
+
+use std::ops::Range;
+
+use petgraph::graph::{DiGraph, NodeIndex};
+use thiserror::Error;
+
+pub use arch::{Architecture, ExecutionOrder};
+pub use layout::BlockLayout;
+pub use learn::Transitions;
+pub use order::CyclicOrder;
+
+use crate::model::TensorInfo;
+
+/// A graph that cannot be built.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum GraphError {
+    #[error("block size is zero")]
+    ZeroBlockSize,
+    #[error("{data_len} bytes in blocks of {block_size} is more than 2^32 blocks")]
+    TooManyBlocks { data_len: u64, block_size: u64 },
+}
+
+/// PageRank's damping factor: the usual 0.85.
+const DAMPING: f64 = 0.85;
+
+/// What a node stands for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum NodeLabel {
+    /// Piece `part` of a tensor (of one expert, for a mixture-of-experts tensor).
+    Extent {
+        tensor: String,
+        part: u32,
+        expert: Option<u32>,
+    },
+    /// One block, in a graph learned with no model knowledge.
+    Block,
+}
+
+/// A node: a piece of the file and the blocks it covers. A block shared by two
+/// neighbouring pieces belongs to both.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Node {
+    pub label: NodeLabel,
+    pub file_range: Range<u64>,
+    pub blocks: Range<u32>,
+}
+
+/// Where the graph's edges came from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GraphSource {
+    Architecture(Architecture),
+    Learned,
+}
+
+/// Options for building a graph from a tensor table.
+#[derive(Copy, Clone, Debug)]
+pub struct BuildOptions {
+    /// Largest extent: bigger tensors are cut into several nodes, so that centrality
+    /// and edges stay local.
+    pub max_extent_bytes: u64,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        Self {
+            max_extent_bytes: 32 << 20,
+        }
+    }
+}
+
+/// A model's dependency graph over the blocks of one region.
+#[derive(Debug, Clone)]
+pub struct ModelGraph {
+    layout: BlockLayout,
+    source: GraphSource,
+    graph: DiGraph<Node, f64>,
+    node_rank: Vec<f64>,
+    /// Per block: the highest rank of a node covering it, 0 if none does.
+    block_rank: Vec<f64>,
+    order: CyclicOrder,
+}
+
+impl ModelGraph {
+    /// Builds the graph of a model from its tensor table, as read through a region with
+    /// geometry `layout`.
+    pub fn from_tensors(tensors: &[TensorInfo], layout: BlockLayout) -> Self {
+        Self::from_tensors_with(tensors, layout, BuildOptions::default())
+    }
+
+    pub fn from_tensors_with(
+        tensors: &[TensorInfo],
+        layout: BlockLayout,
+        options: BuildOptions,
+    ) -> Self {
+        let exec = arch::execution_order(tensors);
+        let mut graph = DiGraph::new();
+        let mut step_of = |index: usize| -> Step {
+            let tensor = &tensors[index];
+            let groups: Vec<Vec<NodeIndex>> = extents(tensor, &layout, options.max_extent_bytes)
+                .into_iter()
+                .map(|group| group.into_iter().map(|n| graph.add_node(n)).collect())
+                .filter(|group: &Vec<NodeIndex>| !group.is_empty())
+                .collect();
+            Step {
+                experts: groups.len() > 1,
+                groups,
+            }
+        };
+        let steps: Vec<Step> = exec
+            .steps
+            .iter()
+            .map(|&i| step_of(i))
+            .filter(|step| !step.groups.is_empty())
+            .collect();
+        // A token reads a row of the untied embedding: any one of its extents.
+        let rows = exec.rows_only.map(&mut step_of).map(|step| Step {
+            groups: step.groups.into_iter().flatten().map(|n| vec![n]).collect(),
+            experts: false,
+        });
+
+        let mut edges: Vec<(NodeIndex, NodeIndex, f64)> = Vec::new();
+        let mut cycle: Vec<&Step> = steps.iter().collect();
+        cycle.extend(rows.iter().filter(|step| !step.groups.is_empty()));
+        for step in &cycle {
+            for group in &step.groups {
+                for pair in group.windows(2) {
+                    edges.push((pair[0], pair[1], 1.0));
+                }
+            }
+        }
+        // Round the cycle: the last step (or the embedding rows) feeds the first.
+        if cycle.len() > 1 {
+            for (i, from) in cycle.iter().enumerate() {
+                connect(&mut edges, from, cycle[(i + 1) % cycle.len()]);
+            }
+        }
+        for (from, to, weight) in edges {
+            graph.add_edge(from, to, weight);
+        }
+
+        let sequence = steps
+            .iter()
+            .flat_map(|step| step.groups.iter().flatten())
+            .flat_map(|&node| graph[node].blocks.clone());
+        let order = CyclicOrder::from_sequence(sequence.collect::<Vec<_>>(), layout.block_count());
+        Self::finish(
+            layout,
+            GraphSource::Architecture(exec.architecture),
+            graph,
+            order,
+        )
+    }
+
+    /// Builds the graph learned from observed block transitions, with no model
+    /// knowledge: one node per block seen.
+    pub fn learned(layout: BlockLayout, transitions: &Transitions) -> Self {
+        let block_count = layout.block_count();
+        let mut graph = DiGraph::new();
+        let mut node_of = std::collections::BTreeMap::new();
+        for block in transitions.blocks().filter(|&b| b < block_count) {
+            let start = layout.file_offset + block as u64 * layout.block_size;
+            let node = graph.add_node(Node {
+                label: NodeLabel::Block,
+                file_range: start..start + layout.block_len(block),
+                blocks: block..block + 1,
+            });
+            node_of.insert(block, node);
+        }
+        for (from, to, count) in transitions.edges() {
+            if let (Some(&a), Some(&b)) = (node_of.get(&from), node_of.get(&to)) {
+                graph.add_edge(a, b, count as f64);
+            }
+        }
+        let order = CyclicOrder::from_sequence(transitions.cyclic_order(), block_count);
+        Self::finish(layout, GraphSource::Learned, graph, order)
+    }
+
+    /// A graph of single blocks whose predicted order is exactly `pass` (one token's
+    /// sequence of blocks), with an edge for each step of it, round the cycle.
+    pub fn from_pass(layout: BlockLayout, pass: &[u32]) -> Self {
+        let order = CyclicOrder::from_sequence(pass.iter().copied(), layout.block_count());
+        let mut transitions = Transitions::new();
+        transitions.observe_all(order.sequence().iter().copied());
+        if let Some(&first) = order.sequence().first() {
+            transitions.observe(first);
+        }
+        let mut graph = Self::learned(layout, &transitions);
+        graph.order = order;
+        graph
+    }
+
+    fn finish(
+        layout: BlockLayout,
+        source: GraphSource,
+        graph: DiGraph<Node, f64>,
+        order: CyclicOrder,
+    ) -> Self {
+        let edges: Vec<(usize, usize, f64)> = graph
+            .raw_edges()
+            .iter()
+            .map(|e| (e.source().index(), e.target().index(), e.weight))
+            .collect();
+        let node_rank = rank::page_rank(graph.node_count(), &edges, DAMPING);
+        let mut block_rank = vec![0.0f64; layout.block_count() as usize];
+        for (node, &rank) in graph.raw_nodes().iter().zip(&node_rank) {
+            for block in node.weight.blocks.clone() {
+                let slot = &mut block_rank[block as usize];
+                *slot = slot.max(rank);
+            }
+        }
+        Self {
+            layout,
+            source,
+            graph,
+            node_rank,
+            block_rank,
+            order,
+        }
+    }
+
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    pub fn source(&self) -> GraphSource {
+        self.source
+    }
+
+    /// The petgraph graph: nodes and weighted edges.
+    pub fn graph(&self) -> &DiGraph<Node, f64> {
+        &self.graph
+    }
+
+    /// PageRank of each node, indexed like the graph's nodes.
+    pub fn node_ranks(&self) -> &[f64] {
+        &self.node_rank
+    }
+
+    /// Centrality of a block: the highest PageRank of a node covering it, 0 for a block
+    /// no node covers.
+    pub fn block_rank(&self, block: u32) -> f64 {
+        self.block_rank.get(block as usize).copied().unwrap_or(0.0)
+    }
+
+    /// The predicted cyclic order of blocks: one token's pass.
+    pub fn order(&self) -> &CyclicOrder {
+        &self.order
+    }
+
+    /// Bytes one pass over the predicted order reads (each distinct block once).
+    pub fn predicted_bytes(&self) -> u64 {
+        let mut seen = vec![false; self.layout.block_count() as usize];
+        let mut total = 0;
+        for &block in self.order.sequence() {
+            if !std::mem::replace(&mut seen[block as usize], true) {
+                total += self.layout.block_len(block);
+            }
+        }
+        total
+    }
+}
+
+/// One tensor's place in the pass: chains of extents, one per expert (a single chain for
+/// a dense tensor), or the embedding's extents as alternatives.
+struct Step {
+    groups: Vec<Vec<NodeIndex>>,
+    experts: bool,
+}
+
+/// Edges from the exits of step `from` to the entries of step `to`. Expert `e` feeds
+/// expert `e` when both steps are split by the same experts; otherwise every exit feeds
+/// every entry. Weights are split evenly so that each step passes on a total weight of 1.
+fn connect(edges: &mut Vec<(NodeIndex, NodeIndex, f64)>, from: &Step, to: &Step) {
+    let exits: Vec<NodeIndex> = from
+        .groups
+        .iter()
+        .filter_map(|g| g.last().copied())
+        .collect();
+    let entries: Vec<NodeIndex> = to
+        .groups
+        .iter()
+        .filter_map(|g| g.first().copied())
+        .collect();
+    if from.experts && to.experts && exits.len() == entries.len() {
+        let weight = 1.0 / exits.len() as f64;
+        for (&a, &b) in exits.iter().zip(&entries) {
+            edges.push((a, b, weight));
+        }
+        return;
+    }
+    let weight = 1.0 / (exits.len() * entries.len()).max(1) as f64;
+    for &a in &exits {
+        for &b in &entries {
+            edges.push((a, b, weight));
+        }
+    }
+}
+
+/// Cuts a tensor into extents of at most `max_bytes` (and at expert boundaries), each
+/// with the blocks it covers; extents outside the region are left out. Returns one
+/// group per expert, in file order.
+fn extents(tensor: &TensorInfo, layout: &BlockLayout, max_bytes: u64) -> Vec<Vec<Node>> {
+    let range = tensor.file_range.clone();
+    let len = range.end.saturating_sub(range.start);
+    let experts = arch::expert_count(tensor)
+        .filter(|&n| len % n as u64 == 0)
+        .unwrap_or(1);
+    let per_expert = len / experts as u64;
+    let max_bytes = max_bytes.max(1);
+    (0..experts)
+        .map(|expert| {
+            let start = range.start + expert as u64 * per_expert;
+            let end = start + per_expert;
+            let pieces = per_expert.div_ceil(max_bytes).max(1);
+            (0..pieces)
+                .filter_map(|part| {
+                    let piece = start + part * max_bytes..(start + (part + 1) * max_bytes).min(end);
+                    let blocks = layout.blocks_of(&piece)?;
+                    Some(Node {
+                        label: NodeLabel::Extent {
+                            tensor: tensor.name.clone(),
+                            part: part as u32,
+                            expert: (experts > 1).then_some(expert),
+                        },
+                        file_range: piece,
+                        blocks,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

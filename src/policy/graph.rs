@@ -1,0 +1,426 @@
+//! Graph-driven prefetch and eviction: both follow the model graph's predicted cyclic
+//! order of blocks (one token's pass, repeated every token).
+//!
+//! `GraphPrefetch` walks the order from each fault and keeps enough bytes ahead of the
+//! program in flight to cover the time until they are used. `GraphEviction` applies
+//! Belady's rule to the prediction: the resident block whose next use is furthest along
+//! the order goes first. For a cyclic scan larger than the budget this keeps a fixed part
+//! of the model resident and streams the rest through a small window, which is the
+//! optimum (M - B bytes read per token).
+//!
+//! The two share a [`GraphPrediction`]: the graph, the current position in the order
+//! (advanced by every fault either policy hears of), and which blocks are resident
+//! (kept by the eviction side, so the prefetch side counts only bytes still to read).
+//! Either works alone: eviction advances the position from `touched`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{
+    BlockRef, EvictionPolicy, FaultEvent, PrefetchPolicy, PrefetchRequest, ReadKind, RegionId,
+    RegionInfo,
+};
+use crate::graph::{BlockLayout, ModelGraph};
+
+/// The prediction both graph policies follow, and the progress along it.
+pub struct GraphPrediction {
+    graph: Arc<ModelGraph>,
+    progress: Mutex<Progress>,
+}
+
+struct Progress {
+    /// Regions presenting the graph's model with the graph's block geometry.
+    regions: Vec<RegionId>,
+    /// Position in the order of the latest fault.
+    cursor: u32,
+    /// Per block of the graph: resident and evictable, as the eviction side knows it.
+    resident: Vec<bool>,
+}
+
+impl GraphPrediction {
+    pub fn new(graph: Arc<ModelGraph>) -> Arc<Self> {
+        let blocks = graph.layout().block_count() as usize;
+        Arc::new(Self {
+            graph,
+            progress: Mutex::new(Progress {
+                regions: Vec::new(),
+                cursor: 0,
+                resident: vec![false; blocks],
+            }),
+        })
+    }
+
+    /// A prediction of nothing: the graph policies built without a graph.
+    pub fn empty() -> Arc<Self> {
+        // A zero-length layout is always valid.
+        let layout = BlockLayout {
+            file_offset: 0,
+            data_len: 0,
+            block_size: 1,
+        };
+        Self::new(Arc::new(ModelGraph::from_tensors(&[], layout)))
+    }
+
+    pub fn graph(&self) -> &Arc<ModelGraph> {
+        &self.graph
+    }
+
+    /// The current position in the predicted order.
+    pub fn cursor(&self) -> u32 {
+        self.lock().cursor
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        // A policy that panicked mid-update leaves plain data behind: keep using it.
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Binds a region that presents the graph's model: same file range and block size.
+    fn region_added(&self, info: &RegionInfo<'_>) {
+        let layout = self.graph.layout();
+        let matches = info.file_offset == layout.file_offset
+            && info.data_len == layout.data_len
+            && info.block_size == layout.block_size
+            && info.data_len > 0;
+        let mut progress = self.lock();
+        if matches && !progress.regions.contains(&info.id) {
+            progress.regions.push(info.id);
+        }
+    }
+
+    fn region_removed(&self, region: RegionId) {
+        self.lock().regions.retain(|&r| r != region);
+    }
+}
+
+impl Progress {
+    fn bound(&self, region: RegionId) -> bool {
+        self.regions.contains(&region)
+    }
+
+    /// Moves the cursor to the fault's block (its next occurrence at or after the
+    /// cursor: the program moves forward) and returns the new position; `None` when the
+    /// block is not predicted.
+    fn advance(&mut self, graph: &ModelGraph, block: BlockRef) -> Option<u32> {
+        if !self.bound(block.region) {
+            return None;
+        }
+        let position = graph.order().next_position(block.index, self.cursor)?;
+        self.cursor = position;
+        Some(position)
+    }
+}
+
+/// Prefetch along the predicted order.
+pub struct GraphPrefetch {
+    prediction: Arc<GraphPrediction>,
+    /// Lookahead before the consumption rate and read latency are known.
+    pub initial_lookahead_bytes: u64,
+    pub min_lookahead_bytes: u64,
+    pub max_lookahead_bytes: u64,
+    /// Markers per lookahead window: the program reports back this often.
+    pub markers_per_window: u64,
+    /// The previous fault: position and time.
+    last: Option<(u32, u64)>,
+    /// Program progress along the order, bytes per second (moving average).
+    consume_bytes_per_s: Option<f64>,
+    /// Time from submitting a read to its completion, ns (moving average).
+    read_ns: Option<f64>,
+    /// Positions the program has advanced since the first fault, unwrapped.
+    progress_steps: u64,
+    /// Per block: the position (unwrapped, as `progress_steps`) it was last requested
+    /// for. A resident block whose target is still ahead was read for this pass.
+    target: Vec<u64>,
+}
+
+/// Weight of the newest sample in the moving averages.
+const EWMA: f64 = 0.25;
+/// Lookahead covers this many read latencies of progress: one for the read itself, one
+/// for the queue it waits in.
+const LATENCY_COVER: f64 = 2.0;
+
+fn ewma(average: Option<f64>, sample: f64) -> Option<f64> {
+    Some(average.map_or(sample, |a| a + EWMA * (sample - a)))
+}
+
+impl GraphPrefetch {
+    pub fn new(prediction: Arc<GraphPrediction>) -> Self {
+        Self {
+            initial_lookahead_bytes: 4 << 20,
+            min_lookahead_bytes: 256 << 10,
+            max_lookahead_bytes: 512 << 20,
+            markers_per_window: 4,
+            last: None,
+            consume_bytes_per_s: None,
+            read_ns: None,
+            progress_steps: 0,
+            target: vec![0; prediction.graph.layout().block_count() as usize],
+            prediction,
+        }
+    }
+
+    /// Bytes to keep in flight ahead of the program: what it consumes while a read
+    /// completes, with room for queueing.
+    pub fn lookahead_bytes(&self) -> u64 {
+        match (self.consume_bytes_per_s, self.read_ns) {
+            (Some(rate), Some(read_ns)) => {
+                let bytes = rate * read_ns * 1e-9 * LATENCY_COVER;
+                (bytes as u64).clamp(self.min_lookahead_bytes, self.max_lookahead_bytes)
+            }
+            _ => self.initial_lookahead_bytes,
+        }
+    }
+}
+
+impl PrefetchPolicy for GraphPrefetch {
+    fn name(&self) -> &'static str {
+        "graph"
+    }
+
+    fn region_added(&mut self, info: &RegionInfo<'_>) {
+        self.prediction.region_added(info);
+    }
+
+    fn region_removed(&mut self, region: RegionId) {
+        self.prediction.region_removed(region);
+    }
+
+    fn read_completed(&mut self, _block: BlockRef, _bytes: u64, elapsed_ns: u64) {
+        self.read_ns = ewma(self.read_ns, elapsed_ns as f64);
+    }
+
+    fn plan(&mut self, fault: &FaultEvent, out: &mut Vec<PrefetchRequest>) {
+        let prediction = Arc::clone(&self.prediction);
+        let graph = prediction.graph();
+        let order = graph.order();
+        let layout = graph.layout();
+        let mut progress = prediction.lock();
+        let Some(position) = progress.advance(graph, fault.block) else {
+            return;
+        };
+        if let Some((last_position, last_ns)) = self.last {
+            let steps = order.distance(last_position, position) as u64;
+            self.progress_steps += steps;
+            if fault.time_ns > last_ns && steps > 0 {
+                let bytes = (steps * layout.block_size) as f64;
+                let seconds = (fault.time_ns - last_ns) as f64 * 1e-9;
+                self.consume_bytes_per_s = ewma(self.consume_bytes_per_s, bytes / seconds);
+            }
+        }
+        self.last = Some((position, fault.time_ns));
+
+        // Every block used within the lookahead (`window` positions) must be resident or
+        // in flight. Blocks this policy requested for a position still ahead count
+        // towards the window whether read yet or not. Other resident blocks are the part
+        // of the model kept resident: they do not count, and the walk goes through them
+        // to the blocks after, because the program raises no fault while it runs through
+        // resident blocks, so the next plan would come too late. The first block after
+        // such a stretch is a marker, so the program reports back as it leaves it.
+        let lookahead = self.lookahead_bytes();
+        let window = lookahead.div_ceil(layout.block_size).max(1);
+        // Other markers sit at fixed positions (multiples of a power-of-two stride), so
+        // successive plans agree on them: a block first requested without a marker is
+        // never meant to carry one.
+        let stride = prev_power_of_two((window / self.markers_per_window.max(1)).max(1));
+        let mut counted = 0u64;
+        let mut after_resident_stretch = false;
+        for step in 1..order.len() as u64 {
+            let at = ((position as u64 + step) % order.len() as u64) as u32;
+            let block = order.block_at(at);
+            let target = self.progress_steps + step;
+            let ours = self.target[block as usize] > self.progress_steps;
+            let resident = block == fault.block.index || progress.resident[block as usize];
+            if resident && !ours {
+                after_resident_stretch = true;
+                continue;
+            }
+            counted += 1;
+            if counted > window {
+                break;
+            }
+            if resident || self.target[block as usize] == target {
+                continue;
+            }
+            self.target[block as usize] = target;
+            let block_ref = BlockRef::new(fault.block.region, block);
+            let marker = at as u64 % stride == 0 || after_resident_stretch;
+            after_resident_stretch = false;
+            out.push(if marker {
+                PrefetchRequest::marker(block_ref)
+            } else {
+                PrefetchRequest::eager(block_ref)
+            });
+        }
+    }
+}
+
+fn prev_power_of_two(n: u64) -> u64 {
+    1 << (63 - n.max(1).leading_zeros())
+}
+
+/// Belady's rule on the predicted order.
+///
+/// Blocks the graph does not predict (other regions, embedding rows) go first, the least
+/// central first, then in the order they arrived. Among predicted blocks, the one used
+/// furthest ahead of the current position goes.
+pub struct GraphEviction {
+    prediction: Arc<GraphPrediction>,
+    /// Every position of every tracked predicted block.
+    by_position: BTreeSet<(u32, BlockRef)>,
+    /// Unpredicted blocks by (centrality bits, arrival).
+    unpredicted: BTreeSet<(u64, u64, BlockRef)>,
+    tracked: HashMap<BlockRef, Tracked>,
+    arrivals: u64,
+}
+
+#[derive(Copy, Clone)]
+enum Tracked {
+    Predicted,
+    Unpredicted(u64, u64),
+}
+
+impl GraphEviction {
+    pub fn new(prediction: Arc<GraphPrediction>) -> Self {
+        Self {
+            prediction,
+            by_position: BTreeSet::new(),
+            unpredicted: BTreeSet::new(),
+            tracked: HashMap::new(),
+            arrivals: 0,
+        }
+    }
+
+    pub fn tracked(&self) -> usize {
+        self.tracked.len()
+    }
+
+    fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
+        match self.tracked.remove(&block) {
+            Some(Tracked::Predicted) => {
+                for &position in self.prediction.graph.order().positions(block.index) {
+                    self.by_position.remove(&(position, block));
+                }
+                if let Some(slot) = progress.resident.get_mut(block.index as usize) {
+                    *slot = false;
+                }
+            }
+            Some(Tracked::Unpredicted(rank, arrival)) => {
+                self.unpredicted.remove(&(rank, arrival, block));
+            }
+            None => {}
+        }
+    }
+
+    /// The tracked predicted block used furthest ahead of `cursor`, and in how many
+    /// steps. Scans positions from just behind the cursor backwards round the cycle
+    /// (furthest first); the first entry that is its block's next use is the answer.
+    fn furthest(&self, cursor: u32) -> Option<(BlockRef, u32)> {
+        let order = self.prediction.graph.order();
+        let split = (cursor, BlockRef::new(RegionId(0), 0));
+        let behind = self.by_position.range(..split).rev();
+        let ahead = self.by_position.range(split..).rev();
+        behind.chain(ahead).find_map(|&(position, block)| {
+            (order.next_position(block.index, cursor) == Some(position))
+                .then(|| (block, order.distance(cursor, position)))
+        })
+    }
+}
+
+impl EvictionPolicy for GraphEviction {
+    fn name(&self) -> &'static str {
+        "graph"
+    }
+
+    fn region_added(&mut self, info: &RegionInfo<'_>) {
+        self.prediction.region_added(info);
+    }
+
+    fn region_removed(&mut self, region: RegionId) {
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        let gone: Vec<BlockRef> = self
+            .tracked
+            .keys()
+            .filter(|b| b.region == region)
+            .copied()
+            .collect();
+        for block in gone {
+            self.forget(block, &mut progress);
+        }
+        progress.regions.retain(|&r| r != region);
+    }
+
+    fn inserted(&mut self, block: BlockRef) {
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        self.forget(block, &mut progress);
+        let graph = &prediction.graph;
+        let bound = progress.bound(block.region);
+        if bound && graph.order().contains(block.index) {
+            for &position in graph.order().positions(block.index) {
+                self.by_position.insert((position, block));
+            }
+            progress.resident[block.index as usize] = true;
+            self.tracked.insert(block, Tracked::Predicted);
+        } else {
+            let rank = if bound {
+                graph.block_rank(block.index)
+            } else {
+                0.0
+            };
+            // Non-negative floats order like their bit patterns.
+            let key = (rank.max(0.0).to_bits(), self.arrivals);
+            self.arrivals += 1;
+            self.unpredicted.insert((key.0, key.1, block));
+            self.tracked
+                .insert(block, Tracked::Unpredicted(key.0, key.1));
+        }
+    }
+
+    fn removed(&mut self, block: BlockRef) {
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        self.forget(block, &mut progress);
+    }
+
+    fn touched(&mut self, fault: &FaultEvent) {
+        let prediction = Arc::clone(&self.prediction);
+        prediction.lock().advance(&prediction.graph, fault.block);
+    }
+
+    fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        if let Some(&(_, _, block)) = self.unpredicted.first() {
+            self.forget(block, &mut progress);
+            return Some(block);
+        }
+        let cursor = progress.cursor;
+        let (block, distance) = self.furthest(cursor)?;
+        if kind == ReadKind::Prefetch {
+            // A speculative read only displaces a block needed later than itself; an
+            // unpredicted incoming block displaces nothing predicted.
+            let incoming_distance = progress
+                .bound(incoming.region)
+                .then(|| prediction.graph.order().next_use(incoming.index, cursor))
+                .flatten()?;
+            if distance <= incoming_distance {
+                return None;
+            }
+        }
+        self.forget(block, &mut progress);
+        Some(block)
+    }
+}
+
+/// Both graph policies over one shared prediction.
+pub fn graph_policies(graph: Arc<ModelGraph>) -> (GraphPrefetch, GraphEviction) {
+    let prediction = GraphPrediction::new(graph);
+    (
+        GraphPrefetch::new(Arc::clone(&prediction)),
+        GraphEviction::new(prediction),
+    )
+}
+
+#[cfg(test)]
+mod tests;

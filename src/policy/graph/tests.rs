@@ -1,0 +1,173 @@
+use std::path::Path;
+
+use super::*;
+use crate::policy::{FaultOutcome, Install};
+
+const BLOCK: u64 = 4096;
+
+fn b(index: u32) -> BlockRef {
+    BlockRef::new(RegionId(0), index)
+}
+
+/// A graph whose predicted order is `pass`, over `blocks` blocks, bound to region 0.
+fn policies(pass: &[u32], blocks: u32) -> (GraphPrefetch, GraphEviction) {
+    let layout = BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap();
+    let graph = Arc::new(ModelGraph::from_pass(layout, pass));
+    let (mut prefetch, mut eviction) = graph_policies(graph);
+    let info = RegionInfo {
+        id: RegionId(0),
+        path: Path::new("/model"),
+        file_offset: 0,
+        data_len: blocks as u64 * BLOCK,
+        block_size: BLOCK,
+        block_count: blocks,
+    };
+    prefetch.region_added(&info);
+    eviction.region_added(&info);
+    (prefetch, eviction)
+}
+
+fn fault(index: u32, time_ns: u64) -> FaultEvent {
+    FaultEvent {
+        block: b(index),
+        time_ns,
+        outcome: FaultOutcome::Missing,
+    }
+}
+
+#[test]
+fn evicts_the_block_used_furthest_ahead() {
+    let pass: Vec<u32> = (0..10).collect();
+    let (_, mut eviction) = policies(&pass, 10);
+    for i in 0..5 {
+        eviction.inserted(b(i));
+    }
+    eviction.touched(&fault(5, 0));
+    // 4 was just used: its next use is a whole pass away.
+    assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(4)));
+    // A prefetch of 6 (next) displaces 3 (a pass away).
+    assert_eq!(eviction.victim(b(6), ReadKind::Prefetch), Some(b(3)));
+    assert_eq!(eviction.tracked(), 3);
+}
+
+#[test]
+fn a_prefetch_never_displaces_a_block_needed_sooner() {
+    let pass: Vec<u32> = (0..10).collect();
+    let (_, mut eviction) = policies(&pass, 10);
+    eviction.inserted(b(6));
+    eviction.inserted(b(7));
+    eviction.touched(&fault(5, 0));
+    assert_eq!(eviction.victim(b(9), ReadKind::Prefetch), None);
+    assert_eq!(eviction.victim(b(8), ReadKind::Prefetch), None);
+    // An unpredicted incoming block displaces nothing predicted either.
+    assert_eq!(
+        eviction.victim(BlockRef::new(RegionId(3), 0), ReadKind::Prefetch),
+        None
+    );
+    // A demand read always gets room: the furthest goes.
+    assert_eq!(eviction.victim(b(9), ReadKind::Demand), Some(b(7)));
+}
+
+#[test]
+fn unpredicted_blocks_go_first() {
+    let (_, mut eviction) = policies(&[0, 1, 2], 10);
+    eviction.inserted(b(1));
+    eviction.inserted(b(8)); // not in the pass
+    eviction.inserted(BlockRef::new(RegionId(4), 0)); // another region
+    eviction.touched(&fault(0, 0));
+    let first = eviction.victim(b(2), ReadKind::Prefetch);
+    let second = eviction.victim(b(2), ReadKind::Prefetch);
+    let mut got = vec![first, second];
+    got.sort();
+    assert_eq!(got, vec![Some(b(8)), Some(BlockRef::new(RegionId(4), 0))]);
+    assert_eq!(eviction.victim(b(2), ReadKind::Demand), Some(b(1)));
+}
+
+#[test]
+fn a_block_used_twice_per_pass_counts_its_nearest_use() {
+    // Block 1 is used at positions 0 and 3.
+    let (_, mut eviction) = policies(&[1, 2, 3, 1, 4], 5);
+    for i in [1, 2, 4] {
+        eviction.inserted(b(i));
+    }
+    eviction.touched(&fault(3, 0)); // position 2
+                                    // From position 2: 1 in 1 step, 4 in 2, 2 in 4.
+    assert_eq!(eviction.victim(b(0), ReadKind::Demand), Some(b(2)));
+    assert_eq!(eviction.victim(b(0), ReadKind::Demand), Some(b(4)));
+    assert_eq!(eviction.victim(b(0), ReadKind::Demand), Some(b(1)));
+}
+
+#[test]
+fn prefetch_walks_the_order_skipping_resident_blocks_with_markers() {
+    let pass = [5, 3, 8, 1, 9, 0, 2, 7, 6, 4];
+    let (mut prefetch, mut eviction) = policies(&pass, 10);
+    prefetch.initial_lookahead_bytes = 4 * BLOCK;
+    prefetch.markers_per_window = 2;
+    eviction.inserted(b(8));
+    let mut out = Vec::new();
+    prefetch.plan(&fault(3, 0), &mut out);
+    let blocks: Vec<u32> = out.iter().map(|r| r.block.index).collect();
+    assert_eq!(blocks, vec![1, 9, 0, 2]);
+    // Markers at positions that are multiples of 4 / 2 = 2 (9 sits at 4, 2 at 6), and
+    // on the first block after a resident one this policy did not read (8).
+    let markers: Vec<u32> = out
+        .iter()
+        .filter(|r| r.install == Install::OnFault)
+        .map(|r| r.block.index)
+        .collect();
+    assert_eq!(markers, vec![1, 9, 2]);
+    // The walk wraps round the cycle into the next pass.
+    out.clear();
+    prefetch.plan(&fault(6, 1), &mut out);
+    let blocks: Vec<u32> = out.iter().map(|r| r.block.index).collect();
+    assert_eq!(blocks, vec![4, 5, 3, 1]);
+}
+
+#[test]
+fn lookahead_follows_progress_and_read_latency() {
+    let pass: Vec<u32> = (0..1000).collect();
+    let (mut prefetch, _) = policies(&pass, 1000);
+    prefetch.initial_lookahead_bytes = 5 * BLOCK;
+    let mut out = Vec::new();
+    // 10 blocks per millisecond: 40.96 MB/s of progress.
+    prefetch.plan(&fault(0, 0), &mut out);
+    // Reads take 5 ms: cover 2 x 5 ms of progress = 100 blocks.
+    prefetch.read_completed(b(1), BLOCK, 5_000_000);
+    out.clear();
+    prefetch.plan(&fault(10, 1_000_000), &mut out);
+    assert_eq!(prefetch.lookahead_bytes(), 100 * BLOCK);
+    assert_eq!(out.len(), 100);
+    out.clear();
+    prefetch.plan(&fault(20, 2_000_000), &mut out);
+    // Blocks requested by the plan at 10 are not asked for again.
+    let blocks: Vec<u32> = out.iter().map(|r| r.block.index).collect();
+    assert_eq!(blocks, (111..=120).collect::<Vec<_>>());
+}
+
+#[test]
+fn without_a_matching_region_the_policies_predict_nothing() {
+    let (mut prefetch, mut eviction) = policies(&[0, 1, 2], 3);
+    let other = BlockRef::new(RegionId(9), 1);
+    let mut out = Vec::new();
+    prefetch.plan(
+        &FaultEvent {
+            block: other,
+            time_ns: 0,
+            outcome: FaultOutcome::Missing,
+        },
+        &mut out,
+    );
+    assert!(out.is_empty());
+    // Unbound blocks are evicted in arrival order.
+    eviction.inserted(BlockRef::new(RegionId(9), 2));
+    eviction.inserted(other);
+    assert_eq!(
+        eviction.victim(other, ReadKind::Demand),
+        Some(BlockRef::new(RegionId(9), 2))
+    );
+    // Built without a graph: FIFO.
+    let mut empty = GraphEviction::new(GraphPrediction::empty());
+    empty.inserted(b(2));
+    empty.inserted(b(1));
+    assert_eq!(empty.victim(b(0), ReadKind::Demand), Some(b(2)));
+}

@@ -1,0 +1,107 @@
+use super::*;
+
+const BLOCK: u64 = 64 << 10;
+
+/// `tokens` passes over `blocks` blocks in order.
+fn cyclic(blocks: u32, tokens: u32) -> Workload {
+    let mut accesses = Vec::new();
+    let mut token_starts = Vec::new();
+    for _ in 0..tokens {
+        token_starts.push(accesses.len());
+        accesses.extend(0..blocks);
+    }
+    Workload {
+        layout: BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap(),
+        accesses,
+        token_starts,
+    }
+}
+
+fn run(workload: &Workload, budget_blocks: u64, policy: SimPolicy) -> SimReport {
+    let pass: Vec<u32> = (0..workload.layout.block_count()).collect();
+    let graph = Arc::new(ModelGraph::from_pass(workload.layout, &pass));
+    simulate(
+        workload,
+        budget_blocks * BLOCK,
+        policy,
+        None,
+        Some(&graph),
+        Timing::default(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn belady_reads_the_floor_and_lru_everything_on_a_cyclic_scan() {
+    let workload = cyclic(100, 5);
+    let belady = run(&workload, 40, SimPolicy::Belady);
+    // Cold pass: 100; then 100 - 40 per pass.
+    assert_eq!(belady.bytes_read / BLOCK, 100 + 4 * 60);
+    for policy in [SimPolicy::Lru, SimPolicy::Fifo, SimPolicy::Clock] {
+        let report = run(&workload, 40, policy);
+        assert_eq!(report.bytes_read / BLOCK, 500, "{policy:?}");
+        assert_eq!(report.bytes_per_token.len(), 5);
+    }
+}
+
+#[test]
+fn graph_policy_streams_a_window_and_keeps_the_rest() {
+    let workload = cyclic(1000, 6);
+    let belady = run(&workload, 500, SimPolicy::Belady);
+    let graph = run(&workload, 500, SimPolicy::Graph);
+    let ratio = graph.bytes_read as f64 / belady.bytes_read as f64;
+    assert!(ratio < 1.05, "{graph:?} {belady:?}");
+    // It prefetches: after the cold pass almost nothing is a demand miss.
+    assert!(graph.demand_misses < 1000 + 5 * 5, "{graph:?}");
+    assert_eq!(graph.wasted_prefetch_blocks, 0);
+}
+
+#[test]
+fn everything_fits_when_the_budget_covers_the_model() {
+    let workload = cyclic(50, 3);
+    for policy in [SimPolicy::Graph, SimPolicy::Lru, SimPolicy::Belady] {
+        let report = run(&workload, 50, policy);
+        assert_eq!(report.bytes_read / BLOCK, 50, "{policy:?}");
+        assert_eq!(report.bytes_per_token[1..], [0, 0]);
+    }
+}
+
+#[test]
+fn a_graph_policy_without_a_graph_is_an_error() {
+    let workload = cyclic(10, 1);
+    let result = simulate(
+        &workload,
+        BLOCK,
+        SimPolicy::Graph,
+        None,
+        None,
+        Timing::default(),
+    );
+    assert_eq!(result, Err(SimError::NeedsGraph("graph")));
+}
+
+#[test]
+fn a_policy_naming_a_block_that_is_not_resident_is_caught() {
+    struct Liar;
+    impl EvictionPolicy for Liar {
+        fn name(&self) -> &'static str {
+            "liar"
+        }
+        fn region_removed(&mut self, _: RegionId) {}
+        fn inserted(&mut self, _: BlockRef) {}
+        fn removed(&mut self, _: BlockRef) {}
+        fn victim(&mut self, _: BlockRef, _: ReadKind) -> Option<BlockRef> {
+            Some(BlockRef::new(RegionId(0), 7))
+        }
+    }
+    let workload = cyclic(10, 1);
+    let result = replay(
+        &workload,
+        BLOCK,
+        &mut NoPrefetch,
+        &mut Liar,
+        false,
+        Timing::default(),
+    );
+    assert_eq!(result, Err(SimError::VictimNotResident(7)));
+}
