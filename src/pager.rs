@@ -31,6 +31,7 @@ use crate::policy::{
 use crate::ring::RingError;
 use crate::service::{FaultService, ReadInjection, ServiceConfig};
 use crate::stats::Stats;
+use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
 
 /// Default block size: the unit of residency, eviction and demand reads. Chosen by
@@ -157,6 +158,7 @@ pub struct PagerBuilder {
     prefetch: Box<dyn PrefetchPolicy>,
     eviction: Box<dyn EvictionPolicy>,
     injection: Option<ReadInjection>,
+    trace_limit: usize,
 }
 
 impl Default for PagerBuilder {
@@ -170,6 +172,7 @@ impl Default for PagerBuilder {
             prefetch: PrefetchKind::Readahead.build(),
             eviction: EvictionKind::Fifo.build(),
             injection: None,
+            trace_limit: 0,
         }
     }
 }
@@ -220,6 +223,13 @@ impl PagerBuilder {
         self
     }
 
+    /// Records every fault (time, thread, block, outcome, latency), keeping at most
+    /// `limit` of them; `Pager::take_trace` hands them over.
+    pub fn trace(mut self, limit: usize) -> Self {
+        self.trace_limit = limit;
+        self
+    }
+
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = page_size();
         if !self.block_size.is_power_of_two() || self.block_size < page {
@@ -263,6 +273,7 @@ impl PagerBuilder {
                 read_attempts: self.read_attempts,
                 page_size: page,
                 injection: self.injection,
+                trace_limit: self.trace_limit,
             },
             uffd.clone(),
             shared.clone(),
@@ -374,6 +385,10 @@ pub(crate) enum Command {
     Stats {
         reply: SyncSender<Stats>,
     },
+    /// Hands over the faults traced so far, and how many did not fit.
+    TakeTrace {
+        reply: SyncSender<(Vec<TraceRecord>, u64)>,
+    },
     Shutdown,
 }
 
@@ -462,6 +477,17 @@ impl Pager {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .clone()
         })
+    }
+
+    /// The faults recorded since the last call, in fault order, and how many were not
+    /// recorded because the trace limit was reached. Empty unless built with `trace`.
+    pub fn take_trace(&self) -> (Vec<TraceRecord>, u64) {
+        let (reply, answer) = sync_channel(1);
+        self.inner.shared.send(Command::TakeTrace { reply });
+        let (mut trace, untraced) = answer.recv().unwrap_or_default();
+        // Recorded when served; a trace reads in fault order.
+        trace.sort_by_key(|record| record.t_ns);
+        (trace, untraced)
     }
 
     /// Maps `path` (or part of it, per `options`) into a new region.

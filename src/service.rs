@@ -31,6 +31,7 @@ use crate::policy::{
 };
 use crate::ring::{Completion, ReadRing, RingError};
 use crate::stats::{LatencyHistogram, Stats};
+use crate::trace::TraceRecord;
 use crate::uffd_ext::{self, Partial};
 
 const TOKEN_UFFD: u32 = 0;
@@ -56,6 +57,8 @@ pub(crate) struct ServiceConfig {
     pub read_attempts: u32,
     pub page_size: u64,
     pub injection: Option<ReadInjection>,
+    /// Most faults kept in the trace; 0 keeps none.
+    pub trace_limit: usize,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -100,6 +103,55 @@ impl RegionEntry {
     }
 }
 
+/// A thread waiting on a block.
+#[derive(Copy, Clone, Debug)]
+struct Waiter {
+    t_ns: u64,
+    tid: u32,
+    outcome: FaultOutcome,
+}
+
+/// Where each served fault is recorded: the latency histogram, and the trace when one
+/// is kept.
+struct FaultLog {
+    latency: LatencyHistogram,
+    trace: Option<Vec<TraceRecord>>,
+    trace_limit: usize,
+    /// Faults not traced because the trace was full.
+    untraced: u64,
+}
+
+impl FaultLog {
+    /// `waiter`'s thread was woken (or told of an error) at `now`.
+    fn served(
+        &mut self,
+        block: BlockRef,
+        file_offset: u64,
+        block_size: u64,
+        waiter: Waiter,
+        now: u64,
+    ) {
+        let latency_ns = now.saturating_sub(waiter.t_ns);
+        self.latency.record_ns(latency_ns);
+        if let Some(trace) = &mut self.trace {
+            if trace.len() < self.trace_limit {
+                trace.push(TraceRecord {
+                    t_ns: waiter.t_ns,
+                    tid: waiter.tid,
+                    region: block.region.0,
+                    file_offset,
+                    block: block.index,
+                    block_size,
+                    outcome: waiter.outcome,
+                    latency_ns,
+                });
+            } else {
+                self.untraced += 1;
+            }
+        }
+    }
+}
+
 /// A read the ring is doing for us.
 struct ReadTag {
     region: RegionId,
@@ -133,19 +185,19 @@ pub(crate) struct FaultService {
     prefetch_queue: VecDeque<PrefetchRequest>,
     staged: VecDeque<BlockRef>,
     /// Fault times of threads waiting on each block, for the latency histogram.
-    waiters: HashMap<BlockRef, Vec<u64>>,
+    waiters: HashMap<BlockRef, Vec<Waiter>>,
     resident: u64,
     reserved: u64,
     pinned: u64,
     prefetch_reads_in_flight: u32,
     stats: Stats,
-    fault_latency: LatencyHistogram,
+    log: FaultLog,
     read_latency: LatencyHistogram,
     start: Instant,
     last_publish_ns: u64,
     shutting_down: bool,
     events: EventBuffer,
-    fault_addrs: Vec<usize>,
+    fault_addrs: Vec<(usize, u32)>,
     plan: Vec<PrefetchRequest>,
     victims: Vec<BlockRef>,
     completions: Vec<Completion>,
@@ -183,6 +235,7 @@ impl FaultService {
         eviction: Box<dyn EvictionPolicy>,
     ) -> Result<Self, RingError> {
         let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
+        let trace_limit = config.trace_limit;
         let stats = Stats {
             budget_bytes: config.budget,
             block_size: config.block_size,
@@ -208,7 +261,12 @@ impl FaultService {
             pinned: 0,
             prefetch_reads_in_flight: 0,
             stats,
-            fault_latency: LatencyHistogram::default(),
+            log: FaultLog {
+                latency: LatencyHistogram::default(),
+                trace: (trace_limit > 0).then(Vec::new),
+                trace_limit,
+                untraced: 0,
+            },
             read_latency: LatencyHistogram::default(),
             start: Instant::now(),
             last_publish_ns: 0,
@@ -286,7 +344,7 @@ impl FaultService {
         let mut stats = self.stats.clone();
         stats.resident_bytes = self.resident;
         stats.pinned_bytes = self.pinned;
-        stats.fault_latency_us = self.fault_latency.summary();
+        stats.fault_latency_us = self.log.latency.summary();
         stats.read_latency_us = self.read_latency.summary();
         stats.elapsed_s = self.start.elapsed().as_secs_f64();
         let refused = self
@@ -319,24 +377,26 @@ impl FaultService {
                 .map_err(|error| ServiceError::Events(format!("{error:?}")))?;
             for event in events {
                 // No other events are enabled.
-                if let Event::Pagefault { addr, .. } =
-                    event.map_err(|error| ServiceError::Events(format!("{error:?}")))?
+                if let Event::Pagefault {
+                    addr, thread_id, ..
+                } = event.map_err(|error| ServiceError::Events(format!("{error:?}")))?
                 {
-                    self.fault_addrs.push(addr as usize);
+                    self.fault_addrs
+                        .push((addr as usize, thread_id.as_raw() as u32));
                 }
             }
             if self.fault_addrs.is_empty() {
                 return Ok(());
             }
             let addrs = std::mem::take(&mut self.fault_addrs);
-            for &addr in &addrs {
-                self.handle_fault(addr)?;
+            for &(addr, tid) in &addrs {
+                self.handle_fault(addr, tid)?;
             }
             self.fault_addrs = addrs;
         }
     }
 
-    fn handle_fault(&mut self, addr: usize) -> Result<(), ServiceError> {
+    fn handle_fault(&mut self, addr: usize, tid: u32) -> Result<(), ServiceError> {
         let now = self.now_ns();
         let page = self.config.page_size as usize;
         let page_addr = addr & !(page - 1);
@@ -359,6 +419,11 @@ impl FaultService {
         };
         let block = BlockRef::new(id, index);
         self.stats.faults += 1;
+        let waiter = |outcome| Waiter {
+            t_ns: now,
+            tid,
+            outcome,
+        };
         let outcome = match region.blocks[index as usize] {
             BlockState::Resident => {
                 // The fault raced with the install that already woke it.
@@ -366,18 +431,27 @@ impl FaultService {
                 FaultOutcome::Resident
             }
             BlockState::Reading => {
-                self.waiters.entry(block).or_default().push(now);
+                self.waiters
+                    .entry(block)
+                    .or_default()
+                    .push(waiter(FaultOutcome::InFlight));
                 FaultOutcome::InFlight
             }
             BlockState::Queued => {
-                self.waiters.entry(block).or_default().push(now);
+                self.waiters
+                    .entry(block)
+                    .or_default()
+                    .push(waiter(FaultOutcome::InFlight));
                 // Whatever queue it is in, it is now needed: serve it first.
                 self.demand.push_back(block);
                 FaultOutcome::InFlight
             }
             BlockState::Staged { slot } => {
                 self.unstage(block);
-                self.waiters.entry(block).or_default().push(now);
+                self.waiters
+                    .entry(block)
+                    .or_default()
+                    .push(waiter(FaultOutcome::Staged));
                 self.install_read(slot)?;
                 FaultOutcome::Staged
             }
@@ -385,7 +459,10 @@ impl FaultService {
             // ours, serve it like a missing one.
             BlockState::Missing | BlockState::Poisoned | BlockState::Unmapped => {
                 region.blocks[index as usize] = BlockState::Queued;
-                self.waiters.entry(block).or_default().push(now);
+                self.waiters
+                    .entry(block)
+                    .or_default()
+                    .push(waiter(FaultOutcome::Missing));
                 self.demand.push_back(block);
                 FaultOutcome::Missing
             }
@@ -395,7 +472,15 @@ impl FaultService {
             _ => self.stats.prefetch_hits += 1,
         }
         if outcome == FaultOutcome::Resident {
-            self.fault_latency.record_ns(self.now_ns() - now);
+            let file_offset = region_file_offset(&self.regions, block);
+            let done = self.now_ns();
+            self.log.served(
+                block,
+                file_offset,
+                self.config.block_size,
+                waiter(FaultOutcome::Resident),
+                done,
+            );
         }
         let event = FaultEvent {
             block,
@@ -811,10 +896,11 @@ impl FaultService {
                     self.eviction.inserted(BlockRef::new(region_id, index));
                 }
             }
-            if let Some(times) = self.waiters.remove(&BlockRef::new(region_id, index)) {
-                for time in times {
-                    self.fault_latency.record_ns(now.saturating_sub(time));
-                }
+            let block = BlockRef::new(region_id, index);
+            let file_offset = region.file_offset + index as u64 * region.layout.block_size;
+            for waiter in self.waiters.remove(&block).into_iter().flatten() {
+                self.log
+                    .served(block, file_offset, region.layout.block_size, waiter, now);
             }
         }
         self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
@@ -881,8 +967,10 @@ impl FaultService {
             } else {
                 region.blocks[index as usize] = BlockState::Missing;
             }
-            for time in waited.into_iter().flatten() {
-                self.fault_latency.record_ns(now.saturating_sub(time));
+            let file_offset = region.file_offset + index as u64 * region.layout.block_size;
+            for waiter in waited.into_iter().flatten() {
+                self.log
+                    .served(block, file_offset, region.layout.block_size, waiter, now);
             }
         }
         self.finish_read(slot);
@@ -999,6 +1087,15 @@ impl FaultService {
             Command::Stats { reply } => {
                 let snapshot = self.snapshot();
                 let _ = reply.send(snapshot);
+            }
+            Command::TakeTrace { reply } => {
+                let trace = self
+                    .log
+                    .trace
+                    .as_mut()
+                    .map(std::mem::take)
+                    .unwrap_or_default();
+                let _ = reply.send((trace, std::mem::take(&mut self.log.untraced)));
             }
             Command::Shutdown => self.shutting_down = true,
         }
@@ -1164,6 +1261,14 @@ impl FaultService {
             }
         }
     }
+}
+
+/// File offset of a block's first byte (0 for a region already gone).
+fn region_file_offset(regions: &HashMap<RegionId, RegionEntry>, block: BlockRef) -> u64 {
+    regions
+        .get(&block.region)
+        .map(|region| region.file_offset + block.index as u64 * region.layout.block_size)
+        .unwrap_or(0)
 }
 
 /// Copies `len` bytes from `source` into the registered range at `target` and wakes the
