@@ -219,13 +219,6 @@ enum ServiceError {
     Evict { addr: usize, error: std::io::Error },
 }
 
-/// What an install found.
-enum Installed {
-    Done,
-    /// The range is no longer registered (unmapped under us): nothing to install into.
-    Gone,
-}
-
 impl FaultService {
     pub(crate) fn new(
         config: ServiceConfig,
@@ -863,38 +856,26 @@ impl FaultService {
             .regions
             .get_mut(&region_id)
             .expect("installing into a live region");
-        let buffer = self.ring.buffer(slot).as_ptr();
-        let mut gone = false;
-        for index in first..first + count {
-            let memory = region.layout.block_memory(index);
-            let source =
-                buffer.wrapping_add(((index - first) as u64 * region.layout.block_size) as usize);
-            let target = region.base + memory.start as usize;
-            let len = (memory.end - memory.start) as usize;
-            match install(
-                &self.uffd,
-                source,
-                target,
-                len,
-                self.config.page_size as usize,
-            )? {
-                Installed::Done => {}
-                Installed::Gone => gone = true,
-            }
-        }
+        // The blocks of one read are neighbours in the buffer and in the region: one
+        // call installs them all.
+        let start = region.layout.block_memory(first).start;
+        let end = region.layout.block_memory(first + count - 1).end;
+        install(
+            &self.uffd,
+            self.ring.buffer(slot).as_ptr(),
+            region.base + start as usize,
+            (end - start) as usize,
+            self.config.page_size as usize,
+        )?;
         let now = self.start.elapsed().as_nanos() as u64;
         for index in first..first + count {
             let bytes = region.layout.block_bytes(index);
-            region.blocks[index as usize] = if gone {
-                BlockState::Missing
-            } else {
-                BlockState::Resident
-            };
-            if !gone {
-                self.resident += bytes;
-                if !region.pinned[index as usize] {
-                    self.eviction.inserted(BlockRef::new(region_id, index));
-                }
+            // Pages the program unmapped meanwhile were skipped; the block is still
+            // counted whole, which errs on the side of the budget.
+            region.blocks[index as usize] = BlockState::Resident;
+            self.resident += bytes;
+            if !region.pinned[index as usize] {
+                self.eviction.inserted(BlockRef::new(region_id, index));
             }
             let block = BlockRef::new(region_id, index);
             let file_offset = region.file_offset + index as u64 * region.layout.block_size;
@@ -1271,86 +1252,75 @@ fn region_file_offset(regions: &HashMap<RegionId, RegionEntry>, block: BlockRef)
         .unwrap_or(0)
 }
 
-/// Copies `len` bytes from `source` into the registered range at `target` and wakes the
-/// threads waiting there. Pages that already exist (a racing install) are skipped; the
-/// rest are still installed, page by page if need be, so a faulting page is never left
-/// missing (which would leave its thread waiting forever).
+/// Copies `len` bytes from `source` (a finished read's buffer) into the registered range
+/// at `target` and wakes the threads waiting there. Pages that already exist (a racing
+/// install) or that the program has unmapped are skipped, page by page if need be, and
+/// the rest still installed, so a faulting page is never left missing (its thread would
+/// wait forever).
+///
+/// UFFDIO_MOVE would avoid the copy, but the kernel moves pages only between writable
+/// mappings (`validate_move_areas`), and a region keeps the program's read-only
+/// protection.
 fn install(
     uffd: &Uffd,
     source: *const u8,
     target: usize,
     len: usize,
     page: usize,
-) -> Result<Installed, ServiceError> {
+) -> Result<(), ServiceError> {
+    use nix::errno::Errno;
     let mut done = 0usize;
+    // One call for the whole range; after a refusal, page by page until past the page
+    // that stopped it.
+    let mut page_by_page_until = 0usize;
     let mut stalls = 0u32;
     while done < len {
-        // SAFETY: `source + done .. source + len` lies inside a read buffer the ring owns
-        // and no read is writing (its read completed); `target` is inside a region this
-        // service serves, registered and mapped until its `RemoveRegion` is acknowledged.
+        let chunk = if done < page_by_page_until {
+            page
+        } else {
+            len - done
+        };
+        // SAFETY: `source + done .. + chunk` lies inside a read buffer the ring owns and
+        // no read is writing (its read completed); `target + done` is inside a region
+        // this service serves, mapped until its RemoveRegion is acknowledged.
         let result = unsafe {
             uffd.copy(
                 source.wrapping_add(done).cast(),
                 (target + done) as *mut libc::c_void,
-                len - done,
+                chunk,
                 true,
             )
         };
-        match result {
-            Ok(copied) => done += copied.max(page.min(len - done)),
-            Err(userfaultfd::Error::PartiallyCopied(copied)) if copied > 0 => done += copied,
-            Err(userfaultfd::Error::PartiallyCopied(_)) => {
-                // EAGAIN with nothing copied: a later page exists, or the address space
-                // is changing. Go page by page; a page that exists is skipped below.
+        let (copied, errno) = match result {
+            Ok(n) => (n.max(page).min(len - done), None),
+            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::EAGAIN)),
+            Err(userfaultfd::Error::CopyFailed(errno)) => (0, Some(errno)),
+            Err(other) => return Err(ServiceError::Events(format!("{other:?}"))),
+        };
+        done += copied;
+        match errno {
+            None => {}
+            Some(_) if copied > 0 => page_by_page_until = done + page,
+            // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
+            // unmapped part of the region): skip it.
+            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
+            // EAGAIN with nothing copied: the address space is changing (it settles: no
+            // userfaultfd events are enabled); go page by page.
+            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
                 stalls += 1;
-                if stalls > 1000 {
-                    return Err(ServiceError::Install {
-                        addr: target + done,
-                        errno: nix::errno::Errno::EAGAIN,
-                    });
-                }
-                // SAFETY: as above, one page.
-                let single = unsafe {
-                    uffd.copy(
-                        source.wrapping_add(done).cast(),
-                        (target + done) as *mut libc::c_void,
-                        page,
-                        true,
-                    )
-                };
-                match single {
-                    Ok(_) | Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::EEXIST)) => {
-                        done += page
-                    }
-                    Err(userfaultfd::Error::PartiallyCopied(_)) => {}
-                    Err(userfaultfd::Error::CopyFailed(
-                        nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
-                    )) => return Ok(Installed::Gone),
-                    Err(userfaultfd::Error::CopyFailed(errno)) => {
-                        return Err(ServiceError::Install {
-                            addr: target + done,
-                            errno,
-                        })
-                    }
-                    Err(other) => {
-                        return Err(ServiceError::Events(format!("{other:?}")));
-                    }
-                }
+                page_by_page_until = done + page
             }
-            Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::EEXIST)) => done += page,
-            Err(userfaultfd::Error::CopyFailed(
-                nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
-            )) => return Ok(Installed::Gone),
-            Err(userfaultfd::Error::CopyFailed(errno)) => {
+            // The process is exiting: nobody is left to wait for these pages.
+            Some(Errno::ESRCH) => return Ok(()),
+            Some(errno) => {
                 return Err(ServiceError::Install {
                     addr: target + done,
                     errno,
                 })
             }
-            Err(other) => return Err(ServiceError::Events(format!("{other:?}"))),
         }
     }
-    Ok(Installed::Done)
+    Ok(())
 }
 
 /// Poisons the missing pages of `[start, start + len)` (SIGBUS on access) and wakes their
