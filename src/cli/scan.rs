@@ -56,6 +56,9 @@ pub struct ScanArgs {
     prefetch: PrefetchKind,
     #[arg(long, value_enum, default_value_t = EvictionKind::Fifo)]
     eviction: EvictionKind,
+    /// Largest read: neighbouring prefetched blocks are merged up to this size.
+    #[arg(long, value_parser = size_arg, default_value = "1M")]
+    max_read: u64,
     /// Reads in flight at once.
     #[arg(long, default_value_t = hyperoffload::pager::DEFAULT_QUEUE_DEPTH)]
     queue_depth: u32,
@@ -71,6 +74,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
         .budget(args.budget)
         .block_size(args.block)
         .queue_depth(args.queue_depth)
+        .max_read(args.max_read)
         .prefetch(args.prefetch.build())
         .eviction(args.eviction.build())
         .build()?;
