@@ -1,5 +1,8 @@
 //! Model file formats: the tensor table of a model file, in file byte ranges.
 
+pub mod ggml_type;
+pub mod gguf;
+
 use std::ops::Range;
 
 /// One tensor of a model file.

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 
 use super::{
-    AccessHint, BlockRef, FaultEvent, FaultOutcome, PrefetchPolicy, PrefetchRequest,
-    RegionId, RegionInfo,
+    AccessHint, BlockRef, FaultEvent, FaultOutcome, PrefetchPolicy, PrefetchRequest, RegionId,
+    RegionInfo,
 };
 
 /// Reads nothing but what faults.
@@ -141,8 +141,7 @@ impl PrefetchPolicy for SequentialReadahead {
                 };
                 if state.streams.len() < self.max_streams {
                     state.streams.push(fresh);
-                } else if let Some(oldest) =
-                    state.streams.iter_mut().min_by_key(|s| s.last_time_ns)
+                } else if let Some(oldest) = state.streams.iter_mut().min_by_key(|s| s.last_time_ns)
                 {
                     *oldest = fresh;
                 }
