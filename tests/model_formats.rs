@@ -90,3 +90,59 @@ fn reads_the_real_smollm2_gguf() {
     assert_eq!(GgufFile::parse_prefix(prefix, file_len).unwrap(), gguf);
     assert_eq!(GgufFile::parse(&bytes).unwrap(), gguf);
 }
+
+fn data_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// A file written by gguf-py (`tests/data/python.gguf`, made by
+/// `gguf.GGUFWriter` 0.17): an independent writer, every scalar type, nested arrays.
+#[test]
+fn reads_a_gguf_written_by_gguf_py() {
+    let gguf = GgufFile::open(&data_path("python.gguf")).unwrap();
+    let expect = [
+        ("t.u8", GgufValue::U8(200)),
+        ("t.i8", GgufValue::I8(-100)),
+        ("t.u16", GgufValue::U16(60000)),
+        ("t.i16", GgufValue::I16(-30000)),
+        ("t.u32", GgufValue::U32(4_000_000_000)),
+        ("t.i32", GgufValue::I32(-2_000_000_000)),
+        ("t.f32", GgufValue::F32(1.5)),
+        ("t.bool", GgufValue::Bool(true)),
+        ("t.str", GgufValue::string("héllo")),
+        ("t.u64", GgufValue::U64((1 << 63) + 5)),
+        ("t.i64", GgufValue::I64(-(1 << 62))),
+        ("t.f64", GgufValue::F64(2.25)),
+        ("t.arr_str", GgufValue::strings(["a", "bc", ""])),
+    ];
+    for (key, value) in expect {
+        assert_eq!(gguf.get(key), Some(&value), "{key}");
+    }
+    let nested = gguf.get("t.nested").and_then(GgufValue::as_array).unwrap();
+    assert_eq!(nested.len(), 2);
+    assert_eq!(nested[1].as_array().map(<[_]>::len), Some(1));
+
+    let table = gguf.tensor_table();
+    let ranges: Vec<_> = table
+        .iter()
+        .map(|t| {
+            (
+                t.name.as_str(),
+                t.dtype.as_str(),
+                t.shape.clone(),
+                t.file_range.clone(),
+            )
+        })
+        .collect();
+    // Offsets and sizes as gguf-py's reader reports them.
+    assert_eq!(
+        ranges,
+        vec![
+            ("a.weight", "F32", vec![4, 64], 672..1696),
+            ("b.weight", "F16", vec![3, 32], 1696..1888),
+            ("c.weight", "Q8_0", vec![2, 32], 1888..1956),
+        ]
+    );
+}
