@@ -1,5 +1,7 @@
 //! The `hyperoffload` command line.
 
+mod cli;
+
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    cli::run()
 }
