@@ -33,12 +33,23 @@ pub fn f32_to_f16(x: f32) -> u16 {
     if e >= 0x1f {
         return sign | 0x7c00;
     }
-    if e <= 0 {
-        return sign;
-    }
-    let half = ((e as u32) << 10) | (mant >> 13);
-    let rest = mant & 0x1fff;
-    let round = rest > 0x1000 || (rest == 0x1000 && half & 1 == 1);
+    // Subnormal results keep what precision they can: small K-quant block scales
+    // (1e-5 and below) live there in real models too.
+    let (half, shift) = if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        // Value = m * 2^(e - 14) units of 2^-24, the smallest subnormal.
+        let m = mant | 0x80_0000;
+        let shift = (14 - e) as u32;
+        (m >> shift, shift)
+    } else {
+        (((e as u32) << 10) | (mant >> 13), 13)
+    };
+    let source = if e <= 0 { mant | 0x80_0000 } else { mant };
+    let rest = source & ((1 << shift) - 1);
+    let halfway = 1 << (shift - 1);
+    let round = rest > halfway || (rest == halfway && half & 1 == 1);
     // A carry out of the mantissa correctly bumps the exponent.
     sign | (half + u32::from(round)) as u16
 }
@@ -247,13 +258,18 @@ mod tests {
 
     #[test]
     fn f16_conversion_round_trips_small_values() {
-        for x in [0.0f32, 1.0, -2.5, 0.001, 65504.0, 6.1035156e-5] {
-            assert_eq!(f16_to_f32(f32_to_f16(x)), x, "{x}");
+        // Every finite f16 (normal and subnormal) survives the trip.
+        for h in 0..=u16::MAX {
+            if h & 0x7c00 != 0x7c00 {
+                assert_eq!(f32_to_f16(f16_to_f32(h)), h, "{h:#06x}");
+            }
         }
         assert_eq!(f32_to_f16(1e6), 0x7c00);
         assert_eq!(f32_to_f16(1e-9), 0);
-        let close = f16_to_f32(f32_to_f16(0.1));
-        assert!((close - 0.1).abs() < 1e-4);
+        for x in [0.1f32, 1e-5, 3e-7] {
+            let back = f16_to_f32(f32_to_f16(x));
+            assert!((back - x).abs() <= x * 1e-3 + 6e-8, "{x} -> {back}");
+        }
     }
 
     #[test]
@@ -274,7 +290,7 @@ mod tests {
             if let Some(at) = at {
                 for block in buf.chunks_exact(ty.type_size() as usize) {
                     let d = f16_to_f32(u16::from_le_bytes([block[at], block[at + 1]]));
-                    assert!(d.is_finite() && d > 0.0 && d < 0.01, "{ty}: d = {d}");
+                    assert!(d.is_finite() && d > 0.0 && d < 0.05, "{ty}: d = {d}");
                 }
             }
         }

@@ -80,6 +80,18 @@ const EXEC_ORDER: &[&str] = &[
     "ffn_down.weight",
     "ffn_down.bias",
 ];
+/// The tensors every llama layer has.
+const REQUIRED_LAYER_ROLES: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+];
 const GLOBAL_EXEC_ORDER: &[&str] = &[
     "token_embd.weight",
     "rope_freqs.weight",
@@ -144,11 +156,13 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
             shape.n_head, shape.n_head_kv
         )));
     }
-    if shape.n_head * shape.head_dim != shape.n_embd {
+    // Metadata is untrusted: multiply checked. Once n_head * head_dim == n_embd, and
+    // every tensor's dims are checked against the shape, all later products are
+    // bounded by the size of the small file.
+    if shape.n_head.checked_mul(shape.head_dim) != Some(shape.n_embd) {
         return Err(SynthError::Unsupported(format!(
-            "n_head * head_dim = {} differs from n_embd = {}",
-            shape.n_head * shape.head_dim,
-            shape.n_embd
+            "n_head {} x head_dim {} differs from n_embd {}",
+            shape.n_head, shape.head_dim, shape.n_embd
         )));
     }
 
@@ -185,6 +199,22 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
             }),
         }
     }
+    // llama.cpp requires these; they also pin down every dimension of the shape.
+    for required in REQUIRED_LAYER_ROLES {
+        if !layer.iter().any(|r| r.name == *required) {
+            return Err(SynthError::MissingTensor(format!("blk.0.{required}")));
+        }
+    }
+    for role in &layer {
+        if role.types.len() as u64 != shape.n_layer {
+            return Err(SynthError::Unsupported(format!(
+                "{} layers have {}, but llama.block_count is {}",
+                role.types.len(),
+                role.name,
+                shape.n_layer
+            )));
+        }
+    }
     // Per-layer types in layer order, whatever order the file had them in.
     for role in &mut layer {
         let mut typed: Vec<(u64, GgmlType)> = small
@@ -206,7 +236,8 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
 /// relative depth, so mixed-quantization recipes (Q4_K_M and the like) carry over.
 fn layer_type(role: &Role, i: u64, n_layer: u64) -> GgmlType {
     let n = role.types.len() as u64;
-    let j = (i * n / n_layer.max(1)).min(n.saturating_sub(1));
+    let j = (u128::from(i) * u128::from(n) / u128::from(n_layer.max(1))) as u64;
+    let j = j.min(n.saturating_sub(1));
     role.types.get(j as usize).copied().unwrap_or(GgmlType::F32)
 }
 
@@ -221,21 +252,32 @@ fn lcm(a: u64, b: u64) -> u64 {
     a / gcd(a, b) * b
 }
 
-/// Bytes of all tensor data (each padded to the alignment) for a shape.
+/// Layers of `n_layer` that take their type from small layer `j` of `n_small`
+/// (those `i` with `i * n_small / n_layer == j`).
+fn layers_from(j: u64, n_small: u64, n_layer: u64) -> u64 {
+    let first = |j: u64| (u128::from(j) * u128::from(n_layer)).div_ceil(u128::from(n_small.max(1)));
+    // At most n_layer, so it fits back in u64.
+    (first(j + 1).min(u128::from(n_layer)) - first(j).min(u128::from(n_layer))) as u64
+}
+
+/// Bytes of all tensor data (each padded to the alignment) for a shape. Counts layers
+/// per small-model type rather than walking every layer, so it is cheap for any depth.
 fn data_bytes(shape: &LlamaShape, globals: &[Role], layer: &[Role], alignment: u64) -> Option<u64> {
     let bytes = |role: &Role, ty: GgmlType| {
         shape
             .dims(&role.name)
             .and_then(|d| ty.tensor_bytes(&d))
-            .map(|b| b.next_multiple_of(alignment))
+            .and_then(|b| b.checked_next_multiple_of(alignment))
     };
     let mut total = 0u64;
     for role in globals {
         total = total.checked_add(bytes(role, role.types[0])?)?;
     }
-    for i in 0..shape.n_layer {
-        for role in layer {
-            total = total.checked_add(bytes(role, layer_type(role, i, shape.n_layer))?)?;
+    for role in layer {
+        let n_small = role.types.len() as u64;
+        for (j, ty) in role.types.iter().enumerate() {
+            let count = layers_from(j as u64, n_small, shape.n_layer);
+            total = total.checked_add(bytes(role, *ty)?.checked_mul(count)?)?;
         }
     }
     Some(total)
@@ -309,7 +351,7 @@ fn choose_shape(
 }
 
 /// Moves the feed-forward width (in whole blocks, within a factor of two) to bring
-/// the total nearest the target.
+/// the total nearest the target. The total grows with the width: binary search.
 fn tune_ff(
     shape: &mut LlamaShape,
     globals: &[Role],
@@ -318,22 +360,23 @@ fn tune_ff(
     alignment: u64,
     block: u64,
 ) {
-    let base = shape.n_ff;
-    let error = |s: &LlamaShape| {
-        data_bytes(s, globals, layer, alignment).map_or(u64::MAX, |b| b.abs_diff(target))
-    };
-    let mut best = (error(shape), base);
-    let mut candidate = *shape;
-    let mut n_ff = (base / 2).max(block).next_multiple_of(block);
-    while n_ff <= base * 2 {
-        candidate.n_ff = n_ff;
-        let e = error(&candidate);
-        if e < best.0 {
-            best = (e, n_ff);
+    let total = |n_ff: u64| data_bytes(&LlamaShape { n_ff, ..*shape }, globals, layer, alignment);
+    let (mut lo, mut hi) = ((shape.n_ff / 2 / block).max(1), shape.n_ff * 2 / block);
+    // Find the first width (in blocks) whose total reaches the target.
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match total(mid * block) {
+            Some(t) if t >= target => hi = mid,
+            Some(_) => lo = mid + 1,
+            None => hi = mid,
         }
-        n_ff += block;
     }
-    shape.n_ff = best.1;
+    let error = |blocks: u64| total(blocks * block).map_or(u64::MAX, |t| t.abs_diff(target));
+    let best = [lo.saturating_sub(1).max(1), lo]
+        .into_iter()
+        .min_by_key(|&b| error(b))
+        .unwrap_or(lo);
+    shape.n_ff = best * block;
 }
 
 /// Writes `value` with the integer type `like` had, so readers expecting u32 get u32.
