@@ -84,8 +84,8 @@ pub fn write<W: Write>(
     let mut writer = GgufWriter::new(out, &plan.metadata, plan.tensors.clone(), plan.alignment)?;
     let mut buf = vec![0u8; CHUNK];
     let mut done = 0u64;
-    for tensor in plan.tensors.clone().iter().zip(writer.tensors().to_vec()) {
-        let (new, placed) = tensor;
+    let placed_tensors = writer.tensors().to_vec();
+    for (new, placed) in plan.tensors.iter().zip(placed_tensors) {
         let what = plan
             .fills
             .get(&new.name)

@@ -511,7 +511,7 @@ pub fn plan(
         } else {
             // Unit-variance outputs from unit-variance inputs.
             Fill::Weight {
-                std: 1.0 / (dims[0] as f32).sqrt(),
+                std: 1.0 / (dims.first().copied().unwrap_or(1).max(1) as f32).sqrt(),
             }
         };
         fills.insert(name.clone(), what);
