@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod scan;
 mod simulate;
+mod synth;
 
 #[derive(Parser)]
 #[command(
@@ -22,6 +23,8 @@ enum Command {
     Scan(scan::ScanArgs),
     /// Replay a block-access sequence against a budget with a policy and count the reads.
     Simulate(simulate::SimulateArgs),
+    /// Write a llama-shaped GGUF of a given size from a small one (random weights).
+    Synth(synth::SynthArgs),
 }
 
 pub fn run() -> anyhow::Result<std::process::ExitCode> {
@@ -29,6 +32,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
         Command::Scan(args) => scan::run(args),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Synth(args) => synth::run(args).map(|()| std::process::ExitCode::SUCCESS),
     }
 }
 

@@ -1,6 +1,19 @@
 //! Model file formats: the tensor table of a model file, in file byte ranges.
 
+pub mod ggml_type;
+pub mod gguf;
+pub mod safetensors;
+pub mod synth;
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
 use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use gguf::{GgufError, GgufFile};
+use safetensors::{SafetensorsError, SafetensorsFile};
 
 /// One tensor of a model file.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -8,7 +21,97 @@ pub struct TensorInfo {
     pub name: String,
     /// The format's type name (`Q4_1`, `F32`, `BF16`, ...).
     pub dtype: String,
+    /// Outermost dimension first (`[rows, row length]`), in every format: GGUF's
+    /// ggml-order dims are reversed to match.
     pub shape: Vec<u64>,
     /// Absolute byte range of the tensor's data in the file.
     pub file_range: Range<u64>,
+}
+
+/// The parsed header of a model file, by format.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelFormat {
+    Gguf(GgufFile),
+    Safetensors(SafetensorsFile),
+}
+
+impl ModelFormat {
+    /// The format's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ModelFormat::Gguf(_) => "gguf",
+            ModelFormat::Safetensors(_) => "safetensors",
+        }
+    }
+}
+
+/// A model file whose header has been read: its tensor table and format details.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelFile {
+    pub path: PathBuf,
+    pub file_len: u64,
+    /// The tensors in the format's header order, with absolute byte ranges.
+    pub tensors: Vec<TensorInfo>,
+    pub format: ModelFormat,
+}
+
+/// Why a model file could not be opened.
+#[derive(Debug, Error)]
+#[error("{}: {kind}", path.display())]
+pub struct ModelError {
+    pub path: PathBuf,
+    pub kind: ModelErrorKind,
+}
+
+/// What went wrong with a model file.
+#[derive(Debug, Error)]
+pub enum ModelErrorKind {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("not a model file this program knows (GGUF or safetensors); it starts with {0:02x?}")]
+    UnknownFormat(Vec<u8>),
+    #[error("bad GGUF: {0}")]
+    Gguf(#[from] GgufError),
+    #[error("bad safetensors: {0}")]
+    Safetensors(#[from] SafetensorsError),
+}
+
+impl ModelFile {
+    /// Reads the header of a GGUF or safetensors file (told apart by the GGUF magic,
+    /// else by the `.safetensors` extension or a header that opens with `{`). Only the
+    /// header is read, whatever the size of the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<ModelFile, ModelError> {
+        let path = path.as_ref();
+        Self::open_inner(path).map_err(|kind| ModelError {
+            path: path.to_path_buf(),
+            kind,
+        })
+    }
+
+    fn open_inner(path: &Path) -> Result<ModelFile, ModelErrorKind> {
+        let mut file = File::open(path)?;
+        let file_len = file.metadata()?.len();
+        let mut start = Vec::with_capacity(9);
+        (&mut file).take(9).read_to_end(&mut start)?;
+        file.seek(SeekFrom::Start(0))?;
+        let format = if start.starts_with(gguf::MAGIC) {
+            ModelFormat::Gguf(GgufFile::read_from(file)?)
+        } else if path.extension().is_some_and(|e| e == "safetensors")
+            || start.get(8) == Some(&b'{')
+        {
+            ModelFormat::Safetensors(SafetensorsFile::read_from(file)?)
+        } else {
+            return Err(ModelErrorKind::UnknownFormat(start));
+        };
+        let tensors = match &format {
+            ModelFormat::Gguf(g) => g.tensor_table(),
+            ModelFormat::Safetensors(s) => s.tensor_table(),
+        };
+        Ok(ModelFile {
+            path: path.to_path_buf(),
+            file_len,
+            tensors,
+            format,
+        })
+    }
 }

@@ -1,0 +1,110 @@
+//! `hyperoffload synth`: write a synthetic llama model of a given size.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use hyperoffload::model::gguf::GgufFile;
+use hyperoffload::model::synth::{self, TensorOrder};
+use hyperoffload::size::{format_size, parse_size};
+
+/// Write a llama model of about SIZE bytes shaped like a small one: more and wider
+/// layers, its tokenizer, random valid weights of its quantization types.
+#[derive(Debug, Args)]
+pub struct SynthArgs {
+    /// The small GGUF model to imitate (llama architecture).
+    #[arg(long)]
+    like: PathBuf,
+    /// Approximate size of the new file (e.g. 3G, 512M).
+    #[arg(long, value_parser = parse_size)]
+    size: u64,
+    /// Where to write the new model.
+    #[arg(long)]
+    out: PathBuf,
+    /// The order of the tensors in the file.
+    #[arg(long, value_enum, default_value_t = Order::File)]
+    order: Order,
+    /// Seed of the random weights (and of the shuffled order).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Order {
+    /// llama.cpp's execution order.
+    Exec,
+    /// The small model's file order, extended.
+    File,
+    /// Sorted by name.
+    Alphabetical,
+    /// A random permutation.
+    Shuffled,
+}
+
+impl From<Order> for TensorOrder {
+    fn from(order: Order) -> Self {
+        match order {
+            Order::Exec => TensorOrder::Exec,
+            Order::File => TensorOrder::File,
+            Order::Alphabetical => TensorOrder::Alphabetical,
+            Order::Shuffled => TensorOrder::Shuffled,
+        }
+    }
+}
+
+pub fn run(args: SynthArgs) -> anyhow::Result<()> {
+    let small =
+        GgufFile::open(&args.like).with_context(|| format!("reading {}", args.like.display()))?;
+    let plan = synth::plan(&small, args.size, args.order.into(), args.seed).with_context(|| {
+        format!(
+            "planning a {} model like {}",
+            format_size(args.size),
+            args.like.display()
+        )
+    })?;
+    let s = plan.shape;
+    eprintln!(
+        "synth: {} layers, n_embd {}, n_ff {}, heads {}/{} (kv), {:.2}B parameters, {} tensors, {}",
+        s.n_layer,
+        s.n_embd,
+        s.n_ff,
+        s.n_head,
+        s.n_head_kv,
+        plan.n_params as f64 / 1e9,
+        plan.tensors.len(),
+        format_size(plan.file_len)
+    );
+
+    let file =
+        File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let bar = ProgressBar::new(plan.file_len);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let start = Instant::now();
+    let out = synth::write(
+        &plan,
+        BufWriter::with_capacity(1 << 20, file),
+        args.seed,
+        |done| bar.set_position(done),
+    )
+    .with_context(|| format!("writing {}", args.out.display()))?;
+    out.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("flushing {}", args.out.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "synth: wrote {} ({}) in {:.1} s",
+        args.out.display(),
+        format_size(plan.file_len),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! Synthetic llama models of any size, shaped like a small real one: more and wider
+//! layers, the small model's tokenizer and settings, and random but valid weights of
+//! the same quantization types, so llama.cpp loads and runs them. They stand in for
+//! models larger than RAM in tests and benchmarks.
+
+mod fill;
+mod plan;
+
+use std::io::{self, Write};
+
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use thiserror::Error;
+
+pub use fill::{f16_to_f32, f32_to_f16, Fill};
+pub use plan::{plan, LlamaShape, SynthPlan};
+
+use crate::model::ggml_type::GgmlType;
+use crate::model::gguf::{GgufWriteError, GgufWriter};
+
+/// The order tensors are written in. Real converters differ, and the order decides
+/// how far apart in the file the tensors of one step are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorOrder {
+    /// The order llama.cpp reads them for one token.
+    Exec,
+    /// The small model's file order, extended to the new layers.
+    File,
+    /// By name, as safetensors and some converters do (`blk.10` before `blk.2`).
+    Alphabetical,
+    /// A random permutation (from the seed).
+    Shuffled,
+}
+
+/// Why a synthetic model could not be made.
+#[derive(Debug, Error)]
+pub enum SynthError {
+    #[error("the model's architecture is {0:?}; synth builds llama models only")]
+    NotLlama(String),
+    #[error("the model lacks metadata key {0:?}")]
+    MissingKey(String),
+    #[error("the model lacks tensor {0:?}")]
+    MissingTensor(String),
+    #[error("the model has tensor {0:?}, which synth does not know how to scale")]
+    UnknownTensor(String),
+    #[error("tensor {tensor:?} has dims {dims:?}, expected {expected:?} from the metadata")]
+    UnexpectedShape {
+        tensor: String,
+        dims: Vec<u64>,
+        expected: Vec<u64>,
+    },
+    #[error("synth cannot generate valid {0} data")]
+    UnsupportedType(GgmlType),
+    #[error("unsupported model shape: {0}")]
+    Unsupported(String),
+    #[error("requested {requested} bytes, but the smallest model of this shape takes {minimum}")]
+    TooSmall { requested: u64, minimum: u64 },
+    #[error("writing the model: {0}")]
+    Write(#[from] GgufWriteError),
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Bytes generated and written per step: big enough to stream at disk speed, small
+/// enough to keep memory flat.
+const CHUNK: usize = 8 << 20;
+
+/// A seed per tensor from its name, so a tensor's contents do not depend on the order.
+fn tensor_seed(seed: u64, name: &str) -> u64 {
+    // FNV-1a.
+    name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Writes the planned model to `out`, calling `progress` with the bytes of tensor data
+/// written so far. Streams: memory use is one chunk whatever the model size.
+pub fn write<W: Write>(
+    plan: &SynthPlan,
+    out: W,
+    seed: u64,
+    mut progress: impl FnMut(u64),
+) -> Result<W, SynthError> {
+    let mut writer = GgufWriter::new(out, &plan.metadata, plan.tensors.clone(), plan.alignment)?;
+    let mut buf = vec![0u8; CHUNK];
+    let mut done = 0u64;
+    let placed_tensors = writer.tensors().to_vec();
+    for (new, placed) in plan.tensors.iter().zip(placed_tensors) {
+        let what = plan
+            .fills
+            .get(&new.name)
+            .copied()
+            .unwrap_or(Fill::Weight { std: 0.02 });
+        let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &new.name));
+        // Whole blocks per chunk, so each chunk is valid data on its own.
+        let block = new.ggml_type.type_size() as usize;
+        let step = (CHUNK / block).max(1) * block;
+        let mut left = placed.size;
+        while left > 0 {
+            let n = step.min(left as usize);
+            if buf.len() < n {
+                buf.resize(n, 0);
+            }
+            fill::fill(new.ggml_type, what, &mut buf[..n], &mut rng);
+            writer.write_data(&buf[..n])?;
+            left -= n as u64;
+            done += n as u64;
+            progress(done);
+        }
+    }
+    Ok(writer.finish()?)
+}

@@ -1,0 +1,578 @@
+//! Choosing the shape of a synthetic llama model: how wide and how deep, so that the
+//! file comes out near the requested size; its metadata; and its tensor order.
+
+use std::collections::HashMap;
+use std::io;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use super::fill::{self, Fill};
+use super::{SynthError, TensorOrder};
+use crate::model::ggml_type::GgmlType;
+use crate::model::gguf::{GgufFile, GgufValue, GgufWriter, NewTensor};
+
+/// The dimensions of a llama model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlamaShape {
+    pub n_layer: u64,
+    pub n_embd: u64,
+    pub n_ff: u64,
+    pub n_head: u64,
+    pub n_head_kv: u64,
+    pub head_dim: u64,
+    pub n_vocab: u64,
+}
+
+impl LlamaShape {
+    /// The dimensions of a model's tensor, by its name without the `blk.N.` prefix;
+    /// `None` for a tensor a llama model does not have.
+    fn dims(&self, role: &str) -> Option<Vec<u64>> {
+        let q = self.n_head * self.head_dim;
+        let kv = self.n_head_kv * self.head_dim;
+        Some(match role {
+            "token_embd.weight" | "output.weight" => vec![self.n_embd, self.n_vocab],
+            "output_norm.weight" | "attn_norm.weight" | "ffn_norm.weight" => vec![self.n_embd],
+            "rope_freqs.weight" => vec![self.head_dim / 2],
+            "attn_q.weight" => vec![self.n_embd, q],
+            "attn_k.weight" | "attn_v.weight" => vec![self.n_embd, kv],
+            "attn_output.weight" => vec![q, self.n_embd],
+            "attn_q.bias" => vec![q],
+            "attn_k.bias" | "attn_v.bias" => vec![kv],
+            "attn_output.bias" | "ffn_down.bias" => vec![self.n_embd],
+            "ffn_gate.weight" | "ffn_up.weight" => vec![self.n_embd, self.n_ff],
+            "ffn_gate.bias" | "ffn_up.bias" => vec![self.n_ff],
+            "ffn_down.weight" => vec![self.n_ff, self.n_embd],
+            _ => return None,
+        })
+    }
+
+    /// Parameters (elements) of all tensors.
+    fn n_params(&self, globals: &[Role], layer: &[Role]) -> u64 {
+        let count = |role: &Role| self.dims(&role.name).map_or(0, |d| d.iter().product());
+        globals.iter().map(count).sum::<u64>() + self.n_layer * layer.iter().map(count).sum::<u64>()
+    }
+}
+
+/// A kind of tensor of the small model, with its type (per small layer, for layers).
+#[derive(Debug, Clone)]
+struct Role {
+    name: String,
+    types: Vec<GgmlType>,
+}
+
+/// The llama execution order of a layer's tensors (biases follow their weights).
+const EXEC_ORDER: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_q.bias",
+    "attn_k.weight",
+    "attn_k.bias",
+    "attn_v.weight",
+    "attn_v.bias",
+    "attn_output.weight",
+    "attn_output.bias",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_gate.bias",
+    "ffn_up.weight",
+    "ffn_up.bias",
+    "ffn_down.weight",
+    "ffn_down.bias",
+];
+/// The tensors every llama layer has.
+const REQUIRED_LAYER_ROLES: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+];
+const GLOBAL_EXEC_ORDER: &[&str] = &[
+    "token_embd.weight",
+    "rope_freqs.weight",
+    "output_norm.weight",
+    "output.weight",
+];
+
+/// Everything needed to write the synthetic model.
+#[derive(Debug, Clone)]
+pub struct SynthPlan {
+    pub shape: LlamaShape,
+    pub metadata: Vec<(String, GgufValue)>,
+    /// In file order.
+    pub tensors: Vec<NewTensor>,
+    /// How each tensor is filled, by name.
+    pub fills: HashMap<String, Fill>,
+    pub alignment: u64,
+    /// Size of the finished file.
+    pub file_len: u64,
+    pub n_params: u64,
+}
+
+fn layer_of(name: &str) -> Option<(u64, &str)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (index, role) = rest.split_once('.')?;
+    Some((index.parse().ok()?, role))
+}
+
+fn key_u64(small: &GgufFile, key: &str) -> Result<u64, SynthError> {
+    small
+        .get_u64(key)
+        .ok_or_else(|| SynthError::MissingKey(key.to_string()))
+}
+
+/// Reads the small model's shape and its tensors' roles and types.
+fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), SynthError> {
+    let arch = small.architecture().unwrap_or("(none)");
+    if arch != "llama" {
+        return Err(SynthError::NotLlama(arch.to_string()));
+    }
+    let n_head = key_u64(small, "llama.attention.head_count")?;
+    let n_embd = key_u64(small, "llama.embedding_length")?;
+    let embd = small
+        .tensor("token_embd.weight")
+        .ok_or_else(|| SynthError::MissingTensor("token_embd.weight".into()))?;
+    let shape = LlamaShape {
+        n_layer: key_u64(small, "llama.block_count")?,
+        n_embd,
+        n_ff: key_u64(small, "llama.feed_forward_length")?,
+        n_head,
+        n_head_kv: small
+            .get_u64("llama.attention.head_count_kv")
+            .unwrap_or(n_head),
+        head_dim: small
+            .get_u64("llama.attention.key_length")
+            .unwrap_or(n_embd / n_head.max(1)),
+        n_vocab: embd.dims.get(1).copied().unwrap_or(0),
+    };
+    if shape.n_head == 0 || shape.n_head_kv == 0 || shape.n_head % shape.n_head_kv != 0 {
+        return Err(SynthError::Unsupported(format!(
+            "head counts {} / {} (kv)",
+            shape.n_head, shape.n_head_kv
+        )));
+    }
+    // Metadata is untrusted: multiply checked. Once n_head * head_dim == n_embd, and
+    // every tensor's dims are checked against the shape, all later products are
+    // bounded by the size of the small file.
+    if shape.n_head.checked_mul(shape.head_dim) != Some(shape.n_embd) {
+        return Err(SynthError::Unsupported(format!(
+            "n_head {} x head_dim {} differs from n_embd {}",
+            shape.n_head, shape.head_dim, shape.n_embd
+        )));
+    }
+
+    let mut globals: Vec<Role> = Vec::new();
+    let mut layer: Vec<Role> = Vec::new();
+    for t in &small.tensors {
+        let (role_name, index) = match layer_of(&t.name) {
+            Some((index, role)) => (role, Some(index)),
+            None => (t.name.as_str(), None),
+        };
+        let expected = shape
+            .dims(role_name)
+            .ok_or_else(|| SynthError::UnknownTensor(t.name.clone()))?;
+        if expected != t.dims {
+            return Err(SynthError::UnexpectedShape {
+                tensor: t.name.clone(),
+                dims: t.dims.clone(),
+                expected,
+            });
+        }
+        if !fill::supported(t.ggml_type) {
+            return Err(SynthError::UnsupportedType(t.ggml_type));
+        }
+        let roles = if index.is_some() {
+            &mut layer
+        } else {
+            &mut globals
+        };
+        match roles.iter_mut().find(|r| r.name == role_name) {
+            Some(role) => role.types.push(t.ggml_type),
+            None => roles.push(Role {
+                name: role_name.to_string(),
+                types: vec![t.ggml_type],
+            }),
+        }
+    }
+    // llama.cpp requires these; they also pin down every dimension of the shape.
+    for required in REQUIRED_LAYER_ROLES {
+        if !layer.iter().any(|r| r.name == *required) {
+            return Err(SynthError::MissingTensor(format!("blk.0.{required}")));
+        }
+    }
+    for role in &layer {
+        if role.types.len() as u64 != shape.n_layer {
+            return Err(SynthError::Unsupported(format!(
+                "{} layers have {}, but llama.block_count is {}",
+                role.types.len(),
+                role.name,
+                shape.n_layer
+            )));
+        }
+    }
+    // Per-layer types in layer order, whatever order the file had them in.
+    for role in &mut layer {
+        let mut typed: Vec<(u64, GgmlType)> = small
+            .tensors
+            .iter()
+            .filter_map(|t| {
+                layer_of(&t.name)
+                    .filter(|(_, r)| *r == role.name)
+                    .map(|(i, _)| (i, t.ggml_type))
+            })
+            .collect();
+        typed.sort_by_key(|(i, _)| *i);
+        role.types = typed.into_iter().map(|(_, ty)| ty).collect();
+    }
+    Ok((shape, globals, layer))
+}
+
+/// The type of `role` in layer `i` of `n_layer`: the small model's layer at the same
+/// relative depth, so mixed-quantization recipes (Q4_K_M and the like) carry over.
+fn layer_type(role: &Role, i: u64, n_layer: u64) -> GgmlType {
+    let n = role.types.len() as u64;
+    let j = (u128::from(i) * u128::from(n) / u128::from(n_layer.max(1))) as u64;
+    let j = j.min(n.saturating_sub(1));
+    role.types.get(j as usize).copied().unwrap_or(GgmlType::F32)
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    a / gcd(a, b) * b
+}
+
+/// Layers of `n_layer` that take their type from small layer `j` of `n_small`
+/// (those `i` with `i * n_small / n_layer == j`).
+fn layers_from(j: u64, n_small: u64, n_layer: u64) -> u64 {
+    let first = |j: u64| (u128::from(j) * u128::from(n_layer)).div_ceil(u128::from(n_small.max(1)));
+    // At most n_layer, so it fits back in u64.
+    (first(j + 1).min(u128::from(n_layer)) - first(j).min(u128::from(n_layer))) as u64
+}
+
+/// Bytes of all tensor data (each padded to the alignment) for a shape. Counts layers
+/// per small-model type rather than walking every layer, so it is cheap for any depth.
+fn data_bytes(shape: &LlamaShape, globals: &[Role], layer: &[Role], alignment: u64) -> Option<u64> {
+    let bytes = |role: &Role, ty: GgmlType| {
+        shape
+            .dims(&role.name)
+            .and_then(|d| ty.tensor_bytes(&d))
+            .and_then(|b| b.checked_next_multiple_of(alignment))
+    };
+    let mut total = 0u64;
+    for role in globals {
+        total = total.checked_add(bytes(role, role.types[0])?)?;
+    }
+    for role in layer {
+        let n_small = role.types.len() as u64;
+        for (j, ty) in role.types.iter().enumerate() {
+            let count = layers_from(j as u64, n_small, shape.n_layer);
+            total = total.checked_add(bytes(role, *ty)?.checked_mul(count)?)?;
+        }
+    }
+    Some(total)
+}
+
+/// Picks the shape nearest `target` bytes of data: widths are whole multiples of the
+/// small model's (head counts scaled, head size kept), depth grows with the square root
+/// of the width as in real model families, and the feed-forward width is then tuned so
+/// the total lands close to the target.
+fn choose_shape(
+    small: &LlamaShape,
+    globals: &[Role],
+    layer: &[Role],
+    target: u64,
+    alignment: u64,
+) -> Result<LlamaShape, SynthError> {
+    // ne[0] of every tensor must be whole blocks of its type.
+    let all_types = globals.iter().chain(layer).flat_map(|r| r.types.iter());
+    let embd_block = all_types.clone().map(|t| t.block_size()).fold(1, lcm);
+    let ff_block = layer
+        .iter()
+        .filter(|r| r.name == "ffn_down.weight")
+        .flat_map(|r| r.types.iter())
+        .map(|t| t.block_size())
+        .fold(embd_block, lcm);
+    let ff_ratio = small.n_ff as f64 / small.n_embd as f64;
+
+    let mut best: Option<(f64, LlamaShape)> = None;
+    let mut smallest: Option<u64> = None;
+    for m in 1..=64u64 {
+        let mut shape = LlamaShape {
+            n_layer: 1,
+            n_embd: small.n_embd * m,
+            n_head: small.n_head * m,
+            n_head_kv: small.n_head_kv * m,
+            n_ff: ((small.n_embd * m) as f64 * ff_ratio / ff_block as f64)
+                .round()
+                .max(1.0) as u64
+                * ff_block,
+            ..*small
+        };
+        if shape.n_embd % embd_block != 0 {
+            continue;
+        }
+        let Some(one) = data_bytes(&shape, globals, layer, alignment) else {
+            continue;
+        };
+        smallest = Some(smallest.map_or(one, |s: u64| s.min(one)));
+        shape.n_layer = 0;
+        let Some(fixed) = data_bytes(&shape, globals, layer, alignment) else {
+            continue;
+        };
+        let per_layer = one - fixed;
+        if one > target || per_layer == 0 {
+            continue;
+        }
+        shape.n_layer = ((target - fixed) as f64 / per_layer as f64)
+            .round()
+            .max(1.0) as u64;
+        tune_ff(&mut shape, globals, layer, target, alignment, ff_block);
+        let want_layers = small.n_layer as f64 * (m as f64).sqrt();
+        let score = (shape.n_layer as f64 / want_layers).ln().abs();
+        if best.as_ref().is_none_or(|(s, _)| score < *s) {
+            best = Some((score, shape));
+        }
+    }
+    best.map(|(_, shape)| shape).ok_or(SynthError::TooSmall {
+        requested: target,
+        minimum: smallest.unwrap_or(u64::MAX),
+    })
+}
+
+/// Moves the feed-forward width (in whole blocks, within a factor of two) to bring
+/// the total nearest the target. The total grows with the width: binary search.
+fn tune_ff(
+    shape: &mut LlamaShape,
+    globals: &[Role],
+    layer: &[Role],
+    target: u64,
+    alignment: u64,
+    block: u64,
+) {
+    let total = |n_ff: u64| data_bytes(&LlamaShape { n_ff, ..*shape }, globals, layer, alignment);
+    let (mut lo, mut hi) = ((shape.n_ff / 2 / block).max(1), shape.n_ff * 2 / block);
+    // Find the first width (in blocks) whose total reaches the target.
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match total(mid * block) {
+            Some(t) if t >= target => hi = mid,
+            Some(_) => lo = mid + 1,
+            None => hi = mid,
+        }
+    }
+    let error = |blocks: u64| total(blocks * block).map_or(u64::MAX, |t| t.abs_diff(target));
+    let best = [lo.saturating_sub(1).max(1), lo]
+        .into_iter()
+        .min_by_key(|&b| error(b))
+        .unwrap_or(lo);
+    shape.n_ff = best * block;
+}
+
+/// Writes `value` with the integer type `like` had, so readers expecting u32 get u32.
+fn same_type(like: Option<&GgufValue>, value: u64) -> GgufValue {
+    match like {
+        Some(GgufValue::U64(_)) => GgufValue::U64(value),
+        Some(GgufValue::I32(_)) => GgufValue::I32(value as i32),
+        Some(GgufValue::I64(_)) => GgufValue::I64(value as i64),
+        _ => GgufValue::U32(value as u32),
+    }
+}
+
+fn size_label(n_params: u64) -> String {
+    match n_params {
+        n if n >= 1_000_000_000 => format!("{:.1}B", n as f64 / 1e9),
+        n => format!("{}M", n / 1_000_000),
+    }
+}
+
+fn metadata(small: &GgufFile, shape: &LlamaShape, n_params: u64) -> Vec<(String, GgufValue)> {
+    let overrides: [(&str, u64); 5] = [
+        ("llama.block_count", shape.n_layer),
+        ("llama.embedding_length", shape.n_embd),
+        ("llama.feed_forward_length", shape.n_ff),
+        ("llama.attention.head_count", shape.n_head),
+        ("llama.attention.head_count_kv", shape.n_head_kv),
+    ];
+    let mut out: Vec<(String, GgufValue)> = small
+        .metadata
+        .iter()
+        .map(|(key, value)| {
+            let new = match overrides.iter().find(|(k, _)| k == key) {
+                Some((_, v)) => same_type(Some(value), *v),
+                None => match key.as_str() {
+                    "general.name" => GgufValue::string(format!(
+                        "{} (synthetic {})",
+                        value.as_str().unwrap_or("model"),
+                        size_label(n_params)
+                    )),
+                    "general.size_label" => GgufValue::string(size_label(n_params)),
+                    _ => value.clone(),
+                },
+            };
+            (key.clone(), new)
+        })
+        .collect();
+    for (key, v) in overrides {
+        if small.get(key).is_none() {
+            out.push((key.to_string(), GgufValue::U32(v as u32)));
+        }
+    }
+    for key in ["llama.rope.dimension_count"] {
+        if small.get(key).is_none() {
+            out.push((key.to_string(), GgufValue::U32(shape.head_dim as u32)));
+        }
+    }
+    out
+}
+
+/// Orders tensors like the small model's file: its global tensors before or after the
+/// layers as they were, its layers in numeric or string order as they were, and each
+/// layer's tensors in the small model's order.
+fn file_order(small: &GgufFile, tensors: &mut [NewTensor]) {
+    let position = |name: &str| small.tensors.iter().position(|t| t.name == name);
+    let first_layer = small
+        .tensors
+        .iter()
+        .position(|t| layer_of(&t.name).is_some())
+        .unwrap_or(0);
+    // Converters that sort by name put blk.10 before blk.2.
+    let by_string = match (
+        position("blk.10.attn_norm.weight"),
+        position("blk.2.attn_norm.weight"),
+    ) {
+        (Some(ten), Some(two)) => ten < two,
+        _ => false,
+    };
+    let role_rank = |role: &str| {
+        small
+            .tensors
+            .iter()
+            .filter_map(|t| layer_of(&t.name).filter(|(i, _)| *i == 0).map(|(_, r)| r))
+            .position(|r| r == role)
+            .unwrap_or(usize::MAX)
+    };
+    tensors.sort_by_cached_key(|t| match layer_of(&t.name) {
+        Some((i, role)) => {
+            let layer_key = if by_string {
+                i.to_string()
+            } else {
+                format!("{i:020}")
+            };
+            (1, layer_key, role_rank(role), 0)
+        }
+        None => {
+            let pos = position(&t.name).unwrap_or(usize::MAX);
+            let group = if pos < first_layer { 0 } else { 2 };
+            (group, String::new(), 0, pos)
+        }
+    });
+}
+
+/// Plans a llama model of about `target` bytes shaped like `small`.
+pub fn plan(
+    small: &GgufFile,
+    target: u64,
+    order: TensorOrder,
+    seed: u64,
+) -> Result<SynthPlan, SynthError> {
+    let (small_shape, globals, layer) = small_model(small)?;
+    // The header: metadata as in the small model, plus about 100 bytes per tensor.
+    let header_guess = small
+        .data_offset
+        .saturating_sub(small.tensors.len() as u64 * 64);
+    let shape = choose_shape(
+        &small_shape,
+        &globals,
+        &layer,
+        target.saturating_sub(header_guess),
+        small.alignment,
+    )?;
+    let n_params = shape.n_params(&globals, &layer);
+
+    let mut tensors = Vec::new();
+    let mut fills = HashMap::new();
+    let mut add = |name: String, role: &str, ggml_type: GgmlType| {
+        let dims = shape.dims(role).unwrap_or_default();
+        let what = if role.contains("norm") || role.starts_with("rope_freqs") {
+            Fill::Constant(1.0)
+        } else if role.ends_with(".bias") {
+            Fill::Weight { std: 0.01 }
+        } else {
+            // Unit-variance outputs from unit-variance inputs.
+            Fill::Weight {
+                std: 1.0 / (dims.first().copied().unwrap_or(1).max(1) as f32).sqrt(),
+            }
+        };
+        fills.insert(name.clone(), what);
+        tensors.push(NewTensor {
+            name,
+            dims,
+            ggml_type,
+        });
+    };
+    let global_rank = |name: &str| {
+        GLOBAL_EXEC_ORDER
+            .iter()
+            .position(|g| *g == name)
+            .unwrap_or(usize::MAX)
+    };
+    let mut sorted_globals = globals.clone();
+    sorted_globals.sort_by_key(|r| global_rank(&r.name));
+    let (before, after): (Vec<_>, Vec<_>) = sorted_globals
+        .iter()
+        .partition(|r| global_rank(&r.name) < 2);
+    for role in before {
+        add(role.name.clone(), &role.name, role.types[0]);
+    }
+    let mut layer_roles = layer.clone();
+    layer_roles.sort_by_key(|r| {
+        EXEC_ORDER
+            .iter()
+            .position(|e| *e == r.name)
+            .unwrap_or(usize::MAX)
+    });
+    for i in 0..shape.n_layer {
+        for role in &layer_roles {
+            add(
+                format!("blk.{i}.{}", role.name),
+                &role.name,
+                layer_type(role, i, shape.n_layer),
+            );
+        }
+    }
+    for role in after {
+        add(role.name.clone(), &role.name, role.types[0]);
+    }
+
+    match order {
+        TensorOrder::Exec => {}
+        TensorOrder::File => file_order(small, &mut tensors),
+        TensorOrder::Alphabetical => tensors.sort_by(|a, b| a.name.cmp(&b.name)),
+        TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
+    }
+
+    let metadata = metadata(small, &shape, n_params);
+    // The exact size, from laying out the header without writing it anywhere.
+    let file_len =
+        GgufWriter::new(io::sink(), &metadata, tensors.clone(), small.alignment)?.file_len();
+    Ok(SynthPlan {
+        shape,
+        metadata,
+        tensors,
+        fills,
+        alignment: small.alignment,
+        file_len,
+        n_params,
+    })
+}

@@ -1,0 +1,169 @@
+//! Synthetic models made from the real SmolLM2: right size, consistent metadata,
+//! valid layout, requested order.
+
+mod common;
+
+use std::collections::HashSet;
+
+use hyperoffload::model::ggml_type::GgmlType;
+use hyperoffload::model::gguf::GgufFile;
+use hyperoffload::model::synth::{self, f16_to_f32, TensorOrder};
+
+const TARGET: u64 = 64 << 20;
+
+fn small() -> Option<GgufFile> {
+    common::test_model().map(|path| GgufFile::open(&path).unwrap())
+}
+
+#[test]
+fn synth_model_parses_with_consistent_metadata_and_size() {
+    let Some(small) = small() else { return };
+    let plan = synth::plan(&small, TARGET, TensorOrder::File, 7).unwrap();
+    let bytes = synth::write(&plan, Vec::new(), 7, |_| {}).unwrap();
+    assert_eq!(bytes.len() as u64, plan.file_len);
+    let ratio = bytes.len() as f64 / TARGET as f64;
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "size {} vs {TARGET}",
+        bytes.len()
+    );
+
+    let big = GgufFile::parse(&bytes).unwrap();
+    let key = |k: &str| big.get_u64(k).unwrap();
+    let s = plan.shape;
+    assert_eq!(key("llama.block_count"), s.n_layer);
+    assert_eq!(key("llama.embedding_length"), s.n_embd);
+    assert_eq!(key("llama.feed_forward_length"), s.n_ff);
+    assert_eq!(key("llama.attention.head_count"), s.n_head);
+    assert_eq!(key("llama.attention.head_count_kv"), s.n_head_kv);
+    assert_eq!(key("llama.rope.dimension_count"), s.n_embd / s.n_head);
+    assert_eq!(
+        key("llama.context_length"),
+        small.get_u64("llama.context_length").unwrap()
+    );
+    // The tokenizer is copied verbatim.
+    for (k, v) in small
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+    {
+        assert_eq!(big.get(k), Some(v), "{k}");
+    }
+    // Shapes follow the metadata.
+    let dims = |name: &str| big.tensor(name).unwrap().dims.clone();
+    let kv = s.n_head_kv * (s.n_embd / s.n_head);
+    assert_eq!(dims("token_embd.weight"), vec![s.n_embd, 49152]);
+    assert_eq!(dims("blk.0.attn_k.weight"), vec![s.n_embd, kv]);
+    assert_eq!(
+        dims(&format!("blk.{}.ffn_down.weight", s.n_layer - 1)),
+        vec![s.n_ff, s.n_embd]
+    );
+    assert_eq!(big.tensors.len() as u64, 2 + 9 * s.n_layer);
+    assert!(big
+        .tensor(&format!("blk.{}.attn_q.weight", s.n_layer))
+        .is_none());
+    // Same types as the small model.
+    assert_eq!(
+        big.tensor("blk.3.ffn_up.weight").unwrap().ggml_type,
+        GgmlType::Q4_1
+    );
+    assert_eq!(
+        big.tensor("token_embd.weight").unwrap().ggml_type,
+        GgmlType::Q8_0
+    );
+
+    // Tensors are back to back in header order, as ggml requires.
+    let mut expect = 0;
+    for t in &big.tensors {
+        assert_eq!(t.offset, expect, "{}", t.name);
+        expect = (t.offset + t.size).next_multiple_of(big.alignment);
+    }
+
+    // Valid data: norms are 1.0, Q4_1 scales small and finite.
+    let range = big.file_range(big.tensor("blk.0.attn_norm.weight").unwrap());
+    let norm = &bytes[range.start as usize..range.end as usize];
+    assert!(norm
+        .chunks_exact(4)
+        .all(|c| f32::from_le_bytes(c.try_into().unwrap()) == 1.0));
+    let range = big.file_range(big.tensor("blk.0.attn_q.weight").unwrap());
+    for block in bytes[range.start as usize..range.end as usize].chunks_exact(20) {
+        let d = f16_to_f32(u16::from_le_bytes([block[0], block[1]]));
+        let m = f16_to_f32(u16::from_le_bytes([block[2], block[3]]));
+        assert!(
+            d.is_finite() && d > 0.0 && d < 0.1 && m.is_finite(),
+            "d {d} m {m}"
+        );
+    }
+}
+
+#[test]
+fn synth_orders() {
+    let Some(small) = small() else { return };
+    let names = |order, seed| -> Vec<String> {
+        let plan = synth::plan(&small, TARGET, order, seed).unwrap();
+        plan.tensors.into_iter().map(|t| t.name).collect()
+    };
+    let exec = names(TensorOrder::Exec, 0);
+    assert_eq!(exec[0], "token_embd.weight");
+    assert_eq!(
+        exec[1..10].join(" "),
+        [
+            "blk.0.attn_norm.weight",
+            "blk.0.attn_q.weight",
+            "blk.0.attn_k.weight",
+            "blk.0.attn_v.weight",
+            "blk.0.attn_output.weight",
+            "blk.0.ffn_norm.weight",
+            "blk.0.ffn_gate.weight",
+            "blk.0.ffn_up.weight",
+            "blk.0.ffn_down.weight",
+        ]
+        .join(" ")
+    );
+    assert_eq!(exec.last().map(String::as_str), Some("output_norm.weight"));
+
+    let alpha = names(TensorOrder::Alphabetical, 0);
+    let mut sorted = alpha.clone();
+    sorted.sort();
+    assert_eq!(alpha, sorted);
+
+    // File order: SmolLM2's converter sorted layers by string and used its own order
+    // within a layer; the synthetic file does the same.
+    let file = names(TensorOrder::File, 0);
+    let small_names: Vec<_> = small.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(file[..10], small_names[..10]);
+    let pos = |name: &str| file.iter().position(|n| n == name).unwrap();
+    assert!(pos("blk.10.attn_norm.weight") < pos("blk.2.attn_norm.weight"));
+
+    let shuffled = names(TensorOrder::Shuffled, 1);
+    assert_ne!(shuffled, exec);
+    assert_eq!(shuffled, names(TensorOrder::Shuffled, 1));
+    assert_ne!(shuffled, names(TensorOrder::Shuffled, 2));
+    for order in [&alpha, &file, &shuffled] {
+        let a: HashSet<_> = order.iter().collect();
+        let b: HashSet<_> = exec.iter().collect();
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn synth_scales_up_wider_and_deeper() {
+    let Some(small) = small() else { return };
+    for target in [1u64 << 30, 3 << 30, 10 << 30] {
+        let plan = synth::plan(&small, target, TensorOrder::Exec, 0).unwrap();
+        let ratio = plan.file_len as f64 / target as f64;
+        assert!(
+            (0.95..=1.05).contains(&ratio),
+            "{target}: {} ({ratio})",
+            plan.file_len
+        );
+        assert!(
+            plan.shape.n_embd > 576 && plan.shape.n_layer > 30,
+            "{target}: {:?}",
+            plan.shape
+        );
+        assert_eq!(plan.shape.n_ff % 32, 0);
+    }
+    let too_small = synth::plan(&small, 8 << 20, TensorOrder::Exec, 0);
+    assert!(matches!(too_small, Err(synth::SynthError::TooSmall { .. })));
+}
