@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod compare;
 mod scan;
 mod simulate;
 
@@ -20,6 +21,9 @@ struct Cli {
 enum Command {
     /// Read a file through a pager region and report throughput and the pager's stats.
     Scan(scan::ScanArgs),
+    /// Run a program under the kernel's paging (memory cgroup at the budget) and under
+    /// the pager, alternately, and report reads, faults, memory and speed with plots.
+    Compare(compare::CompareArgs),
     /// Replay a block-access sequence against a budget with a policy and count the reads.
     Simulate(simulate::SimulateArgs),
 }
@@ -28,6 +32,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(args) => scan::run(args),
+        Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
     }
 }
