@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod compare;
 mod scan;
 mod simulate;
+mod trace;
 
 #[derive(Parser)]
 #[command(
@@ -24,6 +25,9 @@ enum Command {
     /// Run a program under the kernel's paging (memory cgroup at the budget) and under
     /// the pager, alternately, and report reads, faults, memory and speed with plots.
     Compare(compare::CompareArgs),
+    /// Run a program under the pager and record every fault: Chrome/Perfetto trace JSON
+    /// and the CSV `simulate` reads.
+    Trace(trace::TraceArgs),
     /// Replay a block-access sequence against a budget with a policy and count the reads.
     Simulate(simulate::SimulateArgs),
 }
@@ -33,6 +37,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
         Command::Scan(args) => scan::run(args),
         Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Trace(args) => trace::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
     }
 }
@@ -40,4 +45,17 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
 /// Parses a size argument (`64K`, `4G`) for clap.
 pub(crate) fn size_arg(text: &str) -> Result<u64, String> {
     hyperoffload::size::parse_size(text).map_err(|error| error.to_string())
+}
+
+/// The tensor table of a model file, for naming faults by tensor. Reading model files
+/// arrives with the `formats` branch (`hyperoffload::model::ModelFile`); until then
+/// there is no table and faults are named by block.
+pub(crate) fn model_tensors(
+    model: &std::path::Path,
+) -> anyhow::Result<Vec<hyperoffload::model::TensorInfo>> {
+    eprintln!(
+        "note: {}: tensor names need the model-format readers (branch `formats`); naming faults by block",
+        model.display()
+    );
+    Ok(Vec::new())
 }

@@ -6,8 +6,10 @@
 //! touch the system (`cgroup`, `tracefs`, `sampler`, `runner`).
 
 pub mod cgroup;
+pub mod chrome_trace;
 pub mod figures;
 pub mod kernel_events;
+pub mod model_summary;
 pub mod plots;
 pub mod proc_maps;
 pub mod program_output;

@@ -92,8 +92,11 @@ pub struct RunRecord {
     pub side: Side,
     /// 1-based, per side.
     pub index: usize,
-    /// Whether the page cache was dropped before the run.
+    /// Whether the run started with none of the model in the page cache.
     pub cold: bool,
+    /// Model bytes in the page cache after dropping it, just before the run (pages
+    /// another process keeps mapped stay).
+    pub model_cached_bytes: u64,
     pub exit_code: Option<i32>,
     pub wall_s: f64,
     pub program: ProgramFigures,

@@ -10,7 +10,8 @@ use crate::size::format_size;
 
 /// How the figures were obtained, for a reader who wants to reproduce them.
 pub const METHOD: &str = "\
-- Each run starts cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (root).
+- Each run starts cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (root), then mincore(2) over \
+the model checks none of it stayed cached (pages another process maps survive the drop).
 - Kernel side: the program unchanged, in a fresh memory cgroup (cgroup v2 `memory.max`, or v1 \
 `memory.limit_in_bytes`) limited to the budget, page cache included. The child joins the cgroup \
 between fork and exec. Pager side: `hyperoffload run --budget B --stats F --trace F -- PROGRAM`, \
@@ -242,8 +243,18 @@ impl Report {
         if !h.cold {
             let _ = writeln!(
                 md,
-                "**Not cold**: the page cache could not be dropped before every run (not root), so reads may have been served from memory.\n"
+                "**Not cold**: before some runs the page cache could not be dropped (not root) or part of the model stayed cached (mapped by another process), so reads may have been served from memory.\n"
             );
+            for run in self.runs.iter().filter(|r| !r.cold) {
+                let _ = writeln!(
+                    md,
+                    "- {} run {}: {} of the model cached at the start",
+                    run.side.name(),
+                    run.index,
+                    format_size(run.model_cached_bytes)
+                );
+            }
+            let _ = writeln!(md);
         }
         let failed: Vec<String> = self
             .runs

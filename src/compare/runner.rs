@@ -113,6 +113,35 @@ pub struct RunSpec<'a> {
     pub interrupted: &'a AtomicBool,
 }
 
+/// Bytes of `path` in the page cache now (mincore(2) over a fresh mapping). Pages
+/// another process keeps mapped survive `drop_caches`: a run that starts with some is
+/// not cold.
+pub fn cached_bytes(path: &Path) -> io::Result<u64> {
+    let file = File::open(path)?;
+    let len = file.metadata()?.len() as usize;
+    if len == 0 {
+        return Ok(0);
+    }
+    // SAFETY: a private read-only mapping of a file we opened; nothing reads through it,
+    // it is only passed to mincore.
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file)? };
+    let page = 4096usize;
+    let mut resident = vec![0u8; len.div_ceil(page)];
+    // SAFETY: `map` covers `len` bytes from a page-aligned address; `resident` holds one
+    // byte per page of it.
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            len,
+            resident.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(resident.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64)
+}
+
 /// Drops clean page cache, dentries and inodes; false when not permitted (not root).
 pub fn drop_caches() -> bool {
     // SAFETY: sync(2) has no preconditions.
@@ -152,7 +181,9 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let tag = format!("{}-{}", spec.side.name(), spec.index);
     let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
     let out = |name: &str| spec.out_dir.join(name);
-    let cold = drop_caches();
+    let dropped = drop_caches();
+    let model_cached_bytes = cached_bytes(&spec.model.path).unwrap_or(0);
+    let cold = dropped && model_cached_bytes == 0;
 
     let unique = format!("hyperoffload-{}-{tag}", std::process::id());
     let limit = (spec.side == Side::Kernel).then_some(spec.budget_bytes);
@@ -348,6 +379,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
         side: spec.side,
         index: spec.index,
         cold,
+        model_cached_bytes,
         exit_code: status.code().or_else(|| status.signal().map(|s| -s)),
         wall_s,
         program: ProgramFigures::parse(&stdout, &stderr),
