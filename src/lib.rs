@@ -3,6 +3,7 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
+pub mod compare;
 pub mod file;
 pub mod graph;
 pub mod layout;

@@ -2,9 +2,12 @@
 
 use clap::{Parser, Subcommand};
 
+mod compare;
+mod inspect;
 mod scan;
 mod simulate;
 mod synth;
+mod trace;
 
 #[derive(Parser)]
 #[command(
@@ -21,6 +24,15 @@ struct Cli {
 enum Command {
     /// Read a file through a pager region and report throughput and the pager's stats.
     Scan(scan::ScanArgs),
+    /// Run a program under the kernel's paging (memory cgroup at the budget) and under
+    /// the pager, alternately, and report reads, faults, memory and speed with plots.
+    Compare(compare::CompareArgs),
+    /// Run a program under the pager and record every fault: Chrome/Perfetto trace JSON
+    /// and the CSV `simulate` reads.
+    Trace(trace::TraceArgs),
+    /// Show a model file's tensors, sizes per layer and kind, predicted execution order
+    /// and most central graph nodes (or the graph for Graphviz with --dot).
+    Inspect(inspect::InspectArgs),
     /// Replay a block-access sequence against a budget with a policy and count the reads.
     Simulate(simulate::SimulateArgs),
     /// Write a llama-shaped GGUF of a given size from a small one (random weights).
@@ -31,6 +43,9 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(args) => scan::run(args),
+        Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Trace(args) => trace::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Synth(args) => synth::run(args).map(|()| std::process::ExitCode::SUCCESS),
     }
@@ -39,4 +54,11 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
 /// Parses a size argument (`64K`, `4G`) for clap.
 pub(crate) fn size_arg(text: &str) -> Result<u64, String> {
     hyperoffload::size::parse_size(text).map_err(|error| error.to_string())
+}
+
+/// The tensor table of a model file, for naming faults by tensor.
+pub(crate) fn model_tensors(
+    model: &std::path::Path,
+) -> anyhow::Result<Vec<hyperoffload::model::TensorInfo>> {
+    Ok(hyperoffload::model::ModelFile::open(model)?.tensors)
 }

@@ -1,0 +1,115 @@
+//! `hyperoffload compare`: the kernel's paging against the pager's, same program, same
+//! budget, with a report and plots.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use hyperoffload::compare::{compare, find_model_argument, CompareConfig};
+use hyperoffload::size::{format_size, parse_size};
+
+#[derive(clap::Args)]
+pub struct CompareArgs {
+    /// RAM for the model: a size (`48M`) or a share of the model file (`50%`). The
+    /// kernel side's cgroup gets the same limit, page cache included.
+    #[arg(long)]
+    budget: String,
+    /// Runs per side.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Where report.md, report.json, the plots and the raw traces go.
+    #[arg(long, default_value = "compare-out")]
+    out: PathBuf,
+    /// The model file the program maps (default: the first *.gguf / *.safetensors
+    /// argument).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The program and its arguments.
+    #[arg(last = true, required = true)]
+    program: Vec<OsString>,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Ctrl-C stops the run in progress, and the cgroup and trace instances are removed
+/// on the way out instead of being left behind by a killed process.
+fn catch_interrupts() {
+    let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    for signal in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::signal(signal, handler) };
+    }
+}
+
+pub fn run(args: CompareArgs) -> anyhow::Result<()> {
+    if args.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    let model = match &args.model {
+        Some(model) => model.clone(),
+        None => find_model_argument(&args.program).context(
+            "no *.gguf or *.safetensors file among the program's arguments: give --model",
+        )?,
+    };
+    let model_len = std::fs::metadata(&model)
+        .with_context(|| model.display().to_string())?
+        .len();
+    let budget = match args.budget.strip_suffix('%') {
+        Some(share) => {
+            let share: f64 = share.trim().parse().context("--budget percentage")?;
+            (model_len as f64 * share / 100.0) as u64
+        }
+        None => parse_size(&args.budget)?,
+    };
+    if euid() != 0 {
+        eprintln!("warning: not root: the page cache cannot be dropped, so the comparison is not cold (the report says so); cgroups and tracefs will likely fail too");
+    }
+    catch_interrupts();
+    let config = CompareConfig {
+        program: args.program,
+        budget_bytes: budget,
+        runs: args.runs,
+        out_dir: args.out.clone(),
+        model: Some(model),
+        launcher: std::env::current_exe().context("finding this executable for `run`")?,
+    };
+    let progress = ProgressBar::new(2 * args.runs as u64);
+    progress.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs {msg}",
+        )
+        .expect("a valid progress template"),
+    );
+    progress.enable_steady_tick(std::time::Duration::from_millis(200));
+    progress.set_message(format!("budget {}", format_size(budget)));
+    let report = compare(&config, &INTERRUPTED, |run| {
+        progress.inc(1);
+        progress.set_message(format!(
+            "{} run {}: {:.1} s, read {}",
+            run.side.name(),
+            run.index,
+            run.wall_s,
+            format_size(run.io.bytes_read)
+        ));
+    });
+    progress.finish_and_clear();
+    let report = report?;
+    println!("{}", report.to_markdown());
+    eprintln!(
+        "wrote {}/report.md, report.json and plots",
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid(2) cannot fail and has no preconditions.
+    unsafe { libc::geteuid() }
+}

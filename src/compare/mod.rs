@@ -1,0 +1,170 @@
+//! `hyperoffload compare`: the same program under the kernel's paging (a memory cgroup
+//! at the budget) and under the pager (the shim at the same budget), alternately, with
+//! the kernel's tracepoints and the pager's own records reduced to the same figures.
+//!
+//! Pure parts (parsers, reductions, report, plots) are separate from the parts that
+//! touch the system (`cgroup`, `tracefs`, `sampler`, `runner`).
+
+pub mod cgroup;
+pub mod chrome_trace;
+pub mod figures;
+pub mod kernel_events;
+pub mod model_summary;
+pub mod plots;
+pub mod proc_maps;
+pub mod program_output;
+pub mod record;
+pub mod report;
+pub mod runner;
+pub mod sampler;
+pub mod samples;
+pub mod svg;
+pub mod trace_event;
+pub mod tracefs;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+
+use thiserror::Error;
+
+use record::{RunRecord, Side};
+use report::{Report, ReportHeader, METHOD};
+use runner::{run_once, ModelTarget, RunError, RunSpec};
+
+#[derive(Debug, Error)]
+pub enum CompareError {
+    #[error("no model file among the program's arguments (an existing *.gguf or *.safetensors); name it with --model")]
+    NoModel,
+    #[error("model {path}: {source}")]
+    Model {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{side} run {index}: {source}")]
+    Run {
+        side: &'static str,
+        index: usize,
+        #[source]
+        source: RunError,
+    },
+    #[error("{path}: {source}")]
+    Output {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The first argument naming an existing model file.
+pub fn find_model_argument(program: &[OsString]) -> Option<PathBuf> {
+    program.iter().skip(1).map(PathBuf::from).find(|path| {
+        let model_extension = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| e == "gguf" || e == "safetensors");
+        model_extension && path.is_file()
+    })
+}
+
+pub struct CompareConfig {
+    pub program: Vec<OsString>,
+    pub budget_bytes: u64,
+    pub runs: usize,
+    pub out_dir: PathBuf,
+    pub model: Option<PathBuf>,
+    /// The `hyperoffload` binary (for `run`).
+    pub launcher: PathBuf,
+}
+
+/// Runs both sides `runs` times, alternately (kernel first), and writes `report.md`,
+/// `report.json` and the plots to the output directory. `on_run` hears of every
+/// finished run.
+pub fn compare(
+    config: &CompareConfig,
+    interrupted: &AtomicBool,
+    mut on_run: impl FnMut(&RunRecord),
+) -> Result<Report, CompareError> {
+    let model_path = match &config.model {
+        Some(path) => path.clone(),
+        None => find_model_argument(&config.program).ok_or(CompareError::NoModel)?,
+    };
+    let model = ModelTarget::find(&model_path).map_err(|source| CompareError::Model {
+        path: model_path.clone(),
+        source,
+    })?;
+    std::fs::create_dir_all(&config.out_dir).map_err(|source| CompareError::Output {
+        path: config.out_dir.clone(),
+        source,
+    })?;
+    let mut runs = Vec::new();
+    for index in 1..=config.runs {
+        for side in [Side::Kernel, Side::Pager] {
+            let spec = RunSpec {
+                side,
+                index,
+                program: &config.program,
+                budget_bytes: config.budget_bytes,
+                model: &model,
+                out_dir: &config.out_dir,
+                launcher: &config.launcher,
+                interrupted,
+            };
+            let record = run_once(&spec).map_err(|source| CompareError::Run {
+                side: side.name(),
+                index,
+                source,
+            })?;
+            on_run(&record);
+            runs.push(record);
+        }
+    }
+    let (latency_edges_us, request_size_edges) = report::standard_edges();
+    let report = Report {
+        header: ReportHeader {
+            command: config
+                .program
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect(),
+            model: model.path.display().to_string(),
+            model_bytes: model.len,
+            budget_bytes: config.budget_bytes,
+            device: model.device.to_string(),
+            runs_per_side: config.runs,
+            cold: runs.iter().all(|r| r.cold),
+            cgroup_version: cgroup::memory_hierarchy()
+                .map(|(_, version)| format!("{version:?}"))
+                .unwrap_or_default(),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        },
+        method: METHOD.to_string(),
+        latency_edges_us,
+        request_size_edges,
+        runs,
+    };
+    write_outputs(&report, &config.out_dir)?;
+    Ok(report)
+}
+
+/// Writes `report.md`, `report.json` and the SVG plots.
+pub fn write_outputs(report: &Report, out_dir: &Path) -> Result<(), CompareError> {
+    let write = |name: &str, text: &str| {
+        let path = out_dir.join(name);
+        std::fs::write(&path, text).map_err(|source| CompareError::Output { path, source })
+    };
+    write("report.md", &report.to_markdown())?;
+    // Plain data: serialization cannot fail.
+    write(
+        "report.json",
+        &serde_json::to_string_pretty(report).expect("the report serializes to JSON"),
+    )?;
+    for (name, svg) in plots::render_plots(report) {
+        write(name, &svg)?;
+    }
+    Ok(())
+}

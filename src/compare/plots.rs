@@ -1,0 +1,172 @@
+//! The report's SVG plots, each drawn from one representative run per side (the run
+//! with the median wall time).
+
+use super::figures::request_size_edges;
+use super::record::{RunRecord, Side};
+use super::report::Report;
+use super::svg::{Chart, Mark, Series, KERNEL_COLOR, PAGER_COLOR};
+use crate::size::format_size;
+
+/// The successful run of `side` with the median wall time.
+pub fn representative(report: &Report, side: Side) -> Option<&RunRecord> {
+    let mut runs: Vec<&RunRecord> = report
+        .runs
+        .iter()
+        .filter(|r| r.side == side && r.exit_code == Some(0))
+        .collect();
+    runs.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
+    runs.get(runs.len().saturating_sub(1) / 2).copied()
+}
+
+fn color(side: Side) -> &'static str {
+    match side {
+        Side::Kernel => KERNEL_COLOR,
+        Side::Pager => PAGER_COLOR,
+    }
+}
+
+fn per_side(
+    report: &Report,
+    mut series: impl FnMut(Side, &RunRecord) -> Vec<Series>,
+) -> Vec<Series> {
+    [Side::Kernel, Side::Pager]
+        .into_iter()
+        .filter_map(|side| representative(report, side).map(|run| series(side, run)))
+        .flatten()
+        .collect()
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// (file name, SVG text) for every plot in [`super::report::PLOTS`].
+pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
+    let resident = Chart {
+        title: "Resident memory over time".into(),
+        x_label: "time (s)".into(),
+        y_label: "MiB".into(),
+        series: per_side(report, |side, run| {
+            let points =
+                |pick: fn(&super::samples::MemorySample) -> Option<u64>| -> Vec<(f64, f64)> {
+                    run.series
+                        .memory
+                        .iter()
+                        .filter_map(|m| pick(m).map(|b| (m.t_ns as f64 / 1e9, b as f64 / MIB)))
+                        .collect()
+                };
+            let mut series = vec![Series {
+                name: format!("{} cgroup", side.name()),
+                color: color(side),
+                mark: Mark::Line,
+                points: points(|m| m.cgroup_bytes),
+            }];
+            let model = points(|m| m.model_rss_bytes);
+            if !model.is_empty() {
+                series.push(Series {
+                    name: format!("{} model RSS", side.name()),
+                    color: if side == Side::Kernel {
+                        "#ff9896"
+                    } else {
+                        "#aec7e8"
+                    },
+                    mark: Mark::Line,
+                    points: model,
+                });
+            }
+            series
+        }),
+        ..Default::default()
+    };
+    let bandwidth = Chart {
+        title: "Read bandwidth from the model's device (100 ms bins)".into(),
+        x_label: "time (s)".into(),
+        y_label: "MB/s".into(),
+        series: per_side(report, |side, run| {
+            vec![Series {
+                name: side.name().into(),
+                color: color(side),
+                mark: Mark::Line,
+                points: run.series.bandwidth_mb_s.clone(),
+            }]
+        }),
+        ..Default::default()
+    };
+    let edges = request_size_edges();
+    let mut categories: Vec<String> = edges
+        .iter()
+        .map(|e| format!("≤{}", format_size(*e)))
+        .collect();
+    categories.push("more".into());
+    let sizes = Chart {
+        title: "Read request sizes (all runs)".into(),
+        x_label: "request size".into(),
+        y_label: "requests".into(),
+        x_categories: categories,
+        series: [Side::Kernel, Side::Pager]
+            .into_iter()
+            .map(|side| {
+                let mut total = vec![0u64; edges.len() + 1];
+                for run in report
+                    .runs
+                    .iter()
+                    .filter(|r| r.side == side && r.exit_code == Some(0))
+                {
+                    for (slot, count) in total.iter_mut().zip(&run.io.request_size_counts) {
+                        *slot += count;
+                    }
+                }
+                Series {
+                    name: side.name().into(),
+                    color: color(side),
+                    mark: Mark::Bars,
+                    points: total
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| (i as f64, *c as f64))
+                        .collect(),
+                }
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let cdf = Chart {
+        title: "Latency of faults that waited for a read (CDF)".into(),
+        x_label: "latency (µs, log scale)".into(),
+        y_label: "share of faults".into(),
+        x_log: true,
+        series: per_side(report, |side, run| {
+            vec![Series {
+                name: side.name().into(),
+                color: color(side),
+                mark: Mark::Line,
+                points: run.series.latency_cdf.clone(),
+            }]
+        }),
+        ..Default::default()
+    };
+    let map = Chart {
+        title: "Faults on the model: file offset against time".into(),
+        x_label: "time (s)".into(),
+        y_label: "file offset (MiB)".into(),
+        series: per_side(report, |side, run| {
+            vec![Series {
+                name: side.name().into(),
+                color: color(side),
+                mark: Mark::Points,
+                points: run
+                    .series
+                    .fault_map
+                    .iter()
+                    .map(|(t, offset)| (*t, *offset as f64 / MIB))
+                    .collect(),
+            }]
+        }),
+        ..Default::default()
+    };
+    vec![
+        ("resident.svg", resident.render()),
+        ("bandwidth.svg", bandwidth.render()),
+        ("request-sizes.svg", sizes.render()),
+        ("fault-latency-cdf.svg", cdf.render()),
+        ("fault-map.svg", map.render()),
+    ]
+}

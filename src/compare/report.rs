@@ -1,0 +1,392 @@
+//! `report.md` and `report.json` from the runs of both sides.
+
+use std::fmt::Write;
+
+use serde::{Deserialize, Serialize};
+
+use super::figures::{request_size_edges, Spread, LATENCY_EDGES_US};
+use super::record::{RunRecord, Side};
+use crate::size::format_size;
+
+/// How the figures were obtained, for a reader who wants to reproduce them.
+pub const METHOD: &str = "\
+- Each run starts cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (root), then mincore(2) over \
+the model checks none of it stayed cached (pages another process maps survive the drop).
+- Kernel side: the program unchanged, in a fresh memory cgroup (cgroup v2 `memory.max`, or v1 \
+`memory.limit_in_bytes`) limited to the budget, page cache included. The child joins the cgroup \
+between fork and exec. Pager side: `hyperoffload run --budget B --stats F --trace F -- PROGRAM`, \
+in an unlimited cgroup used only to measure its peak.
+- Tracing: tracefs directly, two private instances per run (`instances/hyperoffload-PID-*`, \
+`trace_clock` mono). Instance 1 follows the program (`set_event_pid` written by the child \
+before exec, `options/event-fork`) with `exceptions:page_fault_user`, `sched:sched_switch`, \
+`raw_syscalls:sys_enter` (kernel side) and `block:block_bio_queue` filtered by the model's \
+device. Instance 2 has `block:block_rq_issue`/`block_rq_complete` filtered by the device \
+(`dev == MKDEV(major, minor)` of the disk holding the model), since completions run in \
+interrupt context. The raw event text is kept as `run-*.events.txt` and `run-*.block.txt`.
+- Reads: the device's read requests that overlap a bio the program queued; bytes, count and \
+sizes from `block_rq_issue`, bandwidth per 100 ms by `block_rq_complete` time.
+- Kernel faults: `page_fault_user` events whose address lies in the model's file mapping \
+(ranges from `/proc/PID/maps`, sampled every 25 ms). Latency: the kernel here has no fault-exit \
+tracepoint, kprobes or function_graph, so a fault's end is inferred per thread: a fault that \
+blocks (`sched_switch` away with `prev_state=D`) ends when the thread is switched back in; \
+that wait (I/O and page lock) is its latency. A fault followed by the thread's next fault or \
+system call without blocking was served from memory: counted, latency not measured.
+- Pager faults: the pager's own trace (`run-pager-*.faults.csv`): faults served by a demand or \
+in-flight read carry their latency (fault event to wake-up); faults on resident or staged blocks \
+count like the kernel's non-blocking ones. Both sides' latencies use the same bucket edges.
+- Memory: cgroup peak (`memory.max_usage_in_bytes` / `memory.peak`); model resident: largest \
+smaps `Rss` of the model mapping (kernel), the pager's `peak_resident_bytes` (pager); process \
+peak: largest sampled VmRSS sum over the cgroup's processes.
+- Medians over runs, spread as min-max; ratio = pager median / kernel median.";
+
+/// What was compared.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReportHeader {
+    pub command: Vec<String>,
+    pub model: String,
+    pub model_bytes: u64,
+    pub budget_bytes: u64,
+    pub device: String,
+    pub runs_per_side: usize,
+    /// Every run started with a dropped page cache.
+    pub cold: bool,
+    pub cgroup_version: String,
+    pub kernel: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    pub header: ReportHeader,
+    pub method: String,
+    pub latency_edges_us: Vec<f64>,
+    pub request_size_edges: Vec<u64>,
+    pub runs: Vec<RunRecord>,
+}
+
+/// One row of a metric table.
+struct Metric {
+    name: &'static str,
+    unit: &'static str,
+    value: fn(&RunRecord) -> Option<f64>,
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+fn metric_groups() -> Vec<(&'static str, Vec<Metric>)> {
+    vec![
+        (
+            "Speed",
+            vec![
+                Metric {
+                    name: "wall time",
+                    unit: "s",
+                    value: |r| Some(r.wall_s),
+                },
+                Metric {
+                    name: "generation (llama-bench tg)",
+                    unit: "t/s",
+                    value: |r| r.program.bench_tokens_per_s("tg"),
+                },
+                Metric {
+                    name: "prompt (llama-bench pp)",
+                    unit: "t/s",
+                    value: |r| r.program.bench_tokens_per_s("pp"),
+                },
+                Metric {
+                    name: "eval time per token",
+                    unit: "ms",
+                    value: |r| r.program.eval_ms_per_token,
+                },
+            ],
+        ),
+        (
+            "Reads from the block device",
+            vec![
+                Metric {
+                    name: "bytes read",
+                    unit: "MiB",
+                    value: |r| Some(r.io.bytes_read as f64 / MIB),
+                },
+                Metric {
+                    name: "read requests",
+                    unit: "",
+                    value: |r| Some(r.io.read_requests as f64),
+                },
+                Metric {
+                    name: "mean request size",
+                    unit: "KiB",
+                    value: |r| Some(r.io.mean_request_bytes / 1024.0),
+                },
+                Metric {
+                    name: "mean read bandwidth",
+                    unit: "MB/s",
+                    value: |r| Some(r.io.mean_bandwidth_mb_s),
+                },
+                Metric {
+                    name: "peak read bandwidth (100 ms)",
+                    unit: "MB/s",
+                    value: |r| Some(r.io.peak_bandwidth_mb_s),
+                },
+                Metric {
+                    name: "bytes read (pager's own count)",
+                    unit: "MiB",
+                    value: |r| r.pager_stat("bytes_read").map(|b| b as f64 / MIB),
+                },
+            ],
+        ),
+        (
+            "Page faults on the model",
+            vec![
+                Metric {
+                    name: "faults",
+                    unit: "",
+                    value: |r| Some(r.faults.model_faults as f64),
+                },
+                Metric {
+                    name: "faults that waited for a read",
+                    unit: "",
+                    value: |r| Some(r.faults.waited_faults as f64),
+                },
+                Metric {
+                    name: "latency p50 (waited)",
+                    unit: "µs",
+                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p50_us),
+                },
+                Metric {
+                    name: "latency p90 (waited)",
+                    unit: "µs",
+                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p90_us),
+                },
+                Metric {
+                    name: "latency p99 (waited)",
+                    unit: "µs",
+                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p99_us),
+                },
+                Metric {
+                    name: "latency max (waited)",
+                    unit: "µs",
+                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.max_us),
+                },
+            ],
+        ),
+        (
+            "Memory",
+            vec![
+                Metric {
+                    name: "cgroup peak (page cache included)",
+                    unit: "MiB",
+                    value: |r| r.memory.cgroup_peak_bytes.map(|b| b as f64 / MIB),
+                },
+                Metric {
+                    name: "model peak resident",
+                    unit: "MiB",
+                    value: |r| r.memory.model_peak_resident_bytes.map(|b| b as f64 / MIB),
+                },
+                Metric {
+                    name: "process peak RSS",
+                    unit: "MiB",
+                    value: |r| r.memory.process_peak_rss_bytes.map(|b| b as f64 / MIB),
+                },
+            ],
+        ),
+    ]
+}
+
+fn number(value: f64) -> String {
+    if value == 0.0 || value.abs() >= 100.0 {
+        format!("{value:.0}")
+    } else if value.abs() >= 10.0 {
+        format!("{value:.1}")
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+fn spread_cell(spread: Option<Spread>) -> String {
+    match spread {
+        None => "–".into(),
+        Some(s) if s.runs == 1 || s.min == s.max => number(s.median),
+        Some(s) => format!("{} ({}–{})", number(s.median), number(s.min), number(s.max)),
+    }
+}
+
+fn side_values(runs: &[RunRecord], side: Side, value: fn(&RunRecord) -> Option<f64>) -> Vec<f64> {
+    runs.iter()
+        .filter(|r| r.side == side && r.exit_code == Some(0))
+        .filter_map(value)
+        .collect()
+}
+
+impl Report {
+    /// Medians of one figure per side, over successful runs.
+    pub fn median(&self, side: Side, value: fn(&RunRecord) -> Option<f64>) -> Option<f64> {
+        Spread::of(&side_values(&self.runs, side, value)).map(|s| s.median)
+    }
+
+    pub fn to_markdown(&self) -> String {
+        let h = &self.header;
+        let mut md = String::new();
+        let _ = writeln!(md, "# hyperoffload compare\n");
+        let _ = writeln!(md, "`{}`\n", h.command.join(" "));
+        let _ = writeln!(
+            md,
+            "Model `{}` ({}), budget {} ({:.0}% of the model), {} run(s) per side, alternating; device {}, cgroup {}, kernel {}.\n",
+            h.model,
+            format_size(h.model_bytes),
+            format_size(h.budget_bytes),
+            h.budget_bytes as f64 * 100.0 / h.model_bytes.max(1) as f64,
+            h.runs_per_side,
+            h.device,
+            h.cgroup_version,
+            h.kernel
+        );
+        if !h.cold {
+            let _ = writeln!(
+                md,
+                "**Not cold**: before some runs the page cache could not be dropped (not root) or part of the model stayed cached (mapped by another process), so reads may have been served from memory.\n"
+            );
+            for run in self.runs.iter().filter(|r| !r.cold) {
+                let _ = writeln!(
+                    md,
+                    "- {} run {}: {} of the model cached at the start",
+                    run.side.name(),
+                    run.index,
+                    format_size(run.model_cached_bytes)
+                );
+            }
+            let _ = writeln!(md);
+        }
+        let failed: Vec<String> = self
+            .runs
+            .iter()
+            .filter(|r| r.exit_code != Some(0))
+            .map(|r| {
+                format!(
+                    "{} run {} (exit {}, see `{}`)",
+                    r.side.name(),
+                    r.index,
+                    r.exit_code.map_or("by signal".into(), |c| c.to_string()),
+                    r.stderr_file
+                )
+            })
+            .collect();
+        if !failed.is_empty() {
+            let _ = writeln!(
+                md,
+                "**Failed runs, left out of the figures**: {}.\n",
+                failed.join(", ")
+            );
+        }
+        for (group, metrics) in metric_groups() {
+            let _ = writeln!(md, "## {group}\n");
+            let _ = writeln!(
+                md,
+                "| metric | kernel | pager | pager/kernel |\n|---|---:|---:|---:|"
+            );
+            for metric in metrics {
+                let kernel = Spread::of(&side_values(&self.runs, Side::Kernel, metric.value));
+                let pager = Spread::of(&side_values(&self.runs, Side::Pager, metric.value));
+                if kernel.is_none() && pager.is_none() {
+                    continue;
+                }
+                let ratio = match (kernel, pager) {
+                    (Some(k), Some(p)) if k.median != 0.0 => format!("{:.2}", p.median / k.median),
+                    _ => "–".into(),
+                };
+                let name = if metric.unit.is_empty() {
+                    metric.name.to_string()
+                } else {
+                    format!("{} ({})", metric.name, metric.unit)
+                };
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | {} | {ratio} |",
+                    spread_cell(kernel),
+                    spread_cell(pager)
+                );
+            }
+            let _ = writeln!(md);
+        }
+        self.write_histogram(
+            &mut md,
+            "Fault latency histogram (faults that waited, summed over runs)",
+            "latency (µs)",
+            &self
+                .latency_edges_us
+                .iter()
+                .map(|e| format!("≤ {e}"))
+                .collect::<Vec<_>>(),
+            |r| &r.faults.latency_bucket_counts,
+        );
+        self.write_histogram(
+            &mut md,
+            "Read request sizes (summed over runs)",
+            "size",
+            &self
+                .request_size_edges
+                .iter()
+                .map(|e| format!("≤ {}", format_size(*e)))
+                .collect::<Vec<_>>(),
+            |r| &r.io.request_size_counts,
+        );
+        let _ = writeln!(md, "## Plots\n");
+        for (file, title) in PLOTS {
+            let _ = writeln!(md, "- [{title}]({file})");
+        }
+        let _ = writeln!(md, "\n## Method\n\n{}\n", self.method);
+        let lost: u64 = self.runs.iter().map(|r| r.tracing.lost_events).sum();
+        if lost > 0 {
+            let _ = writeln!(md, "Trace buffers dropped {lost} events over all runs: fault and read counts are lower bounds.\n");
+        }
+        md
+    }
+
+    fn write_histogram(
+        &self,
+        md: &mut String,
+        title: &str,
+        label: &str,
+        edges: &[String],
+        counts: fn(&RunRecord) -> &Vec<u64>,
+    ) {
+        let sum = |side: Side| {
+            let mut total = vec![0u64; edges.len() + 1];
+            for run in self
+                .runs
+                .iter()
+                .filter(|r| r.side == side && r.exit_code == Some(0))
+            {
+                for (slot, count) in total.iter_mut().zip(counts(run)) {
+                    *slot += count;
+                }
+            }
+            total
+        };
+        let (kernel, pager) = (sum(Side::Kernel), sum(Side::Pager));
+        let _ = writeln!(
+            md,
+            "## {title}\n\n| {label} | kernel | pager |\n|---|---:|---:|"
+        );
+        let labels = edges.iter().cloned().chain(["more".to_string()]);
+        for ((label, k), p) in labels.zip(&kernel).zip(&pager) {
+            if *k > 0 || *p > 0 {
+                let _ = writeln!(md, "| {label} | {k} | {p} |");
+            }
+        }
+        let _ = writeln!(md);
+    }
+}
+
+/// The plot files `write_plots` produces, with their titles.
+pub const PLOTS: &[(&str, &str)] = &[
+    ("resident.svg", "Resident bytes over time"),
+    ("bandwidth.svg", "Read bandwidth over time"),
+    ("request-sizes.svg", "Read request size histogram"),
+    ("fault-latency-cdf.svg", "Fault latency CDF"),
+    ("fault-map.svg", "Fault map: file offset against time"),
+];
+
+/// The standard bucket edges, for a report's header fields.
+pub fn standard_edges() -> (Vec<f64>, Vec<u64>) {
+    (LATENCY_EDGES_US.to_vec(), request_size_edges())
+}

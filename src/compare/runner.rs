@@ -1,0 +1,482 @@
+//! One run of the program, on one side, with everything recorded: a fresh memory
+//! cgroup, two tracefs instances (the program's own events; the model device's block
+//! requests), memory sampling, and the figures reduced from them.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use super::cgroup::{CgroupError, MemoryCgroup};
+use super::figures::{
+    bandwidth_series, bucket_counts, latency_cdf, request_size_edges, thin, LatencyFigures,
+    LATENCY_EDGES_US,
+};
+use super::kernel_events::{model_faults, program_reads};
+use super::program_output::ProgramFigures;
+use super::record::{
+    FaultFigures, IoFigures, MemoryFigures, RunRecord, RunSeries, Side, TracingFigures,
+};
+use super::sampler::Sampler;
+use super::samples::FaultSample;
+use super::trace_event::{lost_events, parse_line, DeviceNumber, EventKind, TraceEvent};
+use super::tracefs::{TraceInstance, TracefsError};
+use crate::policy::FaultOutcome;
+use crate::trace::{TraceError, TraceReader};
+
+const BANDWIDTH_BIN_NS: u64 = 100_000_000;
+const SAMPLE_INTERVAL: Duration = Duration::from_millis(25);
+const TRACE_BUFFER_KB: u64 = 65_536;
+const PLOT_POINTS: usize = 20_000;
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Tracefs(#[from] TracefsError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("pager trace: {0}")]
+    PagerTrace(#[from] TraceError),
+    #[error("interrupted")]
+    Interrupted,
+}
+
+fn io_error(what: impl Into<String>) -> impl FnOnce(io::Error) -> RunError {
+    let what = what.into();
+    move |source| RunError::Io { what, source }
+}
+
+/// The model file the program pages, and the block device it lives on.
+#[derive(Debug, Clone)]
+pub struct ModelTarget {
+    pub path: PathBuf,
+    pub len: u64,
+    /// The whole disk holding the file: block requests name the disk, not the
+    /// partition.
+    pub device: DeviceNumber,
+}
+
+impl ModelTarget {
+    pub fn find(path: &Path) -> io::Result<ModelTarget> {
+        let path = path.canonicalize()?;
+        let metadata = std::fs::metadata(&path)?;
+        let dev = metadata.dev();
+        let mut device = DeviceNumber {
+            major: libc::major(dev),
+            minor: libc::minor(dev),
+        };
+        // A partition's sysfs directory has a `partition` file and sits in its disk's.
+        let sys = PathBuf::from(format!("/sys/dev/block/{device}"));
+        if sys.join("partition").exists() {
+            if let Ok(parent) = std::fs::read_to_string(sys.join("../dev")) {
+                if let Some((major, minor)) = parent.trim().split_once(':') {
+                    if let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) {
+                        device = DeviceNumber { major, minor };
+                    }
+                }
+            }
+        }
+        Ok(ModelTarget {
+            path,
+            len: metadata.len(),
+            device,
+        })
+    }
+}
+
+/// What to run and where to put what it leaves.
+pub struct RunSpec<'a> {
+    pub side: Side,
+    pub index: usize,
+    pub program: &'a [OsString],
+    pub budget_bytes: u64,
+    pub model: &'a ModelTarget,
+    pub out_dir: &'a Path,
+    /// The `hyperoffload` binary, whose `run` subcommand starts a program under the
+    /// shim.
+    pub launcher: &'a Path,
+    /// Set by a signal handler: the run is stopped and cleaned up.
+    pub interrupted: &'a AtomicBool,
+}
+
+/// Bytes of `path` in the page cache now (mincore(2) over a fresh mapping). Pages
+/// another process keeps mapped survive `drop_caches`: a run that starts with some is
+/// not cold.
+pub fn cached_bytes(path: &Path) -> io::Result<u64> {
+    let file = File::open(path)?;
+    let len = file.metadata()?.len() as usize;
+    if len == 0 {
+        return Ok(0);
+    }
+    // SAFETY: a private read-only mapping of a file we opened; nothing reads through it,
+    // it is only passed to mincore.
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map(&file)? };
+    let page = 4096usize;
+    let mut resident = vec![0u8; len.div_ceil(page)];
+    // SAFETY: `map` covers `len` bytes from a page-aligned address; `resident` holds one
+    // byte per page of it.
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            len,
+            resident.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(resident.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64)
+}
+
+/// Drops clean page cache, dentries and inodes; false when not permitted (not root).
+pub fn drop_caches() -> bool {
+    // SAFETY: sync(2) has no preconditions.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec to write to; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Writes the decimal `value` to `fd` with no allocation: safe between fork and exec.
+fn write_decimal(fd: i32, value: u32) -> bool {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    let mut rest = value;
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    let text = &digits[start..];
+    // SAFETY: `text` is a live stack buffer of `text.len()` bytes.
+    unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) == text.len() as isize }
+}
+
+pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
+    let tag = format!("{}-{}", spec.side.name(), spec.index);
+    let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
+    let out = |name: &str| spec.out_dir.join(name);
+    let dropped = drop_caches();
+    let model_cached_bytes = cached_bytes(&spec.model.path).unwrap_or(0);
+    let cold = dropped && model_cached_bytes == 0;
+
+    let unique = format!("hyperoffload-{}-{tag}", std::process::id());
+    let limit = (spec.side == Side::Kernel).then_some(spec.budget_bytes);
+    let cgroup = MemoryCgroup::create(&unique, limit)?;
+
+    // The program's own events: followed from the child into its threads and children.
+    let dev_filter = format!("dev == {}", spec.model.device.kernel_dev_t());
+    let program_trace = TraceInstance::create(&format!("{unique}-proc"))?;
+    program_trace.set_buffer_kb(TRACE_BUFFER_KB)?;
+    program_trace.write("options/event-fork", "1")?;
+    program_trace.enable_event("block/block_bio_queue", Some(&dev_filter))?;
+    if spec.side == Side::Kernel {
+        program_trace.enable_event("exceptions/page_fault_user", None)?;
+        program_trace.enable_event("sched/sched_switch", None)?;
+        program_trace.enable_event("raw_syscalls/sys_enter", None)?;
+    }
+    // Block requests complete in interrupt context: filtered by device, not process.
+    let device_trace = TraceInstance::create(&format!("{unique}-dev"))?;
+    device_trace.set_buffer_kb(TRACE_BUFFER_KB / 4)?;
+    device_trace.enable_event("block/block_rq_issue", Some(&dev_filter))?;
+    device_trace.enable_event("block/block_rq_complete", Some(&dev_filter))?;
+
+    let program_events_file = file_name("events.txt");
+    let device_events_file = file_name("block.txt");
+    let program_capture = program_trace.capture(&out(&program_events_file))?;
+    let device_capture = device_trace.capture(&out(&device_events_file))?;
+
+    let stdout_file = file_name("stdout");
+    let stderr_file = file_name("stderr");
+    let stats_file = file_name("stats.json");
+    let pager_trace_file = file_name("faults.csv");
+    let mut command = match spec.side {
+        Side::Kernel => {
+            let mut command = Command::new(&spec.program[0]);
+            command.args(&spec.program[1..]);
+            command
+        }
+        Side::Pager => {
+            // The launcher refuses to overwrite these.
+            let _ = std::fs::remove_file(out(&stats_file));
+            let _ = std::fs::remove_file(out(&pager_trace_file));
+            let mut command = Command::new(spec.launcher);
+            command
+                .arg("run")
+                .arg("--budget")
+                .arg(spec.budget_bytes.to_string())
+                .arg("--stats")
+                .arg(out(&stats_file))
+                .arg("--trace")
+                .arg(out(&pager_trace_file))
+                .arg("--")
+                .args(spec.program);
+            command
+        }
+    };
+    command
+        .stdin(Stdio::null())
+        .stdout(File::create(out(&stdout_file)).map_err(io_error(&stdout_file))?)
+        .stderr(File::create(out(&stderr_file)).map_err(io_error(&stderr_file))?);
+    let procs = cgroup.procs_file()?;
+    let event_pids = program_trace.open_for_write("set_event_pid")?;
+    let tracing_on = program_trace.open_for_write("tracing_on")?;
+    let (procs_fd, pids_fd, on_fd) = (
+        procs.as_raw_fd(),
+        event_pids.as_raw_fd(),
+        tracing_on.as_raw_fd(),
+    );
+    // SAFETY: the closure runs between fork and exec and only calls getpid and write
+    // (async-signal-safe) on descriptors that stay open until the parent drops them
+    // after spawn returns; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            // Into the cgroup and the event pid filter before the program runs, then
+            // tracing on, so nothing of the program escapes and nothing else enters.
+            let pid = libc::getpid() as u32;
+            if !write_decimal(procs_fd, pid) || !write_decimal(pids_fd, pid) {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::write(on_fd, b"1".as_ptr().cast(), 1) != 1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    device_trace.write("tracing_on", "1")?;
+    let origin_mono_ns = monotonic_ns();
+    let origin = Instant::now();
+    let mut child = command
+        .spawn()
+        .map_err(io_error(format!("starting {:?}", command.get_program())))?;
+    drop((procs, event_pids, tracing_on));
+    let sampler = {
+        let cgroup_dir = cgroup.dir().to_path_buf();
+        let usage_cgroup = cgroup.dir().to_path_buf();
+        let version = cgroup.version();
+        let usage = move || {
+            let file = match version {
+                super::cgroup::CgroupVersion::V1 => "memory.usage_in_bytes",
+                super::cgroup::CgroupVersion::V2 => "memory.current",
+            };
+            std::fs::read_to_string(usage_cgroup.join(file))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        Sampler::start(
+            cgroup_dir,
+            usage,
+            spec.model.path.clone(),
+            origin,
+            SAMPLE_INTERVAL,
+        )
+    };
+    let status = loop {
+        if spec.interrupted.load(Ordering::Relaxed) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(RunError::Interrupted);
+        }
+        match child
+            .try_wait()
+            .map_err(io_error("waiting for the program"))?
+        {
+            Some(status) => break status,
+            None => std::thread::sleep(Duration::from_millis(10)),
+        }
+    };
+    let wall_s = origin.elapsed().as_secs_f64();
+    program_trace.write("tracing_on", "0")?;
+    device_trace.write("tracing_on", "0")?;
+    let sampled = sampler.finish();
+    program_capture
+        .finish()
+        .map_err(io_error("reading the trace pipe"))?;
+    device_capture
+        .finish()
+        .map_err(io_error("reading the trace pipe"))?;
+    let cgroup_peak = cgroup.peak_bytes().ok();
+    drop(cgroup);
+    drop(program_trace);
+    drop(device_trace);
+
+    let mut tracing = TracingFigures {
+        event_files: vec![program_events_file.clone(), device_events_file.clone()],
+        ..Default::default()
+    };
+    let program_events = read_events(&out(&program_events_file), &mut tracing)?;
+    let device_events = read_events(&out(&device_events_file), &mut tracing)?;
+
+    let reads = program_reads(
+        &program_events,
+        &device_events,
+        spec.model.device,
+        origin_mono_ns,
+    );
+    let (faults, pager_stats, model_peak) = match spec.side {
+        Side::Kernel => {
+            let faults = model_faults(&program_events, &sampled.model_ranges, origin_mono_ns);
+            let model_peak = sampled
+                .memory
+                .iter()
+                .filter_map(|m| m.model_rss_bytes)
+                .max();
+            (faults, None, model_peak)
+        }
+        Side::Pager => {
+            let faults = read_pager_faults(&out(&pager_trace_file))?;
+            let stats: Option<serde_json::Value> = std::fs::read_to_string(out(&stats_file))
+                .ok()
+                .and_then(|text| serde_json::from_str(&text).ok());
+            let peak = stats
+                .as_ref()
+                .and_then(|s| s.get("peak_resident_bytes")?.as_u64());
+            (faults, stats, peak)
+        }
+    };
+
+    let stdout = std::fs::read_to_string(out(&stdout_file)).unwrap_or_default();
+    let stderr = std::fs::read_to_string(out(&stderr_file)).unwrap_or_default();
+    let bytes_read: u64 = reads.iter().map(|r| r.bytes).sum();
+    let bandwidth = bandwidth_series(&reads, BANDWIDTH_BIN_NS);
+    let waited: Vec<FaultSample> = faults
+        .iter()
+        .filter(|f| f.latency_ns.is_some())
+        .copied()
+        .collect();
+    let fault_points: Vec<(f64, u64)> = faults
+        .iter()
+        .map(|f| (f.t_ns as f64 / 1e9, f.file_offset))
+        .collect();
+    Ok(RunRecord {
+        side: spec.side,
+        index: spec.index,
+        cold,
+        model_cached_bytes,
+        exit_code: status.code().or_else(|| status.signal().map(|s| -s)),
+        wall_s,
+        program: ProgramFigures::parse(&stdout, &stderr),
+        io: IoFigures {
+            bytes_read,
+            read_requests: reads.len() as u64,
+            mean_request_bytes: bytes_read as f64 / reads.len().max(1) as f64,
+            mean_bandwidth_mb_s: bytes_read as f64 / 1e6 / wall_s.max(1e-9),
+            peak_bandwidth_mb_s: bandwidth.iter().map(|b| b.1).fold(0.0, f64::max),
+            request_size_counts: bucket_counts(
+                reads.iter().map(|r| r.bytes),
+                &request_size_edges(),
+            ),
+        },
+        faults: FaultFigures {
+            model_faults: faults.len() as u64,
+            waited_faults: waited.len() as u64,
+            latency: LatencyFigures::of(&waited),
+            latency_bucket_counts: bucket_counts(
+                waited
+                    .iter()
+                    .filter_map(|f| f.latency_ns)
+                    .map(|ns| ns as f64 / 1000.0),
+                LATENCY_EDGES_US,
+            ),
+        },
+        memory: MemoryFigures {
+            cgroup_peak_bytes: cgroup_peak,
+            model_peak_resident_bytes: model_peak,
+            process_peak_rss_bytes: sampled
+                .memory
+                .iter()
+                .filter_map(|m| m.process_rss_bytes)
+                .max(),
+        },
+        pager_stats,
+        tracing,
+        stdout_file,
+        stderr_file,
+        pager_trace_file: (spec.side == Side::Pager).then_some(pager_trace_file),
+        series: RunSeries {
+            memory: sampled.memory,
+            bandwidth_mb_s: bandwidth,
+            fault_map: thin(&fault_points, PLOT_POINTS),
+            latency_cdf: latency_cdf(&faults, 2_000),
+        },
+    })
+}
+
+/// The parsed events of a captured trace file, in time order. Events the comparison
+/// does not use are dropped; lost and unparsed lines are counted.
+fn read_events(path: &Path, tracing: &mut TracingFigures) -> Result<Vec<TraceEvent>, RunError> {
+    let file = File::open(path).map_err(io_error(path.display().to_string()))?;
+    let mut events = Vec::new();
+    for line in BufReader::new(file).lines() {
+        let line = line.map_err(io_error(path.display().to_string()))?;
+        if let Some(lost) = lost_events(&line) {
+            tracing.lost_events += lost;
+            continue;
+        }
+        match parse_line(&line) {
+            Ok(Some(event)) if !matches!(event.kind, EventKind::Other(_)) => events.push(event),
+            Ok(_) => {}
+            Err(error) => {
+                tracing.unparsed_lines += 1;
+                tracing
+                    .first_unparsed
+                    .get_or_insert_with(|| error.to_string());
+            }
+        }
+    }
+    // The pipe merges the per-CPU buffers in time order already; sorting is cheap
+    // insurance.
+    events.sort_by_key(|event| event.t_ns);
+    Ok(events)
+}
+
+/// The pager's fault trace as fault samples: faults that waited for a read (`missing`,
+/// `in_flight`) carry their latency; faults served from memory do not, like the
+/// kernel's faults that never blocked. A missing file gives no faults.
+pub fn read_pager_faults(path: &Path) -> Result<Vec<FaultSample>, RunError> {
+    let Ok(file) = File::open(path) else {
+        return Ok(Vec::new());
+    };
+    let mut faults = Vec::new();
+    for record in TraceReader::new(BufReader::new(file))? {
+        let record = record?;
+        let waited = matches!(
+            record.outcome,
+            FaultOutcome::Missing | FaultOutcome::InFlight
+        );
+        faults.push(FaultSample {
+            t_ns: record.t_ns,
+            tid: record.tid,
+            file_offset: record.file_offset,
+            latency_ns: waited.then_some(record.latency_ns),
+        });
+    }
+    Ok(faults)
+}
