@@ -91,7 +91,7 @@ struct RegionEntry {
 }
 
 impl RegionEntry {
-    fn info(&self, id: RegionId) -> RegionInfo<'_> {
+    fn info(&self, id: RegionId, budget: u64) -> RegionInfo<'_> {
         RegionInfo {
             id,
             path: self.file.path(),
@@ -99,6 +99,7 @@ impl RegionEntry {
             data_len: self.layout.data_len,
             block_size: self.layout.block_size,
             block_count: self.layout.block_count(),
+            budget,
         }
     }
 }
@@ -1023,7 +1024,7 @@ impl FaultService {
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);
-                let info = entry.info(id);
+                let info = entry.info(id, self.config.budget);
                 self.prefetch.region_added(&info);
                 self.eviction.region_added(&info);
                 self.regions.insert(id, entry);

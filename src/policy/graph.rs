@@ -179,6 +179,14 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
+        // Bytes in flight hold budget that the resident part of the model no longer
+        // has: every byte of lookahead beyond what hides the read latency is read again
+        // each token. Measured read latency grows with the queue the lookahead itself
+        // fills, so the estimate is also capped at a fraction of the budget.
+        self.max_lookahead_bytes = self
+            .max_lookahead_bytes
+            .min((info.budget / 8).max(self.min_lookahead_bytes));
+        self.initial_lookahead_bytes = self.initial_lookahead_bytes.min(self.max_lookahead_bytes);
     }
 
     fn region_removed(&mut self, region: RegionId) {

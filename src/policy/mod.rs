@@ -55,6 +55,9 @@ pub struct RegionInfo<'a> {
     /// Size of every block but possibly the last.
     pub block_size: u64,
     pub block_count: u32,
+    /// The pager's budget, shared with its other regions: how far ahead it is worth
+    /// reading before what was read is evicted unused.
+    pub budget: u64,
 }
 
 impl RegionInfo<'_> {

@@ -83,9 +83,12 @@ impl PrefetchPolicy for SequentialReadahead {
     }
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
-        let initial_window = Self::blocks_for(self.initial_window_bytes, info.block_size);
-        let max_window =
-            Self::blocks_for(self.max_window_bytes, info.block_size).max(initial_window);
+        // A window beyond a fraction of the budget would evict what it read before the
+        // program got there (a quarter: several streams may be open at once).
+        let max_bytes = self.max_window_bytes.min(info.budget / 4);
+        let initial_window =
+            Self::blocks_for(self.initial_window_bytes.min(max_bytes), info.block_size);
+        let max_window = Self::blocks_for(max_bytes, info.block_size).max(initial_window);
         self.regions.insert(
             info.id,
             RegionStreams {
@@ -189,6 +192,7 @@ mod tests {
             data_len: blocks as u64 * (1 << 20),
             block_size: 1 << 20,
             block_count: blocks,
+            budget: u64::MAX,
         });
         policy
     }

@@ -153,6 +153,7 @@ pub fn replay(
         data_len: layout.data_len,
         block_size: layout.block_size,
         block_count: layout.block_count(),
+        budget: budget_bytes,
     };
     prefetch.region_added(&info);
     eviction.region_added(&info);

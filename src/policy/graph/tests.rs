@@ -21,6 +21,7 @@ fn policies(pass: &[u32], blocks: u32) -> (GraphPrefetch, GraphEviction) {
         data_len: blocks as u64 * BLOCK,
         block_size: BLOCK,
         block_count: blocks,
+        budget: u64::MAX,
     };
     prefetch.region_added(&info);
     eviction.region_added(&info);
