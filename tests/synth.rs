@@ -167,3 +167,22 @@ fn synth_scales_up_wider_and_deeper() {
     let too_small = synth::plan(&small, 8 << 20, TensorOrder::Exec, 0);
     assert!(matches!(too_small, Err(synth::SynthError::TooSmall { .. })));
 }
+
+#[test]
+fn a_weight_type_replaces_every_quantized_type_and_the_file_type() {
+    let Some(small) = small() else { return };
+    let plan =
+        synth::plan_with_weight_type(&small, TARGET, TensorOrder::Exec, 1, Some(GgmlType::Q8_0))
+            .unwrap();
+    let bytes = synth::write(&plan, Vec::new(), 1, |_| {}).unwrap();
+    let model = GgufFile::parse(&bytes).unwrap();
+    assert!(model
+        .tensors
+        .iter()
+        .all(|t| t.ggml_type == GgmlType::Q8_0 || t.ggml_type == GgmlType::F32));
+    assert!(model.tensors.iter().any(|t| t.ggml_type == GgmlType::Q8_0));
+    assert_eq!(model.get_u64("general.file_type"), Some(7));
+    let error =
+        synth::plan_with_weight_type(&small, TARGET, TensorOrder::Exec, 1, Some(GgmlType::F32));
+    assert!(error.is_err(), "an unquantized weight type is refused");
+}

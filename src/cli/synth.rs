@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
 use hyperoffload::model::synth::{self, TensorOrder};
 use hyperoffload::size::{format_size, parse_size};
@@ -29,6 +30,10 @@ pub struct SynthArgs {
     /// The order of the tensors in the file.
     #[arg(long, value_enum, default_value_t = Order::File)]
     order: Order,
+    /// Quantization type of every quantized weight (e.g. Q8_0), instead of the small
+    /// model's.
+    #[arg(long = "type", value_parser = weight_type_arg)]
+    weight_type: Option<GgmlType>,
     /// Seed of the random weights (and of the shuffled order).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -57,10 +62,22 @@ impl From<Order> for TensorOrder {
     }
 }
 
+fn weight_type_arg(name: &str) -> Result<GgmlType, String> {
+    GgmlType::from_name(name)
+        .ok_or_else(|| format!("`{name}` is not a ggml type (e.g. Q8_0, Q4_1)"))
+}
+
 pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     let small =
         GgufFile::open(&args.like).with_context(|| format!("reading {}", args.like.display()))?;
-    let plan = synth::plan(&small, args.size, args.order.into(), args.seed).with_context(|| {
+    let plan = synth::plan_with_weight_type(
+        &small,
+        args.size,
+        args.order.into(),
+        args.seed,
+        args.weight_type,
+    )
+    .with_context(|| {
         format!(
             "planning a {} model like {}",
             format_size(args.size),

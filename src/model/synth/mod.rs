@@ -13,7 +13,7 @@ use rand::SeedableRng;
 use thiserror::Error;
 
 pub use fill::{f16_to_f32, f32_to_f16, Fill};
-pub use plan::{plan, LlamaShape, SynthPlan};
+pub use plan::{plan, plan_with_weight_type, LlamaShape, SynthPlan};
 
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufWriteError, GgufWriter};

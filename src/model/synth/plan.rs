@@ -396,6 +396,20 @@ fn size_label(n_params: u64) -> String {
     }
 }
 
+/// llama.cpp's `LLAMA_FTYPE_MOSTLY_*` for a model whose weights are all `ty`.
+fn llama_file_type(ty: GgmlType) -> Option<u64> {
+    Some(match ty.name() {
+        "Q4_0" => 2,
+        "Q4_1" => 3,
+        "Q8_0" => 7,
+        "Q5_0" => 8,
+        "Q5_1" => 9,
+        "Q2_K" => 10,
+        "Q6_K" => 18,
+        _ => return None,
+    })
+}
+
 fn metadata(small: &GgufFile, shape: &LlamaShape, n_params: u64) -> Vec<(String, GgufValue)> {
     let overrides: [(&str, u64); 5] = [
         ("llama.block_count", shape.n_layer),
@@ -486,7 +500,31 @@ pub fn plan(
     order: TensorOrder,
     seed: u64,
 ) -> Result<SynthPlan, SynthError> {
-    let (small_shape, globals, layer) = small_model(small)?;
+    plan_with_weight_type(small, target, order, seed, None)
+}
+
+/// As `plan`, with every quantized weight of type `weight_type` instead of the small
+/// model's types (norms stay as they are): e.g. a Q8_0 model from a Q4_1 one.
+pub fn plan_with_weight_type(
+    small: &GgufFile,
+    target: u64,
+    order: TensorOrder,
+    seed: u64,
+    weight_type: Option<GgmlType>,
+) -> Result<SynthPlan, SynthError> {
+    let (small_shape, mut globals, mut layer) = small_model(small)?;
+    if let Some(weight_type) = weight_type {
+        if !weight_type.is_quantized() || !fill::supported(weight_type) {
+            return Err(SynthError::UnsupportedType(weight_type));
+        }
+        for role in globals.iter_mut().chain(layer.iter_mut()) {
+            for ty in role.types.iter_mut().filter(|ty| ty.is_quantized()) {
+                // Same 32-element blocks as the common quantized types; shapes that
+                // do not fit are caught when the tensors are sized.
+                *ty = weight_type;
+            }
+        }
+    }
     // The header: metadata as in the small model, plus about 100 bytes per tensor.
     let header_guess = small
         .data_offset
@@ -562,7 +600,13 @@ pub fn plan(
         TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
     }
 
-    let metadata = metadata(small, &shape, n_params);
+    let mut metadata = metadata(small, &shape, n_params);
+    if let Some(file_type) = weight_type.and_then(llama_file_type) {
+        // llama.cpp labels the model by it (llama-bench's "Q8_0").
+        if let Some((_, value)) = metadata.iter_mut().find(|(k, _)| k == "general.file_type") {
+            *value = same_type(Some(value), file_type);
+        }
+    }
     // The exact size, from laying out the header without writing it anywhere.
     let file_len =
         GgufWriter::new(io::sink(), &metadata, tensors.clone(), small.alignment)?.file_len();
