@@ -834,7 +834,7 @@ impl FaultService {
         // Bytes past the end of the file in the last page read as zeros, as with mmap.
         let page = self.config.page_size as usize;
         let tail = valid..valid.next_multiple_of(page).min(self.ring.buffer_len());
-        self.ring.buffer_mut(slot).as_mut_slice()[tail].fill(0);
+        self.ring.buffer_mut(slot)[tail].fill(0);
         self.read_latency.record_ns(elapsed);
         self.stats.bytes_read += valid as u64;
         self.stats.blocks_read += count as u64;
