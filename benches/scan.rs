@@ -238,7 +238,7 @@ fn main() {
             let mbs = sequential_scan(map.slice());
             record(name, mbs, &mut seq);
         }
-        for block in [64 << 10, 256 << 10, 1 << 20] {
+        for block in [4 << 10, 64 << 10, 1 << 20] {
             drop_caches();
             let pager = Pager::builder()
                 .budget(budget)

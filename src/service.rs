@@ -59,6 +59,8 @@ pub(crate) struct ServiceConfig {
     pub injection: Option<ReadInjection>,
     /// Most faults kept in the trace; 0 keeps none.
     pub trace_limit: usize,
+    /// How long to poll for completions while demand reads are in flight.
+    pub demand_spin: std::time::Duration,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -191,6 +193,7 @@ pub(crate) struct FaultService {
     reserved: u64,
     pinned: u64,
     prefetch_reads_in_flight: u32,
+    demand_reads_in_flight: u32,
     stats: Stats,
     log: FaultLog,
     read_latency: LatencyHistogram,
@@ -254,6 +257,7 @@ impl FaultService {
             reserved: 0,
             pinned: 0,
             prefetch_reads_in_flight: 0,
+            demand_reads_in_flight: 0,
             stats,
             log: FaultLog {
                 latency: LatencyHistogram::default(),
@@ -298,7 +302,13 @@ impl FaultService {
         self.ring
             .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
         loop {
-            self.ring.submit_and_wait(1)?;
+            if self.demand_reads_in_flight > 0 && !self.config.demand_spin.is_zero() {
+                // A thread is blocked on a read: its core is free, and reaping the
+                // completion without a wake-up shortens its wait.
+                self.ring.submit_and_spin(self.config.demand_spin)?;
+            } else {
+                self.ring.submit_and_wait(1)?;
+            }
             let mut completions = std::mem::take(&mut self.completions);
             completions.clear();
             self.ring.reap(&mut completions);
@@ -739,6 +749,8 @@ impl FaultService {
         )?;
         if prefetch {
             self.prefetch_reads_in_flight += 1;
+        } else {
+            self.demand_reads_in_flight += 1;
         }
         self.stats.read_requests += 1;
         Ok(())
@@ -896,6 +908,8 @@ impl FaultService {
             self.reserved -= tag.reserved;
             if tag.prefetch {
                 self.prefetch_reads_in_flight -= 1;
+            } else {
+                self.demand_reads_in_flight -= 1;
             }
             if let Some(region) = self.regions.get_mut(&tag.region) {
                 region.reads_in_flight -= 1;

@@ -37,7 +37,7 @@ pub struct ScanArgs {
     #[arg(long, value_parser = size_arg)]
     budget: u64,
     /// Block size: the unit of residency and demand reads.
-    #[arg(long, value_parser = size_arg, default_value = "64K")]
+    #[arg(long, value_parser = size_arg, default_value = "4K")]
     block: u64,
     #[arg(long, default_value_t = 1)]
     threads: u32,
