@@ -17,10 +17,13 @@ pub struct SimulateArgs {
     /// A recorded fault trace (see `src/trace.rs`).
     #[arg(
         long,
-        conflicts_with = "synthetic_llama",
-        required_unless_present = "synthetic_llama"
+        conflicts_with_all = ["synthetic_llama", "model"],
+        required_unless_present_any = ["synthetic_llama", "model"]
     )]
     trace: Option<PathBuf>,
+    /// A model file (GGUF or safetensors): its predicted order, repeated for --tokens.
+    #[arg(long, conflicts_with = "synthetic_llama")]
+    model: Option<PathBuf>,
     /// A synthetic llama-shaped model: `LAYERS:TENSOR_BYTES` (TENSOR_BYTES is the size of
     /// one layer's attn_q; `30:1.4M` is about 520 MB), or `default`.
     #[arg(long)]
@@ -51,6 +54,17 @@ pub struct SimulateArgs {
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
         (Some(path), _) => (read_trace(path, args.tokens)?, None),
+        (None, None) if args.model.is_some() => {
+            let path = args.model.as_ref().expect("checked");
+            let model = hyperoffload::model::ModelFile::open(path)?;
+            let block = parse_size(&args.block)?;
+            let layout = BlockLayout::new(0, model.file_len, block)?;
+            let graph = ModelGraph::from_tensors(&model.tensors, layout);
+            (
+                Workload::cyclic(&graph, args.tokens.unwrap_or(16)),
+                Some(graph),
+            )
+        }
         (None, Some(spec)) => {
             let shape = parse_shape(spec)?;
             let block = parse_size(&args.block)?;
@@ -61,7 +75,9 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout);
             (workload, Some(graph))
         }
-        (None, None) => bail!("give --trace FILE or --synthetic-llama LAYERS:TENSOR_BYTES"),
+        (None, None) => {
+            bail!("give --trace FILE, --model FILE or --synthetic-llama LAYERS:TENSOR_BYTES")
+        }
     };
     let model = workload.layout.data_len;
     let budget = match args.budget.strip_suffix('%') {

@@ -50,6 +50,24 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// `tokens` passes of a model graph's predicted order: what a decoder reading the
+    /// model as predicted touches, block by block.
+    pub fn cyclic(graph: &crate::graph::ModelGraph, tokens: u32) -> Workload {
+        let order = graph.order();
+        let pass: Vec<u32> = (0..order.len()).map(|at| order.block_at(at)).collect();
+        let mut accesses = Vec::with_capacity(pass.len() * tokens as usize);
+        let mut token_starts = Vec::with_capacity(tokens as usize);
+        for _ in 0..tokens {
+            token_starts.push(accesses.len());
+            accesses.extend_from_slice(&pass);
+        }
+        Workload {
+            layout: *graph.layout(),
+            accesses,
+            token_starts,
+        }
+    }
+
     /// The tokens `range` of this workload (needs token boundaries).
     pub fn tokens(&self, range: std::ops::Range<usize>) -> Workload {
         let bound = |token: usize| {
