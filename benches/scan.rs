@@ -10,12 +10,10 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use hyperoffload::policy::PrefetchKind;
-use hyperoffload::ring::{Completion, ReadRing};
 use hyperoffload::size::{format_size, parse_size};
 use hyperoffload::stats::LatencyHistogram;
 use hyperoffload::{MapOptions, Pager};
@@ -31,9 +29,7 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 fn drop_caches() -> bool {
-    // SAFETY: sync(2) has no memory effects.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+    hyperoffload::device::drop_page_cache()
 }
 
 fn ensure_file(path: &Path, len: u64) {
@@ -62,42 +58,8 @@ fn ensure_file(path: &Path, len: u64) {
 }
 
 /// The device's limit: one pass of O_DIRECT 1 MiB reads at queue depth 32.
-fn device_limit(path: &Path, len: u64) -> f64 {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap();
-    let chunk = 1 << 20;
-    let mut ring: ReadRing<()> = ReadRing::new(32, chunk).unwrap();
-    let started = Instant::now();
-    let (mut next, mut in_flight) = (0u64, 0);
-    let mut completions = Vec::new();
-    loop {
-        while next < len {
-            let Some(slot) = ring.checkout().unwrap() else {
-                break;
-            };
-            let n = ((len - next) as usize).min(chunk).next_multiple_of(PAGE);
-            ring.read(slot, file.as_raw_fd(), next, 0, n, ()).unwrap();
-            next += n as u64;
-            in_flight += 1;
-        }
-        if in_flight == 0 {
-            break;
-        }
-        ring.submit_and_wait(1).unwrap();
-        completions.clear();
-        ring.reap(&mut completions);
-        for completion in &completions {
-            if let Completion::Read { slot, result } = *completion {
-                assert!(result > 0, "device read failed: {result}");
-                ring.checkin(slot);
-                in_flight -= 1;
-            }
-        }
-    }
-    len as f64 / started.elapsed().as_secs_f64() / 1e6
+fn device_limit(path: &Path) -> f64 {
+    hyperoffload::device::sequential_read_rate(path, 1 << 20, 32).unwrap() / 1e6
 }
 
 struct Mmap {
@@ -228,7 +190,7 @@ fn main() {
     };
     for _ in 0..runs {
         drop_caches();
-        device.push(device_limit(&path, len));
+        device.push(device_limit(&path));
         for (name, advice) in [
             ("kernel mmap", None),
             ("kernel mmap + MADV_SEQUENTIAL", Some(libc::MADV_SEQUENTIAL)),

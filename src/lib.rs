@@ -4,6 +4,7 @@
 //! model.
 
 pub mod compare;
+pub mod device;
 pub mod file;
 pub mod graph;
 pub mod layout;

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod compare;
 mod inspect;
 mod scan;
@@ -24,6 +25,9 @@ struct Cli {
 enum Command {
     /// Read a file through a pager region and report throughput and the pager's stats.
     Scan(scan::ScanArgs),
+    /// The headline benchmark: llama-bench decode at several budgets, kernel against
+    /// pager, with the floor each budget allows; writes results.md.
+    Bench(bench::BenchArgs),
     /// Run a program under the kernel's paging (memory cgroup at the budget) and under
     /// the pager, alternately, and report reads, faults, memory and speed with plots.
     Compare(compare::CompareArgs),
@@ -43,6 +47,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(args) => scan::run(args),
+        Command::Bench(args) => bench::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Trace(args) => trace::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),

@@ -1,0 +1,350 @@
+//! `hyperoffload bench`: the headline benchmark. llama-bench decode (tg) on one model at
+//! several budgets, under the kernel's paging (memory cgroup at the budget) and under
+//! the pager, with the floor each budget allows: token time >= max(compute time,
+//! (M - B) / device bandwidth), M - B bytes read per token, and the simulated optimum.
+//! Writes `results.md` (and one `compare` report per budget) to `--out`.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use hyperoffload::compare::program_output::ProgramFigures;
+use hyperoffload::compare::record::{RunRecord, Side};
+use hyperoffload::compare::{compare, CompareConfig};
+use hyperoffload::device::{drop_page_cache, sequential_read_rate};
+use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::model::ModelFile;
+use hyperoffload::sim::{simulate, SimPolicy, Timing, Workload};
+use hyperoffload::size::format_size;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The model llama-bench decodes (GGUF).
+    #[arg(long)]
+    model: PathBuf,
+    /// llama.cpp's bin directory (holding llama-bench).
+    #[arg(long)]
+    llama_bin: PathBuf,
+    /// Budgets, in percent of the model.
+    #[arg(long, value_delimiter = ',', default_value = "25,50,75,90,125")]
+    budgets: Vec<f64>,
+    /// Runs per side and budget (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Tokens generated per run (llama-bench -n).
+    #[arg(long, default_value_t = 8)]
+    tokens: u32,
+    /// llama-bench threads.
+    #[arg(long, default_value_t = 2)]
+    threads: u32,
+    /// Output directory.
+    #[arg(long, default_value = "bench")]
+    out: PathBuf,
+}
+
+fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    Some(values[values.len() / 2])
+}
+
+fn llama_bench_command(args: &BenchArgs, tokens: u32) -> Vec<OsString> {
+    let bench = args.llama_bin.join("llama-bench");
+    [
+        bench.into_os_string(),
+        "-m".into(),
+        args.model.clone().into_os_string(),
+        "-p".into(),
+        "0".into(),
+        "-n".into(),
+        tokens.to_string().into(),
+        "-t".into(),
+        args.threads.to_string().into(),
+        "-r".into(),
+        "1".into(),
+        // No weight repacking: inference must read the mapping (SmolLM2's types have
+        // no repacked kernels on x86 anyway; synthetic Q8_0 neither).
+        "--repack".into(),
+        "0".into(),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// Tokens per second of llama-bench's tg test, warm and without a memory limit: the
+/// compute-bound speed.
+fn warm_tokens_per_s(args: &BenchArgs) -> anyhow::Result<f64> {
+    let command = llama_bench_command(args, args.tokens);
+    let mut speeds = Vec::new();
+    // The first run warms the page cache; the next ones are the measurement.
+    for _ in 0..3 {
+        let output = Command::new(&command[0])
+            .args(&command[1..])
+            .output()
+            .context("running llama-bench")?;
+        if !output.status.success() {
+            bail!(
+                "llama-bench failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let figures = ProgramFigures::parse(
+            &String::from_utf8_lossy(&output.stdout),
+            &String::from_utf8_lossy(&output.stderr),
+        );
+        speeds.push(
+            figures
+                .bench_tokens_per_s("tg")
+                .context("no tg figure from llama-bench")?,
+        );
+    }
+    speeds.remove(0);
+    Ok(median(&mut speeds).expect("two measurements"))
+}
+
+/// Bytes the pager reads per generated token at `budget`: two cold runs that differ
+/// only in the number of tokens, so loading and warm-up cancel out.
+fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::Result<f64> {
+    let launcher = std::env::current_exe()?;
+    let mut read = Vec::new();
+    for (i, tokens) in [2, 2 + args.tokens].into_iter().enumerate() {
+        drop_page_cache();
+        let stats = dir.join(format!("pager-{tokens}-tokens-{i}.json"));
+        let _ = std::fs::remove_file(&stats);
+        let status = Command::new(&launcher)
+            .arg("run")
+            .arg("--budget")
+            .arg(budget.to_string())
+            .arg("--stats")
+            .arg(&stats)
+            .arg("--")
+            .args(llama_bench_command(args, tokens))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("llama-bench under the pager failed ({status})");
+        }
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+        let bytes = json
+            .get("bytes_read")
+            .or_else(|| json.get("stats").and_then(|s| s.get("bytes_read")))
+            .and_then(|v| v.as_u64())
+            .context("no bytes_read in the pager's stats")?;
+        read.push(bytes as f64);
+    }
+    Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
+}
+
+struct Row {
+    share: f64,
+    budget: u64,
+    kernel_tps: Option<f64>,
+    pager_tps: Option<f64>,
+    pager_bytes_per_token: f64,
+    optimum_bytes_per_token: Option<f64>,
+    floor_s: f64,
+    kernel_read_mb_s: Option<f64>,
+    pager_read_mb_s: Option<f64>,
+    kernel_p50_us: Option<f64>,
+    kernel_p99_us: Option<f64>,
+    pager_p50_us: Option<f64>,
+    pager_p99_us: Option<f64>,
+}
+
+fn side_median(
+    runs: &[RunRecord],
+    side: Side,
+    value: impl Fn(&RunRecord) -> Option<f64>,
+) -> Option<f64> {
+    let mut values: Vec<f64> = runs
+        .iter()
+        .filter(|r| r.side == side)
+        .filter_map(value)
+        .collect();
+    median(&mut values)
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.tokens == 0 || args.runs == 0 {
+        bail!("--tokens and --runs must be at least 1");
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let model = ModelFile::open(&args.model)?;
+    let model_len = model.file_len;
+    eprintln!(
+        "bench: {} ({})",
+        args.model.display(),
+        format_size(model_len)
+    );
+
+    let mut device = Vec::new();
+    for _ in 0..3 {
+        if !drop_page_cache() {
+            eprintln!("bench: cannot drop the page cache (not root?): figures are not cold");
+        }
+        device.push(sequential_read_rate(&args.model, 1 << 20, 32)?);
+    }
+    let device_bps = median(&mut device).expect("three measurements");
+    eprintln!("bench: device limit {:.0} MB/s", device_bps / 1e6);
+    let warm_tps = warm_tokens_per_s(&args)?;
+    let compute_s = 1.0 / warm_tps;
+    eprintln!("bench: warm decode {warm_tps:.2} tok/s ({compute_s:.3} s per token)");
+
+    // The optimum for each budget, from the model's predicted order.
+    let block = hyperoffload::pager::DEFAULT_BLOCK_SIZE.max(64 << 10);
+    let layout = BlockLayout::new(0, model_len, block)?;
+    let graph = ModelGraph::from_tensors(&model.tensors, layout);
+    let workload = Workload::cyclic(&graph, 6);
+
+    let interrupted = AtomicBool::new(false);
+    let mut rows = Vec::new();
+    for &share in &args.budgets {
+        let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);
+        let dir = args.out.join(format!("budget-{share}pct"));
+        eprintln!("bench: budget {share}% = {}", format_size(budget));
+        let report = compare(
+            &CompareConfig {
+                program: llama_bench_command(&args, args.tokens),
+                budget_bytes: budget,
+                runs: args.runs,
+                out_dir: dir.clone(),
+                model: Some(args.model.clone()),
+                launcher: std::env::current_exe()?,
+            },
+            &interrupted,
+            |record| {
+                eprintln!(
+                    "bench:   {} run {}: {:.1} s, tg {}",
+                    record.side.name(),
+                    record.index,
+                    record.wall_s,
+                    record
+                        .program
+                        .bench_tokens_per_s("tg")
+                        .map(|t| format!("{t:.2} t/s"))
+                        .unwrap_or_else(|| "?".into())
+                )
+            },
+        )?;
+        let runs = &report.runs;
+        let tps = |side| side_median(runs, side, |r| r.program.bench_tokens_per_s("tg"));
+        let optimum = simulate(
+            &workload,
+            budget,
+            SimPolicy::Belady,
+            None,
+            None,
+            Timing::default(),
+        )
+        .ok()
+        .and_then(|report| report.steady_bytes_per_token(Some(6)));
+        let pager_bytes_per_token = pager_bytes_per_token(&args, budget, &dir)?;
+        let streamed = model_len.saturating_sub(budget) as f64;
+        rows.push(Row {
+            share,
+            budget,
+            kernel_tps: tps(Side::Kernel),
+            pager_tps: tps(Side::Pager),
+            pager_bytes_per_token,
+            optimum_bytes_per_token: optimum,
+            floor_s: compute_s.max(streamed / device_bps),
+            kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
+            pager_read_mb_s: side_median(runs, Side::Pager, |r| Some(r.io.mean_bandwidth_mb_s)),
+            kernel_p50_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p50_us)),
+            kernel_p99_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p99_us)),
+            pager_p50_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p50_us)),
+            pager_p99_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p99_us)),
+        });
+    }
+    let markdown = results_markdown(&args, model_len, device_bps, compute_s, &rows);
+    let path = args.out.join("results.md");
+    std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
+    print!("{markdown}");
+    Ok(())
+}
+
+fn results_markdown(
+    args: &BenchArgs,
+    model_len: u64,
+    device_bps: f64,
+    compute_s: f64,
+    rows: &[Row],
+) -> String {
+    let mib = |bytes: f64| bytes / (1 << 20) as f64;
+    let opt =
+        |v: Option<f64>, digits: usize| v.map_or("–".to_string(), |v| format!("{v:.digits$}"));
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# Headline benchmark: llama-bench decode under a RAM budget\n"
+    );
+    let _ = writeln!(
+        out,
+        "Model `{}` ({:.0} MiB), llama-bench `-p 0 -n {} -t {} -r 1 --repack 0`, {} runs per side \
+         and budget (medians), page cache dropped before every run. Device limit (io_uring \
+         O_DIRECT 1 MiB reads, QD32, cold, median of 3): {:.0} MB/s. Warm decode without a \
+         limit: {:.2} tok/s ({:.3} s per token of compute). Kernel: the unchanged program in a \
+         memory cgroup limited to the budget (page cache included); pager: `hyperoffload run \
+         --budget` with the default policies.\n",
+        args.model.display(),
+        mib(model_len as f64),
+        args.tokens,
+        args.threads,
+        args.runs,
+        device_bps / 1e6,
+        1.0 / compute_s,
+        compute_s,
+    );
+    let _ = writeln!(
+        out,
+        "| budget | kernel tok/s | pager tok/s | pager/kernel | pager token time / floor | \
+         pager bytes/token (MiB) | M - B (MiB) | optimum (sim, MiB) | read MB/s kernel / pager | \
+         fault p50 us kernel / pager | fault p99 us kernel / pager |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for row in rows {
+        let ratio = match (row.pager_tps, row.kernel_tps) {
+            (Some(p), Some(k)) if k > 0.0 => format!("{:.2}x", p / k),
+            _ => "–".into(),
+        };
+        let to_floor = row.pager_tps.map_or("–".to_string(), |tps| {
+            format!("{:.2}", (1.0 / tps) / row.floor_s)
+        });
+        let _ = writeln!(
+            out,
+            "| {:.0}% ({:.0} MiB) | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} / {} | {} / {} | {} / {} |",
+            row.share,
+            mib(row.budget as f64),
+            opt(row.kernel_tps, 2),
+            opt(row.pager_tps, 2),
+            ratio,
+            to_floor,
+            mib(row.pager_bytes_per_token),
+            mib(model_len.saturating_sub(row.budget) as f64),
+            opt(row.optimum_bytes_per_token.map(mib), 1),
+            opt(row.kernel_read_mb_s, 0),
+            opt(row.pager_read_mb_s, 0),
+            opt(row.kernel_p50_us, 0),
+            opt(row.pager_p50_us, 0),
+            opt(row.kernel_p99_us, 0),
+            opt(row.pager_p99_us, 0),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nFloor: token time >= max(compute, (M - B) / device limit). Pager bytes per token: \
+         two cold pager runs generating 2 and 2 + {} tokens, the difference divided by {} \
+         (loading and warm-up cancel out). Optimum: Belady's policy replayed on the model's \
+         predicted order (`hyperoffload simulate --model --policy belady`). Per-budget \
+         reports with plots: `budget-*/report.md`.",
+        args.tokens, args.tokens
+    );
+    out
+}
