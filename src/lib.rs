@@ -4,12 +4,16 @@
 //! model.
 
 pub mod file;
+pub mod glob;
 pub mod layout;
+pub mod map_candidate;
 pub mod model;
 pub mod pager;
 pub mod policy;
+pub mod policy_name;
 pub mod ring;
 mod service;
+pub mod shim_config;
 pub mod size;
 pub mod stats;
 pub mod sys;
