@@ -1169,7 +1169,9 @@ impl FaultService {
 /// Copies `len` bytes from `source` into the registered range at `target` and wakes the
 /// threads waiting there. Pages that already exist (a racing install) are skipped; the
 /// rest are still installed, page by page if need be, so a faulting page is never left
-/// missing (which would leave its thread waiting forever).
+/// missing (which would leave its thread waiting forever). Pages the program unmapped
+/// (ENOENT: a copy range may not span a hole) are skipped one by one, so the rest of a
+/// block cut by a partial munmap is still installed; `Gone` only when nothing was left.
 fn install(
     uffd: &Uffd,
     source: *const u8,
@@ -1179,7 +1181,15 @@ fn install(
 ) -> Result<Installed, ServiceError> {
     let mut done = 0usize;
     let mut stalls = 0u32;
+    // Set once a copy met an unmapped page: from then on, page by page.
+    let mut holes = false;
+    let mut unmapped = 0usize;
     while done < len {
+        let chunk = if holes {
+            page.min(len - done)
+        } else {
+            len - done
+        };
         // SAFETY: `source + done .. source + len` lies inside a read buffer the ring owns
         // and no read is writing (its read completed); `target` is inside a region this
         // service serves, registered and mapped until its `RemoveRegion` is acknowledged.
@@ -1187,7 +1197,7 @@ fn install(
             uffd.copy(
                 source.wrapping_add(done).cast(),
                 (target + done) as *mut libc::c_void,
-                len - done,
+                chunk,
                 true,
             )
         };
@@ -1218,9 +1228,14 @@ fn install(
                         done += page
                     }
                     Err(userfaultfd::Error::PartiallyCopied(_)) => {}
-                    Err(userfaultfd::Error::CopyFailed(
-                        nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
-                    )) => return Ok(Installed::Gone),
+                    Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::ENOENT)) => {
+                        holes = true;
+                        unmapped += page;
+                        done += page;
+                    }
+                    Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::ESRCH)) => {
+                        return Ok(Installed::Gone)
+                    }
                     Err(userfaultfd::Error::CopyFailed(errno)) => {
                         return Err(ServiceError::Install {
                             addr: target + done,
@@ -1233,9 +1248,15 @@ fn install(
                 }
             }
             Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::EEXIST)) => done += page,
-            Err(userfaultfd::Error::CopyFailed(
-                nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH,
-            )) => return Ok(Installed::Gone),
+            Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::ENOENT)) if holes => {
+                unmapped += page;
+                done += page;
+            }
+            // Some page of the range is unmapped: find which, page by page.
+            Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::ENOENT)) => holes = true,
+            Err(userfaultfd::Error::CopyFailed(nix::errno::Errno::ESRCH)) => {
+                return Ok(Installed::Gone)
+            }
             Err(userfaultfd::Error::CopyFailed(errno)) => {
                 return Err(ServiceError::Install {
                     addr: target + done,
@@ -1244,6 +1265,9 @@ fn install(
             }
             Err(other) => return Err(ServiceError::Events(format!("{other:?}"))),
         }
+    }
+    if unmapped >= len {
+        return Ok(Installed::Gone);
     }
     Ok(Installed::Done)
 }
@@ -1275,8 +1299,12 @@ fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
     // points into it.
-    unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) }
-        .map_err(|error| ServiceError::Evict { addr: start, error })
+    match unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) } {
+        // ENOMEM: part of the range was unmapped by the program (a block cut by a
+        // partial munmap); the kernel still dropped the pages of the mapped parts.
+        Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
+        result => result.map_err(|error| ServiceError::Evict { addr: start, error }),
+    }
 }
 
 /// Reports why the service stopped and ends the process: threads waiting on faults
