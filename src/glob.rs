@@ -83,7 +83,10 @@ mod tests {
         assert!(m("*.gguf", ".gguf"));
         assert!(!m("*.gguf", "model.gguf.part"));
         assert!(!m("*.gguf", "model.safetensors"));
-        assert!(m("model-*-of-*.safetensors", "model-00001-of-00002.safetensors"));
+        assert!(m(
+            "model-*-of-*.safetensors",
+            "model-00001-of-00002.safetensors"
+        ));
         assert!(m("*", ""));
         assert!(m("a*b*c", "aXXbYYbZc"));
         assert!(!m("a*b*c", "aXXbYYbZ"));

@@ -341,7 +341,9 @@ mod tests {
     fn bad_values_name_the_variable_and_value() {
         let error = read(&[(ENV_BUDGET, "lots")]).unwrap_err();
         assert_eq!(error.var, ENV_BUDGET);
-        assert!(error.to_string().starts_with("HYPEROFFLOAD_BUDGET=\"lots\""));
+        assert!(error
+            .to_string()
+            .starts_with("HYPEROFFLOAD_BUDGET=\"lots\""));
         assert_eq!(read(&[(ENV_MATCH, " , ")]).unwrap_err().var, ENV_MATCH);
         assert_eq!(read(&[(ENV_MIN_SIZE, "x")]).unwrap_err().var, ENV_MIN_SIZE);
         assert_eq!(read(&[(ENV_POLICY, "belady")]).unwrap_err().var, ENV_POLICY);
