@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod exec_check;
+mod run;
 mod scan;
 
 #[derive(Parser)]
@@ -19,12 +21,16 @@ struct Cli {
 enum Command {
     /// Read a file through a pager region and report throughput and the pager's stats.
     Scan(scan::ScanArgs),
+    /// Run a program with its model files served by the pager (LD_PRELOAD shim), then
+    /// summarise what the pager did.
+    Run(run::RunArgs),
 }
 
 pub fn run() -> anyhow::Result<std::process::ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Scan(args) => scan::run(args),
+        Command::Run(args) => run::run(args),
     }
 }
 
