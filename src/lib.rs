@@ -6,13 +6,17 @@
 pub mod compare;
 pub mod device;
 pub mod file;
+pub mod glob;
 pub mod graph;
 pub mod layout;
+pub mod map_candidate;
 pub mod model;
 pub mod pager;
 pub mod policy;
+pub mod policy_name;
 pub mod ring;
 mod service;
+pub mod shim_config;
 pub mod sim;
 pub mod size;
 pub mod stats;

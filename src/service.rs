@@ -1365,8 +1365,12 @@ fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
     // points into it.
-    unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) }
-        .map_err(|error| ServiceError::Evict { addr: start, error })
+    match unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) } {
+        // ENOMEM: part of the range was unmapped by the program (a block cut by a
+        // partial munmap); the kernel still dropped the pages of the mapped parts.
+        Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
+        result => result.map_err(|error| ServiceError::Evict { addr: start, error }),
+    }
 }
 
 /// Reports why the service stopped and ends the process: threads waiting on faults

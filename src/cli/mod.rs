@@ -4,7 +4,9 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod compare;
+mod exec_check;
 mod inspect;
+mod run;
 mod scan;
 mod simulate;
 mod synth;
@@ -41,6 +43,9 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Write a llama-shaped GGUF of a given size from a small one (random weights).
     Synth(synth::SynthArgs),
+    /// Run a program with its model files served by the pager (LD_PRELOAD shim), then
+    /// summarise what the pager did.
+    Run(run::RunArgs),
 }
 
 pub fn run() -> anyhow::Result<std::process::ExitCode> {
@@ -53,6 +58,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
         Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Synth(args) => synth::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Run(args) => run::run(args),
     }
 }
 

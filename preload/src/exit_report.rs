@@ -1,0 +1,93 @@
+//! The stats JSON (and the optional event trace) written when the program exits: from an
+//! atexit handler registered when the pager starts. Regions are not dropped at exit
+//! (other threads may still be reading them); only the files are written.
+//!
+//! The JSON holds the pager's `Stats` fields, plus `files` (path, size of every managed
+//! file), `config` (the budget as given and in bytes, policy, patterns, minimum size),
+//! `pid` and `managed_mappings` (still mapped at exit).
+//!
+//! Files are created with O_EXCL|O_NOFOLLOW, mode 0600: never clobbered, never through a
+//! symlink. With inheritance on, several processes may share one stats path: the first
+//! to exit takes it, the others write `<path>.<pid>`.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::{managed::Reentry, state};
+
+static REGISTERED: AtomicBool = AtomicBool::new(false);
+
+/// Registers the exit handler (once).
+pub fn register() {
+    if !REGISTERED.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a plain extern "C" function with no arguments.
+        unsafe { libc::atexit(write_at_exit) };
+    }
+}
+
+extern "C" fn write_at_exit() {
+    // A forked child inherits the handler but not the pager's service thread: asking it
+    // for stats would wait forever.
+    if state::is_forked_child() {
+        return;
+    }
+    let Some(shim) = state::shim_even_if_disabled() else {
+        return;
+    };
+    let Some(pager) = shim.pager_if_running() else {
+        return;
+    };
+    let _reentry = Reentry::enter();
+    let config = &shim.config;
+    if let Some(path) = &config.stats_path {
+        let stats = pager.stats();
+        let mut json: serde_json::Value =
+            serde_json::from_str(&stats.to_json()).unwrap_or_default();
+        json["files"] = shim
+            .files()
+            .into_iter()
+            .map(|(path, size)| serde_json::json!({"path": path, "size": size}))
+            .collect();
+        json["config"] = serde_json::json!({
+            "budget": config.budget.to_env_value(),
+            "budget_bytes": pager.budget(),
+            "policy": config.policy,
+            "patterns": config.patterns,
+            "min_size": config.min_size,
+        });
+        // SAFETY: getpid has no memory effects.
+        json["pid"] = unsafe { libc::getpid() }.into();
+        json["managed_mappings"] = shim.managed_count().into();
+        write_new(shim, path, config.inherit, json.to_string().as_bytes());
+    }
+    if let Some(path) = &config.trace_path {
+        let mut lines = shim.take_trace().join("\n");
+        lines.push('\n');
+        write_new(shim, path, config.inherit, lines.as_bytes());
+    }
+}
+
+fn write_new(shim: &crate::managed::Shim, path: &Path, inherit: bool, contents: &[u8]) {
+    let create = |path: &Path| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+    };
+    let mut target: PathBuf = path.to_path_buf();
+    let mut file = create(&target);
+    if inherit && matches!(&file, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists) {
+        // SAFETY: getpid has no memory effects.
+        let pid = unsafe { libc::getpid() };
+        target = PathBuf::from(format!("{}.{pid}", path.display()));
+        file = create(&target);
+    }
+    let written = file.and_then(|mut file| file.write_all(contents));
+    if let Err(error) = written {
+        shim.say(&format!("cannot write {}: {error}", target.display()));
+    }
+}

@@ -1,0 +1,586 @@
+//! What the shim does to the calls it takes over: the process-wide pager, the registry of
+//! managed mappings, and one method per kind of call. Every method returns `None` when
+//! the call is not the shim's business, and the hook then passes it to the kernel.
+//!
+//! Locks: the registry lock is held only to look up or edit the registry, never while
+//! talking to the fault service or touching managed memory, and the service never takes
+//! it. `layout` serialises the calls that create or remove managed mappings, so that a
+//! region being torn down cannot meet a new one the kernel placed at its old address.
+
+use std::cell::Cell;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
+use hyperoffload::policy::AccessHint;
+use hyperoffload::policy_name::policies_by_name;
+use hyperoffload::shim_config::ShimConfig;
+use hyperoffload::size::format_size;
+use hyperoffload::{MapOptions, Pager, Region};
+use libc::c_int;
+
+use crate::raw;
+use crate::registry::{Piece, Registry};
+
+pub const PAGE: usize = 4096;
+
+/// A region the shim made, and which file it presents.
+pub struct ManagedRegion {
+    region: Region,
+    file: usize,
+}
+
+/// A file the shim has managed at least one mapping of.
+pub struct ManagedFile {
+    pub path: PathBuf,
+    pub size: u64,
+    dev: u64,
+    ino: u64,
+}
+
+enum PagerSlot {
+    NotYet,
+    Running(Pager),
+    Failed,
+}
+
+pub struct Shim {
+    pub config: ShimConfig,
+    pager: Mutex<PagerSlot>,
+    registry: Mutex<Registry<Arc<ManagedRegion>>>,
+    /// Managed mappings alive: lets hooks skip the registry while there are none.
+    mapped: AtomicUsize,
+    layout: Mutex<()>,
+    files: Mutex<Vec<ManagedFile>>,
+    trace: Mutex<Vec<String>>,
+    start: Instant,
+    warned_mremap: AtomicBool,
+    warned_mlock: AtomicBool,
+    warned_map: AtomicBool,
+}
+
+thread_local! {
+    /// Set while this thread runs shim code: a hook entered again from inside (the
+    /// pager starting its thread, Rust's runtime mapping a signal stack) passes through.
+    static IN_SHIM: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as inside the shim until dropped.
+pub struct Reentry(());
+
+impl Reentry {
+    pub fn enter() -> Option<Self> {
+        IN_SHIM.with(|flag| {
+            if flag.get() {
+                None
+            } else {
+                flag.set(true);
+                Some(Reentry(()))
+            }
+        })
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        IN_SHIM.with(|flag| flag.set(false));
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Errno for a managed-range operation, or success.
+pub type Errno = Result<(), c_int>;
+
+impl Shim {
+    pub fn new(config: ShimConfig) -> Self {
+        Self {
+            config,
+            pager: Mutex::new(PagerSlot::NotYet),
+            registry: Mutex::new(Registry::default()),
+            mapped: AtomicUsize::new(0),
+            layout: Mutex::new(()),
+            files: Mutex::new(Vec::new()),
+            trace: Mutex::new(Vec::new()),
+            start: Instant::now(),
+            warned_mremap: AtomicBool::new(false),
+            warned_mlock: AtomicBool::new(false),
+            warned_map: AtomicBool::new(false),
+        }
+    }
+
+    pub fn say(&self, message: &str) {
+        raw::write_stderr(format!("hyperoffload: {message}\n").as_bytes());
+    }
+
+    fn verbose(&self, message: impl FnOnce() -> String) {
+        if self.config.verbose {
+            self.say(&message());
+        }
+    }
+
+    fn warn_once(&self, flag: &AtomicBool, message: impl FnOnce() -> String) {
+        if !flag.swap(true, Ordering::Relaxed) {
+            self.say(&message());
+        }
+    }
+
+    fn record(&self, event: impl FnOnce() -> serde_json::Value) {
+        if self.config.trace_path.is_some() {
+            let mut line = event();
+            line["t_ms"] = (self.start.elapsed().as_secs_f64() * 1e3).into();
+            lock(&self.trace).push(line.to_string());
+        }
+    }
+
+    /// Whether any managed mapping is alive (a hint: checked again under the lock).
+    pub fn has_mappings(&self) -> bool {
+        self.mapped.load(Ordering::Acquire) > 0
+    }
+
+    pub fn pager_if_running(&self) -> Option<Pager> {
+        match &*lock(&self.pager) {
+            PagerSlot::Running(pager) => Some(pager.clone()),
+            _ => None,
+        }
+    }
+
+    pub fn files(&self) -> Vec<(PathBuf, u64)> {
+        lock(&self.files)
+            .iter()
+            .map(|file| (file.path.clone(), file.size))
+            .collect()
+    }
+
+    pub fn managed_count(&self) -> usize {
+        self.mapped.load(Ordering::Acquire)
+    }
+
+    pub fn take_trace(&self) -> Vec<String> {
+        std::mem::take(&mut *lock(&self.trace))
+    }
+
+    /// The process's pager, created at the first managed mapping (whose file size sets a
+    /// percentage budget).
+    fn pager(&self, first_file_len: u64) -> Option<Pager> {
+        let mut slot = lock(&self.pager);
+        match &*slot {
+            PagerSlot::Running(pager) => return Some(pager.clone()),
+            PagerSlot::Failed => return None,
+            PagerSlot::NotYet => {}
+        }
+        let budget = self.config.budget.resolve(first_file_len);
+        let built = policies_by_name(&self.config.policy)
+            .map_err(|error| error.to_string())
+            .and_then(|policies| {
+                let mut builder = Pager::builder()
+                    .budget(budget)
+                    .prefetch(policies.prefetch)
+                    .eviction(policies.eviction);
+                if let Some(block) = self.config.block_size {
+                    builder = builder.block_size(block);
+                }
+                builder.build().map_err(|error| error.to_string())
+            });
+        match built {
+            Ok(pager) => {
+                *slot = PagerSlot::Running(pager.clone());
+                crate::exit_report::register();
+                self.verbose(|| {
+                    format!(
+                        "pager started: budget {} ({}), policy {}",
+                        format_size(budget),
+                        self.config.budget,
+                        self.config.policy
+                    )
+                });
+                Some(pager)
+            }
+            Err(error) => {
+                *slot = PagerSlot::Failed;
+                self.say(&format!(
+                    "cannot start the pager: {error}; model files are left to the kernel"
+                ));
+                None
+            }
+        }
+    }
+
+    /// mmap of a request `screen_request` accepted: a region in its place, or `None`.
+    pub fn map(&self, request: &MapRequest) -> Option<usize> {
+        let stat = raw::fstat(request.fd)?;
+        let mut buffer = [0u8; 4096];
+        let Some(path) = raw::fd_path(request.fd, &mut buffer) else {
+            self.verbose(|| {
+                format!(
+                    "fd {}: {}, left to the kernel",
+                    request.fd,
+                    PassReason::UnknownFile.describe()
+                )
+            });
+            return None;
+        };
+        let size = stat.st_size as u64;
+        let facts = FileFacts {
+            is_regular: stat.st_mode & libc::S_IFMT == libc::S_IFREG,
+            size,
+            path,
+        };
+        if let Err(reason) = screen_file(request, &facts, &self.config) {
+            self.verbose(|| {
+                format!(
+                    "{}: {}, left to the kernel",
+                    String::from_utf8_lossy(path),
+                    reason.describe()
+                )
+            });
+            return None;
+        }
+        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
+        // The pager opens the file by name: make sure the name still leads to the
+        // descriptor's file (not a replacement, not a deleted one).
+        match std::fs::metadata(&path) {
+            Ok(meta)
+                if std::os::unix::fs::MetadataExt::dev(&meta) == stat.st_dev
+                    && std::os::unix::fs::MetadataExt::ino(&meta) == stat.st_ino => {}
+            _ => {
+                self.verbose(|| {
+                    format!(
+                        "{}: the name no longer leads to the mapped file, left to the kernel",
+                        path.display()
+                    )
+                });
+                return None;
+            }
+        }
+        let pager = self.pager(size)?;
+        let offset = request.offset as u64;
+        let options = MapOptions {
+            offset,
+            len: Some((request.len as u64).min(size - offset)),
+            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
+            prot: request.prot,
+        };
+        let _layout = lock(&self.layout);
+        let region = match pager.map_file(&path, options) {
+            Ok(region) => region,
+            Err(error) => {
+                self.warn_once(&self.warned_map, || {
+                    format!("{error}; this mapping is left to the kernel")
+                });
+                return None;
+            }
+        };
+        let base = region.as_ptr() as usize;
+        let map_len = region.map_len();
+        let file = self.file_index(&path, size, &stat);
+        let managed = Arc::new(ManagedRegion { region, file });
+        lock(&self.registry).insert(base, map_len, managed.clone());
+        self.mapped.fetch_add(1, Ordering::AcqRel);
+        self.verbose(|| {
+            format!(
+                "managing {} offset {} length {} at {:#x}",
+                path.display(),
+                offset,
+                request.len,
+                base
+            )
+        });
+        self.record(|| {
+            serde_json::json!({"op": "map", "file": file, "offset": offset,
+                "len": request.len, "flags": request.flags})
+        });
+        if request.flags & libc::MAP_POPULATE != 0 {
+            self.bounded_prefetch(&managed.region, 0..map_len as u64);
+        }
+        Some(base)
+    }
+
+    fn file_index(&self, path: &Path, size: u64, stat: &libc::stat) -> usize {
+        let mut files = lock(&self.files);
+        if let Some(index) = files
+            .iter()
+            .position(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
+        {
+            return index;
+        }
+        files.push(ManagedFile {
+            path: path.to_path_buf(),
+            size,
+            dev: stat.st_dev,
+            ino: stat.st_ino,
+        });
+        files.len() - 1
+    }
+
+    /// Whether `fd` is a file the shim manages mappings of.
+    pub fn is_managed_file(&self, fd: c_int) -> bool {
+        let Some(stat) = raw::fstat(fd) else {
+            return false;
+        };
+        lock(&self.files)
+            .iter()
+            .any(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
+    }
+
+    /// Reads ahead at most half the budget from the start of `range`: MAP_POPULATE and
+    /// WILLNEED over a model larger than the budget must not read it all (it would only
+    /// evict itself).
+    fn bounded_prefetch(&self, region: &Region, range: std::ops::Range<u64>) {
+        let cap = region.pager().budget() / 2;
+        let end = range.end.min(range.start.saturating_add(cap));
+        let _ = region.prefetch(range.start..end);
+    }
+
+    fn pieces(&self, addr: usize, len: usize) -> Option<Vec<Piece<Arc<ManagedRegion>>>> {
+        if !self.has_mappings() || addr % PAGE != 0 {
+            return None;
+        }
+        let end = addr.checked_add(len)?.checked_next_multiple_of(PAGE)?;
+        let pieces = lock(&self.registry).split(addr..end);
+        pieces
+            .iter()
+            .any(|piece| matches!(piece, Piece::Managed { .. }))
+            .then_some(pieces)
+    }
+
+    /// munmap: releases exactly the managed part of the range (the region forgets its
+    /// blocks there) and unmaps the rest as the kernel would.
+    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
+        if !self.has_mappings() {
+            return None;
+        }
+        let _layout = lock(&self.layout);
+        let pieces = self.pieces(addr, len)?;
+        let mut result = Ok(());
+        for piece in pieces {
+            match piece {
+                Piece::Managed { value, base, range } => {
+                    let relative = (range.start - base) as u64..(range.end - base) as u64;
+                    let _ = value.region.unmap_part(relative.clone());
+                    self.record(|| {
+                        serde_json::json!({"op": "unmap", "file": value.file,
+                            "start": relative.start, "end": relative.end})
+                    });
+                    let gone = lock(&self.registry).unmapped(base, range);
+                    if let Some(gone) = gone {
+                        self.mapped.fetch_sub(1, Ordering::AcqRel);
+                        // Dropped here, outside the registry lock: the region tells
+                        // the service and waits for it.
+                        drop(gone);
+                    }
+                }
+                Piece::Kernel(range) => {
+                    // SAFETY: the program asked for this range to be unmapped; it is not
+                    // managed memory.
+                    let rc = unsafe { raw::munmap(range.start as *mut _, range.end - range.start) };
+                    if rc != 0 && result.is_ok() {
+                        result = Err(raw::errno());
+                    }
+                }
+            }
+        }
+        Some(result)
+    }
+
+    /// A MAP_FIXED request over managed memory replaces it: release the managed part
+    /// first (the request itself then goes to the kernel).
+    pub fn release_for_fixed(&self, addr: usize, len: usize) {
+        let _ = self.unmap_managed_only(addr, len);
+    }
+
+    fn unmap_managed_only(&self, addr: usize, len: usize) -> Option<()> {
+        if !self.has_mappings() {
+            return None;
+        }
+        let _layout = lock(&self.layout);
+        for piece in self.pieces(addr, len)? {
+            if let Piece::Managed { value, base, range } = piece {
+                let _ = value
+                    .region
+                    .unmap_part((range.start - base) as u64..(range.end - base) as u64);
+                if lock(&self.registry).unmapped(base, range).is_some() {
+                    self.mapped.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+        Some(())
+    }
+
+    /// madvise / posix_madvise (`posix`: DONTNEED is a no-op, as in glibc).
+    pub fn advise(&self, addr: usize, len: usize, advice: c_int, posix: bool) -> Option<Errno> {
+        let pieces = self.pieces(addr, len)?;
+        let mut result = Ok(());
+        for piece in pieces {
+            let outcome = match piece {
+                Piece::Managed { value, base, range } => {
+                    let relative = (range.start - base) as u64..(range.end - base) as u64;
+                    self.record(|| {
+                        serde_json::json!({"op": "advise", "file": value.file,
+                            "start": relative.start, "end": relative.end, "advice": advice})
+                    });
+                    self.advise_managed(&value.region, relative, advice, posix)
+                }
+                Piece::Kernel(range) => {
+                    // SAFETY: the program's own advice on memory the shim does not manage.
+                    let rc = unsafe {
+                        raw::madvise(range.start as *mut _, range.end - range.start, advice)
+                    };
+                    if rc == 0 {
+                        Ok(())
+                    } else {
+                        Err(raw::errno())
+                    }
+                }
+            };
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        Some(result)
+    }
+
+    fn advise_managed(
+        &self,
+        region: &Region,
+        range: std::ops::Range<u64>,
+        advice: c_int,
+        posix: bool,
+    ) -> Errno {
+        let hint = |hint| region.advise(range.clone(), hint).map_err(|_| libc::EINVAL);
+        match advice {
+            libc::MADV_WILLNEED => {
+                self.bounded_prefetch(region, range);
+                Ok(())
+            }
+            libc::MADV_DONTNEED if posix => Ok(()),
+            libc::MADV_DONTNEED | libc::MADV_FREE => {
+                region.drop_range(range).map_err(|_| libc::EINVAL)
+            }
+            libc::MADV_NORMAL => hint(AccessHint::Normal),
+            libc::MADV_RANDOM => hint(AccessHint::Random),
+            libc::MADV_SEQUENTIAL => hint(AccessHint::Sequential),
+            // A managed region must never be inherited: a child would read zeros.
+            libc::MADV_DOFORK
+            | libc::MADV_DONTFORK
+            | libc::MADV_WIPEONFORK
+            | libc::MADV_KEEPONFORK => Ok(()),
+            // Punching a hole in the file needs write access the mapping does not have.
+            libc::MADV_REMOVE => Err(libc::EACCES),
+            _ => {
+                // Advice with no effect on contents (huge pages, dump, KSM, cold): the
+                // kernel applies it to the region's anonymous memory.
+                let start = region.as_ptr() as usize + range.start as usize;
+                // SAFETY: non-destructive advice on the region's own pages.
+                let rc = unsafe {
+                    raw::madvise(start as *mut _, (range.end - range.start) as usize, advice)
+                };
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(raw::errno())
+                }
+            }
+        }
+    }
+
+    /// mlock/mlock2: pins managed pages within the budget (kernel mlock would fault the
+    /// whole range in and keep eviction from ever dropping it).
+    pub fn lock_range(&self, addr: usize, len: usize, flags: libc::c_uint) -> Option<Errno> {
+        let pieces = self.pieces(addr, len)?;
+        let mut result = Ok(());
+        for piece in pieces {
+            let outcome = match piece {
+                Piece::Managed { value, base, range } => {
+                    let relative = (range.start - base) as u64..(range.end - base) as u64;
+                    value.region.pin(relative).map_err(|error| {
+                        self.warn_once(&self.warned_mlock, || {
+                            format!("mlock of a model mapping refused: {error}")
+                        });
+                        libc::ENOMEM
+                    })
+                }
+                Piece::Kernel(range) => {
+                    // SAFETY: the program's own request on memory the shim does not manage.
+                    let rc = unsafe {
+                        if flags == 0 {
+                            raw::mlock(range.start as *const _, range.end - range.start)
+                        } else {
+                            raw::mlock2(range.start as *const _, range.end - range.start, flags)
+                        }
+                    };
+                    if rc == 0 {
+                        Ok(())
+                    } else {
+                        Err(raw::errno())
+                    }
+                }
+            };
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        Some(result)
+    }
+
+    pub fn unlock_range(&self, addr: usize, len: usize) -> Option<Errno> {
+        let pieces = self.pieces(addr, len)?;
+        let mut result = Ok(());
+        for piece in pieces {
+            let outcome = match piece {
+                Piece::Managed { value, base, range } => value
+                    .region
+                    .unpin((range.start - base) as u64..(range.end - base) as u64)
+                    .map_err(|_| libc::EINVAL),
+                Piece::Kernel(range) => {
+                    // SAFETY: unlocking memory the shim does not manage.
+                    let rc =
+                        unsafe { raw::munlock(range.start as *const _, range.end - range.start) };
+                    if rc == 0 {
+                        Ok(())
+                    } else {
+                        Err(raw::errno())
+                    }
+                }
+            };
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        Some(result)
+    }
+
+    /// mremap touching managed memory is refused: the pager cannot follow a move (the
+    /// registration would silently disappear and the pages read as zeros).
+    pub fn refuses_remap(
+        &self,
+        old: usize,
+        old_len: usize,
+        new_addr: Option<(usize, usize)>,
+    ) -> bool {
+        if !self.has_mappings() {
+            return false;
+        }
+        let registry = lock(&self.registry);
+        let touches = |addr: usize, len: usize| {
+            let end = addr.saturating_add(len.max(1)).next_multiple_of(PAGE);
+            registry.overlaps(addr..end)
+        };
+        let refused = touches(old, old_len) || new_addr.is_some_and(|(a, l)| touches(a, l));
+        drop(registry);
+        if refused {
+            self.warn_once(&self.warned_mremap, || {
+                "mremap of a model mapping is not supported; refused with EINVAL".into()
+            });
+        }
+        refused
+    }
+}

@@ -1,0 +1,189 @@
+//! The managed mappings of the process: which address ranges the shim serves, down to
+//! the pages still mapped after the program unmapped pieces. A hole the program unmapped
+//! may be reused by the kernel for an unrelated mapping, so lookups go by the live parts,
+//! never by the original extent.
+//!
+//! Generic over what each mapping carries, so the range logic is unit-tested without a
+//! pager.
+
+use std::ops::Range;
+
+/// One managed mapping.
+pub struct Managed<T> {
+    /// Page-aligned address ranges still mapped, sorted and disjoint.
+    live: Vec<Range<usize>>,
+    pub base: usize,
+    pub value: T,
+}
+
+impl<T> Managed<T> {
+    pub fn is_fully_unmapped(&self) -> bool {
+        self.live.is_empty()
+    }
+}
+
+/// A piece of an address range, as the registry divides it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece<T> {
+    /// Inside a live part of a managed mapping: `range` is absolute, `base` is the
+    /// mapping's start (subtract it for region offsets).
+    Managed {
+        value: T,
+        base: usize,
+        range: Range<usize>,
+    },
+    /// Not managed: the kernel's business.
+    Kernel(Range<usize>),
+}
+
+pub struct Registry<T> {
+    mappings: Vec<Managed<T>>,
+}
+
+impl<T> Default for Registry<T> {
+    fn default() -> Self {
+        Self {
+            mappings: Vec::new(),
+        }
+    }
+}
+
+impl<T: Clone> Registry<T> {
+    pub fn insert(&mut self, base: usize, len: usize, value: T) {
+        self.mappings.push(Managed {
+            live: vec![base..base + len],
+            base,
+            value,
+        });
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.mappings.is_empty()
+    }
+
+    /// Divides `range` into managed and kernel pieces, in address order. A range touching
+    /// no managed mapping comes back as one kernel piece.
+    pub fn split(&self, range: Range<usize>) -> Vec<Piece<T>> {
+        let mut managed: Vec<(Range<usize>, usize, &T)> = Vec::new();
+        for mapping in &self.mappings {
+            for part in &mapping.live {
+                let start = part.start.max(range.start);
+                let end = part.end.min(range.end);
+                if start < end {
+                    managed.push((start..end, mapping.base, &mapping.value));
+                }
+            }
+        }
+        managed.sort_by_key(|(part, _, _)| part.start);
+        let mut pieces = Vec::new();
+        let mut at = range.start;
+        for (part, base, value) in managed {
+            if part.start > at {
+                pieces.push(Piece::Kernel(at..part.start));
+            }
+            at = at.max(part.end);
+            pieces.push(Piece::Managed {
+                value: value.clone(),
+                base,
+                range: part,
+            });
+        }
+        if at < range.end {
+            pieces.push(Piece::Kernel(at..range.end));
+        }
+        pieces
+    }
+
+    /// Whether any live managed page lies in `range`.
+    pub fn overlaps(&self, range: Range<usize>) -> bool {
+        self.mappings.iter().any(|mapping| {
+            mapping
+                .live
+                .iter()
+                .any(|part| part.start < range.end && range.start < part.end)
+        })
+    }
+
+    /// Records that `range` of the mapping starting at `base` was unmapped. Returns the
+    /// mapping if nothing of it is left (it is removed from the registry).
+    pub fn unmapped(&mut self, base: usize, range: Range<usize>) -> Option<Managed<T>> {
+        let index = self.mappings.iter().position(|m| m.base == base)?;
+        let mapping = &mut self.mappings[index];
+        let mut live = Vec::with_capacity(mapping.live.len() + 1);
+        for part in mapping.live.drain(..) {
+            if part.end <= range.start || range.end <= part.start {
+                live.push(part);
+                continue;
+            }
+            if part.start < range.start {
+                live.push(part.start..range.start);
+            }
+            if range.end < part.end {
+                live.push(range.end..part.end);
+            }
+        }
+        mapping.live = live;
+        if mapping.is_fully_unmapped() {
+            Some(self.mappings.swap_remove(index))
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn managed(value: u32, base: usize, range: Range<usize>) -> Piece<u32> {
+        Piece::Managed { value, base, range }
+    }
+
+    #[test]
+    fn splits_a_range_into_managed_and_kernel_pieces() {
+        let mut registry = Registry::default();
+        registry.insert(0x10000, 0x4000, 1);
+        registry.insert(0x20000, 0x2000, 2);
+        assert_eq!(
+            registry.split(0x0..0x1000),
+            vec![Piece::Kernel(0x0..0x1000)]
+        );
+        assert_eq!(
+            registry.split(0xf000..0x21000),
+            vec![
+                Piece::Kernel(0xf000..0x10000),
+                managed(1, 0x10000, 0x10000..0x14000),
+                Piece::Kernel(0x14000..0x20000),
+                managed(2, 0x20000, 0x20000..0x21000),
+            ]
+        );
+        assert!(registry.overlaps(0x13000..0x13001));
+        assert!(!registry.overlaps(0x14000..0x20000));
+    }
+
+    #[test]
+    fn partial_unmaps_leave_holes_that_are_no_longer_managed() {
+        let mut registry = Registry::default();
+        registry.insert(0x10000, 0x10000, 7);
+        // The head, as llama.cpp unmaps the GGUF metadata.
+        assert!(registry.unmapped(0x10000, 0x10000..0x12000).is_none());
+        // A hole in the middle.
+        assert!(registry.unmapped(0x10000, 0x14000..0x15000).is_none());
+        assert!(!registry.overlaps(0x10000..0x12000));
+        assert_eq!(
+            registry.split(0x11000..0x16000),
+            vec![
+                Piece::Kernel(0x11000..0x12000),
+                managed(7, 0x10000, 0x12000..0x14000),
+                Piece::Kernel(0x14000..0x15000),
+                managed(7, 0x10000, 0x15000..0x16000),
+            ]
+        );
+        // The rest, in one call that also covers the hole again.
+        let gone = registry.unmapped(0x10000, 0x12000..0x20000).unwrap();
+        assert_eq!(gone.value, 7);
+        assert!(registry.is_empty());
+        assert!(registry.unmapped(0x10000, 0x10000..0x20000).is_none());
+    }
+}

@@ -1,0 +1,303 @@
+//! `hyperoffload run`: runs an unmodified program with the LD_PRELOAD shim, so that its
+//! model files are served by the pager within a budget, then summarises what the pager
+//! did.
+//!
+//! - The shim is `libhyperoffload_preload.so` beside this executable (`cargo build
+//!   --release --workspace` puts it there), or the file `HYPEROFFLOAD_SHIM` names.
+//! - Statically linked and setuid/setgid programs are refused: LD_PRELOAD cannot reach
+//!   them.
+//! - Programs the target executes do not get the shim (each would get a budget of its
+//!   own) unless `--inherit`; forked children that do not exec never use it.
+//! - The exit status is the program's; if a signal killed it, the launcher kills itself
+//!   with the same signal (so a shell sees the same thing), or exits with 128 + N if it
+//!   survives that.
+
+use std::ffi::OsString;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
+use hyperoffload::shim_config::{physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
+use hyperoffload::size::format_size;
+
+use super::exec_check::{check_reachable, resolve_program};
+
+/// The shim's file name.
+pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
+
+#[derive(clap::Args)]
+#[command(trailing_var_arg = true)]
+pub struct RunArgs {
+    /// RAM for the model's pages: a size (48M, 2G) or a percentage of the size of the
+    /// first model file the program maps (50%). Default: half the physical RAM.
+    #[arg(long, value_parser = budget_arg)]
+    budget: Option<BudgetSpec>,
+    /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
+    /// for several. Default: *.gguf and *.safetensors.
+    #[arg(long = "match", value_name = "GLOB")]
+    patterns: Vec<String>,
+    /// Smaller files are left to the kernel.
+    #[arg(long, value_parser = super::size_arg, default_value = "64M")]
+    min_size: u64,
+    /// Prefetch and eviction policy.
+    #[arg(long, default_value = DEFAULT_POLICY, value_parser = policy_arg)]
+    policy: String,
+    /// Block size (a power of two, at least 4K). Default: the pager's.
+    #[arg(long, value_parser = super::size_arg)]
+    block: Option<u64>,
+    /// Also write the pager's stats (JSON) to this new file.
+    #[arg(long)]
+    stats: Option<PathBuf>,
+    /// Write the shim's mapping events (JSON lines) to this new file.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Let programs the target executes use the shim too (each with its own budget).
+    #[arg(long)]
+    inherit: bool,
+    /// Say what the shim takes over and why not.
+    #[arg(long, short)]
+    verbose: bool,
+    /// Print no summary.
+    #[arg(long, short)]
+    quiet: bool,
+    /// The program and its arguments.
+    #[arg(required = true, value_name = "PROGRAM")]
+    command: Vec<OsString>,
+}
+
+fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
+    BudgetSpec::parse(text)
+}
+
+fn policy_arg(text: &str) -> Result<String, String> {
+    check_policy_name(text)
+        .map(|_| text.to_string())
+        .map_err(|error| {
+            let list: Vec<String> = POLICY_NAMES
+                .iter()
+                .map(|(name, what)| format!("{name}: {what}"))
+                .collect();
+            format!("{error}\n  {}", list.join("\n  "))
+        })
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let shim = find_shim()?;
+    let program = resolve_program(&args.command[0])?;
+    check_reachable(&program)
+        .with_context(|| format!("cannot run {} under the pager", program.display()))?;
+    for (what, path) in [("--stats", &args.stats), ("--trace", &args.trace)] {
+        if let Some(path) = path {
+            if path.symlink_metadata().is_ok() {
+                bail!(
+                    "{what} {}: the file exists; refusing to overwrite it",
+                    path.display()
+                );
+            }
+        }
+    }
+    let private = PrivateDir::create()?;
+    let shim_stats = private.0.join("stats.json");
+    let mut config = ShimConfig::defaults(physical_ram());
+    if let Some(budget) = args.budget {
+        config.budget = budget;
+    }
+    if !args.patterns.is_empty() {
+        config.patterns = args.patterns.clone();
+    }
+    config.min_size = args.min_size;
+    config.policy = args.policy.clone();
+    config.block_size = args.block;
+    config.stats_path = Some(shim_stats.clone());
+    config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
+    config.verbose = args.verbose;
+    config.inherit = args.inherit;
+
+    let mut command = Command::new(&args.command[0]);
+    command.args(&args.command[1..]);
+    for var in ALL_VARS {
+        command.env_remove(var);
+    }
+    command.envs(config.to_env());
+    let preload = match std::env::var_os("LD_PRELOAD") {
+        Some(existing) if !existing.is_empty() => {
+            let mut list = OsString::from(&shim);
+            list.push(":");
+            list.push(existing);
+            list
+        }
+        _ => shim.clone().into_os_string(),
+    };
+    command.env("LD_PRELOAD", preload);
+
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("cannot start {}", program.display()))?;
+    // The terminal's ^C and ^\ reach the program too: let it decide, and report after.
+    let previous = ignore_interrupts();
+    let status = child.wait().context("waiting for the program")?;
+    restore_interrupts(previous);
+
+    let stats = std::fs::read_to_string(&shim_stats).ok();
+    if !args.quiet {
+        match &stats {
+            Some(json) => eprintln!("hyperoffload: {}", summary(json)),
+            None => eprintln!(
+                "hyperoffload: no stats: the program mapped no file matching {} of at least {} \
+                 (or exited without running exit handlers)",
+                config.patterns.join(","),
+                format_size(config.min_size)
+            ),
+        }
+    }
+    if let (Some(json), Some(path)) = (&stats, &args.stats) {
+        write_new(path, json.as_bytes())
+            .with_context(|| format!("cannot write --stats {}", path.display()))?;
+    }
+    drop(private);
+
+    if let Some(code) = status.code() {
+        return Ok(ExitCode::from(code as u8));
+    }
+    let signal = status.signal().unwrap_or(libc::SIGKILL);
+    // SAFETY: restores the default action for `signal` and sends it to this process:
+    // the same death the program had. Nothing is held that needs cleaning up.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+    Ok(ExitCode::from(128u8.wrapping_add(signal as u8)))
+}
+
+/// The shim beside this executable, or where `HYPEROFFLOAD_SHIM` says.
+fn find_shim() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("HYPEROFFLOAD_SHIM") {
+        let path = absolute(&PathBuf::from(path))?;
+        if !path.is_file() {
+            bail!("HYPEROFFLOAD_SHIM={}: no such file", path.display());
+        }
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    let path = exe.with_file_name(SHIM_FILE);
+    if !path.is_file() {
+        bail!(
+            "the shim {} is missing: build it with `cargo build --release --workspace` (it is \
+             installed beside the hyperoffload binary), or set HYPEROFFLOAD_SHIM",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn absolute(path: &PathBuf) -> anyhow::Result<PathBuf> {
+    Ok(if path.is_absolute() {
+        path.clone()
+    } else {
+        std::env::current_dir()?.join(path)
+    })
+}
+
+/// A 0700 directory only this user can enter, for the shim to write its stats into;
+/// removed when dropped.
+struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    fn create() -> anyhow::Result<Self> {
+        let base = std::env::temp_dir();
+        for attempt in 0..100u32 {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.subsec_nanos())
+                .unwrap_or(0);
+            let path = base.join(format!(
+                "hyperoffload-run-{}-{:08x}",
+                std::process::id(),
+                nanos ^ attempt
+            ));
+            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+                Ok(()) => return Ok(Self(path)),
+                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(error) => {
+                    return Err(error).with_context(|| format!("cannot create {}", path.display()))
+                }
+            }
+        }
+        bail!("cannot create a private directory in {}", base.display())
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Creates `path` (never overwriting, never through a symlink), mode 0600.
+fn write_new(path: &Path, contents: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?
+        .write_all(contents)
+}
+
+type Handlers = [libc::sighandler_t; 2];
+
+fn ignore_interrupts() -> Handlers {
+    // SAFETY: setting SIG_IGN for two signals; the previous handlers are returned.
+    unsafe {
+        [
+            libc::signal(libc::SIGINT, libc::SIG_IGN),
+            libc::signal(libc::SIGQUIT, libc::SIG_IGN),
+        ]
+    }
+}
+
+fn restore_interrupts(previous: Handlers) {
+    // SAFETY: puts back the handlers `ignore_interrupts` replaced.
+    unsafe {
+        libc::signal(libc::SIGINT, previous[0]);
+        libc::signal(libc::SIGQUIT, previous[1]);
+    }
+}
+
+/// One line for people from the shim's stats JSON.
+fn summary(json: &str) -> String {
+    let Ok(stats) = serde_json::from_str::<serde_json::Value>(json) else {
+        return "the shim's stats are not valid JSON".into();
+    };
+    let number = |key: &str| stats[key].as_f64().unwrap_or(0.0);
+    let bytes_read = number("bytes_read");
+    let faults = number("faults");
+    let hit_rate = if faults > 0.0 {
+        100.0 * number("prefetch_hits") / faults
+    } else {
+        0.0
+    };
+    let elapsed = number("elapsed_s");
+    let rate = if elapsed > 0.0 {
+        bytes_read / elapsed
+    } else {
+        0.0
+    };
+    format!(
+        "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read ahead); \
+         peak resident {} of a {} budget; {}/s average read rate over {:.2} s",
+        format_size(bytes_read as u64),
+        number("read_requests") as u64,
+        faults as u64,
+        number("demand_faults") as u64,
+        hit_rate,
+        format_size(number("peak_resident_bytes") as u64),
+        format_size(number("budget_bytes") as u64),
+        format_size(rate as u64),
+        elapsed
+    )
+}

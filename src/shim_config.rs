@@ -1,0 +1,362 @@
+//! The LD_PRELOAD shim's configuration: the `HYPEROFFLOAD_*` environment variables the
+//! launcher (`hyperoffload run`) sets and the shim reads. Both sides use this type, so
+//! the names and formats live in one place.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`) or `N%` of the size of the first file the shim manages | half the physical RAM |
+//! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
+//! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
+//! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `readahead` |
+//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (64K) |
+//! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
+//! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
+//! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
+//! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+use crate::policy_name::{check_policy_name, DEFAULT_POLICY};
+use crate::size::{format_size, parse_size};
+
+pub const ENV_BUDGET: &str = "HYPEROFFLOAD_BUDGET";
+pub const ENV_MATCH: &str = "HYPEROFFLOAD_MATCH";
+pub const ENV_MIN_SIZE: &str = "HYPEROFFLOAD_MIN_SIZE";
+pub const ENV_POLICY: &str = "HYPEROFFLOAD_POLICY";
+pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
+pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
+pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
+pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
+pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
+
+/// Every variable the shim reads, for launchers that clear them.
+pub const ALL_VARS: &[&str] = &[
+    ENV_BUDGET,
+    ENV_MATCH,
+    ENV_MIN_SIZE,
+    ENV_POLICY,
+    ENV_BLOCK,
+    ENV_STATS,
+    ENV_TRACE,
+    ENV_VERBOSE,
+    ENV_INHERIT,
+];
+
+pub const DEFAULT_PATTERNS: &[&str] = &["*.gguf", "*.safetensors"];
+pub const DEFAULT_MIN_SIZE: u64 = 64 << 20;
+
+/// A configuration variable with a value that cannot be used.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{var}={value:?}: {reason}")]
+pub struct ConfigError {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+/// How much RAM the managed mappings may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetSpec {
+    Bytes(u64),
+    /// Percent (1..=100) of the size of the first file the shim manages: known only once
+    /// the program maps it.
+    FilePercent(u32),
+}
+
+impl BudgetSpec {
+    /// Parses `48M`, `1.5G`, `4096` or `50%`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if let Some(percent) = text.strip_suffix('%') {
+            let value: u32 = percent
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{text}` is not a whole percentage (e.g. 50%)"))?;
+            if !(1..=100).contains(&value) {
+                return Err(format!("percentage {value} is not within 1..=100"));
+            }
+            return Ok(BudgetSpec::FilePercent(value));
+        }
+        match parse_size(text) {
+            Ok(0) => Err("the budget must be more than zero".into()),
+            Ok(bytes) => Ok(BudgetSpec::Bytes(bytes)),
+            Err(error) => Err(error.to_string()),
+        }
+    }
+
+    /// The budget in bytes, given the size of the first managed file.
+    pub fn resolve(self, first_file_len: u64) -> u64 {
+        match self {
+            BudgetSpec::Bytes(bytes) => bytes,
+            BudgetSpec::FilePercent(percent) => {
+                (first_file_len as u128 * percent as u128 / 100) as u64
+            }
+        }
+    }
+
+    /// The form `parse` reads back.
+    pub fn to_env_value(self) -> String {
+        match self {
+            BudgetSpec::Bytes(bytes) => bytes.to_string(),
+            BudgetSpec::FilePercent(percent) => format!("{percent}%"),
+        }
+    }
+}
+
+impl std::fmt::Display for BudgetSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BudgetSpec::Bytes(bytes) => write!(f, "{}", format_size(*bytes)),
+            BudgetSpec::FilePercent(percent) => write!(f, "{percent}% of the model file"),
+        }
+    }
+}
+
+/// What the shim does, as configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimConfig {
+    pub budget: BudgetSpec,
+    pub patterns: Vec<String>,
+    pub min_size: u64,
+    pub policy: String,
+    pub block_size: Option<u64>,
+    pub stats_path: Option<PathBuf>,
+    pub trace_path: Option<PathBuf>,
+    pub verbose: bool,
+    pub inherit: bool,
+}
+
+impl ShimConfig {
+    /// The configuration with every variable unset, on a machine with `physical_ram` bytes.
+    pub fn defaults(physical_ram: u64) -> Self {
+        Self {
+            budget: BudgetSpec::Bytes((physical_ram / 2).max(1 << 20)),
+            patterns: DEFAULT_PATTERNS.iter().map(|p| p.to_string()).collect(),
+            min_size: DEFAULT_MIN_SIZE,
+            policy: DEFAULT_POLICY.to_string(),
+            block_size: None,
+            stats_path: None,
+            trace_path: None,
+            verbose: false,
+            inherit: false,
+        }
+    }
+
+    /// Reads the configuration through `lookup` (a variable's value, or `None` when
+    /// unset). The first bad value is the error.
+    pub fn from_lookup(
+        lookup: impl Fn(&str) -> Option<String>,
+        physical_ram: u64,
+    ) -> Result<Self, ConfigError> {
+        let mut config = Self::defaults(physical_ram);
+        let bad = |var: &'static str, value: &str, reason: String| ConfigError {
+            var,
+            value: value.to_string(),
+            reason,
+        };
+        if let Some(value) = lookup(ENV_BUDGET) {
+            config.budget =
+                BudgetSpec::parse(&value).map_err(|reason| bad(ENV_BUDGET, &value, reason))?;
+        }
+        if let Some(value) = lookup(ENV_MATCH) {
+            let patterns: Vec<String> = value
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+                .collect();
+            if patterns.is_empty() {
+                return Err(bad(
+                    ENV_MATCH,
+                    &value,
+                    "no patterns (give comma-separated globs such as *.gguf)".into(),
+                ));
+            }
+            config.patterns = patterns;
+        }
+        if let Some(value) = lookup(ENV_MIN_SIZE) {
+            config.min_size =
+                parse_size(&value).map_err(|error| bad(ENV_MIN_SIZE, &value, error.to_string()))?;
+        }
+        if let Some(value) = lookup(ENV_POLICY) {
+            let name = value.trim();
+            check_policy_name(name).map_err(|error| bad(ENV_POLICY, &value, error.to_string()))?;
+            config.policy = name.to_string();
+        }
+        if let Some(value) = lookup(ENV_BLOCK) {
+            let size =
+                parse_size(&value).map_err(|error| bad(ENV_BLOCK, &value, error.to_string()))?;
+            if !size.is_power_of_two() || size < 4096 {
+                return Err(bad(
+                    ENV_BLOCK,
+                    &value,
+                    "the block size must be a power of two of at least 4K".into(),
+                ));
+            }
+            config.block_size = Some(size);
+        }
+        let path = |var: &'static str| -> Result<Option<PathBuf>, ConfigError> {
+            match lookup(var) {
+                None => Ok(None),
+                Some(value) if value.is_empty() => Ok(None),
+                Some(value) if !value.starts_with('/') => Err(bad(
+                    var,
+                    &value,
+                    "must be an absolute path (the program may change directory)".into(),
+                )),
+                Some(value) => Ok(Some(PathBuf::from(value))),
+            }
+        };
+        config.stats_path = path(ENV_STATS)?;
+        config.trace_path = path(ENV_TRACE)?;
+        config.verbose = flag(&lookup, ENV_VERBOSE)?;
+        config.inherit = flag(&lookup, ENV_INHERIT)?;
+        Ok(config)
+    }
+
+    /// The environment that makes the shim read this configuration back.
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            (ENV_BUDGET, self.budget.to_env_value()),
+            (ENV_MATCH, self.patterns.join(",")),
+            (ENV_MIN_SIZE, self.min_size.to_string()),
+            (ENV_POLICY, self.policy.clone()),
+            (ENV_VERBOSE, u8::from(self.verbose).to_string()),
+            (ENV_INHERIT, u8::from(self.inherit).to_string()),
+        ];
+        if let Some(block) = self.block_size {
+            env.push((ENV_BLOCK, block.to_string()));
+        }
+        if let Some(path) = &self.stats_path {
+            env.push((ENV_STATS, path.display().to_string()));
+        }
+        if let Some(path) = &self.trace_path {
+            env.push((ENV_TRACE, path.display().to_string()));
+        }
+        env
+    }
+
+    /// Whether a file with this name (or path, for patterns with a `/`) is one to manage.
+    pub fn matches(&self, path: &[u8]) -> bool {
+        let name = match path.iter().rposition(|&b| b == b'/') {
+            Some(slash) => &path[slash + 1..],
+            None => path,
+        };
+        self.patterns.iter().any(|pattern| {
+            let pattern = pattern.as_bytes();
+            let subject = if pattern.contains(&b'/') { path } else { name };
+            crate::glob::glob_match(pattern, subject)
+        })
+    }
+}
+
+fn flag(lookup: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<bool, ConfigError> {
+    match lookup(var).as_deref().map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(ConfigError {
+            var,
+            value: other.to_string(),
+            reason: "must be 0 or 1".into(),
+        }),
+    }
+}
+
+/// Physical RAM of this machine in bytes (0 if unknown).
+pub fn physical_ram() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && page > 0 {
+        pages as u64 * page as u64
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn read(vars: &[(&str, &str)]) -> Result<ShimConfig, ConfigError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        ShimConfig::from_lookup(|var| map.get(var).cloned(), 8 << 30)
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_set() {
+        let config = read(&[]).unwrap();
+        assert_eq!(config, ShimConfig::defaults(8 << 30));
+        assert_eq!(config.budget, BudgetSpec::Bytes(4 << 30));
+        assert!(config.matches(b"/models/x.gguf"));
+        assert!(config.matches(b"model.safetensors"));
+        assert!(!config.matches(b"/models/x.bin"));
+        assert_eq!(config.min_size, 64 << 20);
+    }
+
+    #[test]
+    fn budgets_as_sizes_and_percentages() {
+        assert_eq!(BudgetSpec::parse("48M"), Ok(BudgetSpec::Bytes(48 << 20)));
+        assert_eq!(BudgetSpec::parse("50%"), Ok(BudgetSpec::FilePercent(50)));
+        assert_eq!(BudgetSpec::FilePercent(50).resolve(1000), 500);
+        assert_eq!(BudgetSpec::Bytes(7).resolve(1000), 7);
+        assert!(BudgetSpec::parse("0").is_err());
+        assert!(BudgetSpec::parse("0%").is_err());
+        assert!(BudgetSpec::parse("101%").is_err());
+        assert!(BudgetSpec::parse("half").is_err());
+    }
+
+    #[test]
+    fn round_trips_through_the_environment() {
+        let mut config = ShimConfig::defaults(1 << 30);
+        config.budget = BudgetSpec::FilePercent(25);
+        config.patterns = vec!["*.bin".into(), "/data/*.gguf".into()];
+        config.min_size = 1 << 20;
+        config.policy = "demand".into();
+        config.block_size = Some(1 << 20);
+        config.stats_path = Some("/tmp/s.json".into());
+        config.trace_path = Some("/tmp/t.jsonl".into());
+        config.verbose = true;
+        config.inherit = true;
+        let env: HashMap<String, String> = config
+            .to_env()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let back = ShimConfig::from_lookup(|var| env.get(var).cloned(), 1 << 30).unwrap();
+        assert_eq!(back, config);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable_and_value() {
+        let error = read(&[(ENV_BUDGET, "lots")]).unwrap_err();
+        assert_eq!(error.var, ENV_BUDGET);
+        assert!(error
+            .to_string()
+            .starts_with("HYPEROFFLOAD_BUDGET=\"lots\""));
+        assert_eq!(read(&[(ENV_MATCH, " , ")]).unwrap_err().var, ENV_MATCH);
+        assert_eq!(read(&[(ENV_MIN_SIZE, "x")]).unwrap_err().var, ENV_MIN_SIZE);
+        assert_eq!(read(&[(ENV_POLICY, "belady")]).unwrap_err().var, ENV_POLICY);
+        assert_eq!(read(&[(ENV_BLOCK, "3000")]).unwrap_err().var, ENV_BLOCK);
+        assert_eq!(read(&[(ENV_STATS, "rel.json")]).unwrap_err().var, ENV_STATS);
+        assert_eq!(read(&[(ENV_VERBOSE, "yes")]).unwrap_err().var, ENV_VERBOSE);
+    }
+
+    #[test]
+    fn patterns_with_a_slash_match_the_whole_path() {
+        let config = read(&[(ENV_MATCH, "/data/*.bin, weights-*")]).unwrap();
+        assert!(config.matches(b"/data/a.bin"));
+        assert!(!config.matches(b"/other/a.bin"));
+        assert!(config.matches(b"/anywhere/weights-1"));
+    }
+}

@@ -1,0 +1,93 @@
+//! Helpers for the tests that run programs under the LD_PRELOAD shim: finding (or
+//! building) the shim, compiling victim programs, running them with and without it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+pub const LAUNCHER: &str = env!("CARGO_BIN_EXE_hyperoffload");
+
+/// The shim beside the launcher. `cargo test` does not build cdylibs of other workspace
+/// members (tools/test.sh builds the workspace first); if it is missing, it is built into
+/// a separate target directory (the test's own cargo holds the main one's lock).
+pub fn shim() -> PathBuf {
+    static SHIM: OnceLock<PathBuf> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        let beside = Path::new(LAUNCHER).with_file_name("libhyperoffload_preload.so");
+        if beside.is_file() {
+            return beside;
+        }
+        let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/shim-for-tests");
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(["build", "--release", "-p", "hyperoffload-preload"])
+            .env("CARGO_TARGET_DIR", &target)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo to build the shim");
+        assert!(status.success(), "building the shim failed");
+        let built = target.join("release/libhyperoffload_preload.so");
+        assert!(
+            built.is_file(),
+            "{} missing after the build",
+            built.display()
+        );
+        built
+    })
+    .clone()
+}
+
+/// `hyperoffload run ARGS -- PROGRAM...` with the shim found as above.
+pub fn launcher() -> Command {
+    let mut command = Command::new(LAUNCHER);
+    command.arg("run").env("HYPEROFFLOAD_SHIM", shim());
+    command
+}
+
+/// Compiles a C program into `dir`.
+pub fn compile_c(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, source).unwrap();
+    let exe = dir.join(name);
+    let output = Command::new("cc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("running cc");
+    assert!(
+        output.status.success(),
+        "cc failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    exe
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Fails with both streams if the program did not succeed.
+pub fn assert_success(output: &Output, what: &str) {
+    assert!(
+        output.status.success(),
+        "{what}: {:?}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        stdout(output),
+        stderr(output)
+    );
+}
+
+pub fn read_stats(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|error| panic!("stats {}: {error}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn skip_allowed() -> bool {
+    std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1")
+}

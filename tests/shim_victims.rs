@@ -1,0 +1,297 @@
+//! Victim programs (tests/victims/victim.c) run with and without the shim: what must be
+//! served by the pager is, with the same bytes; everything else passes through untouched.
+
+mod common;
+mod shim_support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::*;
+use shim_support::*;
+
+const VICTIM_SOURCE: &str = include_str!("victims/victim.c");
+
+struct Setup {
+    dir: TempDir,
+    victim: PathBuf,
+}
+
+fn setup(name: &str) -> Setup {
+    let dir = TempDir::new(name);
+    let victim = compile_c(&dir.0, "victim", VICTIM_SOURCE);
+    Setup { dir, victim }
+}
+
+fn plain(victim: &Path, args: &[&str]) -> Output {
+    Command::new(victim).args(args).output().unwrap()
+}
+
+/// Runs the victim under `hyperoffload run` with a 2M budget, 1M minimum size.
+fn shimmed(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
+    launcher()
+        .args([
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.gguf",
+            "--stats",
+        ])
+        .arg(stats)
+        .arg("--")
+        .arg(&setup.victim)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn lines_with<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+    text.lines()
+        .filter(|line| line.starts_with(prefix))
+        .collect()
+}
+
+#[test]
+fn read_only_model_mapping_is_served_with_the_same_bytes_and_partial_munmap_works() {
+    let setup = setup("shim-read");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, (8 << 20) + 1234);
+    let model = model.to_str().unwrap();
+    let stats = setup.dir.path("stats.json");
+    let expected = plain(&setup.victim, &["read", model]);
+    assert_success(&expected, "plain run");
+    assert!(stdout(&expected).contains("kind file"));
+    let output = shimmed(&setup, &stats, &["read", model]);
+    assert_success(&output, "shimmed run");
+    let seen = stdout(&output);
+    assert!(seen.contains("kind anon"), "not taken over:\n{seen}");
+    for what in ["sum ", "sum again", "rest ", "after dontneed", "reuse ok"] {
+        assert_eq!(
+            lines_with(&seen, what),
+            lines_with(&stdout(&expected), what),
+            "{what}"
+        );
+    }
+    let json = read_stats(&stats);
+    assert!(json["faults"].as_u64().unwrap() > 0, "{json}");
+    assert!(json["bytes_read"].as_u64().unwrap() >= 8 << 20, "{json}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= 2 << 20,
+        "{json}"
+    );
+    assert_eq!(
+        json["managed_mappings"], 0,
+        "both munmaps released it: {json}"
+    );
+    assert_eq!(json["files"][0]["size"], (8 << 20) + 1234);
+    assert!(
+        stderr(&output).contains("hyperoffload: read "),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn writable_anonymous_non_matching_and_small_mappings_pass_through() {
+    let setup = setup("shim-pass");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let other = setup.dir.path("m.bin");
+    pattern_file(&other, 8 << 20);
+    let small = setup.dir.path("small.gguf");
+    pattern_file(&small, 512 << 10);
+    let cases: [(&str, &Path); 5] = [
+        ("private-writable", &model),
+        ("shared-writable", &model),
+        ("anonymous", &model),
+        ("read", &other),
+        ("read", &small),
+    ];
+    for (index, (mode, file)) in cases.into_iter().enumerate() {
+        // Each run gets a fresh copy: shared-writable changes the file.
+        let copy = setup.dir.path(&format!(
+            "{index}-{}",
+            file.file_name().unwrap().to_str().unwrap()
+        ));
+        std::fs::copy(file, &copy).unwrap();
+        let path = copy.to_str().unwrap();
+        let expected = plain(&setup.victim, &[mode, path]);
+        std::fs::copy(file, &copy).unwrap();
+        let stats = setup.dir.path(&format!("stats-{index}.json"));
+        let output = shimmed(&setup, &stats, &[mode, path]);
+        assert_success(&output, mode);
+        assert_eq!(stdout(&output), stdout(&expected), "{mode} {path}");
+        assert!(
+            !stdout(&output).contains("kind anon") || mode == "anonymous",
+            "{mode} {path} was taken over"
+        );
+        // Nothing managed: no pager, no stats.
+        assert!(!stats.exists(), "{mode} {path}: a pager was started");
+        assert!(stderr(&output).contains("no stats"), "{}", stderr(&output));
+    }
+}
+
+#[test]
+fn a_forked_child_never_reads_zeros() {
+    let setup = setup("shim-fork");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let model = model.to_str().unwrap();
+    let expected = stdout(&plain(&setup.victim, &["fork", model]));
+    let output = shimmed(&setup, &setup.dir.path("stats.json"), &["fork", model]);
+    assert_success(&output, "fork");
+    let seen = stdout(&output);
+    let parent_byte = lines_with(&expected, "parent byte")[0].replace("parent byte ", "");
+    assert_eq!(
+        lines_with(&seen, "parent byte"),
+        lines_with(&expected, "parent byte")
+    );
+    assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
+    assert_eq!(
+        lines_with(&seen, "parent after"),
+        lines_with(&expected, "parent after")
+    );
+    // The child either reads the file's byte or dies on the unmapped region (the shim's
+    // choice: MADV_DONTFORK), never reads anything else.
+    let child_byte = lines_with(&seen, "child byte");
+    if child_byte.is_empty() {
+        assert_eq!(
+            lines_with(&seen, "child signal"),
+            vec!["child signal 11"],
+            "{seen}"
+        );
+    } else {
+        assert_eq!(child_byte, vec![format!("child byte {parent_byte}")]);
+    }
+}
+
+#[test]
+fn mlock_pins_within_the_budget_and_mremap_is_refused() {
+    let setup = setup("shim-lock");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let model = model.to_str().unwrap();
+    let expected = stdout(&plain(&setup.victim, &["lock", model]));
+    let output = shimmed(&setup, &setup.dir.path("stats.json"), &["lock", model]);
+    assert_success(&output, "lock");
+    let seen = stdout(&output);
+    assert!(seen.contains("mlock small 0"), "{seen}");
+    assert!(seen.contains("mlock all -1 errno ENOMEM"), "{seen}");
+    assert!(stderr(&output).contains("mlock of a model mapping refused"));
+    assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
+
+    let expected = stdout(&plain(&setup.victim, &["remap", model]));
+    let output = shimmed(&setup, &setup.dir.path("stats2.json"), &["remap", model]);
+    assert_success(&output, "remap");
+    let seen = stdout(&output);
+    assert!(seen.contains("mremap failed EINVAL"), "{seen}");
+    assert!(stderr(&output).contains("mremap of a model mapping is not supported"));
+    assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
+}
+
+#[test]
+fn bad_configuration_leaves_the_program_running_unpaged() {
+    let setup = setup("shim-badconfig");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let model = model.to_str().unwrap();
+    let expected = stdout(&plain(&setup.victim, &["read", model]));
+    for (var, value) in [
+        ("HYPEROFFLOAD_BUDGET", "lots"),
+        ("HYPEROFFLOAD_POLICY", "belady"),
+        ("HYPEROFFLOAD_MIN_SIZE", "-1"),
+        ("HYPEROFFLOAD_STATS", "relative.json"),
+    ] {
+        let output = Command::new(&setup.victim)
+            .args(["read", model])
+            .env("LD_PRELOAD", shim())
+            .env("HYPEROFFLOAD_MIN_SIZE", "1M")
+            .env(var, value)
+            .output()
+            .unwrap();
+        assert_success(&output, var);
+        assert_eq!(stdout(&output), expected, "{var}={value}");
+        let messages = stderr(&output);
+        assert_eq!(
+            messages.matches("hyperoffload:").count(),
+            1,
+            "one message expected:\n{messages}"
+        );
+        assert!(messages.contains(var), "{messages}");
+        assert!(messages.contains("the shim is disabled"), "{messages}");
+    }
+}
+
+#[test]
+fn children_inherit_the_shim_only_when_asked() {
+    let setup = setup("shim-inherit");
+    for (flag, expected) in [
+        (None, "child has shim 0"),
+        (Some("--inherit"), "child has shim 1"),
+    ] {
+        let mut command = launcher();
+        command.args(["-q"]);
+        command.args(flag);
+        let output = command
+            .arg("--")
+            .arg(&setup.victim)
+            .arg("exec-child")
+            .output()
+            .unwrap();
+        assert_success(&output, "exec-child");
+        assert!(
+            stdout(&output).contains(expected),
+            "{flag:?}: {}",
+            stdout(&output)
+        );
+    }
+}
+
+#[test]
+fn launcher_refuses_what_the_shim_cannot_reach_and_passes_exit_status() {
+    let dir = TempDir::new("shim-launcher");
+    let output = launcher()
+        .args(["--", "/sbin/ldconfig", "-p"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("statically linked"),
+        "{}",
+        stderr(&output)
+    );
+
+    let setuid = dir.path("setuid-true");
+    std::fs::copy("/bin/true", &setuid).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let output = launcher().arg("--").arg(&setuid).output().unwrap();
+    assert!(!output.status.success());
+    assert!(stderr(&output).contains("setuid"), "{}", stderr(&output));
+
+    let output = launcher()
+        .args(["-q", "--", "sh", "-c", "exit 42"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(42));
+    let output = launcher()
+        .args(["-q", "--", "sh", "-c", "kill -USR1 $$"])
+        .output()
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(output.status.signal(), Some(libc::SIGUSR1));
+
+    let taken = dir.path("exists.json");
+    std::fs::write(&taken, "keep").unwrap();
+    let output = launcher()
+        .arg("--stats")
+        .arg(&taken)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(stderr(&output).contains("refusing to overwrite"));
+    assert_eq!(std::fs::read_to_string(&taken).unwrap(), "keep");
+}

@@ -1,0 +1,155 @@
+/* A victim program for the shim tests: maps a file the way its first argument says and
+ * prints what it observes (checksums, errno, whether the mapping is the kernel's file
+ * mapping), so runs with and without the shim can be compared. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static unsigned long long sum(const unsigned char *p, size_t len) {
+  unsigned long long s = 1469598103934665603ULL;
+  for (size_t i = 0; i < len; i++) s = (s ^ p[i]) * 1099511628211ULL;
+  return s;
+}
+
+/* "file" if /proc/self/maps shows a file at addr, "anon" otherwise. */
+static const char *kind(void *addr) {
+  char want[32], line[4096];
+  snprintf(want, sizeof want, "%lx-", (unsigned long)addr);
+  FILE *maps = fopen("/proc/self/maps", "r");
+  const char *result = "none";
+  while (fgets(line, sizeof line, maps)) {
+    if (strncmp(line, want, strlen(want)) == 0) {
+      result = strchr(line, '/') ? "file" : "anon";
+      break;
+    }
+  }
+  fclose(maps);
+  return result;
+}
+
+static void *map(const char *path, int prot, int flags, size_t *len) {
+  int fd = open(path, (prot & PROT_WRITE) && (flags & MAP_SHARED) ? O_RDWR : O_RDONLY);
+  if (fd < 0) { perror(path); exit(2); }
+  struct stat st;
+  fstat(fd, &st);
+  *len = st.st_size;
+  void *p = mmap(NULL, *len, prot, flags, fd, 0);
+  if (p == MAP_FAILED) { perror("mmap"); exit(2); }
+  close(fd);
+  return p;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) return 2;
+  const char *mode = argv[1];
+  const char *path = argc > 2 ? argv[2] : NULL;
+  size_t len;
+  if (!strcmp(mode, "read")) {
+    /* Read-only shared map, like llama.cpp: whole-file checksum twice, then unmap an
+     * unaligned head, checksum the rest, unmap the rest. */
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED | MAP_POPULATE, &len);
+    printf("kind %s\n", kind(p));
+    madvise(p, len, MADV_WILLNEED);
+    printf("sum %llx\n", sum(p, len));
+    printf("sum again %llx\n", sum(p, len));
+    size_t head = 1781760; /* llama.cpp's GGUF head: not a multiple of 64K */
+    if (head > len / 2) head = 4096 * 3;
+    if (munmap(p, head)) perror("munmap head");
+    printf("rest %llx\n", sum(p + head, len - head));
+    madvise(p + head, len - head, MADV_DONTNEED);
+    printf("after dontneed %llx\n", sum(p + head, len - head));
+    if (munmap(p + head, len - head)) perror("munmap rest");
+    /* The freed addresses work as ordinary memory again. */
+    void *again = mmap(p, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ((char *)again)[0] = 1;
+    printf("reuse ok\n");
+    return 0;
+  }
+  if (!strcmp(mode, "private-writable")) {
+    unsigned char *p = map(path, PROT_READ | PROT_WRITE, MAP_PRIVATE, &len);
+    printf("kind %s\n", kind(p));
+    p[100] ^= 0xff;
+    printf("sum %llx\n", sum(p, len));
+    return 0;
+  }
+  if (!strcmp(mode, "shared-writable")) {
+    unsigned char *p = map(path, PROT_READ | PROT_WRITE, MAP_SHARED, &len);
+    printf("kind %s\n", kind(p));
+    p[200] = 0x5a;
+    msync(p, len, MS_SYNC);
+    int fd = open(path, O_RDONLY);
+    unsigned char b = 0;
+    pread(fd, &b, 1, 200);
+    printf("written through %x\n", b);
+    printf("sum %llx\n", sum(p, len));
+    return 0;
+  }
+  if (!strcmp(mode, "anonymous")) {
+    len = 8 << 20;
+    unsigned char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    printf("kind %s\n", kind(p));
+    for (size_t i = 0; i < len; i += 4096) p[i] = (unsigned char)i;
+    printf("sum %llx\n", sum(p, len));
+    return 0;
+  }
+  if (!strcmp(mode, "fork")) {
+    unsigned char *p = map(path, PROT_READ, MAP_PRIVATE, &len);
+    size_t at = len / 2 + 12345;
+    printf("parent byte %x\n", p[at]);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+      /* Never zeros: either the file's byte, or a fault that kills this child. */
+      printf("child byte %x\n", p[at]);
+      fflush(stdout);
+      _exit(0);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) printf("child signal %d\n", WTERMSIG(status));
+    else printf("child exit %d\n", WEXITSTATUS(status));
+    printf("parent after %x\n", p[at]);
+    printf("sum %llx\n", sum(p, len));
+    return 0;
+  }
+  if (!strcmp(mode, "lock")) {
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    int rc = mlock(p, 65536);
+    printf("mlock small %d\n", rc);
+    if (rc == 0) munlock(p, 65536);
+    errno = 0;
+    rc = mlock(p, len);
+    printf("mlock all %d errno %s\n", rc, rc ? strerrorname_np(errno) : "0");
+    if (rc == 0) munlock(p, len);
+    printf("sum %llx\n", sum(p, len));
+    return 0;
+  }
+  if (!strcmp(mode, "remap")) {
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    void *q = mremap(p, len, len + 4096, MREMAP_MAYMOVE);
+    if (q == MAP_FAILED) {
+      printf("mremap failed %s\n", strerrorname_np(errno));
+      printf("sum %llx\n", sum(p, len));
+    } else {
+      printf("mremap ok\n");
+      printf("sum %llx\n", sum(q, len));
+    }
+    return 0;
+  }
+  if (!strcmp(mode, "exec-child")) {
+    /* Does a program this one executes see the shim? */
+    const char *preload = getenv("LD_PRELOAD");
+    printf("own LD_PRELOAD has shim %d\n", preload && strstr(preload, "hyperoffload") != NULL);
+    fflush(stdout);
+    execlp("sh", "sh", "-c", "case \"$LD_PRELOAD\" in *hyperoffload*) echo child has shim 1;; *) echo child has shim 0;; esac", (char *)NULL);
+    return 3;
+  }
+  return 2;
+}
