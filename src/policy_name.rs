@@ -1,26 +1,45 @@
 //! Policies by the names users give them (`hyperoffload run --policy`, the shim's
 //! `HYPEROFFLOAD_POLICY`). One table, so a new policy is added in one place.
 
+use std::path::Path;
+use std::sync::Arc;
+
 use thiserror::Error;
 
+use crate::graph::store::{self, Loaded};
+use crate::graph::{BlockLayout, ModelGraph};
+use crate::model::ModelFile;
+use crate::policy::graph::GraphPrediction;
 use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
 
-/// A prefetch and an eviction policy chosen together.
+/// A prefetch and an eviction policy chosen together, and what was chosen.
 pub struct PolicyPair {
     pub prefetch: Box<dyn PrefetchPolicy>,
     pub eviction: Box<dyn EvictionPolicy>,
+    /// What was built, for people: "graph (tensor table, 23456 blocks)", or why a
+    /// fallback was taken.
+    pub description: String,
 }
 
 /// The names accepted, the default first, with what each means.
 pub const POLICY_NAMES: &[(&str, &str)] = &[
     (
-        "readahead",
-        "sequential readahead on faults, FIFO eviction (the default)",
+        "graph",
+        "prefetch along the model's predicted execution order and evict the block used \
+         furthest ahead (the default); the order comes from the tensor table of a GGUF or \
+         safetensors file, or from a graph learned in an earlier run; without either, \
+         readahead",
     ),
+    ("readahead", "sequential readahead on faults, FIFO eviction"),
     ("demand", "read only what faults, FIFO eviction"),
+    (
+        "lru",
+        "sequential readahead, evict the least recently faulted block",
+    ),
+    ("clock", "sequential readahead, CLOCK eviction over faults"),
 ];
 
-pub const DEFAULT_POLICY: &str = "readahead";
+pub const DEFAULT_POLICY: &str = "graph";
 
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("unknown policy `{name}` (known: {known})")]
@@ -29,24 +48,91 @@ pub struct UnknownPolicy {
     pub known: String,
 }
 
+/// The model file a policy is for: the file range the first region presents, and the
+/// pager's block size.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelHint<'a> {
+    pub path: &'a Path,
+    pub file_offset: u64,
+    pub data_len: u64,
+    pub block_size: u64,
+}
+
 /// Whether `name` names a policy.
 pub fn check_policy_name(name: &str) -> Result<(), UnknownPolicy> {
     kinds(name).map(|_| ())
 }
 
-/// Builds the policies `name` stands for.
-pub fn policies_by_name(name: &str) -> Result<PolicyPair, UnknownPolicy> {
+/// Builds the policies `name` stands for; the graph policy builds its graph for `model`.
+pub fn policies_by_name(
+    name: &str,
+    model: Option<&ModelHint<'_>>,
+) -> Result<PolicyPair, UnknownPolicy> {
     let (prefetch, eviction) = kinds(name)?;
-    Ok(PolicyPair {
-        prefetch: prefetch.build(),
-        eviction: eviction.build(),
-    })
+    if prefetch != PrefetchKind::Graph {
+        return Ok(PolicyPair {
+            prefetch: prefetch.build(),
+            eviction: eviction.build(),
+            description: name.to_string(),
+        });
+    }
+    match model.map(model_graph) {
+        Some(Ok((graph, source))) => {
+            let blocks = graph.layout().block_count();
+            let prediction = GraphPrediction::new(Arc::new(graph));
+            Ok(PolicyPair {
+                prefetch: prefetch.build_with(Some(&prediction)),
+                eviction: eviction.build_with(Some(&prediction)),
+                description: format!("graph ({source}, {blocks} blocks)"),
+            })
+        }
+        failed => {
+            let why = match failed {
+                Some(Err(why)) => why,
+                _ => "no model file".to_string(),
+            };
+            Ok(PolicyPair {
+                prefetch: PrefetchKind::Readahead.build(),
+                eviction: EvictionKind::Fifo.build(),
+                description: format!("readahead (graph unavailable: {why})"),
+            })
+        }
+    }
+}
+
+/// The model's graph: from its tensor table, else from a graph saved beside it by an
+/// earlier run. Errors say why neither was usable.
+fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, &'static str), String> {
+    let layout = BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size)
+        .map_err(|error| error.to_string())?;
+    let table = match ModelFile::open(hint.path) {
+        Ok(model) => {
+            return Ok((
+                ModelGraph::from_tensors(&model.tensors, layout),
+                "tensor table",
+            ))
+        }
+        Err(error) => error.to_string(),
+    };
+    match store::load(hint.path) {
+        Ok(Loaded::Fresh(saved)) if saved.layout == layout => Ok((
+            ModelGraph::learned(layout, &saved.transitions),
+            "learned graph",
+        )),
+        Ok(Loaded::Fresh(_)) => Err(format!("{table}; the saved graph is for another layout")),
+        Ok(Loaded::Stale { reason, .. }) => Err(format!("{table}; saved graph ignored: {reason}")),
+        Ok(Loaded::Absent) => Err(table),
+        Err(error) => Err(format!("{table}; {error}")),
+    }
 }
 
 fn kinds(name: &str) -> Result<(PrefetchKind, EvictionKind), UnknownPolicy> {
     match name {
+        "graph" => Ok((PrefetchKind::Graph, EvictionKind::Graph)),
         "readahead" => Ok((PrefetchKind::Readahead, EvictionKind::Fifo)),
         "demand" => Ok((PrefetchKind::None, EvictionKind::Fifo)),
+        "lru" => Ok((PrefetchKind::Readahead, EvictionKind::Lru)),
+        "clock" => Ok((PrefetchKind::Readahead, EvictionKind::Clock)),
         _ => Err(UnknownPolicy {
             name: name.to_string(),
             known: POLICY_NAMES
@@ -65,10 +151,34 @@ mod tests {
     #[test]
     fn every_listed_name_builds() {
         for (name, _) in POLICY_NAMES {
-            let pair = policies_by_name(name).unwrap();
+            let pair = policies_by_name(name, None).unwrap();
             assert!(!pair.prefetch.name().is_empty());
         }
         assert_eq!(POLICY_NAMES[0].0, DEFAULT_POLICY);
+    }
+
+    #[test]
+    fn graph_without_a_model_falls_back_and_says_why() {
+        let pair = policies_by_name("graph", None).unwrap();
+        assert_eq!(pair.prefetch.name(), "readahead");
+        assert!(
+            pair.description.contains("no model file"),
+            "{}",
+            pair.description
+        );
+        let hint = ModelHint {
+            path: Path::new("/nonexistent/model.bin"),
+            file_offset: 0,
+            data_len: 1 << 20,
+            block_size: 4096,
+        };
+        let pair = policies_by_name("graph", Some(&hint)).unwrap();
+        assert_eq!(pair.prefetch.name(), "readahead");
+        assert!(
+            pair.description.contains("graph unavailable"),
+            "{}",
+            pair.description
+        );
     }
 
     #[test]

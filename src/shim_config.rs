@@ -7,7 +7,7 @@
 //! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`) or `N%` of the size of the first file the shim manages | half the physical RAM |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
-//! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `readahead` |
+//! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
 //! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (64K) |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |

@@ -1,4 +1,5 @@
-//! The stats JSON (and the optional event trace) written when the program exits: from an
+//! The stats JSON (and the optional fault trace, with the shim's own events beside it)
+//! written when the program exits: from an
 //! atexit handler registered when the pager starts. Regions are not dropped at exit
 //! (other threads may still be reading them); only the files are written.
 //!
@@ -14,6 +15,8 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use hyperoffload::trace::TraceWriter;
 
 use crate::{managed::Reentry, state};
 
@@ -63,9 +66,31 @@ extern "C" fn write_at_exit() {
         write_new(shim, path, config.inherit, json.to_string().as_bytes());
     }
     if let Some(path) = &config.trace_path {
+        // The pager's faults, in the CSV `simulate`, `trace` and `compare` read.
+        let (records, untraced) = pager.take_trace();
+        let files = shim.files();
+        let mut metadata: Vec<(&str, String)> = vec![
+            ("block_size", pager.block_size().to_string()),
+            ("untraced", untraced.to_string()),
+        ];
+        if let Some((file, size)) = files.first() {
+            metadata.push(("file", file.display().to_string()));
+            metadata.push(("size", size.to_string()));
+        }
+        let csv = TraceWriter::new(Vec::new(), &metadata).and_then(|mut writer| {
+            for record in &records {
+                writer.write(record)?;
+            }
+            writer.into_inner()
+        });
+        if let Ok(csv) = csv {
+            write_new(shim, path, config.inherit, &csv);
+        }
+        // The shim's own decisions (what it took over, hints, unmaps), one JSON a line.
         let mut lines = shim.take_trace().join("\n");
         lines.push('\n');
-        write_new(shim, path, config.inherit, lines.as_bytes());
+        let events = PathBuf::from(format!("{}.events.jsonl", path.display()));
+        write_new(shim, &events, config.inherit, lines.as_bytes());
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
 use hyperoffload::policy::AccessHint;
-use hyperoffload::policy_name::policies_by_name;
+use hyperoffload::policy_name::{policies_by_name, ModelHint};
 use hyperoffload::shim_config::ShimConfig;
 use hyperoffload::size::format_size;
 use hyperoffload::{MapOptions, Pager, Region};
@@ -97,6 +97,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Most faults kept for `HYPEROFFLOAD_TRACE` (about 50 bytes each).
+const TRACE_LIMIT: usize = 10_000_000;
+
 /// Errno for a managed-range operation, or success.
 pub type Errno = Result<(), c_int>;
 
@@ -170,7 +173,7 @@ impl Shim {
 
     /// The process's pager, created at the first managed mapping (whose file size sets a
     /// percentage budget).
-    fn pager(&self, first_file_len: u64) -> Option<Pager> {
+    fn pager(&self, first: &ModelHint<'_>, first_file_len: u64) -> Option<Pager> {
         let mut slot = lock(&self.pager);
         match &*slot {
             PagerSlot::Running(pager) => return Some(pager.clone()),
@@ -178,28 +181,31 @@ impl Shim {
             PagerSlot::NotYet => {}
         }
         let budget = self.config.budget.resolve(first_file_len);
-        let built = policies_by_name(&self.config.policy)
+        let built = policies_by_name(&self.config.policy, Some(first))
             .map_err(|error| error.to_string())
             .and_then(|policies| {
                 let mut builder = Pager::builder()
                     .budget(budget)
+                    .block_size(first.block_size)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
-                if let Some(block) = self.config.block_size {
-                    builder = builder.block_size(block);
+                if self.config.trace_path.is_some() {
+                    builder = builder.trace(TRACE_LIMIT);
                 }
-                builder.build().map_err(|error| error.to_string())
+                builder
+                    .build()
+                    .map(|pager| (pager, policies.description))
+                    .map_err(|error| error.to_string())
             });
         match built {
-            Ok(pager) => {
+            Ok((pager, policy)) => {
                 *slot = PagerSlot::Running(pager.clone());
                 crate::exit_report::register();
                 self.verbose(|| {
                     format!(
-                        "pager started: budget {} ({}), policy {}",
+                        "pager started: budget {} ({}), policy {policy}",
                         format_size(budget),
                         self.config.budget,
-                        self.config.policy
                     )
                 });
                 Some(pager)
@@ -261,11 +267,21 @@ impl Shim {
                 return None;
             }
         }
-        let pager = self.pager(size)?;
         let offset = request.offset as u64;
+        let data_len = (request.len as u64).min(size - offset);
+        let hint = ModelHint {
+            path: &path,
+            file_offset: offset,
+            data_len,
+            block_size: self
+                .config
+                .block_size
+                .unwrap_or(hyperoffload::pager::DEFAULT_BLOCK_SIZE),
+        };
+        let pager = self.pager(&hint, size)?;
         let options = MapOptions {
             offset,
-            len: Some((request.len as u64).min(size - offset)),
+            len: Some(data_len),
             map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
             prot: request.prot,
         };
