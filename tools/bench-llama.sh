@@ -4,6 +4,7 @@
 # the pager, with the floor each budget allows. Writes bench/results.md (and per-budget
 # compare reports under bench/). Root required (cgroups, dropping the page cache).
 #   HYPEROFFLOAD_BENCH_MODEL_SIZE  size of the synthetic model (default 3G)
+#   HYPEROFFLOAD_BENCH_OUT         output directory (default bench/)
 # Extra arguments go to `hyperoffload bench` (e.g. --runs 1 --budgets 50,90).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +23,5 @@ if [ ! -f "$model" ]; then
     --order file --out "$model.tmp"
   mv "$model.tmp" "$model"
 fi
-exec target/release/hyperoffload bench --model "$model" --llama-bin "$bin" --out bench "$@"
+exec target/release/hyperoffload bench --model "$model" --llama-bin "$bin" \
+  --out "${HYPEROFFLOAD_BENCH_OUT:-bench}" "$@"

@@ -183,9 +183,18 @@ impl PrefetchPolicy for GraphPrefetch {
         // has: every byte of lookahead beyond what hides the read latency is read again
         // each token. Measured read latency grows with the queue the lookahead itself
         // fills, so the estimate is also capped at a fraction of the budget.
-        self.max_lookahead_bytes = self
-            .max_lookahead_bytes
-            .min((info.budget / 8).max(self.min_lookahead_bytes));
+        // Nor is it worth more than a part of what has to stream each pass: at a budget
+        // close to the model, a lookahead of budget/8 would be larger than the stream.
+        let streamed = self
+            .prediction
+            .graph()
+            .predicted_bytes()
+            .saturating_sub(info.budget);
+        self.max_lookahead_bytes = self.max_lookahead_bytes.min(
+            (info.budget / 8)
+                .min(streamed / 4)
+                .max(self.min_lookahead_bytes),
+        );
         self.initial_lookahead_bytes = self.initial_lookahead_bytes.min(self.max_lookahead_bytes);
     }
 
