@@ -185,16 +185,20 @@ impl PrefetchPolicy for GraphPrefetch {
         // fills, so the estimate is also capped at a fraction of the budget.
         // Nor is it worth more than a part of what has to stream each pass: at a budget
         // close to the model, a lookahead of budget/8 would be larger than the stream.
+        // (When the model fits, nothing streams after the first pass, which still reads
+        // the whole model: no such cap then.)
         let streamed = self
             .prediction
             .graph()
             .predicted_bytes()
             .saturating_sub(info.budget);
-        self.max_lookahead_bytes = self.max_lookahead_bytes.min(
-            (info.budget / 8)
-                .min(streamed / 4)
-                .max(self.min_lookahead_bytes),
-        );
+        let cap = match streamed {
+            0 => info.budget / 8,
+            streamed => (info.budget / 8).min(streamed / 4),
+        };
+        self.max_lookahead_bytes = self
+            .max_lookahead_bytes
+            .min(cap.max(self.min_lookahead_bytes));
         self.initial_lookahead_bytes = self.initial_lookahead_bytes.min(self.max_lookahead_bytes);
     }
 
