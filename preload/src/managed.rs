@@ -178,7 +178,7 @@ impl Shim {
             PagerSlot::NotYet => {}
         }
         let budget = self.config.budget.resolve(first_file_len);
-        let built = policies_by_name(&self.config.policy)
+        let built = policies_by_name(&self.config.policy, budget)
             .map_err(|error| error.to_string())
             .and_then(|policies| {
                 let mut builder = Pager::builder()
