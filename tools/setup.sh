@@ -28,3 +28,14 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found: install a Rust toolchain (rustup) first" >&2
   exit 1
 fi
+
+# Python clients of the shim tests (tests/shim_python.rs): numpy and safetensors.
+if command -v python3 >/dev/null 2>&1; then
+  if ! python3 -c "import numpy, safetensors" >/dev/null 2>&1; then
+    echo "setup: installing numpy and safetensors (pip)" >&2
+    python3 -m pip install --quiet numpy safetensors
+  fi
+else
+  echo "setup: python3 not found: tests/shim_python.rs needs python3 with numpy and safetensors" >&2
+  exit 1
+fi

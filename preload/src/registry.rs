@@ -50,11 +50,9 @@ impl<T> Default for Registry<T> {
 
 impl<T: Clone> Registry<T> {
     pub fn insert(&mut self, base: usize, len: usize, value: T) {
-        self.mappings.push(Managed {
-            live: vec![base..base + len],
-            base,
-            value,
-        });
+        let mut live = Vec::with_capacity(2);
+        live.push(base..base + len);
+        self.mappings.push(Managed { live, base, value });
     }
 
     #[cfg(test)]

@@ -1,0 +1,142 @@
+//! Python as a client: `mmap`, `numpy.memmap` and the `safetensors` package read a model
+//! file through the shim and see the same bytes (checksums) as without it.
+//! numpy and safetensors are installed by tools/setup.sh.
+
+mod common;
+mod shim_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::TempDir;
+use shim_support::*;
+
+/// Writes a safetensors file of about 12 MiB (several tensors of several dtypes) and a raw
+/// file, from fixed seeds.
+const MAKE: &str = r#"
+import sys, numpy as np
+from safetensors.numpy import save_file
+rng = np.random.default_rng(7)
+tensors = {
+    "embed.weight": rng.standard_normal((2048, 512), dtype=np.float32),
+    "layer.0.q": rng.standard_normal((512, 512)).astype(np.float16),
+    "layer.0.ffn": rng.integers(0, 255, (1024, 3000), dtype=np.uint8),
+    "norm": rng.standard_normal((512,), dtype=np.float32),
+}
+save_file(tensors, sys.argv[1])
+rng.integers(0, 255, 9 * 2**20 + 777, dtype=np.uint8).tofile(sys.argv[2])
+"#;
+
+const READ_MMAP: &str = r#"
+import sys, mmap, hashlib
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+h = hashlib.sha256()
+for start in range(0, len(m), 1 << 20):
+    h.update(m[start:start + (1 << 20)])
+print("mmap", h.hexdigest())
+"#;
+
+const READ_MEMMAP: &str = r#"
+import sys, hashlib, numpy as np
+a = np.memmap(sys.argv[1], dtype=np.uint8, mode="r")
+print("memmap", hashlib.sha256(memoryview(a)).hexdigest(), int(a[::4096].sum()))
+"#;
+
+const READ_SAFETENSORS: &str = r#"
+import sys, hashlib
+from safetensors import safe_open
+h = hashlib.sha256()
+with safe_open(sys.argv[1], framework="np") as f:
+    for name in sorted(f.keys()):
+        t = f.get_tensor(name)
+        h.update(name.encode()); h.update(str(t.dtype).encode()); h.update(t.tobytes())
+print("safetensors", h.hexdigest())
+"#;
+
+/// The Python interpreter itself (not a wrapper script such as pyenv's, which would
+/// exec it without the shim).
+fn python() -> PathBuf {
+    let output = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3");
+    PathBuf::from(stdout(&output).trim())
+}
+
+fn run_plain(script: &str, args: &[&Path]) -> String {
+    let output = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    assert_success(&output, "python");
+    stdout(&output)
+}
+
+fn run_shimmed(script: &str, file: &Path, stats: &Path) -> String {
+    let output = launcher()
+        .args([
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.safetensors,*.bin",
+        ])
+        .arg("--stats")
+        .arg(stats)
+        .arg("--")
+        .arg(python())
+        .arg("-c")
+        .arg(script)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert_success(&output, "python under the shim");
+    stdout(&output)
+}
+
+#[test]
+fn python_clients_see_the_same_bytes_under_the_shim() {
+    let check = Command::new("python3")
+        .args(["-c", "import numpy, safetensors"])
+        .output()
+        .expect("python3");
+    if !check.status.success() {
+        let why = "python3 with numpy and safetensors is needed: run tools/setup.sh";
+        if skip_allowed() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        panic!("{why}");
+    }
+    let dir = TempDir::new("shim-python");
+    let tensors = dir.path("model.safetensors");
+    let raw = dir.path("weights.bin");
+    run_plain(MAKE, &[&tensors, &raw]);
+    let cases: [(&str, &str, &Path); 3] = [
+        ("mmap", READ_MMAP, &raw),
+        ("memmap", READ_MEMMAP, &raw),
+        ("safetensors", READ_SAFETENSORS, &tensors),
+    ];
+    for (name, script, file) in cases {
+        let expected = run_plain(script, &[file]);
+        let stats = dir.path(&format!("stats-{name}.json"));
+        let seen = run_shimmed(script, file, &stats);
+        assert_eq!(seen, expected, "{name}");
+        let json = read_stats(&stats);
+        let size = std::fs::metadata(file).unwrap().len();
+        assert!(json["faults"].as_u64().unwrap() > 0, "{name}: {json}");
+        assert!(
+            json["bytes_read"].as_u64().unwrap() >= size - (2 << 20),
+            "{name}: {json}"
+        );
+        assert!(
+            json["peak_resident_bytes"].as_u64().unwrap() <= 2 << 20,
+            "{json}"
+        );
+        eprintln!("{name}: same checksum; {json}");
+    }
+}
