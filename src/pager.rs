@@ -818,11 +818,14 @@ impl Drop for Region {
         // gone the process is aborting anyway.
         let _ = answer.recv();
         // Unregistering wakes any thread still waiting on the range; munmap (in
-        // `Mapping::drop`) follows.
-        let _ = self
-            .pager
-            .inner
-            .uffd
-            .unregister(self.mapping.base as *mut libc::c_void, self.mapping.len);
+        // `Mapping::drop`) follows. Only the parts still ours: a hole the program
+        // unmapped may since hold another region of this pager, registered on the same
+        // userfaultfd.
+        for part in self.mapping.live_parts() {
+            let _ = self.pager.inner.uffd.unregister(
+                (self.mapping.base + part.start) as *mut libc::c_void,
+                part.end - part.start,
+            );
+        }
     }
 }
