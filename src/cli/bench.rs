@@ -8,7 +8,6 @@ use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::AtomicBool;
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -203,7 +202,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let graph = ModelGraph::from_tensors(&model.tensors, layout);
     let workload = Workload::cyclic(&graph, 6);
 
-    let interrupted = AtomicBool::new(false);
+    // Ctrl-C or SIGTERM ends the run in progress; the cgroup and trace instances are
+    // removed on the way out.
+    super::compare::catch_interrupts();
+    let interrupted = &super::compare::INTERRUPTED;
     let mut rows = Vec::new();
     for &share in &args.budgets {
         let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);
@@ -218,7 +220,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 model: Some(args.model.clone()),
                 launcher: std::env::current_exe()?,
             },
-            &interrupted,
+            interrupted,
             |record| {
                 eprintln!(
                     "bench:   {} run {}: {:.1} s, tg {}",

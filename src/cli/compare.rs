@@ -32,7 +32,7 @@ pub struct CompareArgs {
     program: Vec<OsString>,
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_interrupt(_: libc::c_int) {
     INTERRUPTED.store(true, Ordering::Relaxed);
@@ -40,7 +40,7 @@ extern "C" fn on_interrupt(_: libc::c_int) {
 
 /// Ctrl-C stops the run in progress, and the cgroup and trace instances are removed
 /// on the way out instead of being left behind by a killed process.
-fn catch_interrupts() {
+pub(crate) fn catch_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
     for signal in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
