@@ -141,6 +141,13 @@ impl BackingFile {
         self.direct_refused = Some(why);
     }
 
+    /// The identity of the open file (fstat of our descriptor, not the path): a file
+    /// replaced by rename keeps the old identity here (we still read the old inode), a
+    /// file modified or truncated in place does not.
+    pub fn open_identity(&self) -> io::Result<FileIdentity> {
+        Ok(FileIdentity::of(&self.buffered.metadata()?))
+    }
+
     /// The file's identity now, to detect replacement or modification.
     pub fn current_identity(&self) -> io::Result<FileIdentity> {
         Ok(FileIdentity::of(&std::fs::metadata(&self.path)?))

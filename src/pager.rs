@@ -29,7 +29,7 @@ use crate::policy::{
     AccessHint, EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy, RegionId,
 };
 use crate::ring::RingError;
-use crate::service::{FaultService, ReadInjection, ServiceConfig};
+use crate::service::{FaultService, ReadInjection, ServiceConfig, ServiceFaults};
 use crate::stats::Stats;
 use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
@@ -164,6 +164,7 @@ pub struct PagerBuilder {
     injection: Option<ReadInjection>,
     trace_limit: usize,
     demand_spin: std::time::Duration,
+    faults: ServiceFaults,
 }
 
 impl Default for PagerBuilder {
@@ -179,6 +180,7 @@ impl Default for PagerBuilder {
             injection: None,
             trace_limit: 0,
             demand_spin: DEFAULT_DEMAND_SPIN,
+            faults: ServiceFaults::default(),
         }
     }
 }
@@ -226,6 +228,29 @@ impl PagerBuilder {
     /// end to end (the read is issued; its result is replaced).
     pub fn inject_read_error(mut self, file_range: Range<u64>, errno: i32) -> Self {
         self.injection = Some(ReadInjection { file_range, errno });
+        self
+    }
+
+    /// Test-only: every read returns at most half of what it asked for (the rest is read
+    /// again by the service's short-read continuation, as after a real short read).
+    #[doc(hidden)]
+    pub fn inject_short_reads(mut self, on: bool) -> Self {
+        self.faults.short_reads = on;
+        self
+    }
+
+    /// Test-only: every read completion is handled `delay` late (the service thread
+    /// sleeps), as if the device were that slow and served one read at a time.
+    #[doc(hidden)]
+    pub fn inject_read_delay(mut self, delay: std::time::Duration) -> Self {
+        self.faults.read_delay = delay;
+        self
+    }
+
+    /// Test-only: the service thread panics on fault number `faults + 1`.
+    #[doc(hidden)]
+    pub fn inject_service_panic_after(mut self, faults: u64) -> Self {
+        self.faults.panic_after_faults = Some(faults);
         self
     }
 
@@ -289,6 +314,7 @@ impl PagerBuilder {
                 injection: self.injection,
                 trace_limit: self.trace_limit,
                 demand_spin: self.demand_spin,
+                faults: self.faults,
             },
             uffd.clone(),
             shared.clone(),

@@ -49,6 +49,17 @@ pub(crate) struct ReadInjection {
     pub errno: i32,
 }
 
+/// Test-only faults injected into the service (`PagerBuilder::inject_*`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ServiceFaults {
+    /// Every read delivers at most half of what it asked for.
+    pub short_reads: bool,
+    /// Each read completion is handled this late.
+    pub read_delay: std::time::Duration,
+    /// Panic on fault number n + 1.
+    pub panic_after_faults: Option<u64>,
+}
+
 pub(crate) struct ServiceConfig {
     pub budget: u64,
     pub block_size: u64,
@@ -61,6 +72,7 @@ pub(crate) struct ServiceConfig {
     pub trace_limit: usize,
     /// How long to poll for completions while demand reads are in flight.
     pub demand_spin: std::time::Duration,
+    pub faults: ServiceFaults,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -90,6 +102,9 @@ struct RegionEntry {
     /// Reads in flight into this region; a removed region is forgotten when none are.
     reads_in_flight: u32,
     removed: bool,
+    /// The open file was modified in place since it was opened: nothing more is read
+    /// from it (see `FaultService::file_changed`).
+    changed: bool,
 }
 
 impl RegionEntry {
@@ -423,6 +438,11 @@ impl FaultService {
         };
         let block = BlockRef::new(id, index);
         self.stats.faults += 1;
+        if let Some(n) = self.config.faults.panic_after_faults {
+            if self.stats.faults > n {
+                panic!("injected panic after {n} faults");
+            }
+        }
         let waiter = |outcome| Waiter {
             t_ns: now,
             tid,
@@ -761,7 +781,20 @@ impl FaultService {
             return Ok(());
         };
         let region_id = tag.region;
+        if !self.config.faults.read_delay.is_zero() {
+            std::thread::sleep(self.config.faults.read_delay);
+        }
+        if self.config.faults.short_reads && result > 1 {
+            let (len, done) = (tag.len, tag.done);
+            let asked = (len - done) as i32;
+            let full = result as usize;
+            result = result.min(asked / 2).max(1);
+            // What the shortened read did not deliver must not be in the buffer either.
+            let (from, to) = (done + result as usize, done + full);
+            self.ring.buffer_mut(slot)[from..to].fill(0xEE);
+        }
         if let Some(injection) = &self.config.injection {
+            let tag = self.ring.tag(slot).expect("checked above");
             let range = tag.file_offset..tag.file_offset + tag.valid as u64;
             if range.start < injection.file_range.end && injection.file_range.start < range.end {
                 result = -injection.errno;
@@ -797,7 +830,8 @@ impl FaultService {
         let tag = self.ring.tag_mut(slot).expect("checked above");
         if result == 0 && tag.done < tag.valid {
             // End of file before the data the region was made for: the file shrank under
-            // us. The kernel raises SIGBUS for such pages; so do we.
+            // us. The kernel raises SIGBUS for such pages; so do we (and say why once).
+            self.file_changed(region_id);
             self.fail_read(slot);
             return Ok(());
         }
@@ -843,6 +877,10 @@ impl FaultService {
         let (region_id, first, count, valid) = (tag.region, tag.first, tag.count, tag.valid);
         let elapsed = now.saturating_sub(tag.submitted_ns);
         let install = tag.install;
+        if self.file_changed(region_id) {
+            self.fail_read(slot);
+            return Ok(());
+        }
         // Bytes past the end of the file in the last page read as zeros, as with mmap.
         let page = self.config.page_size as usize;
         let tail = valid..valid.next_multiple_of(page).min(self.ring.buffer_len());
@@ -932,7 +970,7 @@ impl FaultService {
             .regions
             .get_mut(&region_id)
             .expect("failing a live region's read");
-        if count > 1 {
+        if count > 1 && !region.changed {
             for index in first..first + count {
                 let block = BlockRef::new(region_id, index);
                 if self.waiters.contains_key(&block) || region.pinned[index as usize] {
@@ -970,6 +1008,42 @@ impl FaultService {
             }
         }
         self.finish_read(slot);
+    }
+
+    /// Whether the region's file was modified in place (size or mtime of the open
+    /// descriptor differ from when it was opened). Checked after every read, before its
+    /// bytes are installed: a writer updates the mtime before it changes the data, so a
+    /// read that saw new bytes is caught. From the first change on, nothing more is
+    /// installed from the file: the threads waiting get SIGBUS (once, a message says why)
+    /// rather than a mix of old and new bytes. A file replaced by rename is not a change:
+    /// the region keeps reading the inode it opened, as a kernel mapping does.
+    fn file_changed(&mut self, id: RegionId) -> bool {
+        let Some(region) = self.regions.get_mut(&id) else {
+            return false;
+        };
+        if region.changed {
+            return true;
+        }
+        let Ok(now) = region.file.open_identity() else {
+            return false;
+        };
+        let then = region.file.identity();
+        if now.len == then.len && now.mtime_ns == then.mtime_ns {
+            return false;
+        }
+        region.changed = true;
+        let message = format!(
+            "hyperoffload: {} was modified while mapped (size {} -> {}, mtime changed: {}); \
+             its pages not yet read raise SIGBUS\n",
+            region.file.path().display(),
+            then.len,
+            now.len,
+            now.mtime_ns != then.mtime_ns
+        );
+        // SAFETY: writes a live buffer to fd 2 (not through stderr's lock, which a
+        // faulting thread may hold).
+        unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+        true
     }
 
     fn unstage(&mut self, block: BlockRef) {
@@ -1035,6 +1109,7 @@ impl FaultService {
                     pinned: vec![false; blocks],
                     reads_in_flight: 0,
                     removed: false,
+                    changed: false,
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);

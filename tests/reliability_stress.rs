@@ -1,0 +1,175 @@
+//! Issue 7, stress: 16 threads mixing sequential, random and cyclic reads over a file 8x
+//! the budget for a bounded time (20 s; HYPEROFFLOAD_STRESS_SECONDS to run longer).
+//! Every byte is checked, resident bytes sampled from the stopped child never exceed the
+//! budget, and a watchdog fails the run if any single 64 KiB read stalls.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use hyperoffload::{MapOptions, Pager};
+
+const BUDGET: u64 = 16 << 20;
+const FILE_LEN: u64 = 8 * BUDGET;
+const THREADS: usize = 16;
+const CHUNK: u64 = 64 << 10;
+/// Longest any one chunk read may take before the run is declared hung.
+const STALL: Duration = Duration::from_secs(10);
+
+fn seconds() -> u64 {
+    std::env::var("HYPEROFFLOAD_STRESS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Forward from a thread-specific start, wrapping.
+    Sequential,
+    /// Random 64 KiB-sized ranges at random (unaligned) offsets.
+    Random,
+    /// The whole file from the start, over and over.
+    Cyclic,
+}
+
+fn check_chunk(bytes: &[u8], start: u64, thread: usize) {
+    let end = (start + CHUNK).min(FILE_LEN);
+    for offset in start..end {
+        let byte = bytes[offset as usize];
+        if byte != pattern_byte(offset) {
+            eprintln!(
+                "thread {thread}: wrong byte at {offset:#x}: {byte:#x}, expected {:#x}",
+                pattern_byte(offset)
+            );
+            std::process::abort();
+        }
+    }
+}
+
+fn stress_child() {
+    let path = std::env::var("TEST_FILE").unwrap();
+    let pager = pager_or_skip(Pager::builder().budget(BUDGET)).unwrap();
+    let region = Arc::new(
+        pager
+            .map_file(path.as_ref(), MapOptions::default())
+            .unwrap(),
+    );
+    announce_region(region.as_ptr() as usize);
+    let start = Instant::now();
+    let run_for = Duration::from_secs(seconds());
+    // Milliseconds since `start` at which each thread last finished a chunk.
+    let progress: Arc<Vec<AtomicU64>> = Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
+    let chunks = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let (progress, done) = (progress.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                let now = start.elapsed().as_millis() as u64;
+                for (thread, last) in progress.iter().enumerate() {
+                    let last = last.load(Ordering::Relaxed);
+                    if now.saturating_sub(last) > STALL.as_millis() as u64 {
+                        // Raw write: a stalled thread may hold stderr's lock.
+                        let message = format!(
+                            "watchdog: thread {thread} ({:?}) made no progress for {} ms\n",
+                            mode_of(thread),
+                            now - last
+                        );
+                        // SAFETY: writes a live buffer to fd 2.
+                        unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+                        std::process::abort();
+                    }
+                }
+            }
+        })
+    };
+    let threads: Vec<_> = (0..THREADS)
+        .map(|thread| {
+            let (region, progress, chunks) = (region.clone(), progress.clone(), chunks.clone());
+            std::thread::spawn(move || {
+                let bytes = region.as_slice();
+                let mut x = 0x9E37_79B9_u64 ^ (thread as u64 * 0x1234_5671);
+                let mut at = match mode_of(thread) {
+                    Mode::Sequential => FILE_LEN / THREADS as u64 * thread as u64,
+                    _ => 0,
+                };
+                while start.elapsed() < run_for {
+                    let chunk_start = match mode_of(thread) {
+                        Mode::Random => {
+                            x = x
+                                .wrapping_mul(6364136223846793005)
+                                .wrapping_add(1442695040888963407);
+                            (x >> 20) % FILE_LEN
+                        }
+                        Mode::Sequential | Mode::Cyclic => {
+                            let here = at;
+                            at = (at + CHUNK) % FILE_LEN;
+                            here
+                        }
+                    };
+                    check_chunk(bytes, chunk_start, thread);
+                    progress[thread].store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    chunks.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    watchdog.join().unwrap();
+    let stats = pager.stats();
+    eprintln!(
+        "stress: {} chunks of 64 KiB checked in {:?}; {stats:?}",
+        chunks.load(Ordering::Relaxed),
+        start.elapsed()
+    );
+    assert_eq!(stats.read_errors, 0);
+    assert!(stats.peak_resident_bytes <= BUDGET, "{stats:?}");
+    // The run really cycled through a file 8x the budget several times over.
+    assert!(stats.bytes_read > 2 * FILE_LEN, "{stats:?}");
+    assert!(stats.evictions > 0, "{stats:?}");
+}
+
+fn mode_of(thread: usize) -> Mode {
+    match thread % 3 {
+        0 => Mode::Sequential,
+        1 => Mode::Random,
+        _ => Mode::Cyclic,
+    }
+}
+
+#[test]
+fn sixteen_threads_mixed_reads_over_eight_times_the_budget() {
+    if is_child() {
+        stress_child();
+        return;
+    }
+    let dir = TempDir::new("stress");
+    let path = dir.path("f.bin");
+    pattern_file(&path, FILE_LEN);
+    // The child reads its file from TEST_FILE; run_child_sampling_rss passes the
+    // environment on.
+    std::env::set_var("TEST_FILE", &path);
+    let started = Instant::now();
+    let (max_rss, samples) = run_child_sampling_rss(
+        "sixteen_threads_mixed_reads_over_eight_times_the_budget",
+        Duration::from_secs(seconds() + 60),
+    );
+    eprintln!(
+        "stress: {samples} residency samples, largest {max_rss} bytes (budget {BUDGET}), {:?}",
+        started.elapsed()
+    );
+    assert!(samples >= 10, "only {samples} samples");
+    assert!(max_rss > 0, "nothing was ever resident");
+    assert!(
+        max_rss <= BUDGET,
+        "resident {max_rss} bytes over the budget of {BUDGET}"
+    );
+}
