@@ -35,11 +35,11 @@ use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
 
 /// Default block size: the unit of residency, eviction and demand reads. Chosen by
-/// measurement (`benches/scan.rs`, 2 GiB file, cold): with 8 threads touching random
-/// pages the fault latency p50 was 200 us at 4 KiB blocks, 301 at 16 KiB and 563 at
-/// 64 KiB (the kernel's own major fault: 133), while a sequential scan ran at the same
-/// speed for all three, because prefetch merges neighbouring blocks into reads of up to
-/// `DEFAULT_MAX_READ` whatever the block size.
+/// measurement (`benches/scan.rs`, 2 GiB file, cold, medians of 3): with 8 threads
+/// touching random pages the fault latency p50 was 208 us at 4 KiB blocks, 249 at
+/// 16 KiB and 394 at 64 KiB (the kernel's own major fault: 141), while a sequential scan
+/// lost less (1.60 GB/s at 4 KiB against 1.87 at 64 KiB: prefetch merges neighbouring
+/// blocks into reads of up to `DEFAULT_MAX_READ`, but per-block bookkeeping remains).
 pub const DEFAULT_BLOCK_SIZE: u64 = 4 << 10;
 /// Largest single read: prefetches of neighbouring blocks are merged up to this size.
 pub const DEFAULT_MAX_READ: u64 = 1 << 20;
