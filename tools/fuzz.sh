@@ -17,7 +17,7 @@ fi
 export RUSTC_BOOTSTRAP=1
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-for target in gguf safetensors; do
+for target in gguf safetensors learned_graph trace_reader; do
   mkdir -p "corpus/$target"
   echo "fuzz: $target for ${seconds}s" >&2
   # Seeds are checked in; the growing corpus is not.
