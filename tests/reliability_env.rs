@@ -223,3 +223,77 @@ fn a_filesystem_refusing_o_direct_is_read_through_the_page_cache() {
         "ramfs mount leaked"
     );
 }
+
+#[test]
+fn without_userfaultfd_permission_the_error_says_how_to_enable_it() {
+    if is_child() {
+        // SAFETY: drops this (single-purpose, child) process to nobody:nogroup; no memory
+        // effects.
+        unsafe {
+            assert_eq!(libc::setgroups(0, std::ptr::null()), 0);
+            assert_eq!(libc::setgid(65534), 0);
+            assert_eq!(libc::setuid(65534), 0);
+        }
+        let error = Pager::builder()
+            .budget(1 << 20)
+            .build()
+            .err()
+            .expect("an unprivileged user created a kernel-mode userfaultfd");
+        assert!(matches!(error, PagerError::UffdNotPermitted(_)), "{error}");
+        let message = error.to_string();
+        assert!(message.contains("/dev/userfaultfd"), "{message}");
+        assert!(message.contains("vm.unprivileged_userfaultfd"), "{message}");
+        return;
+    }
+    // The premise: unprivileged users may not create one here (root-only device node,
+    // sysctl off). Elsewhere the test would be meaningless, not failing.
+    let sysctl =
+        std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    let device_open = std::fs::metadata("/dev/userfaultfd")
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o006 != 0)
+        .unwrap_or(false);
+    if sysctl.trim() != "0" || device_open {
+        assert!(
+            allow_skip("unprivileged userfaultfd is allowed on this machine"),
+            "unprivileged userfaultfd is allowed here (vm.unprivileged_userfaultfd={}, /dev/userfaultfd open to others: {device_open}): this test needs it denied",
+            sysctl.trim()
+        );
+        return;
+    }
+    let status = run_child(
+        "without_userfaultfd_permission_the_error_says_how_to_enable_it",
+        &[],
+        Duration::from_secs(60),
+    );
+    assert!(status.success(), "child ended with {status}");
+}
+
+#[test]
+fn a_zero_memlock_limit_does_not_stop_the_pager() {
+    if is_child() {
+        let path = std::env::var("TEST_FILE").unwrap();
+        let limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: sets this child's own resource limit from a live struct.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) }, 0);
+        // io_uring charges its rings to the memory cgroup since Linux 5.12, not to
+        // RLIMIT_MEMLOCK, and the pager registers no buffers: nothing here is locked.
+        let pager = pager_or_skip(Pager::builder().budget(2 << 20)).unwrap();
+        let region = pager
+            .map_file(path.as_ref(), MapOptions::default())
+            .unwrap();
+        check_every_byte(&region);
+        return;
+    }
+    let dir = TempDir::new("memlock");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let status = run_child(
+        "a_zero_memlock_limit_does_not_stop_the_pager",
+        &[("TEST_FILE", path.display().to_string())],
+        Duration::from_secs(60),
+    );
+    assert!(status.success(), "child ended with {status}");
+}
