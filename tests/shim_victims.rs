@@ -295,3 +295,51 @@ fn launcher_refuses_what_the_shim_cannot_reach_and_passes_exit_status() {
     assert!(stderr(&output).contains("refusing to overwrite"));
     assert_eq!(std::fs::read_to_string(&taken).unwrap(), "keep");
 }
+
+#[test]
+fn threads_started_during_load_and_an_exit_with_reads_in_flight_end_cleanly() {
+    let setup = setup("shim-threads-exit");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 16 << 20);
+    let model = model.to_str().unwrap();
+    let stats = setup.dir.path("stats.json");
+    let expected = plain(&setup.victim, &["threads-exit", model]);
+    assert_success(&expected, "plain run");
+    // A hang is the failure this test exists for: bound it from outside the launcher.
+    let started = std::time::Instant::now();
+    let output = Command::new("timeout")
+        .arg("60")
+        .arg(env!("CARGO_BIN_EXE_hyperoffload"))
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .args([
+            "run",
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.gguf",
+            "--stats",
+        ])
+        .arg(&stats)
+        .arg("--")
+        .arg(&setup.victim)
+        .args(["threads-exit", model])
+        .output()
+        .unwrap();
+    assert_success(&output, "shimmed run");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    let seen = stdout(&output);
+    assert!(seen.contains("kind anon"), "not taken over:\n{seen}");
+    assert!(seen.contains("exiting with reads in flight"), "{seen}");
+    assert_eq!(
+        lines_with(&seen, "first"),
+        lines_with(&stdout(&expected), "first")
+    );
+    let json = read_stats(&stats);
+    assert!(json["faults"].as_u64().unwrap() > 0, "{json}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= 2 << 20,
+        "{json}"
+    );
+}

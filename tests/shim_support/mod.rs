@@ -50,7 +50,7 @@ pub fn compile_c(dir: &Path, name: &str, source: &str) -> PathBuf {
     std::fs::write(&src, source).unwrap();
     let exe = dir.join(name);
     let output = Command::new("cc")
-        .args(["-O1", "-Wall", "-o"])
+        .args(["-O1", "-Wall", "-pthread", "-o"])
         .arg(&exe)
         .arg(&src)
         .output()

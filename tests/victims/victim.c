@@ -3,6 +3,7 @@
  * mapping), so runs with and without the shim can be compared. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,22 @@ static void *map(const char *path, int prot, int flags, size_t *len) {
   return p;
 }
 
+/* Readers for "threads-exit": random pages of the mapping, forever. */
+static volatile unsigned char *shared_p;
+static volatile size_t shared_len;
+static volatile int go;
+
+static void *reader(void *arg) {
+  unsigned long long seed = (unsigned long long)(long)arg * 2654435761ULL + 1;
+  unsigned long long s = 0;
+  while (!go) usleep(100);
+  for (;;) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    s += shared_p[(seed >> 16) % shared_len];
+  }
+  return (void *)(long)s;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) return 2;
   const char *mode = argv[1];
@@ -71,6 +88,23 @@ int main(int argc, char **argv) {
     ((char *)again)[0] = 1;
     printf("reuse ok\n");
     return 0;
+  }
+  if (!strcmp(mode, "threads-exit")) {
+    /* Threads started before and during the load, reading while the program exits: the
+     * exit must not hang on faults in flight. */
+    pthread_t t[4];
+    for (long i = 0; i < 2; i++) pthread_create(&t[i], NULL, reader, (void *)i);
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    shared_len = len;
+    shared_p = p;
+    go = 1;
+    for (long i = 2; i < 4; i++) pthread_create(&t[i], NULL, reader, (void *)i);
+    printf("kind %s\n", kind(p));
+    printf("first %llx\n", sum(p, 4096));
+    usleep(300000);
+    printf("exiting with reads in flight\n");
+    fflush(stdout);
+    exit(0);
   }
   if (!strcmp(mode, "private-writable")) {
     unsigned char *p = map(path, PROT_READ | PROT_WRITE, MAP_PRIVATE, &len);
