@@ -343,3 +343,99 @@ fn threads_started_during_load_and_an_exit_with_reads_in_flight_end_cleanly() {
         "{json}"
     );
 }
+
+#[test]
+fn stats_files_are_private_never_clobbered_and_never_written_through_a_symlink() {
+    use std::os::unix::fs::PermissionsExt;
+    let setup = setup("shim-stats-files");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 4 << 20);
+    let model = model.to_str().unwrap();
+    let stats = setup.dir.path("stats.json");
+    let output = shimmed(&setup, &stats, &["read", model]);
+    assert_success(&output, "shimmed run");
+    let mode = std::fs::metadata(&stats).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "stats file mode {mode:o}");
+    // An existing file is not overwritten.
+    let existing = setup.dir.path("existing.json");
+    std::fs::write(&existing, "keep me").unwrap();
+    let output = shimmed(&setup, &existing, &["read", model]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("refusing to overwrite"),
+        "{}",
+        stderr(&output)
+    );
+    assert_eq!(std::fs::read_to_string(&existing).unwrap(), "keep me");
+    // A symlink is not followed: its target is never created.
+    let target = setup.dir.path("target.json");
+    let link = setup.dir.path("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let output = shimmed(&setup, &link, &["read", model]);
+    assert!(!output.status.success());
+    assert!(!target.exists(), "the stats went through a symlink");
+}
+
+#[test]
+fn without_userfaultfd_the_program_runs_on_kernel_mmap_with_one_message() {
+    use std::os::unix::fs::PermissionsExt;
+    let build = setup("shim-no-uffd");
+    // The unprivileged user must reach the victim and the model: a world-readable
+    // directory under /tmp (the target directory's parents may be private).
+    let dir = std::env::temp_dir().join(format!("hyperoffload-no-uffd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let victim = dir.join("victim");
+    std::fs::copy(&build.victim, &victim).unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = dir.join("m.gguf");
+    pattern_file(&model, 4 << 20);
+    std::fs::set_permissions(&model, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let setup = Setup {
+        dir: TempDir(dir),
+        victim,
+    };
+    let model = model.to_str().unwrap();
+    let expected = plain(&setup.victim, &["read", model]);
+    assert_success(&expected, "plain run");
+    // nobody may not create a kernel-mode userfaultfd here (root-only /dev/userfaultfd,
+    // vm.unprivileged_userfaultfd=0); setpriv is an exec wrapper, hence --inherit.
+    let output = launcher()
+        .args([
+            "--inherit",
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.gguf",
+            "--",
+        ])
+        .args([
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ])
+        .arg(&setup.victim)
+        .args(["read", model])
+        .output()
+        .unwrap();
+    assert_success(&output, "victim as nobody under the shim");
+    let seen = stdout(&output);
+    assert!(seen.contains("kind file"), "left to the kernel:\n{seen}");
+    for what in ["sum ", "sum again", "rest "] {
+        assert_eq!(
+            lines_with(&seen, what),
+            lines_with(&stdout(&expected), what),
+            "{what}"
+        );
+    }
+    let messages = stderr(&output);
+    assert_eq!(
+        messages.matches("cannot start the pager").count(),
+        1,
+        "one message:\n{messages}"
+    );
+    assert!(messages.contains("userfaultfd"), "{messages}");
+}
