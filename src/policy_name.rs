@@ -19,6 +19,10 @@ pub struct PolicyPair {
     /// What was built, for people: "graph (tensor table, 23456 blocks)", or why a
     /// fallback was taken.
     pub description: String,
+    /// The graph must be learned from this run's faults and saved beside the model
+    /// (graph requested, no tensor table): record every fault and call
+    /// `graph::store::save` at the end.
+    pub learn: Option<crate::graph::BlockLayout>,
 }
 
 /// The names accepted, the default first, with what each means.
@@ -74,16 +78,20 @@ pub fn policies_by_name(
             prefetch: prefetch.build(),
             eviction: eviction.build(),
             description: name.to_string(),
+            learn: None,
         });
     }
     match model.map(model_graph) {
         Some(Ok((graph, source))) => {
             let blocks = graph.layout().block_count();
+            let layout = *graph.layout();
             let prediction = GraphPrediction::new(Arc::new(graph));
             Ok(PolicyPair {
                 prefetch: prefetch.build_with(Some(&prediction)),
                 eviction: eviction.build_with(Some(&prediction)),
                 description: format!("graph ({source}, {blocks} blocks)"),
+                // A learned graph keeps learning: the next run's is fresher.
+                learn: (source == LEARNED).then_some(layout),
             })
         }
         failed => {
@@ -91,14 +99,31 @@ pub fn policies_by_name(
                 Some(Err(why)) => why,
                 _ => "no model file".to_string(),
             };
+            // Nothing predicts this file yet: a recording run. Demand paging makes every
+            // block fault (once per pass under a budget smaller than the file), so the
+            // trace holds the whole access order to learn from; readahead would hide
+            // most of it.
+            let learn = model.and_then(|hint| {
+                BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size).ok()
+            });
+            let (prefetch, what) = match learn {
+                Some(_) => (
+                    PrefetchKind::None,
+                    "demand paging, recording the access order to learn a graph",
+                ),
+                None => (PrefetchKind::Readahead, "readahead"),
+            };
             Ok(PolicyPair {
-                prefetch: PrefetchKind::Readahead.build(),
+                prefetch: prefetch.build(),
                 eviction: EvictionKind::Fifo.build(),
-                description: format!("readahead (graph unavailable: {why})"),
+                description: format!("{what} (graph unavailable: {why})"),
+                learn,
             })
         }
     }
 }
+
+const LEARNED: &str = "learned graph";
 
 /// The model's graph: from its tensor table, else from a graph saved beside it by an
 /// earlier run. Errors say why neither was usable.
@@ -173,7 +198,12 @@ mod tests {
             block_size: 4096,
         };
         let pair = policies_by_name("graph", Some(&hint)).unwrap();
-        assert_eq!(pair.prefetch.name(), "readahead");
+        assert_eq!(
+            pair.prefetch.name(),
+            "none",
+            "a recording run pages on demand"
+        );
+        assert!(pair.learn.is_some());
         assert!(
             pair.description.contains("graph unavailable"),
             "{}",

@@ -173,3 +173,70 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
         assert_eq!(json["files"][0]["size"].as_u64(), Some(model_size));
     }
 }
+
+/// Issue 3's last check: a trace recorded from a real llama.cpp run under the pager
+/// (demand paging under a small budget, so the trace holds the whole access order), and
+/// a graph learned from its first tokens with no model knowledge at all, replayed at
+/// half the model: close to Belady's floor, where LRU re-reads the whole model.
+#[test]
+fn a_graph_learned_from_a_recorded_llama_trace_streams_close_to_belady() {
+    let (Some(bin), Some(model)) = (llama_bin_dir(), model_path()) else {
+        let why = "llama.cpp or the model is missing: run tools/build-llama.sh and \
+                   tools/fetch-model.sh (or set LLAMA_BIN_DIR / HYPEROFFLOAD_TEST_MODEL)";
+        if skip_allowed() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        panic!("{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)");
+    };
+    let dir = TempDir::new("learned-llama");
+    let trace = dir.path("trace.csv");
+    let output = launcher()
+        .args(["--policy", "demand", "--budget", "8M", "--trace"])
+        .arg(&trace)
+        .arg("--")
+        .arg(bin.join("llama-completion"))
+        .args([
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "The capital of France is",
+            "-n",
+            "16",
+            "--temp",
+            "0",
+            "--seed",
+            "1",
+            "-t",
+            "1",
+            "-no-cnv",
+            "--no-display-prompt",
+            "--no-repack",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&output, "recording run");
+    // Prompt + 16 generated tokens: 17 passes over the weights.
+    let simulate = |policy: &str| {
+        let output = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+            .args(["simulate", "--trace"])
+            .arg(&trace)
+            .args([
+                "--tokens", "17", "--learn", "4", "--budget", "50%", "--policy", policy, "--json",
+            ])
+            .output()
+            .unwrap();
+        assert_success(&output, "simulate");
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        json["ratio_to_belady"].as_f64().unwrap()
+    };
+    let graph = simulate("graph");
+    let lru = simulate("lru");
+    eprintln!("learned graph {graph:.3}x belady, lru {lru:.3}x");
+    assert!(graph <= 1.05, "learned graph read {graph:.3}x belady");
+    assert!(
+        lru >= 1.5,
+        "lru read only {lru:.3}x belady: the workload is not cyclic?"
+    );
+}

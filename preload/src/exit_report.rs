@@ -16,6 +16,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use hyperoffload::graph::store;
+use hyperoffload::graph::Transitions;
 use hyperoffload::trace::TraceWriter;
 
 use crate::{managed::Reentry, state};
@@ -57,6 +59,7 @@ extern "C" fn write_at_exit() {
             "budget": config.budget.to_env_value(),
             "budget_bytes": pager.budget(),
             "policy": config.policy,
+            "policy_in_use": shim.policy_in_use(),
             "patterns": config.patterns,
             "min_size": config.min_size,
         });
@@ -65,9 +68,32 @@ extern "C" fn write_at_exit() {
         json["managed_mappings"] = shim.managed_count().into();
         write_new(shim, path, config.inherit, json.to_string().as_bytes());
     }
+    // The pager's faults: for the trace file and for learning the model's graph.
+    let (records, untraced) = if config.trace_path.is_some() || shim.learning().is_some() {
+        pager.take_trace()
+    } else {
+        (Vec::new(), 0)
+    };
+    if let Some((model, layout)) = shim.learning() {
+        // The first region is the one the graph is for (region ids count from 0).
+        let mut transitions = Transitions::new();
+        transitions.observe_all(
+            records
+                .iter()
+                .filter(|record| record.region == 0)
+                .map(|record| record.block),
+        );
+        match store::save(&model, layout, &transitions) {
+            Ok(saved) => shim.say(&format!(
+                "learned the access order of {} from {} faults; saved {} for the next run",
+                model.display(),
+                records.len(),
+                saved.display()
+            )),
+            Err(error) => shim.say(&format!("cannot save the learned graph: {error}")),
+        }
+    }
     if let Some(path) = &config.trace_path {
-        // The pager's faults, in the CSV `simulate`, `trace` and `compare` read.
-        let (records, untraced) = pager.take_trace();
         let files = shim.files();
         let mut metadata: Vec<(&str, String)> = vec![
             ("block_size", pager.block_size().to_string()),

@@ -57,6 +57,10 @@ pub struct Shim {
     layout: Mutex<()>,
     files: Mutex<Vec<ManagedFile>>,
     trace: Mutex<Vec<String>>,
+    /// What the pager runs ("graph (tensor table, ...)"), once started.
+    policy_in_use: Mutex<String>,
+    /// The model whose graph this run learns, and the layout to save it for.
+    learning: Mutex<Option<(PathBuf, hyperoffload::graph::BlockLayout)>>,
     start: Instant,
     warned_mremap: AtomicBool,
     warned_mlock: AtomicBool,
@@ -113,6 +117,8 @@ impl Shim {
             layout: Mutex::new(()),
             files: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),
+            policy_in_use: Mutex::new(String::new()),
+            learning: Mutex::new(None),
             start: Instant::now(),
             warned_mremap: AtomicBool::new(false),
             warned_mlock: AtomicBool::new(false),
@@ -167,6 +173,15 @@ impl Shim {
         self.mapped.load(Ordering::Acquire)
     }
 
+    pub fn policy_in_use(&self) -> String {
+        lock(&self.policy_in_use).clone()
+    }
+
+    /// The model to learn a graph for, if this run records one.
+    pub fn learning(&self) -> Option<(PathBuf, hyperoffload::graph::BlockLayout)> {
+        lock(&self.learning).clone()
+    }
+
     pub fn take_trace(&self) -> Vec<String> {
         std::mem::take(&mut *lock(&self.trace))
     }
@@ -189,17 +204,20 @@ impl Shim {
                     .block_size(first.block_size)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
-                if self.config.trace_path.is_some() {
+                if self.config.trace_path.is_some() || policies.learn.is_some() {
                     builder = builder.trace(TRACE_LIMIT);
                 }
+                let learn = policies.learn;
                 builder
                     .build()
-                    .map(|pager| (pager, policies.description))
+                    .map(|pager| (pager, policies.description, learn))
                     .map_err(|error| error.to_string())
             });
         match built {
-            Ok((pager, policy)) => {
+            Ok((pager, policy, learn)) => {
                 *slot = PagerSlot::Running(pager.clone());
+                *lock(&self.policy_in_use) = policy.clone();
+                *lock(&self.learning) = learn.map(|layout| (first.path.to_path_buf(), layout));
                 crate::exit_report::register();
                 self.verbose(|| {
                     format!(

@@ -106,6 +106,22 @@ int main(int argc, char **argv) {
     fflush(stdout);
     exit(0);
   }
+  if (!strcmp(mode, "permuted")) {
+    /* Passes over 64 KiB chunks in a fixed order no readahead can guess (i * 37 mod n),
+     * one byte per page: a format-less file whose access order can only be learned. */
+    int passes = argc > 3 ? atoi(argv[3]) : 4;
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    size_t chunk = 65536, n = len / chunk;
+    unsigned long long s = 0;
+    for (int pass = 0; pass < passes; pass++)
+      for (size_t i = 0; i < n; i++) {
+        size_t c = (i * 37) % n;
+        for (size_t o = 0; o < chunk; o += 4096) s = s * 31 + p[c * chunk + o];
+      }
+    printf("kind %s\n", kind(p));
+    printf("permuted %llx\n", s);
+    return 0;
+  }
   if (!strcmp(mode, "private-writable")) {
     unsigned char *p = map(path, PROT_READ | PROT_WRITE, MAP_PRIVATE, &len);
     printf("kind %s\n", kind(p));
