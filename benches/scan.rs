@@ -28,10 +28,6 @@ fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
 }
 
-fn drop_caches() -> bool {
-    hyperoffload::device::drop_page_cache()
-}
-
 fn ensure_file(path: &Path, len: u64) {
     if std::fs::metadata(path).is_ok_and(|m| m.len() == len) {
         return;
@@ -166,7 +162,7 @@ fn main() {
         .parse()
         .unwrap();
     ensure_file(&path, len);
-    let cold = drop_caches();
+    let cold = hyperoffload::device::drop_page_cache();
     if !cold {
         eprintln!("warning: cannot drop the page cache (not root?): runs are not cold");
     }
@@ -189,19 +185,19 @@ fn main() {
         None => table.push((name.to_string(), vec![value])),
     };
     for _ in 0..runs {
-        drop_caches();
+        hyperoffload::device::drop_page_cache();
         device.push(device_limit(&path));
         for (name, advice) in [
             ("kernel mmap", None),
             ("kernel mmap + MADV_SEQUENTIAL", Some(libc::MADV_SEQUENTIAL)),
         ] {
-            drop_caches();
+            hyperoffload::device::drop_page_cache();
             let map = Mmap::new(&file, len as usize, advice);
             let mbs = sequential_scan(map.slice());
             record(name, mbs, &mut seq);
         }
         for block in [4 << 10, 64 << 10, 1 << 20] {
-            drop_caches();
+            hyperoffload::device::drop_page_cache();
             let pager = Pager::builder()
                 .budget(budget)
                 .block_size(block)
@@ -252,7 +248,7 @@ fn main() {
         let mut p50s = Vec::new();
         let mut last = None;
         for _ in 0..runs {
-            drop_caches();
+            hyperoffload::device::drop_page_cache();
             let (rate, histogram) = match block {
                 None => {
                     let map = Mmap::new(&file, len as usize, advice);

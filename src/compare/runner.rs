@@ -142,13 +142,6 @@ pub fn cached_bytes(path: &Path) -> io::Result<u64> {
     Ok(resident.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64)
 }
 
-/// Drops clean page cache, dentries and inodes; false when not permitted (not root).
-pub fn drop_caches() -> bool {
-    // SAFETY: sync(2) has no preconditions.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
-}
-
 fn monotonic_ns() -> u64 {
     let mut now = libc::timespec {
         tv_sec: 0,
@@ -181,7 +174,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let tag = format!("{}-{}", spec.side.name(), spec.index);
     let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
     let out = |name: &str| spec.out_dir.join(name);
-    let dropped = drop_caches();
+    let dropped = crate::device::drop_page_cache();
     let model_cached_bytes = cached_bytes(&spec.model.path).unwrap_or(0);
     let cold = dropped && model_cached_bytes == 0;
 
