@@ -84,6 +84,21 @@ fn model_path() -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
+/// llama.cpp's bin directory and the model; a test without them fails saying how to get
+/// them, unless HYPEROFFLOAD_ALLOW_SKIP=1 (then None, after saying why).
+fn llama_and_model() -> Option<(PathBuf, PathBuf)> {
+    if let (Some(bin), Some(model)) = (llama_bin_dir(), model_path()) {
+        return Some((bin, model));
+    }
+    let why = "llama.cpp or the model is missing: run tools/build-llama.sh and \
+               tools/fetch-model.sh (or set LLAMA_BIN_DIR / HYPEROFFLOAD_TEST_MODEL)";
+    if skip_allowed() {
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    panic!("{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)");
+}
+
 fn completion_args(model: &Path) -> Vec<String> {
     [
         "-m",
@@ -109,14 +124,8 @@ fn completion_args(model: &Path) -> Vec<String> {
 
 #[test]
 fn llama_completion_generates_the_same_text_under_the_pager() {
-    let (Some(bin), Some(model)) = (llama_bin_dir(), model_path()) else {
-        let why = "llama.cpp or the model is missing: run tools/build-llama.sh and \
-                   tools/fetch-model.sh (or set LLAMA_BIN_DIR / HYPEROFFLOAD_TEST_MODEL)";
-        if skip_allowed() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        panic!("{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)");
+    let Some((bin, model)) = llama_and_model() else {
+        return;
     };
     let completion = bin.join("llama-completion");
     let model_size = std::fs::metadata(&model).unwrap().len();
@@ -180,14 +189,8 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
 /// half the model: close to Belady's floor, where LRU re-reads the whole model.
 #[test]
 fn a_graph_learned_from_a_recorded_llama_trace_streams_close_to_belady() {
-    let (Some(bin), Some(model)) = (llama_bin_dir(), model_path()) else {
-        let why = "llama.cpp or the model is missing: run tools/build-llama.sh and \
-                   tools/fetch-model.sh (or set LLAMA_BIN_DIR / HYPEROFFLOAD_TEST_MODEL)";
-        if skip_allowed() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        panic!("{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)");
+    let Some((bin, model)) = llama_and_model() else {
+        return;
     };
     let dir = TempDir::new("learned-llama");
     let trace = dir.path("trace.csv");

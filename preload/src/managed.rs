@@ -468,11 +468,7 @@ impl Shim {
                     let rc = unsafe {
                         raw::madvise(range.start as *mut _, range.end - range.start, advice)
                     };
-                    if rc == 0 {
-                        Ok(())
-                    } else {
-                        Err(raw::errno())
-                    }
+                    raw::check(rc)
                 }
             };
             if result.is_ok() {
@@ -517,11 +513,7 @@ impl Shim {
                 let rc = unsafe {
                     raw::madvise(start as *mut _, (range.end - range.start) as usize, advice)
                 };
-                if rc == 0 {
-                    Ok(())
-                } else {
-                    Err(raw::errno())
-                }
+                raw::check(rc)
             }
         }
     }
@@ -551,11 +543,7 @@ impl Shim {
                             raw::mlock2(range.start as *const _, range.end - range.start, flags)
                         }
                     };
-                    if rc == 0 {
-                        Ok(())
-                    } else {
-                        Err(raw::errno())
-                    }
+                    raw::check(rc)
                 }
             };
             if result.is_ok() {
@@ -578,11 +566,7 @@ impl Shim {
                     // SAFETY: unlocking memory the shim does not manage.
                     let rc =
                         unsafe { raw::munlock(range.start as *const _, range.end - range.start) };
-                    if rc == 0 {
-                        Ok(())
-                    } else {
-                        Err(raw::errno())
-                    }
+                    raw::check(rc)
                 }
             };
             if result.is_ok() {

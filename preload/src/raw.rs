@@ -15,6 +15,15 @@ pub fn errno() -> c_int {
     unsafe { *libc::__errno_location() }
 }
 
+/// A raw call's return code as a result: `Err(errno)` when it failed.
+pub fn check(rc: c_int) -> Result<(), c_int> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(errno())
+    }
+}
+
 /// mmap(2) as the kernel does it.
 ///
 /// # Safety
