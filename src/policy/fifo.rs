@@ -1,6 +1,6 @@
 //! FIFO eviction: the block resident longest goes first.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use super::{BlockRef, EvictionPolicy, ReadKind, RegionId};
 
@@ -9,20 +9,39 @@ use super::{BlockRef, EvictionPolicy, ReadKind, RegionId};
 #[derive(Default)]
 pub struct FifoEviction {
     queue: VecDeque<(BlockRef, u64)>,
-    live: HashMap<BlockRef, u64>,
+    /// Per region, per block: the sequence number of its live queue entry (0: none).
+    /// Dense, since every block read passes through here.
+    live: Vec<(RegionId, Vec<u64>)>,
+    tracked: usize,
     next_seq: u64,
 }
 
 impl FifoEviction {
     pub fn tracked(&self) -> usize {
-        self.live.len()
+        self.tracked
+    }
+
+    fn live_seq(&mut self, block: BlockRef) -> &mut u64 {
+        let at = match self.live.iter().position(|(id, _)| *id == block.region) {
+            Some(at) => at,
+            None => {
+                self.live.push((block.region, Vec::new()));
+                self.live.len() - 1
+            }
+        };
+        let seqs = &mut self.live[at].1;
+        let index = block.index as usize;
+        if index >= seqs.len() {
+            seqs.resize(index + 1, 0);
+        }
+        &mut seqs[index]
     }
 
     fn compact_if_stale(&mut self) {
-        if self.queue.len() > 2 * self.live.len() + 64 {
-            let live = &self.live;
-            self.queue
-                .retain(|(block, seq)| live.get(block) == Some(seq));
+        if self.queue.len() > 2 * self.tracked + 64 {
+            let mut queue = std::mem::take(&mut self.queue);
+            queue.retain(|&(block, seq)| *self.live_seq(block) == seq);
+            self.queue = queue;
         }
     }
 }
@@ -33,19 +52,31 @@ impl EvictionPolicy for FifoEviction {
     }
 
     fn region_removed(&mut self, region: RegionId) {
-        self.live.retain(|block, _| block.region != region);
+        if let Some(at) = self.live.iter().position(|(id, _)| *id == region) {
+            let (_, seqs) = self.live.swap_remove(at);
+            self.tracked -= seqs.iter().filter(|&&seq| seq != 0).count();
+        }
         self.compact_if_stale();
     }
 
     fn inserted(&mut self, block: BlockRef) {
-        let seq = self.next_seq;
         self.next_seq += 1;
-        self.live.insert(block, seq);
+        let seq = self.next_seq;
+        let live = self.live_seq(block);
+        let was_live = *live != 0;
+        *live = seq;
+        if !was_live {
+            self.tracked += 1;
+        }
         self.queue.push_back((block, seq));
     }
 
     fn removed(&mut self, block: BlockRef) {
-        self.live.remove(&block);
+        let live = self.live_seq(block);
+        let was_live = std::mem::take(live) != 0;
+        if was_live {
+            self.tracked -= 1;
+        }
         self.compact_if_stale();
     }
 
@@ -54,8 +85,10 @@ impl EvictionPolicy for FifoEviction {
         // prefetch evicts too, which is what a FIFO pager does.
         let _ = kind;
         while let Some((block, seq)) = self.queue.pop_front() {
-            if self.live.get(&block) == Some(&seq) {
-                self.live.remove(&block);
+            let live = self.live_seq(block);
+            if *live == seq {
+                *live = 0;
+                self.tracked -= 1;
                 return Some(block);
             }
         }

@@ -16,6 +16,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::position_set::PositionSet;
 use super::{
     BlockRef, EvictionPolicy, FaultEvent, PrefetchPolicy, PrefetchRequest, ReadKind, RegionId,
     RegionInfo,
@@ -286,49 +287,92 @@ fn prev_power_of_two(n: u64) -> u64 {
 /// furthest ahead of the current position goes.
 pub struct GraphEviction {
     prediction: Arc<GraphPrediction>,
-    /// Every position of every tracked predicted block.
-    by_position: BTreeSet<(u32, BlockRef)>,
+    /// Per region: every position of every tracked predicted block.
+    positions: Vec<(RegionId, PositionSet)>,
     /// Unpredicted blocks by (centrality bits, arrival).
     unpredicted: BTreeSet<(u64, u64, BlockRef)>,
-    tracked: HashMap<BlockRef, Tracked>,
+    /// Per region, per block: how it is tracked. Dense, since every block of a bound
+    /// region passes through here once per token.
+    tracked: Vec<(RegionId, Vec<Tracked>)>,
+    /// The keys of tracked unpredicted blocks in `unpredicted`.
+    unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
+    tracked_count: usize,
     arrivals: u64,
 }
 
-#[derive(Copy, Clone)]
+#[derive(Copy, Clone, PartialEq, Eq)]
 enum Tracked {
+    No,
     Predicted,
-    Unpredicted(u64, u64),
+    Unpredicted,
 }
 
 impl GraphEviction {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
         Self {
             prediction,
-            by_position: BTreeSet::new(),
+            positions: Vec::new(),
             unpredicted: BTreeSet::new(),
-            tracked: HashMap::new(),
+            tracked: Vec::new(),
+            unpredicted_keys: HashMap::new(),
+            tracked_count: 0,
             arrivals: 0,
         }
     }
 
     pub fn tracked(&self) -> usize {
-        self.tracked.len()
+        self.tracked_count
+    }
+
+    fn tracked_mut(&mut self, block: BlockRef) -> &mut Tracked {
+        let at = match self.tracked.iter().position(|(id, _)| *id == block.region) {
+            Some(at) => at,
+            None => {
+                self.tracked.push((block.region, Vec::new()));
+                self.tracked.len() - 1
+            }
+        };
+        let states = &mut self.tracked[at].1;
+        let index = block.index as usize;
+        if index >= states.len() {
+            states.resize(index + 1, Tracked::No);
+        }
+        &mut states[index]
+    }
+
+    fn positions_mut(&mut self, region: RegionId) -> &mut PositionSet {
+        let at = match self.positions.iter().position(|(id, _)| *id == region) {
+            Some(at) => at,
+            None => {
+                let len = self.prediction.graph.order().len();
+                self.positions.push((region, PositionSet::new(len)));
+                self.positions.len() - 1
+            }
+        };
+        &mut self.positions[at].1
     }
 
     fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
-        match self.tracked.remove(&block) {
-            Some(Tracked::Predicted) => {
-                for &position in self.prediction.graph.order().positions(block.index) {
-                    self.by_position.remove(&(position, block));
+        let state = std::mem::replace(self.tracked_mut(block), Tracked::No);
+        match state {
+            Tracked::Predicted => {
+                let prediction = Arc::clone(&self.prediction);
+                let set = self.positions_mut(block.region);
+                for &position in prediction.graph.order().positions(block.index) {
+                    set.remove(position);
                 }
                 if let Some(slot) = progress.resident.get_mut(block.index as usize) {
                     *slot = false;
                 }
+                self.tracked_count -= 1;
             }
-            Some(Tracked::Unpredicted(rank, arrival)) => {
-                self.unpredicted.remove(&(rank, arrival, block));
+            Tracked::Unpredicted => {
+                if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
+                    self.unpredicted.remove(&(rank, arrival, block));
+                }
+                self.tracked_count -= 1;
             }
-            None => {}
+            Tracked::No => {}
         }
     }
 
@@ -337,13 +381,48 @@ impl GraphEviction {
     /// (furthest first); the first entry that is its block's next use is the answer.
     fn furthest(&self, cursor: u32) -> Option<(BlockRef, u32)> {
         let order = self.prediction.graph.order();
-        let split = (cursor, BlockRef::new(RegionId(0), 0));
-        let behind = self.by_position.range(..split).rev();
-        let ahead = self.by_position.range(split..).rev();
-        behind.chain(ahead).find_map(|&(position, block)| {
-            (order.next_position(block.index, cursor) == Some(position))
-                .then(|| (block, order.distance(cursor, position)))
-        })
+        let mut best: Option<(BlockRef, u32)> = None;
+        for (region, set) in &self.positions {
+            let is_next_use = |position: u32| {
+                order.next_position(order.block_at(position), cursor) == Some(position)
+            };
+            // Behind the cursor, then from the end of the cycle down to the cursor.
+            let behind = cursor
+                .checked_sub(1)
+                .and_then(|from| last_matching(set, from, 0, is_next_use));
+            let found = behind.or_else(|| {
+                order
+                    .len()
+                    .checked_sub(1)
+                    .and_then(|from| last_matching(set, from, cursor, is_next_use))
+            });
+            if let Some(position) = found {
+                let candidate = (
+                    BlockRef::new(*region, order.block_at(position)),
+                    order.distance(cursor, position),
+                );
+                if best.is_none_or(|(_, distance)| candidate.1 > distance) {
+                    best = Some(candidate);
+                }
+            }
+        }
+        best
+    }
+}
+
+/// The last member of `set` in `floor..=from` for which `accept` holds.
+fn last_matching(
+    set: &PositionSet,
+    mut from: u32,
+    floor: u32,
+    accept: impl Fn(u32) -> bool,
+) -> Option<u32> {
+    loop {
+        let position = set.last_at_or_before(from).filter(|&p| p >= floor)?;
+        if accept(position) {
+            return Some(position);
+        }
+        from = position.checked_sub(1)?;
     }
 }
 
@@ -359,15 +438,28 @@ impl EvictionPolicy for GraphEviction {
     fn region_removed(&mut self, region: RegionId) {
         let prediction = Arc::clone(&self.prediction);
         let mut progress = prediction.lock();
-        let gone: Vec<BlockRef> = self
-            .tracked
-            .keys()
-            .filter(|b| b.region == region)
-            .copied()
-            .collect();
-        for block in gone {
-            self.forget(block, &mut progress);
+        if let Some(at) = self.tracked.iter().position(|(id, _)| *id == region) {
+            let (_, states) = self.tracked.swap_remove(at);
+            for (index, state) in states.into_iter().enumerate() {
+                let block = BlockRef::new(region, index as u32);
+                match state {
+                    Tracked::Predicted => {
+                        if let Some(slot) = progress.resident.get_mut(index) {
+                            *slot = false;
+                        }
+                        self.tracked_count -= 1;
+                    }
+                    Tracked::Unpredicted => {
+                        if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
+                            self.unpredicted.remove(&(rank, arrival, block));
+                        }
+                        self.tracked_count -= 1;
+                    }
+                    Tracked::No => {}
+                }
+            }
         }
+        self.positions.retain(|(id, _)| *id != region);
         progress.regions.retain(|&r| r != region);
     }
 
@@ -378,11 +470,12 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let bound = progress.bound(block.region);
         if bound && graph.order().contains(block.index) {
+            let set = self.positions_mut(block.region);
             for &position in graph.order().positions(block.index) {
-                self.by_position.insert((position, block));
+                set.insert(position);
             }
             progress.resident[block.index as usize] = true;
-            self.tracked.insert(block, Tracked::Predicted);
+            *self.tracked_mut(block) = Tracked::Predicted;
         } else {
             let rank = if bound {
                 graph.block_rank(block.index)
@@ -393,9 +486,10 @@ impl EvictionPolicy for GraphEviction {
             let key = (rank.max(0.0).to_bits(), self.arrivals);
             self.arrivals += 1;
             self.unpredicted.insert((key.0, key.1, block));
-            self.tracked
-                .insert(block, Tracked::Unpredicted(key.0, key.1));
+            self.unpredicted_keys.insert(block, key);
+            *self.tracked_mut(block) = Tracked::Unpredicted;
         }
+        self.tracked_count += 1;
     }
 
     fn removed(&mut self, block: BlockRef) {
