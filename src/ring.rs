@@ -179,6 +179,11 @@ impl<Tag> ReadRing<Tag> {
         self.tags.iter().filter(|tag| tag.is_some()).count()
     }
 
+    /// Whether `checkout` would find a slot.
+    pub fn has_free_slot(&self) -> bool {
+        !self.free.is_empty() || self.allocated < self.max_buffers
+    }
+
     /// A free buffer slot, allocating buffers lazily up to the limit.
     pub fn checkout(&mut self) -> Result<Option<u32>, RingError> {
         if let Some(slot) = self.free.pop() {

@@ -23,6 +23,7 @@ use std::time::Instant;
 use userfaultfd::{Event, EventBuffer, Uffd};
 
 use crate::file::BackingFile;
+use crate::installer::{install, raise_priority, InstallError, InstallJob, InstallPool, Installed};
 use crate::layout::{FaultLocator, Location, RegionLayout};
 use crate::pager::{Command, HintError, Shared};
 use crate::policy::{
@@ -30,12 +31,14 @@ use crate::policy::{
     ReadKind, RegionId, RegionInfo,
 };
 use crate::ring::{Completion, ReadRing, RingError};
+use crate::stash::Stash;
 use crate::stats::{LatencyHistogram, Stats};
 use crate::trace::TraceRecord;
 use crate::uffd_ext::{self, Partial};
 
 const TOKEN_UFFD: u32 = 0;
 const TOKEN_COMMANDS: u32 = 1;
+const TOKEN_INSTALLED: u32 = 2;
 /// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
 /// device we meet.
 const DIRECT_IO_ALIGN: u64 = 4096;
@@ -72,6 +75,8 @@ pub(crate) struct ServiceConfig {
     pub trace_limit: usize,
     /// How long to poll for completions while demand reads are in flight.
     pub demand_spin: std::time::Duration,
+    /// Nice value asked for the service and install threads.
+    pub thread_nice: i32,
     pub faults: ServiceFaults,
 }
 
@@ -81,9 +86,10 @@ enum BlockState {
     /// Waiting in the demand or prefetch queue for a read slot.
     Queued,
     Reading,
-    /// Read and held in `slot` until the program faults on it (a prefetch marker).
+    /// Read and held in the stash until the program faults on it (a prefetch marker);
+    /// its bytes stay reserved in the budget meanwhile.
     Staged {
-        slot: u32,
+        stash: u32,
     },
     Resident,
     /// Its read failed: its pages raise SIGBUS.
@@ -220,6 +226,13 @@ pub(crate) struct FaultService {
     plan: Vec<PrefetchRequest>,
     victims: Vec<BlockRef>,
     completions: Vec<Completion>,
+    /// Worker threads that install prefetched reads (none: all installs on this thread).
+    installs: Option<InstallPool>,
+    installed: Vec<Installed>,
+    /// Finished reads nobody waits for yet, to install once new reads are issued.
+    ready: VecDeque<u32>,
+    /// The bytes of staged markers.
+    stash: Stash,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -229,11 +242,8 @@ enum ServiceError {
     Ring(#[from] RingError),
     #[error("reading userfaultfd events failed: {0}")]
     Events(String),
-    #[error("installing a block at {addr:#x} failed: {errno}")]
-    Install {
-        addr: usize,
-        errno: nix::errno::Errno,
-    },
+    #[error(transparent)]
+    Install(#[from] InstallError),
     #[error("dropping evicted pages at {addr:#x} failed: {error}")]
     Evict { addr: usize, error: std::io::Error },
 }
@@ -245,13 +255,20 @@ impl FaultService {
         shared: Arc<Shared>,
         prefetch: Box<dyn PrefetchPolicy>,
         eviction: Box<dyn EvictionPolicy>,
+        installs: Option<InstallPool>,
     ) -> Result<Self, RingError> {
         let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
+        let stash = Stash::new(
+            max_staged(config.queue_depth) as u32,
+            config.block_size as usize,
+            config.page_size as usize,
+        );
         let trace_limit = config.trace_limit;
         let stats = Stats {
             budget_bytes: config.budget,
             block_size: config.block_size,
             queue_depth: config.queue_depth,
+            install_threads: installs.as_ref().map_or(0, |pool| pool.threads() as u32),
             direct_io: true,
             ..Stats::default()
         };
@@ -289,12 +306,17 @@ impl FaultService {
             plan: Vec::new(),
             victims: Vec::new(),
             completions: Vec::new(),
+            installs,
+            installed: Vec::new(),
+            ready: VecDeque::new(),
+            stash,
         })
     }
 
     /// Serves until shutdown. Any failure ends the process: a thread waiting on a fault
     /// that nobody will serve would otherwise hang forever.
     pub(crate) fn run(mut self) {
+        self.stats.thread_nice = raise_priority(self.config.thread_nice);
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
         let why = match outcome {
             Ok(Ok(())) => return,
@@ -316,6 +338,9 @@ impl FaultService {
         self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
         self.ring
             .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+        if let Some(pool) = &self.installs {
+            self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
+        }
         loop {
             if self.demand_reads_in_flight > 0 && !self.config.demand_spin.is_zero() {
                 // A thread is blocked on a read: its core is free, and reaping the
@@ -336,6 +361,11 @@ impl FaultService {
                             if rearm {
                                 self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
                             }
+                        } else if token == TOKEN_INSTALLED {
+                            self.collect_installs(false)?;
+                            if let (true, Some(pool)) = (rearm, &self.installs) {
+                                self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
+                            }
                         } else {
                             self.drain_commands()?;
                             if rearm {
@@ -347,12 +377,19 @@ impl FaultService {
                 }
             }
             self.completions = completions;
+            // Keep the device busy first: issue reads for the slots and budget free
+            // now, then install what finished (installs take far longer than issuing).
             self.pump()?;
+            if !self.ready.is_empty() {
+                self.install_ready()?;
+                // Installs freed slots: fill them (submitted on the next turn).
+                self.pump()?;
+            }
             let now = self.now_ns();
             if now - self.last_publish_ns > 100_000_000 {
                 self.publish();
             }
-            if self.shutting_down && self.ring.reads_in_flight() == self.staged.len() {
+            if self.shutting_down && self.ring.reads_in_flight() == 0 {
                 self.publish();
                 return Ok(());
             }
@@ -470,13 +507,13 @@ impl FaultService {
                 self.demand.push_back(block);
                 FaultOutcome::InFlight
             }
-            BlockState::Staged { slot } => {
+            BlockState::Staged { stash } => {
                 self.unstage(block);
                 self.waiters
                     .entry(block)
                     .or_default()
                     .push(waiter(FaultOutcome::Staged));
-                self.install_read(slot)?;
+                self.install_staged(block, stash)?;
                 FaultOutcome::Staged
             }
             // An unmapped block cannot fault; if its address was reused by a mapping of
@@ -552,6 +589,9 @@ impl FaultService {
                 continue;
             }
             let bytes = region.layout.block_bytes(block.index);
+            if !self.ring.has_free_slot() {
+                break;
+            }
             if !self.make_room(bytes, block, ReadKind::Demand)? {
                 break;
             }
@@ -564,8 +604,8 @@ impl FaultService {
         }
         let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
-        let max_staged = (self.config.queue_depth / 4).max(1) as usize;
-        while self.prefetch_reads_in_flight < prefetch_limit {
+        let max_staged = max_staged(self.config.queue_depth);
+        while self.prefetch_reads_in_flight < prefetch_limit && self.ring.has_free_slot() {
             let Some(&first) = self.prefetch_queue.front() else {
                 break;
             };
@@ -892,33 +932,189 @@ impl FaultService {
         self.prefetch.read_completed(block, valid as u64, elapsed);
         if install == Install::OnFault && !self.waiters.contains_key(&block) {
             let region = self.regions.get_mut(&region_id).expect("checked live");
-            region.blocks[first as usize] = BlockState::Staged { slot };
-            self.staged.push_back(block);
-            return Ok(());
+            let memory = region.layout.block_memory(first);
+            let len = (memory.end - memory.start) as usize;
+            if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
+                region.blocks[first as usize] = BlockState::Staged { stash };
+                self.staged.push_back(block);
+                let reserved = self.ring.tag(slot).expect("completing").reserved;
+                self.finish_read(slot);
+                // The marker keeps its budget until it is installed or discarded.
+                self.reserved += reserved;
+                return Ok(());
+            }
         }
-        self.install_read(slot)
+        if self.read_has_waiters(slot) {
+            self.install_read(slot)
+        } else {
+            self.ready.push_back(slot);
+            Ok(())
+        }
     }
 
-    /// Installs every block of a finished read, wakes their waiters, frees the slot.
+    /// Whether a thread waits on a block of the read in `slot`.
+    fn read_has_waiters(&self, slot: u32) -> bool {
+        if self.waiters.is_empty() {
+            return false;
+        }
+        let tag = self.ring.tag(slot).expect("a read in flight");
+        (tag.first..tag.first + tag.count)
+            .any(|index| self.waiters.contains_key(&BlockRef::new(tag.region, index)))
+    }
+
+    /// Installs the finished reads nobody waited for, issuing reads as slots free up.
+    fn install_ready(&mut self) -> Result<(), ServiceError> {
+        if !self.waiters.is_empty() {
+            // Threads that faulted on a finished read since it finished go first.
+            let ready = std::mem::take(&mut self.ready);
+            let (mut waited, rest): (VecDeque<u32>, VecDeque<u32>) = ready
+                .into_iter()
+                .partition(|&slot| self.read_has_waiters(slot));
+            waited.extend(rest);
+            self.ready = waited;
+        }
+        while let Some(slot) = self.ready.pop_front() {
+            self.install_read(slot)?;
+            if self.ring.has_free_slot() && !self.ready.is_empty() {
+                self.pump()?;
+                self.ring.submit_and_wait(0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Installs every block of a finished read (here, or on an install worker when the
+    /// read was a prefetch nobody waits for yet), wakes their waiters, frees the slot.
     fn install_read(&mut self, slot: u32) -> Result<(), ServiceError> {
         let tag = self.ring.tag(slot).expect("installing a read in flight");
-        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let (region_id, first, count, prefetch) = (tag.region, tag.first, tag.count, tag.prefetch);
         let region = self
             .regions
-            .get_mut(&region_id)
-            .expect("installing into a live region");
+            .get(&region_id)
+            .expect("installing into a region still known");
+        if region.removed {
+            self.finish_read(slot);
+            return Ok(());
+        }
         // The blocks of one read are neighbours in the buffer and in the region: one
         // call installs them all.
         let start = region.layout.block_memory(first).start;
         let end = region.layout.block_memory(first + count - 1).end;
-        install(
-            &self.uffd,
-            self.ring.buffer(slot).as_ptr(),
-            region.base + start as usize,
-            (end - start) as usize,
-            self.config.page_size as usize,
-        )?;
+        let job = InstallJob {
+            slot,
+            source: self.ring.buffer(slot).as_ptr(),
+            target: region.base + start as usize,
+            len: (end - start) as usize,
+        };
+        if self
+            .installs
+            .as_ref()
+            .is_some_and(|pool| pool.finished_uncollected() > 0)
+        {
+            // Free the slots of finished installs first: they are reads waiting to issue.
+            self.collect_installs(false)?;
+        }
+        let waited = self.read_has_waiters(slot);
+        if let Some(pool) = &mut self.installs {
+            // Share the work: a worker takes a prefetch unless the workers already have
+            // one queued each, in which case this thread copies it itself.
+            if prefetch && !waited && pool.unfinished() < 2 * pool.threads() {
+                pool.submit(job);
+                return Ok(());
+            }
+        }
+        // SAFETY: the buffer belongs to this slot's completed read and is not reused
+        // until the slot is checked in below; the target lies in a live region, mapped
+        // until its RemoveRegion is acknowledged.
+        unsafe {
+            install(
+                &self.uffd,
+                job.source,
+                job.target,
+                job.len,
+                self.config.page_size as usize,
+            )
+        }?;
+        let now = self.now_ns();
+        self.installed(slot, now);
+        Ok(())
+    }
+
+    /// Installs a staged marker from the stash and wakes its waiters.
+    fn install_staged(&mut self, block: BlockRef, stash: u32) -> Result<(), ServiceError> {
+        let region = self
+            .regions
+            .get_mut(&block.region)
+            .expect("staged blocks belong to live regions");
+        let memory = region.layout.block_memory(block.index);
+        let source = self.stash.buffer(stash).as_ptr();
+        // SAFETY: the stash buffer holds this block's bytes and is not reused until it is
+        // released below; the target lies in a live region (staged blocks of a removed
+        // region are discarded first).
+        unsafe {
+            install(
+                &self.uffd,
+                source,
+                region.base + memory.start as usize,
+                (memory.end - memory.start) as usize,
+                self.config.page_size as usize,
+            )
+        }?;
+        self.stash.release(stash);
         let now = self.start.elapsed().as_nanos() as u64;
+        let bytes = region.layout.block_bytes(block.index);
+        region.blocks[block.index as usize] = BlockState::Resident;
+        self.reserved -= bytes;
+        self.resident += bytes;
+        if !region.pinned[block.index as usize] {
+            self.eviction.inserted(block);
+        }
+        let file_offset = region.file_offset + block.index as u64 * region.layout.block_size;
+        for waiter in self.waiters.remove(&block).into_iter().flatten() {
+            self.log
+                .served(block, file_offset, region.layout.block_size, waiter, now);
+        }
+        self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
+        Ok(())
+    }
+
+    /// Finishes installs done by the workers; with `wait`, all of them, waiting for
+    /// those still copying.
+    fn collect_installs(&mut self, wait: bool) -> Result<(), ServiceError> {
+        let Some(pool) = &mut self.installs else {
+            return Ok(());
+        };
+        let mut installed = std::mem::take(&mut self.installed);
+        if wait {
+            pool.wait_idle(&mut installed);
+        } else {
+            pool.collect(&mut installed);
+        }
+        let mut failure = None;
+        for done in installed.drain(..) {
+            match done.result {
+                Ok(()) => {
+                    let at = done.at.saturating_duration_since(self.start).as_nanos() as u64;
+                    self.installed(done.slot, at);
+                }
+                Err(error) => failure = failure.or(Some(error)),
+            }
+        }
+        self.installed = installed;
+        match failure {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// The bookkeeping after a read's blocks were installed at `now`.
+    fn installed(&mut self, slot: u32, now: u64) {
+        let tag = self.ring.tag(slot).expect("installed a read in flight");
+        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let region = self
+            .regions
+            .get_mut(&region_id)
+            .expect("installed into a live region");
         for index in first..first + count {
             let bytes = region.layout.block_bytes(index);
             // Pages the program unmapped meanwhile were skipped; the block is still
@@ -927,6 +1123,9 @@ impl FaultService {
             self.resident += bytes;
             if !region.pinned[index as usize] {
                 self.eviction.inserted(BlockRef::new(region_id, index));
+            }
+            if self.waiters.is_empty() {
+                continue;
             }
             let block = BlockRef::new(region_id, index);
             let file_offset = region.file_offset + index as u64 * region.layout.block_size;
@@ -937,7 +1136,6 @@ impl FaultService {
         }
         self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
         self.finish_read(slot);
-        Ok(())
     }
 
     /// Releases a read's slot and reservation, whatever became of it.
@@ -1056,9 +1254,10 @@ impl FaultService {
     fn discard_staged(&mut self, block: BlockRef) {
         self.unstage(block);
         if let Some(region) = self.regions.get_mut(&block.region) {
-            if let BlockState::Staged { slot } = region.blocks[block.index as usize] {
+            if let BlockState::Staged { stash } = region.blocks[block.index as usize] {
                 region.blocks[block.index as usize] = BlockState::Missing;
-                self.finish_read(slot);
+                self.reserved -= region.layout.block_bytes(block.index);
+                self.stash.release(stash);
             }
         }
     }
@@ -1091,6 +1290,14 @@ impl FaultService {
     }
 
     fn command(&mut self, command: Command) -> Result<(), ServiceError> {
+        if command.changes_residency() {
+            // Nothing may be copied into a range this command drops or lets go of.
+            let ready = std::mem::take(&mut self.ready);
+            for slot in ready {
+                self.install_read(slot)?;
+            }
+            self.collect_installs(true)?;
+        }
         match command {
             Command::AddRegion {
                 id,
@@ -1334,83 +1541,17 @@ impl FaultService {
     }
 }
 
+/// Most markers held back at once: a quarter of the queue depth.
+fn max_staged(queue_depth: u32) -> usize {
+    (queue_depth / 4).max(1) as usize
+}
+
 /// File offset of a block's first byte (0 for a region already gone).
 fn region_file_offset(regions: &HashMap<RegionId, RegionEntry>, block: BlockRef) -> u64 {
     regions
         .get(&block.region)
         .map(|region| region.file_offset + block.index as u64 * region.layout.block_size)
         .unwrap_or(0)
-}
-
-/// Copies `len` bytes from `source` (a finished read's buffer) into the registered range
-/// at `target` and wakes the threads waiting there. Pages that already exist (a racing
-/// install) or that the program has unmapped are skipped, page by page if need be, and
-/// the rest still installed, so a faulting page is never left missing (its thread would
-/// wait forever).
-///
-/// UFFDIO_MOVE would avoid the copy, but the kernel moves pages only between writable
-/// mappings (`validate_move_areas`), and a region keeps the program's read-only
-/// protection.
-fn install(
-    uffd: &Uffd,
-    source: *const u8,
-    target: usize,
-    len: usize,
-    page: usize,
-) -> Result<(), ServiceError> {
-    use nix::errno::Errno;
-    let mut done = 0usize;
-    // One call for the whole range; after a refusal, page by page until past the page
-    // that stopped it.
-    let mut page_by_page_until = 0usize;
-    let mut stalls = 0u32;
-    while done < len {
-        let chunk = if done < page_by_page_until {
-            page
-        } else {
-            len - done
-        };
-        // SAFETY: `source + done .. + chunk` lies inside a read buffer the ring owns and
-        // no read is writing (its read completed); `target + done` is inside a region
-        // this service serves, mapped until its RemoveRegion is acknowledged.
-        let result = unsafe {
-            uffd.copy(
-                source.wrapping_add(done).cast(),
-                (target + done) as *mut libc::c_void,
-                chunk,
-                true,
-            )
-        };
-        let (copied, errno) = match result {
-            Ok(n) => (n.max(page).min(len - done), None),
-            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::EAGAIN)),
-            Err(userfaultfd::Error::CopyFailed(errno)) => (0, Some(errno)),
-            Err(other) => return Err(ServiceError::Events(format!("{other:?}"))),
-        };
-        done += copied;
-        match errno {
-            None => {}
-            Some(_) if copied > 0 => page_by_page_until = done + page,
-            // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
-            // unmapped part of the region): skip it.
-            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
-            // EAGAIN with nothing copied: the address space is changing (it settles: no
-            // userfaultfd events are enabled); go page by page.
-            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
-                stalls += 1;
-                page_by_page_until = done + page
-            }
-            // The process is exiting: nobody is left to wait for these pages.
-            Some(Errno::ESRCH) => return Ok(()),
-            Some(errno) => {
-                return Err(ServiceError::Install {
-                    addr: target + done,
-                    errno,
-                })
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Poisons the missing pages of `[start, start + len)` (SIGBUS on access) and wakes their

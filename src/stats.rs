@@ -99,6 +99,10 @@ pub struct Stats {
     pub pinned_bytes: u64,
     pub block_size: u64,
     pub queue_depth: u32,
+    /// Threads installing prefetched reads beside the fault service thread.
+    pub install_threads: u32,
+    /// Nice value the pager's threads run at (see `PagerBuilder::thread_nice`).
+    pub thread_nice: i32,
     /// Whether reads bypass the page cache (O_DIRECT); when not, why.
     pub direct_io: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
