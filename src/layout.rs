@@ -105,6 +105,25 @@ impl RegionLayout {
     }
 }
 
+/// The parts of `range` outside every hole (ranges the program unmapped), in order.
+///
+/// The service must never touch a hole: the program may have mapped something else
+/// there since, and MADV_DONTNEED on it would zero another mapping's pages.
+pub fn outside_holes(range: Range<u64>, holes: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut parts = vec![range];
+    for hole in holes {
+        parts = parts
+            .into_iter()
+            .flat_map(|part| {
+                let before = part.start..part.end.min(hole.start);
+                let after = part.start.max(hole.end)..part.end;
+                [before, after].into_iter().filter(|r| !r.is_empty())
+            })
+            .collect();
+    }
+    parts
+}
+
 /// Finds the region an address belongs to. Rebuilt when regions are added or removed,
 /// which is rare; lookups are a binary search.
 #[derive(Default, Debug)]
@@ -136,6 +155,20 @@ mod tests {
     use super::*;
 
     const PAGE: u64 = 4096;
+
+    #[test]
+    fn parts_outside_holes() {
+        assert_eq!(outside_holes(0..100, &[]), vec![0..100]);
+        assert_eq!(
+            outside_holes(0..100, &[10..20, 50..60]),
+            vec![0..10, 20..50, 60..100]
+        );
+        let whole = [0..100];
+        assert_eq!(outside_holes(0..100, &whole), Vec::<Range<u64>>::new());
+        assert_eq!(outside_holes(10..20, &[0..15, 18..30]), vec![15..18]);
+        let elsewhere = [30..40];
+        assert_eq!(outside_holes(10..20, &elsewhere), vec![10..20]);
+    }
 
     #[test]
     fn blocks_cover_data_pages_and_the_rest_is_past_eof() {

@@ -24,7 +24,7 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 
 use crate::file::BackingFile;
 use crate::installer::{install, raise_priority, InstallError, InstallJob, InstallPool, Installed};
-use crate::layout::{FaultLocator, Location, RegionLayout};
+use crate::layout::{outside_holes, FaultLocator, Location, RegionLayout};
 use crate::pager::{Command, HintError, Shared};
 use crate::policy::{
     BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, Install, PrefetchPolicy, PrefetchRequest,
@@ -111,6 +111,23 @@ struct RegionEntry {
     /// The open file was modified in place since it was opened: nothing more is read
     /// from it (see `FaultService::file_changed`).
     changed: bool,
+    /// Ranges (region offsets) the program unmapped: never installed into or dropped,
+    /// since something else may be mapped there now.
+    holes: Vec<Range<u64>>,
+}
+
+impl RegionEntry {
+    /// The parts of `range` (region offsets) still mapped, as absolute address ranges.
+    fn mapped_parts(&self, range: Range<u64>) -> Vec<Range<usize>> {
+        let to_addresses = |r: Range<u64>| self.base + r.start as usize..self.base + r.end as usize;
+        if self.holes.is_empty() {
+            return vec![to_addresses(range)];
+        }
+        outside_holes(range, &self.holes)
+            .into_iter()
+            .map(to_addresses)
+            .collect()
+    }
 }
 
 impl RegionEntry {
@@ -259,7 +276,7 @@ impl FaultService {
     ) -> Result<Self, RingError> {
         let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
         let stash = Stash::new(
-            max_staged(config.queue_depth) as u32,
+            max_staged(config.queue_depth, config.block_size) as u32,
             config.block_size as usize,
             config.page_size as usize,
         );
@@ -604,7 +621,6 @@ impl FaultService {
         }
         let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
-        let max_staged = max_staged(self.config.queue_depth);
         while self.prefetch_reads_in_flight < prefetch_limit && self.ring.has_free_slot() {
             let Some(&first) = self.prefetch_queue.front() else {
                 break;
@@ -617,11 +633,7 @@ impl FaultService {
                 self.prefetch_queue.pop_front();
                 continue;
             }
-            let install = if first.install == Install::OnFault && self.staged.len() < max_staged {
-                Install::OnFault
-            } else {
-                Install::Eager
-            };
+            let install = first.install;
             // Merge following requests for the next blocks into one read; a marker
             // stays alone, since it is held back as a unit.
             let mut count = 1u32;
@@ -644,7 +656,7 @@ impl FaultService {
                 .sum();
             if !self.make_room(bytes, first.block, ReadKind::Prefetch)? {
                 // Nothing resident is worth less than what the policy wants next: the
-                // rest of the plan is not worth it either.
+                // rest of the plan is not worth it either, for now.
                 self.cancel_prefetch_queue();
                 break;
             }
@@ -730,7 +742,8 @@ impl FaultService {
     /// Drops the victims' pages, in runs of neighbouring blocks.
     fn evict(&mut self, victims: &mut [BlockRef]) -> Result<(), ServiceError> {
         victims.sort_unstable();
-        let mut run: Option<(RegionId, usize, usize)> = None;
+        // (region, start, end): region offsets of a run of neighbouring victims.
+        let mut run: Option<(RegionId, u64, u64)> = None;
         for &victim in victims.iter() {
             let region = self
                 .regions
@@ -742,21 +755,28 @@ impl FaultService {
             self.resident -= bytes;
             self.stats.evictions += 1;
             self.stats.evicted_bytes += bytes;
-            let start = region.base + memory.start as usize;
-            let end = region.base + memory.end as usize;
             run = match run {
-                Some((id, run_start, run_end)) if id == victim.region && run_end == start => {
-                    Some((id, run_start, end))
+                Some((id, start, end)) if id == victim.region && end == memory.start => {
+                    Some((id, start, memory.end))
                 }
-                Some((_, run_start, run_end)) => {
-                    discard_pages(run_start, run_end)?;
-                    Some((victim.region, start, end))
+                Some(done) => {
+                    self.discard_run(done)?;
+                    Some((victim.region, memory.start, memory.end))
                 }
-                None => Some((victim.region, start, end)),
+                None => Some((victim.region, memory.start, memory.end)),
             };
         }
-        if let Some((_, start, end)) = run {
-            discard_pages(start, end)?;
+        if let Some(done) = run {
+            self.discard_run(done)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the pages of a run of blocks (region offsets), skipping unmapped parts.
+    fn discard_run(&self, (id, start, end): (RegionId, u64, u64)) -> Result<(), ServiceError> {
+        let region = self.regions.get(&id).expect("a run of a live region");
+        for part in region.mapped_parts(start..end) {
+            discard_pages(part.start, part.end)?;
         }
         Ok(())
     }
@@ -934,6 +954,13 @@ impl FaultService {
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let memory = region.layout.block_memory(first);
             let len = (memory.end - memory.start) as usize;
+            if self.stash.is_full() {
+                // The oldest marker has waited longest for the program (some never come:
+                // a block the prediction names but this pass does not touch). Installing
+                // it keeps new markers, and with them the progress reports, coming.
+                self.install_oldest_staged()?;
+            }
+            let region = self.regions.get_mut(&region_id).expect("checked live");
             if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
                 region.blocks[first as usize] = BlockState::Staged { stash };
                 self.staged.push_back(block);
@@ -1006,6 +1033,25 @@ impl FaultService {
             target: region.base + start as usize,
             len: (end - start) as usize,
         };
+        let parts = region.mapped_parts(start..end);
+        if parts.len() != 1 || parts[0] != (job.target..job.target + job.len) {
+            // The program unmapped part of the read's range: install the rest here.
+            for part in parts {
+                // SAFETY: as below; `part` lies within the job's target range.
+                unsafe {
+                    install(
+                        &self.uffd,
+                        job.source.wrapping_add(part.start - job.target),
+                        part.start,
+                        part.end - part.start,
+                        self.config.page_size as usize,
+                    )
+                }?;
+            }
+            let now = self.now_ns();
+            self.installed(slot, now);
+            return Ok(());
+        }
         if self
             .installs
             .as_ref()
@@ -1040,6 +1086,21 @@ impl FaultService {
         Ok(())
     }
 
+    /// Installs the marker staged longest ago, if any.
+    fn install_oldest_staged(&mut self) -> Result<(), ServiceError> {
+        let Some(block) = self.staged.pop_front() else {
+            return Ok(());
+        };
+        match self
+            .regions
+            .get(&block.region)
+            .map(|r| r.blocks[block.index as usize])
+        {
+            Some(BlockState::Staged { stash }) => self.install_staged(block, stash),
+            _ => Ok(()),
+        }
+    }
+
     /// Installs a staged marker from the stash and wakes its waiters.
     fn install_staged(&mut self, block: BlockRef, stash: u32) -> Result<(), ServiceError> {
         let region = self
@@ -1048,18 +1109,21 @@ impl FaultService {
             .expect("staged blocks belong to live regions");
         let memory = region.layout.block_memory(block.index);
         let source = self.stash.buffer(stash).as_ptr();
-        // SAFETY: the stash buffer holds this block's bytes and is not reused until it is
-        // released below; the target lies in a live region (staged blocks of a removed
-        // region are discarded first).
-        unsafe {
-            install(
-                &self.uffd,
-                source,
-                region.base + memory.start as usize,
-                (memory.end - memory.start) as usize,
-                self.config.page_size as usize,
-            )
-        }?;
+        let target = region.base + memory.start as usize;
+        for part in region.mapped_parts(memory) {
+            // SAFETY: the stash buffer holds this block's bytes and is not reused until it
+            // is released below; the part lies in a live region, in a range the program
+            // still maps (staged blocks of a removed region are discarded first).
+            unsafe {
+                install(
+                    &self.uffd,
+                    source.wrapping_add(part.start - target),
+                    part.start,
+                    part.end - part.start,
+                    self.config.page_size as usize,
+                )
+            }?;
+        }
         self.stash.release(stash);
         let now = self.start.elapsed().as_nanos() as u64;
         let bytes = region.layout.block_bytes(block.index);
@@ -1116,9 +1180,15 @@ impl FaultService {
             .get_mut(&region_id)
             .expect("installed into a live region");
         for index in first..first + count {
+            if region.blocks[index as usize] == BlockState::Unmapped {
+                // The program unmapped the whole block while it was read: nothing was
+                // installed, and it must never be evicted (something else may be
+                // mapped there by now).
+                continue;
+            }
             let bytes = region.layout.block_bytes(index);
-            // Pages the program unmapped meanwhile were skipped; the block is still
-            // counted whole, which errs on the side of the budget.
+            // Pages of a block the program partly unmapped were skipped; the block is
+            // still counted whole, which errs on the side of the budget.
             region.blocks[index as usize] = BlockState::Resident;
             self.resident += bytes;
             if !region.pinned[index as usize] {
@@ -1188,13 +1258,10 @@ impl FaultService {
             let waited = self.waiters.remove(&block);
             if waited.is_some() || region.pinned[index as usize] {
                 let memory = region.layout.block_memory(index);
-                let start = region.base + memory.start as usize;
-                self.stats.poisoned_pages += poison_range(
-                    &self.uffd,
-                    start,
-                    (memory.end - memory.start) as usize,
-                    page,
-                );
+                for part in region.mapped_parts(memory) {
+                    self.stats.poisoned_pages +=
+                        poison_range(&self.uffd, part.start, part.end - part.start, page);
+                }
                 region.blocks[index as usize] = BlockState::Poisoned;
             } else {
                 region.blocks[index as usize] = BlockState::Missing;
@@ -1317,6 +1384,7 @@ impl FaultService {
                     reads_in_flight: 0,
                     removed: false,
                     changed: false,
+                    holes: Vec::new(),
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);
@@ -1340,6 +1408,9 @@ impl FaultService {
                 let _ = reply.send(());
             }
             Command::Unmap { id, range, reply } => {
+                if let Some(region) = self.regions.get_mut(&id) {
+                    region.holes.push(range.clone());
+                }
                 // Only blocks wholly inside the range go; the pages of a block the range
                 // cuts through that were unmapped simply fail to install (ENOENT).
                 let blocks = self.blocks_of(id, &range);
@@ -1449,10 +1520,7 @@ impl FaultService {
                     region.blocks[index as usize] = to;
                     if to != BlockState::Unmapped {
                         let memory = region.layout.block_memory(index);
-                        discard_pages(
-                            region.base + memory.start as usize,
-                            region.base + memory.end as usize,
-                        )?;
+                        self.discard_run((id, memory.start, memory.end))?;
                     }
                     self.stats.dropped_blocks += 1;
                 }
@@ -1462,8 +1530,12 @@ impl FaultService {
                     region.blocks[index as usize] = to;
                 }
                 BlockState::Missing => region.blocks[index as usize] = to,
-                // Queued and in-flight reads finish; their installs fail harmlessly if
-                // the pages are gone.
+                // Unmapped while queued or read: the read is dropped from its queue or
+                // finishes without installing anything (see `installed`).
+                BlockState::Queued | BlockState::Reading if to == BlockState::Unmapped => {
+                    region.blocks[index as usize] = to;
+                }
+                // Dropped while queued or read: the read finishes and installs.
                 _ => {}
             }
         }
@@ -1541,9 +1613,9 @@ impl FaultService {
     }
 }
 
-/// Most markers held back at once: a quarter of the queue depth.
-fn max_staged(queue_depth: u32) -> usize {
-    (queue_depth / 4).max(1) as usize
+/// Most markers held back at once: one per queue slot, within 4 MiB of stash.
+fn max_staged(queue_depth: u32, block_size: u64) -> usize {
+    (queue_depth as u64).min((4 << 20) / block_size).max(1) as usize
 }
 
 /// File offset of a block's first byte (0 for a region already gone).

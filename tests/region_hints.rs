@@ -225,3 +225,54 @@ fn unmapping_part_of_a_region_keeps_the_rest_and_spares_a_reused_hole() {
     // SAFETY: our mapping, no longer used.
     unsafe { hyperoffload::sys::munmap(reused, 1 << 20) }.unwrap();
 }
+
+#[test]
+fn evicting_a_block_cut_by_an_unmap_spares_what_is_mapped_in_the_hole() {
+    // llama.cpp unmaps the unused head and tail of a model mapping after loading; with
+    // blocks larger than a page that cuts blocks, and the freed pages can be handed to
+    // the next mmap (a thread stack, a malloc arena). Evicting the cut block must not
+    // drop those pages: MADV_DONTNEED on them would zero another mapping's memory.
+    let dir = TempDir::new("unmap-cut");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(1 << 20).block_size(64 << 10)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let base = region.as_ptr() as usize;
+    scan(&region.as_slice()[..512 << 10]);
+    // One page in the middle of block 0, which is resident.
+    region.unmap_part(4096..8192).unwrap();
+    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
+    let reused = unsafe {
+        hyperoffload::sys::mmap(
+            base + 4096,
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    }
+    .expect("the unmapped page can be mapped again");
+    // SAFETY: `reused` is our own fresh read-write mapping.
+    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 4096) };
+    // Read the rest of the file twice over: block 0 is evicted and read back.
+    for _ in 0..2 {
+        for offset in (8192..8 << 20).step_by(4093).chain([0, 4095]) {
+            // SAFETY: offsets outside the unmapped page of the live region.
+            let byte = unsafe { *(base as *const u8).add(offset) };
+            assert_eq!(byte, pattern_byte(offset as u64), "offset {offset}");
+        }
+    }
+    assert!(pager.stats().evictions > 0);
+    // SAFETY: still our mapping.
+    let page = unsafe { std::slice::from_raw_parts(reused as *const u8, 4096) };
+    assert!(
+        page.iter().all(|&b| b == 0xAB),
+        "the pager dropped pages of a mapping it does not own"
+    );
+    drop(region);
+    // SAFETY: our mapping, no longer used.
+    unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
+}
