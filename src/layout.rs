@@ -163,11 +163,17 @@ mod tests {
             outside_holes(0..100, &[10..20, 50..60]),
             vec![0..10, 20..50, 60..100]
         );
-        let whole = [0..100];
-        assert_eq!(outside_holes(0..100, &whole), Vec::<Range<u64>>::new());
+        let whole = 0..100;
+        assert_eq!(
+            outside_holes(0..100, std::slice::from_ref(&whole)),
+            Vec::<Range<u64>>::new()
+        );
         assert_eq!(outside_holes(10..20, &[0..15, 18..30]), vec![15..18]);
-        let elsewhere = [30..40];
-        assert_eq!(outside_holes(10..20, &elsewhere), vec![10..20]);
+        let elsewhere = 30..40;
+        assert_eq!(
+            outside_holes(10..20, std::slice::from_ref(&elsewhere)),
+            vec![10..20]
+        );
     }
 
     #[test]
