@@ -954,13 +954,9 @@ impl FaultService {
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let memory = region.layout.block_memory(first);
             let len = (memory.end - memory.start) as usize;
-            if self.stash.is_full() {
-                // The oldest marker has waited longest for the program (some never come:
-                // a block the prediction names but this pass does not touch). Installing
-                // it keeps new markers, and with them the progress reports, coming.
-                self.install_oldest_staged()?;
-            }
-            let region = self.regions.get_mut(&region_id).expect("checked live");
+            // With the stash full this marker is installed like any prefetch: the
+            // markers already held are nearer the program, and they are the ones that
+            // keep its position known.
             if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
                 region.blocks[first as usize] = BlockState::Staged { stash };
                 self.staged.push_back(block);
@@ -1084,21 +1080,6 @@ impl FaultService {
         let now = self.now_ns();
         self.installed(slot, now);
         Ok(())
-    }
-
-    /// Installs the marker staged longest ago, if any.
-    fn install_oldest_staged(&mut self) -> Result<(), ServiceError> {
-        let Some(block) = self.staged.pop_front() else {
-            return Ok(());
-        };
-        match self
-            .regions
-            .get(&block.region)
-            .map(|r| r.blocks[block.index as usize])
-        {
-            Some(BlockState::Staged { stash }) => self.install_staged(block, stash),
-            _ => Ok(()),
-        }
     }
 
     /// Installs a staged marker from the stash and wakes its waiters.

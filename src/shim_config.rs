@@ -8,7 +8,8 @@
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
-//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (64K) |
+//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (4K) |
+//! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
@@ -26,6 +27,7 @@ pub const ENV_MATCH: &str = "HYPEROFFLOAD_MATCH";
 pub const ENV_MIN_SIZE: &str = "HYPEROFFLOAD_MIN_SIZE";
 pub const ENV_POLICY: &str = "HYPEROFFLOAD_POLICY";
 pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
+pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
@@ -38,6 +40,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_MIN_SIZE,
     ENV_POLICY,
     ENV_BLOCK,
+    ENV_INSTALL_THREADS,
     ENV_STATS,
     ENV_TRACE,
     ENV_VERBOSE,
@@ -46,6 +49,8 @@ pub const ALL_VARS: &[&str] = &[
 
 pub const DEFAULT_PATTERNS: &[&str] = &["*.gguf", "*.safetensors"];
 pub const DEFAULT_MIN_SIZE: u64 = 64 << 20;
+/// More install threads than this only contend for the same locks.
+pub const MAX_INSTALL_THREADS: usize = 16;
 
 /// A configuration variable with a value that cannot be used.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -122,6 +127,7 @@ pub struct ShimConfig {
     pub min_size: u64,
     pub policy: String,
     pub block_size: Option<u64>,
+    pub install_threads: Option<usize>,
     pub stats_path: Option<PathBuf>,
     pub trace_path: Option<PathBuf>,
     pub verbose: bool,
@@ -137,6 +143,7 @@ impl ShimConfig {
             min_size: DEFAULT_MIN_SIZE,
             policy: DEFAULT_POLICY.to_string(),
             block_size: None,
+            install_threads: None,
             stats_path: None,
             trace_path: None,
             verbose: false,
@@ -197,6 +204,21 @@ impl ShimConfig {
             }
             config.block_size = Some(size);
         }
+        if let Some(value) = lookup(ENV_INSTALL_THREADS) {
+            let threads = value
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n <= MAX_INSTALL_THREADS)
+                .ok_or_else(|| {
+                    bad(
+                        ENV_INSTALL_THREADS,
+                        &value,
+                        format!("give a number of threads from 0 to {MAX_INSTALL_THREADS}"),
+                    )
+                })?;
+            config.install_threads = Some(threads);
+        }
         let path = |var: &'static str| -> Result<Option<PathBuf>, ConfigError> {
             match lookup(var) {
                 None => Ok(None),
@@ -228,6 +250,9 @@ impl ShimConfig {
         ];
         if let Some(block) = self.block_size {
             env.push((ENV_BLOCK, block.to_string()));
+        }
+        if let Some(threads) = self.install_threads {
+            env.push((ENV_INSTALL_THREADS, threads.to_string()));
         }
         if let Some(path) = &self.stats_path {
             env.push((ENV_STATS, path.display().to_string()));
@@ -348,6 +373,18 @@ mod tests {
         assert_eq!(read(&[(ENV_MIN_SIZE, "x")]).unwrap_err().var, ENV_MIN_SIZE);
         assert_eq!(read(&[(ENV_POLICY, "belady")]).unwrap_err().var, ENV_POLICY);
         assert_eq!(read(&[(ENV_BLOCK, "3000")]).unwrap_err().var, ENV_BLOCK);
+        assert_eq!(
+            read(&[(ENV_INSTALL_THREADS, "many")]).unwrap_err().var,
+            ENV_INSTALL_THREADS
+        );
+        assert_eq!(
+            read(&[(ENV_INSTALL_THREADS, "17")]).unwrap_err().var,
+            ENV_INSTALL_THREADS
+        );
+        assert_eq!(
+            read(&[(ENV_INSTALL_THREADS, "0")]).unwrap().install_threads,
+            Some(0)
+        );
         assert_eq!(read(&[(ENV_STATS, "rel.json")]).unwrap_err().var, ENV_STATS);
         assert_eq!(read(&[(ENV_VERBOSE, "yes")]).unwrap_err().var, ENV_VERBOSE);
     }

@@ -39,10 +39,6 @@ impl Stash {
         }
     }
 
-    pub(crate) fn is_full(&self) -> bool {
-        self.free.is_empty()
-    }
-
     /// Takes a free buffer and fills it with `bytes` (at most one block).
     pub(crate) fn put(&mut self, bytes: &[u8]) -> Option<u32> {
         debug_assert!(bytes.len() <= self.block);

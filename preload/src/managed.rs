@@ -204,6 +204,9 @@ impl Shim {
                     .block_size(first.block_size)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
+                if let Some(threads) = self.config.install_threads {
+                    builder = builder.install_threads(threads);
+                }
                 if self.config.trace_path.is_some() || policies.learn.is_some() {
                     builder = builder.trace(TRACE_LIMIT);
                 }

@@ -48,6 +48,10 @@ pub struct RunArgs {
     /// Block size (a power of two, at least 4K). Default: the pager's.
     #[arg(long, value_parser = super::size_arg)]
     block: Option<u64>,
+    /// Threads installing prefetched reads beside the fault service thread (0: none).
+    /// Default: the pager's.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(0..=16))]
+    install_threads: Option<u16>,
     /// Also write the pager's stats (JSON) to this new file.
     #[arg(long)]
     stats: Option<PathBuf>,
@@ -111,6 +115,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.min_size = args.min_size;
     config.policy = args.policy.clone();
     config.block_size = args.block;
+    config.install_threads = args.install_threads.map(usize::from);
     config.stats_path = Some(shim_stats.clone());
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
