@@ -196,18 +196,28 @@ fn main() {
             let mbs = sequential_scan(map.slice());
             record(name, mbs, &mut seq);
         }
-        for block in [4 << 10, 64 << 10, 1 << 20] {
+        let workers = hyperoffload::pager::DEFAULT_INSTALL_THREADS;
+        for (block, install_threads) in [
+            (4 << 10, 0),
+            (4 << 10, workers),
+            (64 << 10, workers),
+            (1 << 20, workers),
+        ] {
             hyperoffload::device::drop_page_cache();
             let pager = Pager::builder()
                 .budget(budget)
                 .block_size(block)
+                .install_threads(install_threads)
                 .prefetch(PrefetchKind::Readahead.build())
                 .build()
                 .unwrap();
             let region = pager.map_file(&path, MapOptions::default()).unwrap();
             let mbs = sequential_scan(region.as_slice());
             record(
-                &format!("pager readahead, block {}", format_size(block)),
+                &format!(
+                    "pager readahead, block {}, {install_threads} install threads",
+                    format_size(block)
+                ),
                 mbs,
                 &mut seq,
             );
