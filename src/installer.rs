@@ -18,13 +18,15 @@
 //! range the program has since unmapped and mapped again.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use nix::errno::Errno;
+
+use crate::event::EventFd;
 use userfaultfd::Uffd;
 
 /// Why an install failed; the service cannot continue after one.
@@ -140,7 +142,7 @@ struct PoolShared {
     /// Signalled when a job is done.
     finished: Condvar,
     /// Written once per finished job; the service's ring watches it.
-    done_event: OwnedFd,
+    done_event: EventFd,
     /// Jobs finished since the pool started, readable without the lock.
     finished_count: AtomicUsize,
     uffd: Arc<Uffd>,
@@ -172,13 +174,7 @@ impl InstallPool {
         page: usize,
         nice: i32,
     ) -> std::io::Result<Self> {
-        // SAFETY: eventfd(2) with valid flags has no memory effects; the result is checked.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a freshly created descriptor nothing else owns.
-        let done_event = unsafe { OwnedFd::from_raw_fd(raw) };
+        let done_event = EventFd::new()?;
         let shared = Arc::new(PoolShared {
             state: Mutex::new(PoolState {
                 jobs: VecDeque::new(),
@@ -236,17 +232,8 @@ impl InstallPool {
 
     /// Moves finished jobs to `out` without waiting.
     pub(crate) fn collect(&mut self, out: &mut Vec<Installed>) {
-        let mut counter = 0u64;
-        // SAFETY: reads 8 bytes into a live u64 from a non-blocking eventfd we own; an
-        // empty counter just fails with EAGAIN. Read before taking the list, so a job
-        // finished after the read signals again.
-        unsafe {
-            libc::read(
-                self.shared.done_event.as_raw_fd(),
-                (&mut counter as *mut u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        // Drained before taking the list, so a job finished after this signals again.
+        self.shared.done_event.drain();
         let mut state = self.shared.lock();
         self.in_flight -= state.done.len();
         self.collected += state.done.len();
@@ -328,15 +315,6 @@ fn work(shared: &PoolShared) {
             shared.finished_count.fetch_add(1, Ordering::Release);
         }
         shared.finished.notify_all();
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. A full counter
-        // (never reached: the service reads it) would only drop this signal.
-        unsafe {
-            libc::write(
-                shared.done_event.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        shared.done_event.signal();
     }
 }

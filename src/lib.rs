@@ -5,6 +5,7 @@
 
 pub mod compare;
 pub mod device;
+mod event;
 pub mod file;
 pub mod glob;
 pub mod graph;

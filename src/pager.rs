@@ -13,7 +13,6 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -23,6 +22,7 @@ use std::thread::JoinHandle;
 use thiserror::Error;
 use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 
+use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
 use crate::installer::InstallPool;
 use crate::layout::RegionLayout;
@@ -318,13 +318,7 @@ impl PagerBuilder {
             return Err(PagerError::BadQueueDepth);
         }
         let uffd = Arc::new(create_uffd()?);
-        // SAFETY: eventfd(2) with valid flags has no memory effects; the result is checked.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if raw < 0 {
-            return Err(PagerError::EventFd(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `raw` is a freshly created descriptor nothing else owns.
-        let wakeup = unsafe { OwnedFd::from_raw_fd(raw) };
+        let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
         let shared = Arc::new(Shared {
             commands: Mutex::new(VecDeque::new()),
             wakeup,
@@ -488,7 +482,7 @@ impl Command {
 pub(crate) struct Shared {
     pub(crate) commands: Mutex<VecDeque<Command>>,
     /// Written to wake the service when a command is queued.
-    pub(crate) wakeup: OwnedFd,
+    pub(crate) wakeup: EventFd,
     /// Last snapshot the service published, readable even after it stopped.
     pub(crate) stats: Mutex<Stats>,
 }
@@ -499,16 +493,7 @@ impl Shared {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .push_back(command);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd we own. A full counter
-        // (EAGAIN) already means the service will wake.
-        unsafe {
-            libc::write(
-                self.wakeup.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        self.wakeup.signal();
     }
 }
 

@@ -1313,16 +1313,7 @@ impl FaultService {
     // ---- commands -----------------------------------------------------------------
 
     fn drain_commands(&mut self) -> Result<(), ServiceError> {
-        let mut counter = 0u64;
-        // SAFETY: reads 8 bytes into a live u64 from the eventfd we own; EAGAIN (nothing
-        // pending) is fine.
-        unsafe {
-            libc::read(
-                self.shared.wakeup.as_raw_fd(),
-                (&mut counter as *mut u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        self.shared.wakeup.drain();
         loop {
             let command = self
                 .shared

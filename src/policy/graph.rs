@@ -438,27 +438,18 @@ impl EvictionPolicy for GraphEviction {
     fn region_removed(&mut self, region: RegionId) {
         let prediction = Arc::clone(&self.prediction);
         let mut progress = prediction.lock();
-        if let Some(at) = self.tracked.iter().position(|(id, _)| *id == region) {
-            let (_, states) = self.tracked.swap_remove(at);
-            for (index, state) in states.into_iter().enumerate() {
-                let block = BlockRef::new(region, index as u32);
-                match state {
-                    Tracked::Predicted => {
-                        if let Some(slot) = progress.resident.get_mut(index) {
-                            *slot = false;
-                        }
-                        self.tracked_count -= 1;
-                    }
-                    Tracked::Unpredicted => {
-                        if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
-                            self.unpredicted.remove(&(rank, arrival, block));
-                        }
-                        self.tracked_count -= 1;
-                    }
-                    Tracked::No => {}
-                }
-            }
+        let tracked: Vec<u32> = self
+            .tracked
+            .iter()
+            .filter(|(id, _)| *id == region)
+            .flat_map(|(_, states)| {
+                (0..states.len() as u32).filter(move |&index| states[index as usize] != Tracked::No)
+            })
+            .collect();
+        for index in tracked {
+            self.forget(BlockRef::new(region, index), &mut progress);
         }
+        self.tracked.retain(|(id, _)| *id != region);
         self.positions.retain(|(id, _)| *id != region);
         progress.regions.retain(|&r| r != region);
     }
