@@ -172,3 +172,15 @@ fn without_a_matching_region_the_policies_predict_nothing() {
     empty.inserted(b(1));
     assert_eq!(empty.victim(b(0), ReadKind::Demand), Some(b(2)));
 }
+
+#[test]
+fn a_fault_a_little_behind_the_last_is_no_progress_not_a_pass() {
+    let order = CyclicOrder::from_sequence(0..1000, 1000);
+    assert_eq!(progress_steps(&order, 500, 510), 10);
+    // Another thread of the same tensor, a few blocks behind.
+    assert_eq!(progress_steps(&order, 510, 505), 0);
+    // The next pass starts: a genuine wrap forward.
+    assert_eq!(progress_steps(&order, 990, 5), 15);
+    // Far behind is taken as far ahead (most of a pass), as before.
+    assert_eq!(progress_steps(&order, 800, 100), 300);
+}
