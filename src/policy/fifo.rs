@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 
+use super::per_block::PerBlock;
 use super::{BlockRef, EvictionPolicy, ReadKind, RegionId};
 
 /// Evicts in the order blocks became resident. Removal is lazy: a removed block stays in
@@ -11,7 +12,7 @@ pub struct FifoEviction {
     queue: VecDeque<(BlockRef, u64)>,
     /// Per region, per block: the sequence number of its live queue entry (0: none).
     /// Dense, since every block read passes through here.
-    live: Vec<(RegionId, Vec<u64>)>,
+    live: PerBlock<u64>,
     tracked: usize,
     next_seq: u64,
 }
@@ -22,19 +23,7 @@ impl FifoEviction {
     }
 
     fn live_seq(&mut self, block: BlockRef) -> &mut u64 {
-        let at = match self.live.iter().position(|(id, _)| *id == block.region) {
-            Some(at) => at,
-            None => {
-                self.live.push((block.region, Vec::new()));
-                self.live.len() - 1
-            }
-        };
-        let seqs = &mut self.live[at].1;
-        let index = block.index as usize;
-        if index >= seqs.len() {
-            seqs.resize(index + 1, 0);
-        }
-        &mut seqs[index]
+        self.live.get_mut(block)
     }
 
     fn compact_if_stale(&mut self) {
@@ -52,10 +41,13 @@ impl EvictionPolicy for FifoEviction {
     }
 
     fn region_removed(&mut self, region: RegionId) {
-        if let Some(at) = self.live.iter().position(|(id, _)| *id == region) {
-            let (_, seqs) = self.live.swap_remove(at);
-            self.tracked -= seqs.iter().filter(|&&seq| seq != 0).count();
-        }
+        self.tracked -= self
+            .live
+            .region(region)
+            .iter()
+            .filter(|&&seq| seq != 0)
+            .count();
+        self.live.remove_region(region);
         self.compact_if_stale();
     }
 

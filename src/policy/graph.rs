@@ -16,6 +16,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::per_block::PerBlock;
 use super::position_set::PositionSet;
 use super::{
     BlockRef, EvictionPolicy, FaultEvent, PrefetchPolicy, PrefetchRequest, ReadKind, RegionId,
@@ -310,15 +311,16 @@ pub struct GraphEviction {
     unpredicted: BTreeSet<(u64, u64, BlockRef)>,
     /// Per region, per block: how it is tracked. Dense, since every block of a bound
     /// region passes through here once per token.
-    tracked: Vec<(RegionId, Vec<Tracked>)>,
+    tracked: PerBlock<Tracked>,
     /// The keys of tracked unpredicted blocks in `unpredicted`.
     unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
     tracked_count: usize,
     arrivals: u64,
 }
 
-#[derive(Copy, Clone, PartialEq, Eq)]
+#[derive(Copy, Clone, Default, PartialEq, Eq)]
 enum Tracked {
+    #[default]
     No,
     Predicted,
     Unpredicted,
@@ -330,7 +332,7 @@ impl GraphEviction {
             prediction,
             positions: Vec::new(),
             unpredicted: BTreeSet::new(),
-            tracked: Vec::new(),
+            tracked: PerBlock::default(),
             unpredicted_keys: HashMap::new(),
             tracked_count: 0,
             arrivals: 0,
@@ -342,19 +344,7 @@ impl GraphEviction {
     }
 
     fn tracked_mut(&mut self, block: BlockRef) -> &mut Tracked {
-        let at = match self.tracked.iter().position(|(id, _)| *id == block.region) {
-            Some(at) => at,
-            None => {
-                self.tracked.push((block.region, Vec::new()));
-                self.tracked.len() - 1
-            }
-        };
-        let states = &mut self.tracked[at].1;
-        let index = block.index as usize;
-        if index >= states.len() {
-            states.resize(index + 1, Tracked::No);
-        }
-        &mut states[index]
+        self.tracked.get_mut(block)
     }
 
     fn positions_mut(&mut self, region: RegionId) -> &mut PositionSet {
@@ -457,16 +447,16 @@ impl EvictionPolicy for GraphEviction {
         let mut progress = prediction.lock();
         let tracked: Vec<u32> = self
             .tracked
+            .region(region)
             .iter()
-            .filter(|(id, _)| *id == region)
-            .flat_map(|(_, states)| {
-                (0..states.len() as u32).filter(move |&index| states[index as usize] != Tracked::No)
-            })
+            .enumerate()
+            .filter(|(_, &state)| state != Tracked::No)
+            .map(|(index, _)| index as u32)
             .collect();
         for index in tracked {
             self.forget(BlockRef::new(region, index), &mut progress);
         }
-        self.tracked.retain(|(id, _)| *id != region);
+        self.tracked.remove_region(region);
         self.positions.retain(|(id, _)| *id != region);
         progress.regions.retain(|&r| r != region);
     }

@@ -17,6 +17,7 @@ use std::sync::Arc;
 mod fifo;
 pub mod graph;
 mod lru;
+mod per_block;
 mod position_set;
 mod readahead;
 
