@@ -117,6 +117,13 @@ struct RegionEntry {
 }
 
 impl RegionEntry {
+    /// Whether the program unmapped any of `range` (region offsets).
+    fn cuts(&self, range: Range<u64>) -> bool {
+        self.holes
+            .iter()
+            .any(|hole| hole.start < range.end && range.start < hole.end)
+    }
+
     /// The parts of `range` (region offsets) still mapped, as absolute address ranges.
     fn mapped_parts(&self, range: Range<u64>) -> Vec<Range<usize>> {
         let to_addresses = |r: Range<u64>| self.base + r.start as usize..self.base + r.end as usize;
@@ -345,6 +352,10 @@ impl FaultService {
                 .unwrap_or_else(|| "panic".into()),
         };
         fatal(&why);
+    }
+
+    fn page(&self) -> usize {
+        self.config.page_size as usize
     }
 
     fn now_ns(&self) -> u64 {
@@ -1029,25 +1040,8 @@ impl FaultService {
             target: region.base + start as usize,
             len: (end - start) as usize,
         };
-        let parts = region.mapped_parts(start..end);
-        if parts.len() != 1 || parts[0] != (job.target..job.target + job.len) {
-            // The program unmapped part of the read's range: install the rest here.
-            for part in parts {
-                // SAFETY: as below; `part` lies within the job's target range.
-                unsafe {
-                    install(
-                        &self.uffd,
-                        job.source.wrapping_add(part.start - job.target),
-                        part.start,
-                        part.end - part.start,
-                        self.config.page_size as usize,
-                    )
-                }?;
-            }
-            let now = self.now_ns();
-            self.installed(slot, now);
-            return Ok(());
-        }
+        // A read the program unmapped part of is installed here, around the holes.
+        let cut = region.cuts(start..end);
         if self
             .installs
             .as_ref()
@@ -1060,23 +1054,16 @@ impl FaultService {
         if let Some(pool) = &mut self.installs {
             // Share the work: a worker takes a prefetch unless the workers already have
             // one queued each, in which case this thread copies it itself.
-            if prefetch && !waited && pool.unfinished() < 2 * pool.threads() {
+            if prefetch && !waited && !cut && pool.unfinished() < 2 * pool.threads() {
                 pool.submit(job);
                 return Ok(());
             }
         }
+        let region = &self.regions[&region_id];
         // SAFETY: the buffer belongs to this slot's completed read and is not reused
-        // until the slot is checked in below; the target lies in a live region, mapped
-        // until its RemoveRegion is acknowledged.
-        unsafe {
-            install(
-                &self.uffd,
-                job.source,
-                job.target,
-                job.len,
-                self.config.page_size as usize,
-            )
-        }?;
+        // until the slot is checked in by `installed`; the region is live, mapped until
+        // its RemoveRegion is acknowledged.
+        unsafe { install_mapped(&self.uffd, region, job.source, start..end, self.page()) }?;
         let now = self.now_ns();
         self.installed(slot, now);
         Ok(())
@@ -1084,42 +1071,25 @@ impl FaultService {
 
     /// Installs a staged marker from the stash and wakes its waiters.
     fn install_staged(&mut self, block: BlockRef, stash: u32) -> Result<(), ServiceError> {
-        let region = self
-            .regions
-            .get_mut(&block.region)
-            .expect("staged blocks belong to live regions");
+        let region = &self.regions[&block.region];
         let memory = region.layout.block_memory(block.index);
-        let source = self.stash.buffer(stash).as_ptr();
-        let target = region.base + memory.start as usize;
-        for part in region.mapped_parts(memory) {
-            // SAFETY: the stash buffer holds this block's bytes and is not reused until it
-            // is released below; the part lies in a live region, in a range the program
-            // still maps (staged blocks of a removed region are discarded first).
-            unsafe {
-                install(
-                    &self.uffd,
-                    source.wrapping_add(part.start - target),
-                    part.start,
-                    part.end - part.start,
-                    self.config.page_size as usize,
-                )
-            }?;
-        }
+        // SAFETY: the stash buffer holds this block's bytes and is not reused until it is
+        // released below; the region is live (staged blocks of a removed region are
+        // discarded first).
+        unsafe {
+            install_mapped(
+                &self.uffd,
+                region,
+                self.stash.buffer(stash).as_ptr(),
+                memory,
+                self.page(),
+            )
+        }?;
         self.stash.release(stash);
-        let now = self.start.elapsed().as_nanos() as u64;
-        let bytes = region.layout.block_bytes(block.index);
-        region.blocks[block.index as usize] = BlockState::Resident;
-        self.reserved -= bytes;
-        self.resident += bytes;
-        if !region.pinned[block.index as usize] {
-            self.eviction.inserted(block);
-        }
-        let file_offset = region.file_offset + block.index as u64 * region.layout.block_size;
-        for waiter in self.waiters.remove(&block).into_iter().flatten() {
-            self.log
-                .served(block, file_offset, region.layout.block_size, waiter, now);
-        }
-        self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
+        // Its bytes move from reserved (held back) to resident.
+        self.reserved -= region.layout.block_bytes(block.index);
+        let now = self.now_ns();
+        self.blocks_installed(block.region, block.index..block.index + 1, now);
         Ok(())
     }
 
@@ -1155,12 +1125,19 @@ impl FaultService {
     /// The bookkeeping after a read's blocks were installed at `now`.
     fn installed(&mut self, slot: u32, now: u64) {
         let tag = self.ring.tag(slot).expect("installed a read in flight");
-        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let (region_id, blocks) = (tag.region, tag.first..tag.first + tag.count);
+        self.blocks_installed(region_id, blocks, now);
+        self.finish_read(slot);
+    }
+
+    /// Marks installed blocks resident, hands them to the eviction policy and records
+    /// the threads that waited on them.
+    fn blocks_installed(&mut self, region_id: RegionId, blocks: Range<u32>, now: u64) {
         let region = self
             .regions
             .get_mut(&region_id)
             .expect("installed into a live region");
-        for index in first..first + count {
+        for index in blocks {
             if region.blocks[index as usize] == BlockState::Unmapped {
                 // The program unmapped the whole block while it was read: nothing was
                 // installed, and it must never be evicted (something else may be
@@ -1186,7 +1163,6 @@ impl FaultService {
             }
         }
         self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.resident);
-        self.finish_read(slot);
     }
 
     /// Releases a read's slot and reservation, whatever became of it.
@@ -1583,6 +1559,35 @@ impl FaultService {
             }
         }
     }
+}
+
+/// Copies `source` into the part of `range` (region offsets) the program still maps.
+///
+/// # Safety
+/// `source` must hold `range`'s bytes and not be written until this returns; the region
+/// must stay registered meanwhile.
+unsafe fn install_mapped(
+    uffd: &Uffd,
+    region: &RegionEntry,
+    source: *const u8,
+    range: Range<u64>,
+    page: usize,
+) -> Result<(), InstallError> {
+    let target = region.base + range.start as usize;
+    for part in region.mapped_parts(range) {
+        // SAFETY: the part lies inside the range `source` holds, in a mapped part of a
+        // registered region (the caller's guarantees).
+        unsafe {
+            install(
+                uffd,
+                source.wrapping_add(part.start - target),
+                part.start,
+                part.end - part.start,
+                page,
+            )
+        }?;
+    }
+    Ok(())
 }
 
 /// Most markers held back at once: one per queue slot, within 4 MiB of stash.
