@@ -134,9 +134,21 @@ impl<Tag> ReadRing<Tag> {
     /// A ring with room for `max_reads` reads of up to `buffer_len` bytes in flight.
     pub fn new(max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
         let entries = (max_reads + 8).next_power_of_two();
+        // Cooperative task running: a completion (or a poll readiness) is not signalled
+        // to the service thread with an inter-processor interrupt while it runs; it is
+        // processed at its next system call, which the service makes constantly, or
+        // when the taskrun flag tells a polling loop to enter. A sleeping service is
+        // still woken. Measured: random 4 KiB faults from 8 threads, p50 192 -> 147 us.
+        // Kernels before 5.19 refuse the flags (EINVAL): run without them there.
         let ring = IoUring::builder()
             .setup_cqsize(entries * 2)
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
             .build(entries)
+            .or_else(|error| match error.raw_os_error() {
+                Some(libc::EINVAL) => IoUring::builder().setup_cqsize(entries * 2).build(entries),
+                _ => Err(error),
+            })
             .map_err(|source| match source.raw_os_error() {
                 Some(libc::EPERM) => RingError::NotPermitted { source },
                 Some(libc::ENOSYS) => RingError::Unsupported { source },
@@ -295,6 +307,11 @@ impl<Tag> ReadRing<Tag> {
         }
         let deadline = std::time::Instant::now() + spin;
         loop {
+            if self.ring.submission().taskrun() {
+                // Completions wait as task work (cooperative task running): enter the
+                // kernel to have them posted.
+                self.submit_and_wait(0)?;
+            }
             let ready = {
                 let mut completions = self.ring.completion();
                 completions.sync();

@@ -75,6 +75,8 @@ pub(crate) struct ServiceConfig {
     pub trace_limit: usize,
     /// How long to poll for completions while demand reads are in flight.
     pub demand_spin: std::time::Duration,
+    /// Poll only while at least this many demand reads are in flight.
+    pub demand_spin_min_reads: u32,
     /// Nice value asked for the service and install threads.
     pub thread_nice: i32,
     pub faults: ServiceFaults,
@@ -370,9 +372,14 @@ impl FaultService {
             self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
         }
         loop {
-            if self.demand_reads_in_flight > 0 && !self.config.demand_spin.is_zero() {
-                // A thread is blocked on a read: its core is free, and reaping the
-                // completion without a wake-up shortens its wait.
+            if self.demand_reads_in_flight >= self.config.demand_spin_min_reads
+                && !self.config.demand_spin.is_zero()
+            {
+                // Many threads are blocked on reads: reaping their completions (and new
+                // faults) without a wake-up of this thread shortens their waits. With
+                // few, polling costs more than it saves: it keeps this core busy, so the
+                // thread an install wakes is sent to another core, idle and halted,
+                // and waking a halted virtual CPU costs tens of microseconds.
                 self.ring.submit_and_spin(self.config.demand_spin)?;
             } else {
                 self.ring.submit_and_wait(1)?;
