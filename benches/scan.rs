@@ -110,17 +110,21 @@ fn sequential_scan(bytes: &[u8]) -> f64 {
     bytes.len() as f64 / started.elapsed().as_secs_f64() / 1e6
 }
 
-/// 8 threads touch distinct random pages; returns touches per second and the latency
+/// `threads` threads touch distinct random pages; returns touches per second and the latency
 /// of every touch as seen by the program.
-fn random_touches(bytes: &[u8], touches_per_thread: usize) -> (f64, LatencyHistogram) {
+fn random_touches(
+    bytes: &[u8],
+    threads: usize,
+    touches_per_thread: usize,
+) -> (f64, LatencyHistogram) {
     let pages = bytes.len() / PAGE;
     let mut order: Vec<usize> = (0..pages).collect();
     order.shuffle(&mut SmallRng::seed_from_u64(7));
     let started = Instant::now();
     let histograms: Vec<LatencyHistogram> = std::thread::scope(|scope| {
         let handles: Vec<_> = order
-            .chunks(pages / THREADS)
-            .take(THREADS)
+            .chunks(pages / threads)
+            .take(threads)
             .map(|mine| {
                 scope.spawn(move || {
                     let mut histogram = LatencyHistogram::default();
@@ -140,7 +144,7 @@ fn random_touches(bytes: &[u8], touches_per_thread: usize) -> (f64, LatencyHisto
     for histogram in &histograms {
         all.merge(histogram);
     }
-    ((touches_per_thread * THREADS) as f64 / elapsed, all)
+    ((touches_per_thread * threads) as f64 / elapsed, all)
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -238,61 +242,65 @@ fn main() {
         );
     }
 
-    println!("\n## cold random 4 KiB touches, {THREADS} threads, {touches} distinct pages each\n");
-    println!("| case | touches/s | latency p50 us | p90 | p99 | max | p50 vs kernel MADV_RANDOM |");
-    println!("|---|---|---|---|---|---|---|");
-    let mut kernel_p50 = None;
-    let cases: Vec<(String, Option<i32>, Option<u64>)> = vec![
-        ("kernel mmap".into(), None, None),
-        (
-            "kernel mmap + MADV_RANDOM".into(),
-            Some(libc::MADV_RANDOM),
-            None,
-        ),
-        ("pager, block 4 KiB".into(), None, Some(4 << 10)),
-        ("pager, block 16 KiB".into(), None, Some(16 << 10)),
-        ("pager, block 64 KiB".into(), None, Some(64 << 10)),
-    ];
-    for (name, advice, block) in cases {
-        let mut rates = Vec::new();
-        let mut p50s = Vec::new();
-        let mut last = None;
-        for _ in 0..runs {
-            hyperoffload::device::drop_page_cache();
-            let (rate, histogram) = match block {
-                None => {
-                    let map = Mmap::new(&file, len as usize, advice);
-                    random_touches(map.slice(), touches)
-                }
-                Some(block) => {
-                    let pager = Pager::builder()
-                        .budget(budget)
-                        .block_size(block)
-                        .prefetch(PrefetchKind::None.build())
-                        .build()
-                        .unwrap();
-                    let region = pager.map_file(&path, MapOptions::default()).unwrap();
-                    random_touches(region.as_slice(), touches)
-                }
-            };
-            rates.push(rate);
-            p50s.push(histogram.summary().p50);
-            last = Some(histogram.summary());
+    println!("\n## cold random 4 KiB touches, {touches} distinct pages per thread\n");
+    println!(
+        "| threads | case | touches/s | latency p50 us | p90 | p99 | max | p50 vs kernel MADV_RANDOM |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for threads in [THREADS, 1] {
+        let mut kernel_p50 = None;
+        let cases: Vec<(String, Option<i32>, Option<u64>)> = vec![
+            ("kernel mmap".into(), None, None),
+            (
+                "kernel mmap + MADV_RANDOM".into(),
+                Some(libc::MADV_RANDOM),
+                None,
+            ),
+            ("pager, block 4 KiB".into(), None, Some(4 << 10)),
+            ("pager, block 16 KiB".into(), None, Some(16 << 10)),
+            ("pager, block 64 KiB".into(), None, Some(64 << 10)),
+        ];
+        for (name, advice, block) in cases {
+            let mut rates = Vec::new();
+            let mut p50s = Vec::new();
+            let mut last = None;
+            for _ in 0..runs {
+                hyperoffload::device::drop_page_cache();
+                let (rate, histogram) = match block {
+                    None => {
+                        let map = Mmap::new(&file, len as usize, advice);
+                        random_touches(map.slice(), threads, touches)
+                    }
+                    Some(block) => {
+                        let pager = Pager::builder()
+                            .budget(budget)
+                            .block_size(block)
+                            .prefetch(PrefetchKind::None.build())
+                            .build()
+                            .unwrap();
+                        let region = pager.map_file(&path, MapOptions::default()).unwrap();
+                        random_touches(region.as_slice(), threads, touches)
+                    }
+                };
+                rates.push(rate);
+                p50s.push(histogram.summary().p50);
+                last = Some(histogram.summary());
+            }
+            let summary = last.unwrap();
+            let p50 = median(&mut p50s);
+            if advice == Some(libc::MADV_RANDOM) {
+                kernel_p50 = Some(p50);
+            }
+            println!(
+                "| {threads} | {name} | {:.0} | {p50:.0} | {:.0} | {:.0} | {:.0} | {} |",
+                median(&mut rates),
+                summary.p90,
+                summary.p99,
+                summary.max,
+                kernel_p50
+                    .map(|k| format!("{:.2}x", p50 / k))
+                    .unwrap_or_default()
+            );
         }
-        let summary = last.unwrap();
-        let p50 = median(&mut p50s);
-        if advice == Some(libc::MADV_RANDOM) {
-            kernel_p50 = Some(p50);
-        }
-        println!(
-            "| {name} | {:.0} | {p50:.0} | {:.0} | {:.0} | {:.0} | {} |",
-            median(&mut rates),
-            summary.p90,
-            summary.p99,
-            summary.max,
-            kernel_p50
-                .map(|k| format!("{:.2}x", p50 / k))
-                .unwrap_or_default()
-        );
     }
 }
