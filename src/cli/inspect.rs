@@ -54,6 +54,10 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         graph.graph().node_count(),
         graph.source()
     );
+    println!(
+        "eviction spares {} behind the latest fault (the largest step, which threads share)",
+        format_size(graph.lag_guard() as u64 * layout.block_size)
+    );
     if args.tensors {
         println!("\n## tensors (file order)\n");
         println!("| name | type | shape | offset | size |");

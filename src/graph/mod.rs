@@ -99,6 +99,8 @@ pub struct ModelGraph {
     /// Per block: the highest rank of a node covering it, 0 if none does.
     block_rank: Vec<f64>,
     order: CyclicOrder,
+    /// See `lag_guard`.
+    lag_guard: u32,
 }
 
 impl ModelGraph {
@@ -164,12 +166,38 @@ impl ModelGraph {
             .flat_map(|step| step.groups.iter().flatten())
             .flat_map(|&node| graph[node].blocks.clone());
         let order = CyclicOrder::from_sequence(sequence.collect::<Vec<_>>(), layout.block_count());
-        Self::finish(
+        // The largest piece of work threads share: a step's blocks, or for experts the
+        // blocks of one expert (a token runs each chosen expert's matrix whole).
+        let lag_guard = steps
+            .iter()
+            .flat_map(|step| -> Vec<u32> {
+                // Extents of one tensor may share their boundary blocks: take the span.
+                let span = |nodes: &mut dyn Iterator<Item = &NodeIndex>| -> u32 {
+                    let (start, end) = nodes.fold((u32::MAX, 0), |(start, end), &node| {
+                        let blocks = &graph[node].blocks;
+                        (start.min(blocks.start), end.max(blocks.end))
+                    });
+                    end.saturating_sub(start)
+                };
+                if step.experts {
+                    step.groups
+                        .iter()
+                        .map(|group| span(&mut group.iter()))
+                        .collect()
+                } else {
+                    vec![span(&mut step.groups.iter().flatten())]
+                }
+            })
+            .max()
+            .unwrap_or(0);
+        let mut built = Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
             graph,
             order,
-        )
+        );
+        built.lag_guard = lag_guard;
+        built
     }
 
     /// Builds the graph learned from observed block transitions, with no model
@@ -236,7 +264,25 @@ impl ModelGraph {
             node_rank,
             block_rank,
             order,
+            lag_guard: 0,
         }
+    }
+
+    /// Positions behind the program's latest fault that it may still be reading: the
+    /// largest step of the order (a tensor) in blocks; 0 for a learned graph, which knows
+    /// no tensors. Threads split each step's rows between them and fault at different
+    /// offsets in it, and the latest fault may come from the one ahead. Eviction treats
+    /// these positions as still in use: every block behind the program costs one read on
+    /// the next pass wherever it lies, so preferring older ones costs nothing, and it
+    /// spares the lagging thread a demand read of a block evicted under it.
+    pub fn lag_guard(&self) -> u32 {
+        self.lag_guard
+    }
+
+    #[cfg(test)]
+    pub(crate) fn with_lag_guard(mut self, positions: u32) -> Self {
+        self.lag_guard = positions;
+        self
     }
 
     pub fn layout(&self) -> &BlockLayout {

@@ -251,3 +251,26 @@ fn a_learned_graph_predicts_the_trace_cycle_and_ranks_by_traffic() {
     assert!(graph.block_rank(5) < graph.block_rank(9));
     assert_eq!(graph.block_rank(0), 0.0);
 }
+
+#[test]
+fn the_lag_guard_is_the_largest_step_and_zero_when_learned() {
+    let tensors = packed(&[
+        ("blk.0.attn_norm.weight", 100),
+        ("blk.0.attn_q.weight", 40_000),
+        ("blk.0.attn_k.weight", 8_000),
+    ]);
+    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
+    // Cut into extents of one block: the guard still spans the whole tensor, since
+    // threads split a tensor's rows, not its extents.
+    let graph = ModelGraph::from_tensors_with(
+        &tensors,
+        layout,
+        BuildOptions {
+            max_extent_bytes: 4096,
+        },
+    );
+    // attn_q: bytes 128..40128, blocks 0..10.
+    assert_eq!(graph.lag_guard(), 10);
+    let learned = ModelGraph::from_pass(layout, &[0, 1, 2, 3]);
+    assert_eq!(learned.lag_guard(), 0);
+}

@@ -383,37 +383,51 @@ impl GraphEviction {
         }
     }
 
-    /// The tracked predicted block used furthest ahead of `cursor`, and in how many
-    /// steps. Scans positions from just behind the cursor backwards round the cycle
-    /// (furthest first); the first entry that is its block's next use is the answer.
-    fn furthest(&self, cursor: u32) -> Option<(BlockRef, u32)> {
+    /// The tracked predicted block to evict with the program at `cursor`, and how many
+    /// steps ahead it is used next. Belady's choice is the block used furthest ahead:
+    /// scanning backwards from just behind the cursor round the cycle, the first entry
+    /// that is its block's next use. The `guard` positions just behind the cursor may
+    /// still be read by a thread lagging behind the one that faulted last (see
+    /// `ModelGraph::lag_guard`): they are passed over for older ones, and taken only
+    /// before blocks still to be used this pass.
+    fn furthest(&self, cursor: u32, guard: u32) -> Option<(BlockRef, u32)> {
         let order = self.prediction.graph.order();
-        let mut best: Option<(BlockRef, u32)> = None;
+        let guarded_from = cursor.saturating_sub(guard);
+        // (zone, distance): the earlier zone first, then the furthest next use.
+        let mut best: Option<(BlockRef, u32, u32)> = None;
         for (region, set) in &self.positions {
             let is_next_use = |position: u32| {
                 order.next_position(order.block_at(position), cursor) == Some(position)
             };
-            // Behind the cursor, then from the end of the cycle down to the cursor.
-            let behind = cursor
-                .checked_sub(1)
-                .and_then(|from| last_matching(set, from, 0, is_next_use));
-            let found = behind.or_else(|| {
-                order
-                    .len()
-                    .checked_sub(1)
-                    .and_then(|from| last_matching(set, from, cursor, is_next_use))
+            // Behind the guard, then inside it (both used this pass already), then from
+            // the end of the cycle down to the cursor (still to be used this pass).
+            let zones = [
+                (0, guarded_from, 0),
+                (1, cursor, guarded_from),
+                (2, order.len(), cursor),
+            ];
+            let found = zones.iter().find_map(|&(zone, end, floor)| {
+                end.checked_sub(1)
+                    .filter(|&from| from >= floor)
+                    .and_then(|from| last_matching(set, from, floor, is_next_use))
+                    .map(|position| (zone, position))
             });
-            if let Some(position) = found {
-                let candidate = (
-                    BlockRef::new(*region, order.block_at(position)),
-                    order.distance(cursor, position),
-                );
-                if best.is_none_or(|(_, distance)| candidate.1 > distance) {
-                    best = Some(candidate);
+            if let Some((zone, position)) = found {
+                let distance = order.distance(cursor, position);
+                let better = best.is_none_or(|(_, best_zone, best_distance)| {
+                    (zone, std::cmp::Reverse(distance))
+                        < (best_zone, std::cmp::Reverse(best_distance))
+                });
+                if better {
+                    best = Some((
+                        BlockRef::new(*region, order.block_at(position)),
+                        zone,
+                        distance,
+                    ));
                 }
             }
         }
-        best
+        best.map(|(block, _, distance)| (block, distance))
     }
 }
 
@@ -509,7 +523,7 @@ impl EvictionPolicy for GraphEviction {
             return Some(block);
         }
         let cursor = progress.cursor;
-        let (block, distance) = self.furthest(cursor)?;
+        let (block, distance) = self.furthest(cursor, prediction.graph.lag_guard())?;
         if kind == ReadKind::Prefetch {
             // A speculative read only displaces a block needed later than itself; an
             // unpredicted incoming block displaces nothing predicted.

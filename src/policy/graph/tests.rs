@@ -11,8 +11,13 @@ fn b(index: u32) -> BlockRef {
 
 /// A graph whose predicted order is `pass`, over `blocks` blocks, bound to region 0.
 fn policies(pass: &[u32], blocks: u32) -> (GraphPrefetch, GraphEviction) {
+    guarded_policies(pass, blocks, 0)
+}
+
+/// As `policies`, sparing `guard` positions behind the latest fault.
+fn guarded_policies(pass: &[u32], blocks: u32, guard: u32) -> (GraphPrefetch, GraphEviction) {
     let layout = BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap();
-    let graph = Arc::new(ModelGraph::from_pass(layout, pass));
+    let graph = Arc::new(ModelGraph::from_pass(layout, pass).with_lag_guard(guard));
     let (mut prefetch, mut eviction) = graph_policies(graph);
     let info = RegionInfo {
         id: RegionId(0),
@@ -49,6 +54,26 @@ fn evicts_the_block_used_furthest_ahead() {
     // A prefetch of 6 (next) displaces 3 (a pass away).
     assert_eq!(eviction.victim(b(6), ReadKind::Prefetch), Some(b(3)));
     assert_eq!(eviction.tracked(), 3);
+}
+
+#[test]
+fn blocks_a_lagging_thread_may_still_read_are_evicted_last() {
+    let pass: Vec<u32> = (0..10).collect();
+    let (_, mut eviction) = guarded_policies(&pass, 10, 3);
+    for i in [0, 1, 2, 3, 4, 8] {
+        eviction.inserted(b(i));
+    }
+    // A thread faults on 5 while another may still be reading 2..5: 1 and 0 go first,
+    // though 4 is the block used furthest ahead.
+    eviction.touched(&fault(5, 0));
+    assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(1)));
+    assert_eq!(eviction.victim(b(6), ReadKind::Prefetch), Some(b(0)));
+    // Then the guarded ones, most recently used first, as without a guard: they are
+    // used again next pass at the latest, where 8 is still to be used in this one.
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(4)));
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(3)));
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(2)));
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(8)));
 }
 
 #[test]
