@@ -81,4 +81,8 @@ fn scan_refuses_bad_arguments_with_a_message() {
     let output = scan(&["/etc/hostname", "--budget", "1K"]);
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("smaller than one block"));
+    // As the launcher and the shim: 0 to 16 install threads.
+    let output = scan(&["/etc/hostname", "--budget", "1M", "--install-threads", "17"]);
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not in 0..=16"));
 }

@@ -42,8 +42,12 @@ pub struct ScanArgs {
     #[arg(long, default_value_t = 1)]
     threads: u32,
     /// Threads installing prefetched reads beside the fault service thread.
-    #[arg(long, default_value_t = hyperoffload::pager::DEFAULT_INSTALL_THREADS)]
-    install_threads: usize,
+    #[arg(
+        long,
+        default_value_t = hyperoffload::pager::DEFAULT_INSTALL_THREADS as u16,
+        value_parser = clap::value_parser!(u16).range(0..=16)
+    )]
+    install_threads: u16,
     #[arg(long, value_enum, default_value_t = ScanPattern::Seq)]
     pattern: ScanPattern,
     #[arg(long, default_value_t = 1)]
@@ -78,7 +82,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
         .block_size(args.block)
         .queue_depth(args.queue_depth)
         .max_read(args.max_read)
-        .install_threads(args.install_threads)
+        .install_threads(usize::from(args.install_threads))
         .prefetch(args.prefetch.build())
         .eviction(args.eviction.build())
         .build()?;
