@@ -22,6 +22,18 @@ fn end_of(tensors: &[TensorInfo]) -> u64 {
     tensors.iter().map(|t| t.file_range.end).max().unwrap_or(0)
 }
 
+/// The graph of `tensors` over 4 KiB blocks, cut into extents of one block.
+fn one_block_extents(tensors: &[TensorInfo]) -> (ModelGraph, BlockLayout) {
+    let layout = BlockLayout::new(0, end_of(tensors), 4096).unwrap();
+    let options = BuildOptions {
+        max_extent_bytes: 4096,
+    };
+    (
+        ModelGraph::from_tensors_with(tensors, layout, options),
+        layout,
+    )
+}
+
 fn extent_names(graph: &ModelGraph) -> Vec<(String, u32, Range<u32>)> {
     graph
         .graph()
@@ -43,14 +55,7 @@ fn large_tensors_become_several_extents_and_neighbours_share_blocks() {
         ("blk.0.attn_q.weight", 10_000),
         ("blk.0.attn_k.weight", 1000),
     ]);
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
-    let graph = ModelGraph::from_tensors_with(
-        &tensors,
-        layout,
-        BuildOptions {
-            max_extent_bytes: 4096,
-        },
-    );
+    let (graph, _) = one_block_extents(&tensors);
     let extents = extent_names(&graph);
     // attn_q: 128..10128 in pieces of 4096: 128..4224, 4224..8320, 8320..10128.
     assert_eq!(
@@ -259,16 +264,9 @@ fn the_lag_guard_is_the_largest_step_and_zero_when_learned() {
         ("blk.0.attn_q.weight", 40_000),
         ("blk.0.attn_k.weight", 8_000),
     ]);
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
     // Cut into extents of one block: the guard still spans the whole tensor, since
     // threads split a tensor's rows, not its extents.
-    let graph = ModelGraph::from_tensors_with(
-        &tensors,
-        layout,
-        BuildOptions {
-            max_extent_bytes: 4096,
-        },
-    );
+    let (graph, layout) = one_block_extents(&tensors);
     // attn_q: bytes 128..40128, blocks 0..10.
     assert_eq!(graph.lag_guard(), 10);
     let learned = ModelGraph::from_pass(layout, &[0, 1, 2, 3]);
