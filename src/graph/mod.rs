@@ -270,7 +270,7 @@ impl ModelGraph {
 
     /// Positions behind the program's latest fault that it may still be reading: the
     /// largest step of the order (a tensor) in blocks; 0 for a learned graph, which knows
-    /// no tensors. Threads split each step's rows between them and fault at different
+    /// no tensors (the graph policies then use the lag they observe). Threads split each step's rows between them and fault at different
     /// offsets in it, and the latest fault may come from the one ahead. Eviction treats
     /// these positions as still in use: every block behind the program costs one read on
     /// the next pass wherever it lies, so preferring older ones costs nothing, and it

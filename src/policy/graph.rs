@@ -37,6 +37,10 @@ struct Progress {
     cursor: u32,
     /// Per block of the graph: resident and evictable, as the eviction side knows it.
     resident: Vec<bool>,
+    /// The farthest a fault has landed a little behind the cursor (at most a sixteenth
+    /// of the order, as in `progress_steps`): how far threads sharing a step lag behind
+    /// the one ahead, as observed.
+    lag_seen: u32,
 }
 
 impl GraphPrediction {
@@ -48,6 +52,7 @@ impl GraphPrediction {
                 regions: Vec::new(),
                 cursor: 0,
                 resident: vec![false; blocks],
+                lag_seen: 0,
             }),
         })
     }
@@ -107,9 +112,23 @@ impl Progress {
         if !self.bound(block.region) {
             return None;
         }
-        let position = graph.order().next_position(block.index, self.cursor)?;
+        let order = graph.order();
+        let position = order.next_position(block.index, self.cursor)?;
+        let behind = order.distance(position, self.cursor);
+        if behind > 0
+            && behind <= order.len() / 16
+            && behind < order.distance(self.cursor, position)
+        {
+            self.lag_seen = self.lag_seen.max(behind);
+        }
         self.cursor = position;
         Some(position)
+    }
+
+    /// Positions behind the cursor that a lagging thread may still be reading: the
+    /// graph's bound when it knows the model's steps, else the lag observed.
+    fn lag_guard(&self, graph: &ModelGraph) -> u32 {
+        graph.lag_guard().max(self.lag_seen)
     }
 }
 
@@ -523,7 +542,8 @@ impl EvictionPolicy for GraphEviction {
             return Some(block);
         }
         let cursor = progress.cursor;
-        let (block, distance) = self.furthest(cursor, prediction.graph.lag_guard())?;
+        let guard = progress.lag_guard(&prediction.graph);
+        let (block, distance) = self.furthest(cursor, guard)?;
         if kind == ReadKind::Prefetch {
             // A speculative read only displaces a block needed later than itself; an
             // unpredicted incoming block displaces nothing predicted.

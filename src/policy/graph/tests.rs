@@ -77,6 +77,22 @@ fn blocks_a_lagging_thread_may_still_read_are_evicted_last() {
 }
 
 #[test]
+fn without_a_bound_from_the_model_the_observed_lag_guards() {
+    let pass: Vec<u32> = (0..64).collect();
+    let (_, mut eviction) = policies(&pass, 64);
+    for i in 0..10 {
+        eviction.inserted(b(i));
+    }
+    // Two threads: one faults at 10, the other 3 blocks behind it, then the first goes on.
+    eviction.touched(&fault(10, 0));
+    eviction.touched(&fault(7, 1));
+    eviction.touched(&fault(11, 2));
+    // 8, 9 and 10 lie within the observed lag of 11: older blocks go first.
+    assert_eq!(eviction.victim(b(12), ReadKind::Demand), Some(b(7)));
+    assert_eq!(eviction.victim(b(12), ReadKind::Demand), Some(b(6)));
+}
+
+#[test]
 fn a_prefetch_never_displaces_a_block_needed_sooner() {
     let pass: Vec<u32> = (0..10).collect();
     let (_, mut eviction) = policies(&pass, 10);
