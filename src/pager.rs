@@ -56,6 +56,7 @@ pub fn default_demand_spin_min_reads() -> u32 {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (2 * cores + 1) as u32
 }
+
 /// Install workers beside the fault service thread (see `PagerBuilder::install_threads`).
 /// Measured on two cores: llama-bench tg8 on a 3 GiB model at a 50 % budget, nice -10,
 /// 1.27 tok/s with none, 1.35 with one, 1.44 with two; `cargo bench --bench scan`, cold

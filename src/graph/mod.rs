@@ -190,14 +190,13 @@ impl ModelGraph {
             })
             .max()
             .unwrap_or(0);
-        let mut built = Self::finish(
+        Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
             graph,
             order,
-        );
-        built.lag_guard = lag_guard;
-        built
+            lag_guard,
+        )
     }
 
     /// Builds the graph learned from observed block transitions, with no model
@@ -221,7 +220,7 @@ impl ModelGraph {
             }
         }
         let order = CyclicOrder::from_sequence(transitions.cyclic_order(), block_count);
-        Self::finish(layout, GraphSource::Learned, graph, order)
+        Self::finish(layout, GraphSource::Learned, graph, order, 0)
     }
 
     /// A graph of single blocks whose predicted order is exactly `pass` (one token's
@@ -243,6 +242,7 @@ impl ModelGraph {
         source: GraphSource,
         graph: DiGraph<Node, f64>,
         order: CyclicOrder,
+        lag_guard: u32,
     ) -> Self {
         let edges: Vec<(usize, usize, f64)> = graph
             .raw_edges()
@@ -264,14 +264,15 @@ impl ModelGraph {
             node_rank,
             block_rank,
             order,
-            lag_guard: 0,
+            lag_guard,
         }
     }
 
     /// Positions behind the program's latest fault that it may still be reading: the
-    /// largest step of the order (a tensor) in blocks; 0 for a learned graph, which knows
-    /// no tensors (the graph policies then use the lag they observe). Threads split each step's rows between them and fault at different
-    /// offsets in it, and the latest fault may come from the one ahead. Eviction treats
+    /// largest step of the order (a tensor) in blocks; 0 for a learned graph, which
+    /// knows no tensors (the graph policies then use the lag they observe). Threads
+    /// split each step's rows between them and fault at different offsets in it, and
+    /// the latest fault may come from the one ahead. Eviction treats
     /// these positions as still in use: every block behind the program costs one read on
     /// the next pass wherever it lies, so preferring older ones costs nothing, and it
     /// spares the lagging thread a demand read of a block evicted under it.

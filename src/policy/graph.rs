@@ -37,9 +37,8 @@ struct Progress {
     cursor: u32,
     /// Per block of the graph: resident and evictable, as the eviction side knows it.
     resident: Vec<bool>,
-    /// The farthest a fault has landed a little behind the cursor (at most a sixteenth
-    /// of the order, as in `progress_steps`): how far threads sharing a step lag behind
-    /// the one ahead, as observed.
+    /// The farthest a fault has landed a little behind the cursor (`lag_behind`): how
+    /// far threads sharing a step lag behind the one ahead, as observed.
     lag_seen: u32,
 }
 
@@ -114,11 +113,7 @@ impl Progress {
         }
         let order = graph.order();
         let position = order.next_position(block.index, self.cursor)?;
-        let behind = order.distance(position, self.cursor);
-        if behind > 0
-            && behind <= order.len() / 16
-            && behind < order.distance(self.cursor, position)
-        {
+        if let Some(behind) = lag_behind(order, self.cursor, position) {
             self.lag_seen = self.lag_seen.max(behind);
         }
         self.cursor = position;
@@ -304,13 +299,19 @@ impl PrefetchPolicy for GraphPrefetch {
 /// faults in one 8-token llama-bench run at half the model, and about 20 % more bytes
 /// read per token.
 fn progress_steps(order: &CyclicOrder, from: u32, to: u32) -> u64 {
+    match lag_behind(order, from, to) {
+        Some(_) => 0,
+        None => order.distance(from, to) as u64,
+    }
+}
+
+/// How far a fault at `to` lies behind the previous one at `from`, when it is a little
+/// behind (at most a sixteenth of the order, and nearer backwards than forwards): a
+/// thread lagging behind the one that faulted before it.
+fn lag_behind(order: &CyclicOrder, from: u32, to: u32) -> Option<u32> {
     let forward = order.distance(from, to);
     let backward = order.distance(to, from);
-    if backward < forward && backward <= order.len() / 16 {
-        0
-    } else {
-        forward as u64
-    }
+    (backward > 0 && backward < forward && backward <= order.len() / 16).then_some(backward)
 }
 
 fn prev_power_of_two(n: u64) -> u64 {
