@@ -201,27 +201,38 @@ fn main() {
             record(name, mbs, &mut seq);
         }
         let workers = hyperoffload::pager::DEFAULT_INSTALL_THREADS;
-        for (block, install_threads) in [
-            (4 << 10, 0),
-            (4 << 10, workers),
-            (64 << 10, workers),
-            (1 << 20, workers),
+        for (block, install_threads, zero_copy) in [
+            (4 << 10, 0, false),
+            (4 << 10, workers, false),
+            (64 << 10, workers, false),
+            (1 << 20, workers, false),
+            (2 << 20, workers, false),
+            (2 << 20, workers, true),
         ] {
             hyperoffload::device::drop_page_cache();
             let pager = Pager::builder()
                 .budget(budget)
                 .block_size(block)
                 .install_threads(install_threads)
+                .zero_copy(zero_copy)
                 .prefetch(PrefetchKind::Readahead.build())
                 .build()
                 .unwrap();
+            assert_eq!(
+                pager.stats().zero_copy,
+                zero_copy,
+                "{:?}",
+                pager.stats().zero_copy_refused
+            );
             let region = pager.map_file(&path, MapOptions::default()).unwrap();
             let mbs = sequential_scan(region.as_slice());
+            let install = if zero_copy {
+                "zero copy".to_string()
+            } else {
+                format!("copy, {install_threads} install threads")
+            };
             record(
-                &format!(
-                    "pager readahead, block {}, {install_threads} install threads",
-                    format_size(block)
-                ),
+                &format!("pager readahead, block {}, {install}", format_size(block)),
                 mbs,
                 &mut seq,
             );

@@ -18,6 +18,7 @@ pub mod policy;
 pub mod policy_name;
 pub mod ring;
 mod service;
+pub mod shared_store;
 pub mod shim_config;
 pub mod sim;
 pub mod size;

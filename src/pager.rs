@@ -19,8 +19,10 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use thiserror::Error;
-use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
+
+use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
@@ -31,6 +33,7 @@ use crate::policy::{
 };
 use crate::ring::RingError;
 use crate::service::{FaultService, ReadInjection, ServiceConfig, ServiceFaults};
+use crate::shared_store::{HugeTmpfs, SharedStore, HUGE_PAGE};
 use crate::stats::Stats;
 use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
@@ -119,6 +122,8 @@ pub enum MapError {
     Writable,
     #[error("cannot reserve {len} bytes of address space: {source}")]
     Reserve { len: u64, source: std::io::Error },
+    #[error("cannot create the region's {len}-byte page store in the huge-page tmpfs: {source}")]
+    Store { len: u64, source: std::io::Error },
     #[error("cannot register the region with userfaultfd: {0}")]
     Register(String),
     #[error("the fault service has stopped")]
@@ -184,6 +189,7 @@ pub struct PagerBuilder {
     demand_spin_min_reads: u32,
     install_threads: usize,
     thread_nice: i32,
+    zero_copy: bool,
     faults: ServiceFaults,
 }
 
@@ -203,6 +209,7 @@ impl Default for PagerBuilder {
             demand_spin_min_reads: default_demand_spin_min_reads(),
             install_threads: DEFAULT_INSTALL_THREADS,
             thread_nice: DEFAULT_THREAD_NICE,
+            zero_copy: false,
             faults: ServiceFaults::default(),
         }
     }
@@ -313,6 +320,19 @@ impl PagerBuilder {
 
     /// Records every fault (time, thread, block, outcome, latency), keeping at most
     /// `limit` of them; `Pager::take_trace` hands them over.
+    /// Whether to install blocks without copying them when the blocks are whole huge
+    /// pages (a multiple of 2 MiB): regions then map a file of a private huge-page
+    /// tmpfs, reads land in its pages and UFFDIO_CONTINUE maps them (see
+    /// `shared_store`). Off by default: on this project's test machine (a VM whose
+    /// freed memory goes back to the host) clearing the fresh huge page each read needs
+    /// costs about what the copy saves (see the README). Used only when the blocks
+    /// allow it and the process may create the mount (CAP_SYS_ADMIN), else blocks are
+    /// copied in and `Stats::zero_copy_refused` says why.
+    pub fn zero_copy(mut self, on: bool) -> Self {
+        self.zero_copy = on;
+        self
+    }
+
     pub fn trace(mut self, limit: usize) -> Self {
         self.trace_limit = limit;
         self
@@ -339,7 +359,39 @@ impl PagerBuilder {
         if self.queue_depth == 0 {
             return Err(PagerError::BadQueueDepth);
         }
-        let uffd = Arc::new(create_uffd()?);
+        let (tmpfs, zero_copy_refused) = if !self.zero_copy {
+            (None, Some("turned off".to_string()))
+        } else if self.block_size % HUGE_PAGE != 0 {
+            (
+                None,
+                Some(format!(
+                    "blocks of {} bytes are not whole 2 MiB pages",
+                    self.block_size
+                )),
+            )
+        } else {
+            match HugeTmpfs::new() {
+                Ok(tmpfs) => (Some(tmpfs), None),
+                Err(error) => (
+                    None,
+                    Some(format!(
+                        "cannot create a huge-page tmpfs ({error}; needs CAP_SYS_ADMIN)"
+                    )),
+                ),
+            }
+        };
+        let (uffd, tmpfs, zero_copy_refused) = match tmpfs {
+            Some(tmpfs) => match create_uffd(uffd_ext::FEATURE_MINOR_SHMEM) {
+                Ok(uffd) => (uffd, Some(tmpfs), None),
+                Err(error) => (
+                    create_uffd(0)?,
+                    None,
+                    Some(format!("userfaultfd lacks minor faults on shmem ({error})")),
+                ),
+            },
+            None => (create_uffd(0)?, None, zero_copy_refused),
+        };
+        let uffd = Arc::new(uffd);
         let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
         let shared = Arc::new(Shared {
             commands: Mutex::new(VecDeque::new()),
@@ -366,6 +418,7 @@ impl PagerBuilder {
                 demand_spin: self.demand_spin,
                 demand_spin_min_reads: self.demand_spin_min_reads,
                 thread_nice: self.thread_nice,
+                zero_copy_refused,
                 faults: self.faults,
             },
             uffd.clone(),
@@ -386,12 +439,14 @@ impl PagerBuilder {
                 next_region: AtomicU32::new(0),
                 budget: self.budget,
                 block_size: self.block_size,
+                tmpfs,
             }),
         })
     }
 }
 
-fn create_uffd() -> Result<Uffd, PagerError> {
+/// The pager's userfaultfd, with `extra` features beside those always needed.
+fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
     let build = |features: u64| {
         UffdBuilder::new()
             .close_on_exec(true)
@@ -402,7 +457,7 @@ fn create_uffd() -> Result<Uffd, PagerError> {
             .require_features(FeatureFlags::from_bits_retain(features))
             .create()
     };
-    match build(FeatureFlags::THREAD_ID.bits() | uffd_ext::FEATURE_POISON) {
+    match build(FeatureFlags::THREAD_ID.bits() | uffd_ext::FEATURE_POISON | extra) {
         Ok(uffd) => Ok(uffd),
         Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
             PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),
@@ -442,6 +497,8 @@ pub(crate) enum Command {
         file: BackingFile,
         /// File offset of the region's first byte.
         file_offset: u64,
+        /// Where its pages live when installed without copying.
+        store: Option<SharedStore>,
         reply: SyncSender<()>,
     },
     RemoveRegion {
@@ -527,6 +584,8 @@ struct PagerInner {
     next_region: AtomicU32,
     budget: u64,
     block_size: u64,
+    /// Where regions keep their pages when blocks are installed without copying.
+    tmpfs: Option<HugeTmpfs>,
 }
 
 impl Drop for PagerInner {
@@ -623,11 +682,32 @@ impl Pager {
         if map_len < needed {
             return Err(MapError::MapTooShort { map_len, needed });
         }
-        let mapping = Mapping::reserve(map_len as usize, options.prot)?;
+        let (mapping, store) = match &self.inner.tmpfs {
+            None => (
+                Mapping::reserve(map_len as usize, options.prot, None)?,
+                None,
+            ),
+            Some(tmpfs) => {
+                let store_error = |source| MapError::Store {
+                    len: map_len,
+                    source,
+                };
+                let file = tmpfs.create_file(map_len).map_err(store_error)?;
+                let mapping = Mapping::reserve(map_len as usize, options.prot, Some(&file))?;
+                let store = SharedStore::new(file, map_len as usize).map_err(store_error)?;
+                (mapping, Some(store))
+            }
+        };
+        // Minor faults too with a store: a page already in it (being read, or read ahead
+        // and held back) must not be mapped before the service says so.
+        let mode = match store {
+            Some(_) => RegisterMode::MISSING | RegisterMode::MINOR,
+            None => RegisterMode::MISSING,
+        };
         // SAFETY: registers exactly the mapping just reserved, which this region owns.
         self.inner
             .uffd
-            .register(mapping.base as *mut libc::c_void, mapping.len)
+            .register_with_mode(mapping.base as *mut libc::c_void, mapping.len, mode)
             .map_err(|error| MapError::Register(format!("{error:?}")))?;
         let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
         let layout = RegionLayout::new(len, map_len, self.inner.block_size, page);
@@ -638,6 +718,7 @@ impl Pager {
             layout,
             file,
             file_offset: options.offset,
+            store,
             reply,
         });
         answer.recv().map_err(|_| MapError::ServiceGone)?;
@@ -661,24 +742,21 @@ struct Mapping {
 }
 
 impl Mapping {
-    fn reserve(len: usize, prot: i32) -> Result<Self, MapError> {
+    /// Reserves `len` bytes: anonymous memory, or a shared mapping of a store file.
+    fn reserve(len: usize, prot: i32, store: Option<&OwnedFd>) -> Result<Self, MapError> {
         let reserve_error = |source| MapError::Reserve {
             len: len as u64,
             source,
         };
-        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
-        // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
-        let base = unsafe {
-            sys::mmap(
-                0,
-                len,
-                prot,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        }
-        .map_err(reserve_error)?;
+        let (flags, fd) = match store {
+            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
+            Some(file) => (libc::MAP_SHARED, file.as_raw_fd()),
+        };
+        // SAFETY: a fresh mapping at a kernel-chosen address touches no existing memory;
+        // a store file is this pager's own. MAP_NORESERVE: the budget, not swap
+        // accounting, bounds it.
+        let base = unsafe { sys::mmap(0, len, prot, flags | libc::MAP_NORESERVE, fd, 0) }
+            .map_err(reserve_error)?;
         let mapping = Self {
             base,
             len,

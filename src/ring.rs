@@ -244,6 +244,30 @@ impl<Tag> ReadRing<Tag> {
         self.push(&entry)
     }
 
+    /// Starts a read of `len` bytes at file `offset` into memory the caller owns at
+    /// `dest` (a region's page store), instead of `slot`'s buffer. The slot stays
+    /// checked out, carrying `tag`, until `checkin`.
+    ///
+    /// # Safety
+    /// `dest..dest + len` must stay mapped, writable and unused by anything else until
+    /// the read's completion is reaped.
+    pub unsafe fn read_into(
+        &mut self,
+        slot: u32,
+        fd: RawFd,
+        offset: u64,
+        dest: *mut u8,
+        len: usize,
+        tag: Tag,
+    ) -> Result<(), RingError> {
+        let entry = opcode::Read::new(types::Fd(fd), dest, len as u32)
+            .offset(offset)
+            .build()
+            .user_data(slot as u64);
+        self.tags[slot as usize] = Some(tag);
+        self.push(&entry)
+    }
+
     /// Watches `fd` for readability with a multishot poll; completions carry `token`.
     pub fn watch(&mut self, fd: RawFd, token: u32) -> Result<(), RingError> {
         let entry = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
@@ -257,7 +281,8 @@ impl<Tag> ReadRing<Tag> {
         loop {
             // SAFETY: a read entry points into a buffer of `self.buffers`, which is
             // neither freed nor handed out again until its completion is reaped and the
-            // slot checked in; poll entries reference no memory.
+            // slot checked in, or into memory `read_into`'s caller keeps for it; poll
+            // entries reference no memory.
             if unsafe { self.ring.submission().push(entry) }.is_ok() {
                 return Ok(());
             }

@@ -23,7 +23,10 @@ use std::time::Instant;
 use userfaultfd::{Event, EventBuffer, Uffd};
 
 use crate::file::BackingFile;
-use crate::installer::{install, raise_priority, InstallError, InstallJob, InstallPool, Installed};
+use crate::installer::{
+    install, map_stored, raise_priority, InstallError, InstallJob, InstallPool, Installed,
+    MapStoredError,
+};
 use crate::layout::{outside_holes, FaultLocator, Location, RegionLayout};
 use crate::pager::{Command, HintError, Shared};
 use crate::policy::{
@@ -31,6 +34,7 @@ use crate::policy::{
     ReadKind, RegionId, RegionInfo,
 };
 use crate::ring::{Completion, ReadRing, RingError};
+use crate::shared_store::SharedStore;
 use crate::stash::Stash;
 use crate::stats::{LatencyHistogram, Stats};
 use crate::trace::TraceRecord;
@@ -44,6 +48,8 @@ const TOKEN_INSTALLED: u32 = 2;
 const DIRECT_IO_ALIGN: u64 = 4096;
 /// Most prefetch requests held waiting for a free read slot.
 const MAX_QUEUED_PREFETCH: usize = 1 << 16;
+/// The stash index of a staged marker whose bytes wait in its region's store.
+const IN_STORE: u32 = u32::MAX;
 
 /// Makes reads overlapping `file_range` fail with `errno` (tests of the error path).
 #[derive(Debug, Clone)]
@@ -79,6 +85,8 @@ pub(crate) struct ServiceConfig {
     pub demand_spin_min_reads: u32,
     /// Nice value asked for the service and install threads.
     pub thread_nice: i32,
+    /// Why blocks are copied rather than mapped from a store (None: they are mapped).
+    pub zero_copy_refused: Option<String>,
     pub faults: ServiceFaults,
 }
 
@@ -88,8 +96,9 @@ enum BlockState {
     /// Waiting in the demand or prefetch queue for a read slot.
     Queued,
     Reading,
-    /// Read and held in the stash until the program faults on it (a prefetch marker);
-    /// its bytes stay reserved in the budget meanwhile.
+    /// Read and held in the stash (or, with a store, in the store but not mapped)
+    /// until the program faults on it (a prefetch marker); its bytes stay reserved in
+    /// the budget meanwhile.
     Staged {
         stash: u32,
     },
@@ -116,6 +125,8 @@ struct RegionEntry {
     /// Ranges (region offsets) the program unmapped: never installed into or dropped,
     /// since something else may be mapped there now.
     holes: Vec<Range<u64>>,
+    /// With zero copy: the file the region maps, which reads land in.
+    store: Option<SharedStore>,
 }
 
 impl RegionEntry {
@@ -296,6 +307,8 @@ impl FaultService {
             queue_depth: config.queue_depth,
             install_threads: installs.as_ref().map_or(0, |pool| pool.threads() as u32),
             direct_io: true,
+            zero_copy: config.zero_copy_refused.is_none(),
+            zero_copy_refused: config.zero_copy_refused.clone(),
             ..Stats::default()
         };
         Ok(Self {
@@ -521,6 +534,28 @@ impl FaultService {
             outcome,
         };
         let outcome = match region.blocks[index as usize] {
+            BlockState::Resident if region.store.is_some() => {
+                // A minor fault: the install raced with it, or the program dropped the
+                // page's mapping (MADV_DONTNEED on a shared mapping keeps the page).
+                match map_stored(&self.uffd, page_addr, page, page) {
+                    Ok(()) => FaultOutcome::Resident,
+                    Err(MapStoredError::NotStored { .. }) => {
+                        // Gone from the store after all: read it again.
+                        self.resident -= region.layout.block_bytes(index);
+                        if !region.pinned[index as usize] {
+                            self.eviction.removed(block);
+                        }
+                        region.blocks[index as usize] = BlockState::Queued;
+                        self.waiters
+                            .entry(block)
+                            .or_default()
+                            .push(waiter(FaultOutcome::Missing));
+                        self.demand.push_back(block);
+                        FaultOutcome::Missing
+                    }
+                    Err(error) => return Err(InstallError::MapStored(error).into()),
+                }
+            }
             BlockState::Resident => {
                 // The fault raced with the install that already woke it.
                 let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
@@ -793,6 +828,16 @@ impl FaultService {
     /// Drops the pages of a run of blocks (region offsets), skipping unmapped parts.
     fn discard_run(&self, (id, start, end): (RegionId, u64, u64)) -> Result<(), ServiceError> {
         let region = self.regions.get(&id).expect("a run of a live region");
+        if let Some(store) = &region.store {
+            // Punching the store unmaps the pages from the region too; parts the program
+            // unmapped are no longer ours and are not touched.
+            return store
+                .punch(start, end)
+                .map_err(|error| ServiceError::Evict {
+                    addr: region.base + start as usize,
+                    error,
+                });
+        }
         for part in region.mapped_parts(start..end) {
             discard_pages(part.start, part.end)?;
         }
@@ -824,27 +869,30 @@ impl FaultService {
         region.reads_in_flight += 1;
         let file_offset = region.file_offset + start;
         let fd = region.file.read_fd();
-        self.ring.read(
-            slot,
-            fd,
+        let tag = ReadTag {
+            region: first.region,
+            first: first.index,
+            count,
             file_offset,
-            0,
             len,
-            ReadTag {
-                region: first.region,
-                first: first.index,
-                count,
-                file_offset,
-                len,
-                valid,
-                done: 0,
-                attempts: 1,
-                submitted_ns: now,
-                reserved,
-                install,
-                prefetch,
-            },
-        )?;
+            valid,
+            done: 0,
+            attempts: 1,
+            submitted_ns: now,
+            reserved,
+            install,
+            prefetch,
+        };
+        match &region.store {
+            // SAFETY: the store's view stays mapped while the region entry lives, which
+            // is until its last read completes; a block being read is not installed,
+            // punched or read by anything else until then.
+            Some(store) => unsafe {
+                self.ring
+                    .read_into(slot, fd, file_offset, store.alias(start), len, tag)
+            }?,
+            None => self.ring.read(slot, fd, file_offset, 0, len, tag)?,
+        }
         if prefetch {
             self.prefetch_reads_in_flight += 1;
         } else {
@@ -869,7 +917,7 @@ impl FaultService {
             result = result.min(asked / 2).max(1);
             // What the shortened read did not deliver must not be in the buffer either.
             let (from, to) = (done + result as usize, done + full);
-            self.ring.buffer_mut(slot)[from..to].fill(0xEE);
+            self.landing(slot)[from..to].fill(0xEE);
         }
         if let Some(injection) = &self.config.injection {
             let tag = self.ring.tag(slot).expect("checked above");
@@ -938,6 +986,10 @@ impl FaultService {
             tag.done,
             tag.len - tag.done,
         );
+        let dest = region.store.as_ref().map(|store| {
+            let start = tag.first as u64 * region.layout.block_size;
+            store.alias(start).wrapping_add(done)
+        });
         let tag = self
             .ring
             .checkin(slot)
@@ -945,8 +997,31 @@ impl FaultService {
         // Re-checking out the same slot cannot fail: it was just returned.
         let again = self.ring.checkout()?.expect("a slot was just returned");
         debug_assert_eq!(again, slot);
-        self.ring.read(again, fd, offset, done, len, tag)?;
+        match dest {
+            // SAFETY: as in `start_read`: the rest of the same block range of the store.
+            Some(dest) => unsafe { self.ring.read_into(again, fd, offset, dest, len, tag) }?,
+            None => self.ring.read(again, fd, offset, done, len, tag)?,
+        }
         Ok(())
+    }
+
+    /// The memory the read in `slot` lands in: its ring buffer, or its blocks in the
+    /// region's store. Only for a read that is not in flight.
+    fn landing(&mut self, slot: u32) -> &mut [u8] {
+        let tag = self.ring.tag(slot).expect("a read in the ring");
+        let (first, len) = (tag.first as u64, tag.len as u64);
+        let region = self.regions.get_mut(&tag.region);
+        match region.and_then(|region| {
+            let start = first * region.layout.block_size;
+            region.store.as_mut().map(|store| (store, start))
+        }) {
+            Some((store, start)) => {
+                // SAFETY: the read has completed (or not started), so nothing else
+                // writes the range, and the service is its only user meanwhile.
+                unsafe { store.bytes_mut(start, start + len) }
+            }
+            None => self.ring.buffer_mut(slot),
+        }
     }
 
     fn read_complete(&mut self, slot: u32) -> Result<(), ServiceError> {
@@ -961,14 +1036,38 @@ impl FaultService {
         }
         // Bytes past the end of the file in the last page read as zeros, as with mmap.
         let page = self.config.page_size as usize;
-        let tail = valid..valid.next_multiple_of(page).min(self.ring.buffer_len());
-        self.ring.buffer_mut(slot)[tail].fill(0);
+        let landing = self.landing(slot);
+        let tail = valid..valid.next_multiple_of(page).min(landing.len());
+        landing[tail].fill(0);
         self.read_latency.record_ns(elapsed);
         self.stats.bytes_read += valid as u64;
         self.stats.blocks_read += count as u64;
         let block = BlockRef::new(region_id, first);
         self.prefetch.read_completed(block, valid as u64, elapsed);
-        if install == Install::OnFault && !self.waiters.contains_key(&block) {
+        let staged_max = max_staged(self.config.queue_depth, self.config.block_size);
+        if install == Install::OnFault
+            && !self.waiters.contains_key(&block)
+            && self.regions[&region_id].store.is_some()
+            && self.staged.len() < staged_max
+        {
+            // With a store the marker's bytes are already where they will be mapped
+            // from: hold it back unmapped, and map it when the program faults on it.
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            let memory = region.layout.block_memory(first);
+            if let Some(store) = &region.store {
+                let _ = store.forget_view(memory.start, memory.end);
+            }
+            region.blocks[first as usize] = BlockState::Staged { stash: IN_STORE };
+            self.staged.push_back(block);
+            let reserved = self.ring.tag(slot).expect("completing").reserved;
+            self.finish_read(slot);
+            self.reserved += reserved;
+            return Ok(());
+        }
+        if install == Install::OnFault
+            && !self.waiters.contains_key(&block)
+            && self.regions[&region_id].store.is_none()
+        {
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let memory = region.layout.block_memory(first);
             let len = (memory.end - memory.start) as usize;
@@ -1041,6 +1140,12 @@ impl FaultService {
         // call installs them all.
         let start = region.layout.block_memory(first).start;
         let end = region.layout.block_memory(first + count - 1).end;
+        if region.store.is_some() {
+            map_store_range(&self.uffd, region, start..end, self.page())?;
+            let now = self.now_ns();
+            self.installed(slot, now);
+            return Ok(());
+        }
         let job = InstallJob {
             slot,
             source: self.ring.buffer(slot).as_ptr(),
@@ -1080,6 +1185,13 @@ impl FaultService {
     fn install_staged(&mut self, block: BlockRef, stash: u32) -> Result<(), ServiceError> {
         let region = &self.regions[&block.region];
         let memory = region.layout.block_memory(block.index);
+        if stash == IN_STORE {
+            map_store_range(&self.uffd, region, memory, self.page())?;
+            self.reserved -= region.layout.block_bytes(block.index);
+            let now = self.now_ns();
+            self.blocks_installed(block.region, block.index..block.index + 1, now);
+            return Ok(());
+        }
         // SAFETY: the stash buffer holds this block's bytes and is not reused until it is
         // released below; the region is live (staged blocks of a removed region are
         // discarded first).
@@ -1148,7 +1260,8 @@ impl FaultService {
             if region.blocks[index as usize] == BlockState::Unmapped {
                 // The program unmapped the whole block while it was read: nothing was
                 // installed, and it must never be evicted (something else may be
-                // mapped there by now).
+                // mapped there by now). What the read left in a store goes.
+                punch_store(region, region.layout.block_memory(index));
                 continue;
             }
             let bytes = region.layout.block_bytes(index);
@@ -1220,8 +1333,11 @@ impl FaultService {
         for index in first..first + count {
             let block = BlockRef::new(region_id, index);
             let waited = self.waiters.remove(&block);
+            let memory = region.layout.block_memory(index);
+            // What the failed read left in a store must not be mapped (a minor fault
+            // would find it): empty the block first.
+            punch_store(region, memory.clone());
             if waited.is_some() || region.pinned[index as usize] {
-                let memory = region.layout.block_memory(index);
                 for part in region.mapped_parts(memory) {
                     self.stats.poisoned_pages +=
                         poison_range(&self.uffd, part.start, part.end - part.start, page);
@@ -1288,7 +1404,12 @@ impl FaultService {
             if let BlockState::Staged { stash } = region.blocks[block.index as usize] {
                 region.blocks[block.index as usize] = BlockState::Missing;
                 self.reserved -= region.layout.block_bytes(block.index);
-                self.stash.release(stash);
+                if stash == IN_STORE {
+                    let memory = region.layout.block_memory(block.index);
+                    punch_store(region, memory);
+                } else {
+                    self.stash.release(stash);
+                }
             }
         }
     }
@@ -1327,6 +1448,7 @@ impl FaultService {
                 layout,
                 file,
                 file_offset,
+                store,
                 reply,
             } => {
                 let blocks = layout.block_count() as usize;
@@ -1340,6 +1462,7 @@ impl FaultService {
                     removed: false,
                     changed: false,
                     holes: Vec::new(),
+                    store,
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);
@@ -1473,9 +1596,12 @@ impl FaultService {
                         self.resident -= bytes;
                     }
                     region.blocks[index as usize] = to;
+                    let memory = region.layout.block_memory(index);
                     if to != BlockState::Unmapped {
-                        let memory = region.layout.block_memory(index);
                         self.discard_run((id, memory.start, memory.end))?;
+                    } else {
+                        // The program's munmap freed anonymous pages; a store keeps them.
+                        punch_store(region, memory);
                     }
                     self.stats.dropped_blocks += 1;
                 }
@@ -1595,6 +1721,32 @@ unsafe fn install_mapped(
         }?;
     }
     Ok(())
+}
+
+/// Maps the part of `range` (region offsets) the program still maps from the region's
+/// store (the zero-copy install).
+fn map_store_range(
+    uffd: &Uffd,
+    region: &RegionEntry,
+    range: Range<u64>,
+    page: usize,
+) -> Result<(), InstallError> {
+    let store = region.store.as_ref().expect("a region with a store");
+    for part in region.mapped_parts(range.clone()) {
+        map_stored(uffd, part.start, part.end - part.start, page)
+            .map_err(InstallError::MapStored)?;
+    }
+    // The service's view of the pages is no longer needed: the region maps them now.
+    let _ = store.forget_view(range.start, range.end);
+    Ok(())
+}
+
+/// Frees `range` (region offsets) of the region's store, if it has one. Best effort: a
+/// failure only leaves memory in use until the region goes.
+fn punch_store(region: &RegionEntry, range: Range<u64>) {
+    if let Some(store) = &region.store {
+        let _ = store.punch(range.start, range.end);
+    }
 }
 
 /// Most markers held back at once: one per queue slot, within 4 MiB of stash.

@@ -10,6 +10,7 @@
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
 //! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (4K) |
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
+//! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in (see `PagerBuilder::zero_copy`) | `0` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
@@ -28,6 +29,7 @@ pub const ENV_MIN_SIZE: &str = "HYPEROFFLOAD_MIN_SIZE";
 pub const ENV_POLICY: &str = "HYPEROFFLOAD_POLICY";
 pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
 pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
+pub const ENV_ZERO_COPY: &str = "HYPEROFFLOAD_ZERO_COPY";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
@@ -41,6 +43,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_POLICY,
     ENV_BLOCK,
     ENV_INSTALL_THREADS,
+    ENV_ZERO_COPY,
     ENV_STATS,
     ENV_TRACE,
     ENV_VERBOSE,
@@ -128,6 +131,7 @@ pub struct ShimConfig {
     pub policy: String,
     pub block_size: Option<u64>,
     pub install_threads: Option<usize>,
+    pub zero_copy: bool,
     pub stats_path: Option<PathBuf>,
     pub trace_path: Option<PathBuf>,
     pub verbose: bool,
@@ -144,6 +148,7 @@ impl ShimConfig {
             policy: DEFAULT_POLICY.to_string(),
             block_size: None,
             install_threads: None,
+            zero_copy: false,
             stats_path: None,
             trace_path: None,
             verbose: false,
@@ -231,6 +236,7 @@ impl ShimConfig {
                 Some(value) => Ok(Some(PathBuf::from(value))),
             }
         };
+        config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
         config.stats_path = path(ENV_STATS)?;
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
@@ -247,6 +253,7 @@ impl ShimConfig {
             (ENV_POLICY, self.policy.clone()),
             (ENV_VERBOSE, u8::from(self.verbose).to_string()),
             (ENV_INHERIT, u8::from(self.inherit).to_string()),
+            (ENV_ZERO_COPY, u8::from(self.zero_copy).to_string()),
         ];
         if let Some(block) = self.block_size {
             env.push((ENV_BLOCK, block.to_string()));
@@ -353,6 +360,7 @@ mod tests {
         config.trace_path = Some("/tmp/t.jsonl".into());
         config.verbose = true;
         config.inherit = true;
+        config.zero_copy = true;
         let env: HashMap<String, String> = config
             .to_env()
             .into_iter()

@@ -107,6 +107,11 @@ pub struct Stats {
     pub direct_io: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub direct_io_fallback: Option<String>,
+    /// Whether blocks are installed without copying (UFFDIO_CONTINUE of pages read into
+    /// a huge-page tmpfs store); when not, why.
+    pub zero_copy: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_copy_refused: Option<String>,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

@@ -10,6 +10,9 @@ use nix::errno::Errno;
 /// `UFFD_FEATURE_POISON`: lets `UFFDIO_POISON` be used on the registered ranges.
 pub const FEATURE_POISON: u64 = 1 << 14;
 
+/// `UFFD_FEATURE_MINOR_SHMEM`: minor-fault mode (and UFFDIO_CONTINUE) on shmem ranges.
+pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
+
 const UFFDIO: u8 = 0xAA;
 const NR_POISON: u8 = 0x08;
 

@@ -110,16 +110,46 @@ fn run_readers(
     random_reads: u32,
     path: &std::path::Path,
 ) {
+    run_readers_with(
+        file_len,
+        budget,
+        block,
+        patterns,
+        check,
+        random_reads,
+        path,
+        false,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_readers_with(
+    file_len: u64,
+    budget: u64,
+    block: u64,
+    patterns: &[Pattern],
+    check: Check,
+    random_reads: u32,
+    path: &std::path::Path,
+    zero_copy: bool,
+) {
     for prefetch in [PrefetchKind::Readahead, PrefetchKind::None] {
         let Some(pager) = pager_or_skip(
             Pager::builder()
                 .budget(budget)
                 .block_size(block)
+                .zero_copy(zero_copy)
                 .prefetch(prefetch.build())
                 .eviction(EvictionKind::Fifo.build()),
         ) else {
             return;
         };
+        let stats = pager.stats();
+        assert_eq!(
+            stats.zero_copy, zero_copy,
+            "zero copy not as asked: {:?}",
+            stats.zero_copy_refused
+        );
         let region = Arc::new(pager.map_file(path, MapOptions::default()).unwrap());
         assert_eq!(region.len() as u64, file_len);
         announce_region(region.as_ptr() as usize);
@@ -217,6 +247,32 @@ fn each_pattern_alone_with_eight_threads() {
             );
         }
     });
+}
+
+#[test]
+fn zero_copy_regions_see_the_files_bytes_within_the_budget() {
+    // Blocks are whole huge pages; the file ends mid-page, and its last block is short.
+    let len = (40 << 20) + 4097;
+    let budget = 10 << 20;
+    sampled(
+        "zero_copy_regions_see_the_files_bytes_within_the_budget",
+        budget,
+        || {
+            let dir = TempDir::new("zero-copy");
+            let path = dir.path("model.bin");
+            pattern_file(&path, len);
+            run_readers_with(
+                len,
+                budget,
+                2 << 20,
+                &MIXED,
+                Check::Every,
+                2000,
+                &path,
+                true,
+            );
+        },
+    );
 }
 
 #[test]

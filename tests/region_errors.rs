@@ -15,14 +15,25 @@ fn pager() -> Option<Pager> {
 
 #[test]
 fn a_read_error_reaches_the_faulting_thread_as_sigbus() {
+    read_error_raises_sigbus("a_read_error_reaches_the_faulting_thread_as_sigbus", false);
+}
+
+#[test]
+fn a_read_error_raises_sigbus_without_copying_too() {
+    read_error_raises_sigbus("a_read_error_raises_sigbus_without_copying_too", true);
+}
+
+fn read_error_raises_sigbus(test: &str, zero_copy: bool) {
     if is_child() {
         let path = std::env::var("TEST_FILE").unwrap();
-        let pager = pager_or_skip(
-            Pager::builder()
-                .budget(4 << 20)
-                .inject_read_error(5 << 20..(5 << 20) + 1, libc::EIO),
-        )
-        .unwrap();
+        let mut builder = Pager::builder()
+            .budget(4 << 20)
+            .inject_read_error(5 << 20..(5 << 20) + 1, libc::EIO);
+        if zero_copy {
+            builder = builder.block_size(2 << 20).zero_copy(true);
+        }
+        let pager = pager_or_skip(builder).unwrap();
+        assert_eq!(pager.stats().zero_copy, zero_copy);
         let region = pager
             .map_file(path.as_ref(), MapOptions::default())
             .unwrap();
@@ -36,7 +47,7 @@ fn a_read_error_reaches_the_faulting_thread_as_sigbus() {
     let path = dir.path("f.bin");
     pattern_file(&path, 8 << 20);
     let status = run_child(
-        "a_read_error_reaches_the_faulting_thread_as_sigbus",
+        test,
         &[("TEST_FILE", path.display().to_string())],
         Duration::from_secs(60),
     );
@@ -49,9 +60,28 @@ fn a_read_error_reaches_the_faulting_thread_as_sigbus() {
 
 #[test]
 fn a_whole_page_past_the_end_of_the_file_raises_sigbus() {
+    past_the_end_raises_sigbus("a_whole_page_past_the_end_of_the_file_raises_sigbus", false);
+}
+
+#[test]
+fn past_the_end_raises_sigbus_without_copying_too() {
+    past_the_end_raises_sigbus("past_the_end_raises_sigbus_without_copying_too", true);
+}
+
+fn past_the_end_raises_sigbus(test: &str, zero_copy: bool) {
     if is_child() {
         let path = std::env::var("TEST_FILE").unwrap();
-        let pager = pager().unwrap();
+        let pager = match zero_copy {
+            false => pager().unwrap(),
+            true => pager_or_skip(
+                Pager::builder()
+                    .budget(4 << 20)
+                    .block_size(2 << 20)
+                    .zero_copy(true),
+            )
+            .unwrap(),
+        };
+        assert_eq!(pager.stats().zero_copy, zero_copy);
         let region = pager
             .map_file(
                 path.as_ref(),
@@ -76,7 +106,7 @@ fn a_whole_page_past_the_end_of_the_file_raises_sigbus() {
     let path = dir.path("f.bin");
     pattern_file(&path, 4096 + 1000);
     let status = run_child(
-        "a_whole_page_past_the_end_of_the_file_raises_sigbus",
+        test,
         &[("TEST_FILE", path.display().to_string())],
         Duration::from_secs(60),
     );

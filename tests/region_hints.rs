@@ -276,3 +276,85 @@ fn evicting_a_block_cut_by_an_unmap_spares_what_is_mapped_in_the_hole() {
     // SAFETY: our mapping, no longer used.
     unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
 }
+
+#[test]
+fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
+    let dir = TempDir::new("zero-copy-hints");
+    let path = dir.path("f.bin");
+    pattern_file(&path, (32 << 20) + 5000);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(8 << 20)
+            .block_size(2 << 20)
+            .zero_copy(true),
+    ) else {
+        return;
+    };
+    assert!(
+        pager.stats().zero_copy,
+        "{:?}",
+        pager.stats().zero_copy_refused
+    );
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let base = region.as_ptr() as usize;
+    // Pinned blocks stay through scans four times the budget.
+    let pinned = (2 << 20)..(4 << 20);
+    region.pin(pinned.clone()).unwrap();
+    for _ in 0..2 {
+        scan(region.as_slice());
+    }
+    let resident = resident_pages(base + pinned.start as usize, 2 << 20);
+    assert!(resident.iter().all(|&r| r), "a pinned page was evicted");
+    // A dropped range leaves memory and faults back in with the same bytes.
+    let check_dropped = |region: &hyperoffload::Region| {
+        for offset in (6 << 20..8 << 20).step_by(997) {
+            assert_eq!(region.as_slice()[offset], pattern_byte(offset as u64));
+        }
+    };
+    check_dropped(&region);
+    region.drop_range(6 << 20..8 << 20).unwrap();
+    let resident = resident_pages(base + (6 << 20), 2 << 20);
+    assert!(
+        resident.iter().all(|&r| !r),
+        "dropped pages are still mapped"
+    );
+    check_dropped(&region);
+    // A page the program unmaps in block 0 and maps again is never touched.
+    region.unmap_part(4096..8192).unwrap();
+    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
+    let reused = unsafe {
+        hyperoffload::sys::mmap(
+            base + 4096,
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    }
+    .expect("the unmapped page can be mapped again");
+    // SAFETY: `reused` is our own fresh read-write mapping.
+    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 4096) };
+    for _ in 0..2 {
+        for offset in (8192..32 << 20).step_by(4093).chain([0, 4095]) {
+            // SAFETY: offsets outside the unmapped page of the live region.
+            let byte = unsafe { *(base as *const u8).add(offset) };
+            assert_eq!(byte, pattern_byte(offset as u64), "offset {offset}");
+        }
+    }
+    let stats = pager.stats();
+    assert!(
+        stats.evictions > 0 && stats.peak_resident_bytes <= 8 << 20,
+        "{}",
+        stats.to_json()
+    );
+    // SAFETY: still our mapping.
+    let page = unsafe { std::slice::from_raw_parts(reused as *const u8, 4096) };
+    assert!(
+        page.iter().all(|&b| b == 0xAB),
+        "the pager touched a mapping it does not own"
+    );
+    drop(region);
+    // SAFETY: our mapping, no longer used.
+    unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
+}

@@ -150,11 +150,19 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
     );
 
     let dir = TempDir::new("shim-llama");
-    // About half the model; above it; below one layer (a layer is about 2.2 MiB here).
-    for (budget, bytes) in [("48M", 48u64 << 20), ("200M", 200 << 20), ("1M", 1 << 20)] {
-        let stats = dir.path(&format!("stats-{budget}.json"));
+    // About half the model; above it; below one layer (a layer is about 2.2 MiB here);
+    // half the model again with blocks mapped from a huge-page store instead of copied.
+    let zero_copy: &[&str] = &["--block", "2M", "--zero-copy"];
+    for (budget, bytes, extra) in [
+        ("48M", 48u64 << 20, &[][..]),
+        ("200M", 200 << 20, &[]),
+        ("1M", 1 << 20, &[]),
+        ("48M", 48 << 20, zero_copy),
+    ] {
+        let stats = dir.path(&format!("stats-{budget}-{}.json", extra.len()));
         let started = std::time::Instant::now();
         let output = launcher()
+            .args(extra)
             .args(["--budget", budget, "--stats"])
             .arg(&stats)
             .arg("--")
@@ -186,6 +194,11 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
             "peak resident {peak} over the budget {bytes}: {json}"
         );
         assert_eq!(json["budget_bytes"].as_u64(), Some(bytes));
+        assert_eq!(
+            json["zero_copy"].as_bool(),
+            Some(!extra.is_empty()),
+            "zero copy not as asked: {json}"
+        );
         assert_eq!(json["files"][0]["size"].as_u64(), Some(model_size));
     }
 }

@@ -202,6 +202,7 @@ impl Shim {
                 let mut builder = Pager::builder()
                     .budget(budget)
                     .block_size(first.block_size)
+                    .zero_copy(self.config.zero_copy)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
                 if let Some(threads) = self.config.install_threads {

@@ -52,6 +52,10 @@ pub struct RunArgs {
     /// Default: the pager's.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=16))]
     install_threads: Option<u16>,
+    /// Map blocks from a huge-page store instead of copying them in (blocks of a
+    /// multiple of 2M, run as root); see `PagerBuilder::zero_copy`.
+    #[arg(long)]
+    zero_copy: bool,
     /// Also write the pager's stats (JSON) to this new file.
     #[arg(long)]
     stats: Option<PathBuf>,
@@ -116,6 +120,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.policy = args.policy.clone();
     config.block_size = args.block;
     config.install_threads = args.install_threads.map(usize::from);
+    config.zero_copy = args.zero_copy;
     config.stats_path = Some(shim_stats.clone());
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;

@@ -48,6 +48,10 @@ pub struct ScanArgs {
         value_parser = clap::value_parser!(u16).range(0..=16)
     )]
     install_threads: u16,
+    /// Map blocks from a huge-page store instead of copying them in (blocks of a
+    /// multiple of 2M, run as root); see `PagerBuilder::zero_copy`.
+    #[arg(long)]
+    zero_copy: bool,
     #[arg(long, value_enum, default_value_t = ScanPattern::Seq)]
     pattern: ScanPattern,
     #[arg(long, default_value_t = 1)]
@@ -83,6 +87,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
         .queue_depth(args.queue_depth)
         .max_read(args.max_read)
         .install_threads(usize::from(args.install_threads))
+        .zero_copy(args.zero_copy)
         .prefetch(args.prefetch.build())
         .eviction(args.eviction.build())
         .build()?;
