@@ -36,8 +36,6 @@ pub(crate) enum InstallError {
     Copy { addr: usize, errno: Errno },
     #[error("installing a block failed: {0}")]
     Other(String),
-    #[error("mapping a block's stored pages failed: {0:?}")]
-    MapStored(MapStoredError),
 }
 
 /// Copies `len` bytes from `source` into the region at `target` (page aligned), waking
@@ -101,77 +99,6 @@ pub(crate) unsafe fn install(
             Some(Errno::ESRCH) => return Ok(()),
             Some(errno) => {
                 return Err(InstallError::Copy {
-                    addr: target + done,
-                    errno,
-                })
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Why mapping stored pages stopped short.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum MapStoredError {
-    /// A page of the range is not in the store (it was never read, or was punched).
-    NotStored {
-        addr: usize,
-    },
-    Other {
-        addr: usize,
-        errno: Errno,
-    },
-}
-
-/// Maps the pages of a region's store at `[target, target + len)` (page aligned) into
-/// the region with UFFDIO_CONTINUE, waking the threads waiting there: the zero-copy
-/// counterpart of `install`. Pages already mapped or no longer mapped are skipped.
-pub(crate) fn map_stored(
-    uffd: &Uffd,
-    target: usize,
-    len: usize,
-    page: usize,
-) -> Result<(), MapStoredError> {
-    let mut done = 0usize;
-    let mut page_by_page_until = 0usize;
-    let mut stalls = 0u32;
-    while done < len {
-        let chunk = if done < page_by_page_until {
-            page
-        } else {
-            len - done
-        };
-        // UFFDIO_CONTINUE writes no user memory: it maps pages the store already holds
-        // into a range registered in minor mode.
-        let result = uffd.r#continue((target + done) as *mut libc::c_void, chunk, true);
-        let (mapped, errno) = match result {
-            Ok(n) if (n as usize) < chunk => (n as usize, Some(Errno::EAGAIN)),
-            Ok(_) => (chunk, None),
-            Err(userfaultfd::Error::SystemError(errno)) => (0, Some(errno)),
-            Err(_) => {
-                return Err(MapStoredError::Other {
-                    addr: target + done,
-                    errno: Errno::EIO,
-                })
-            }
-        };
-        done += mapped;
-        match errno {
-            None => {}
-            Some(_) if mapped > 0 => page_by_page_until = done + page,
-            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
-            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
-                stalls += 1;
-                page_by_page_until = done + page
-            }
-            Some(Errno::ESRCH) => return Ok(()),
-            Some(Errno::EFAULT) => {
-                return Err(MapStoredError::NotStored {
-                    addr: target + done,
-                })
-            }
-            Some(errno) => {
-                return Err(MapStoredError::Other {
                     addr: target + done,
                     errno,
                 })

@@ -19,10 +19,8 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use std::os::fd::{AsRawFd, OwnedFd};
 use thiserror::Error;
-
-use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 
 use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
@@ -33,7 +31,7 @@ use crate::policy::{
 };
 use crate::ring::RingError;
 use crate::service::{FaultService, ReadInjection, ServiceConfig, ServiceFaults};
-use crate::shared_store::{HugeTmpfs, SharedStore, HUGE_PAGE};
+use crate::shared_store::{FrameStore, HugeTmpfs, HUGE_PAGE};
 use crate::stats::Stats;
 use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
@@ -67,6 +65,8 @@ pub fn default_demand_spin_min_reads() -> u32 {
 pub const DEFAULT_INSTALL_THREADS: usize = 2;
 /// Nice value the pager's threads ask for (see `PagerBuilder::thread_nice`).
 pub const DEFAULT_THREAD_NICE: i32 = -10;
+/// Frames of the zero-copy store beyond the budget's worth (see `PagerBuilder::build`).
+const SPARE_FRAMES: u32 = 1024;
 
 /// Why a pager could not be created.
 #[derive(Debug, Error)]
@@ -122,8 +122,6 @@ pub enum MapError {
     Writable,
     #[error("cannot reserve {len} bytes of address space: {source}")]
     Reserve { len: u64, source: std::io::Error },
-    #[error("cannot create the region's {len}-byte page store in the huge-page tmpfs: {source}")]
-    Store { len: u64, source: std::io::Error },
     #[error("cannot register the region with userfaultfd: {0}")]
     Register(String),
     #[error("the fault service has stopped")]
@@ -321,13 +319,12 @@ impl PagerBuilder {
     /// Records every fault (time, thread, block, outcome, latency), keeping at most
     /// `limit` of them; `Pager::take_trace` hands them over.
     /// Whether to install blocks without copying them when the blocks are whole huge
-    /// pages (a multiple of 2 MiB): regions then map a file of a private huge-page
-    /// tmpfs, reads land in its pages and UFFDIO_CONTINUE maps them (see
-    /// `shared_store`). Off by default: on this project's test machine (a VM whose
-    /// freed memory goes back to the host) clearing the fresh huge page each read needs
-    /// costs about what the copy saves (see the README). Used only when the blocks
-    /// allow it and the process may create the mount (CAP_SYS_ADMIN), else blocks are
-    /// copied in and `Stats::zero_copy_refused` says why.
+    /// pages (a multiple of 2 MiB): reads land in frames of a file of a private
+    /// huge-page tmpfs, and a block is installed by mapping its frame over its place in
+    /// the region (see `shared_store`). Used only when the blocks allow it and the
+    /// process may create the mount (CAP_SYS_ADMIN); otherwise blocks are copied in and
+    /// `Stats::zero_copy_refused` says why. Off by default: a reused frame's page is
+    /// overwritten even if the kernel still holds it for a `write(2)` from the region.
     pub fn zero_copy(mut self, on: bool) -> Self {
         self.zero_copy = on;
         self
@@ -359,7 +356,7 @@ impl PagerBuilder {
         if self.queue_depth == 0 {
             return Err(PagerError::BadQueueDepth);
         }
-        let (tmpfs, zero_copy_refused) = if !self.zero_copy {
+        let (store, zero_copy_refused) = if !self.zero_copy {
             (None, Some("turned off".to_string()))
         } else if self.block_size % HUGE_PAGE != 0 {
             (
@@ -370,8 +367,14 @@ impl PagerBuilder {
                 )),
             )
         } else {
-            match HugeTmpfs::new() {
-                Ok(tmpfs) => (Some(tmpfs), None),
+            // Every block held (resident, read or held back) has a frame, and the budget
+            // bounds them, counting a region's short last block at its length: the
+            // spare frames cover those, up to that many regions at once.
+            let frames = (self.budget / self.block_size) as u32 + SPARE_FRAMES;
+            match HugeTmpfs::new()
+                .and_then(|tmpfs| FrameStore::new(&tmpfs, self.block_size, frames))
+            {
+                Ok(store) => (Some(store), None),
                 Err(error) => (
                     None,
                     Some(format!(
@@ -380,9 +383,11 @@ impl PagerBuilder {
                 ),
             }
         };
-        let (uffd, tmpfs, zero_copy_refused) = match tmpfs {
-            Some(tmpfs) => match create_uffd(uffd_ext::FEATURE_MINOR_SHMEM) {
-                Ok(uffd) => (uffd, Some(tmpfs), None),
+        // Evicted blocks stay mapped to their old frames with their pages unmapped:
+        // minor faults must reach the service (see `service::map_frame`).
+        let (uffd, store, zero_copy_refused) = match store {
+            Some(store) => match create_uffd(uffd_ext::FEATURE_MINOR_SHMEM) {
+                Ok(uffd) => (uffd, Some(store), None),
                 Err(error) => (
                     create_uffd(0)?,
                     None,
@@ -391,6 +396,9 @@ impl PagerBuilder {
             },
             None => (create_uffd(0)?, None, zero_copy_refused),
         };
+        let zero_copy = store.is_some();
+        // A read fills one frame: blocks are read one at a time (they are 2 MiB or more).
+        let max_read = if zero_copy { self.block_size } else { max_read };
         let uffd = Arc::new(uffd);
         let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
         let shared = Arc::new(Shared {
@@ -426,6 +434,7 @@ impl PagerBuilder {
             self.prefetch,
             self.eviction,
             installs,
+            store,
         )?;
         let thread = std::thread::Builder::new()
             .name("hyperoffload-fault".into())
@@ -439,7 +448,7 @@ impl PagerBuilder {
                 next_region: AtomicU32::new(0),
                 budget: self.budget,
                 block_size: self.block_size,
-                tmpfs,
+                zero_copy,
             }),
         })
     }
@@ -497,8 +506,8 @@ pub(crate) enum Command {
         file: BackingFile,
         /// File offset of the region's first byte.
         file_offset: u64,
-        /// Where its pages live when installed without copying.
-        store: Option<SharedStore>,
+        /// The program's protection of the region (frames are mapped with it).
+        prot: i32,
         reply: SyncSender<()>,
     },
     RemoveRegion {
@@ -584,8 +593,8 @@ struct PagerInner {
     next_region: AtomicU32,
     budget: u64,
     block_size: u64,
-    /// Where regions keep their pages when blocks are installed without copying.
-    tmpfs: Option<HugeTmpfs>,
+    /// Whether blocks are mapped from the frame store rather than copied in.
+    zero_copy: bool,
 }
 
 impl Drop for PagerInner {
@@ -682,32 +691,17 @@ impl Pager {
         if map_len < needed {
             return Err(MapError::MapTooShort { map_len, needed });
         }
-        let (mapping, store) = match &self.inner.tmpfs {
-            None => (
-                Mapping::reserve(map_len as usize, options.prot, None)?,
-                None,
-            ),
-            Some(tmpfs) => {
-                let store_error = |source| MapError::Store {
-                    len: map_len,
-                    source,
-                };
-                let file = tmpfs.create_file(map_len).map_err(store_error)?;
-                let mapping = Mapping::reserve(map_len as usize, options.prot, Some(&file))?;
-                let store = SharedStore::new(file, map_len as usize).map_err(store_error)?;
-                (mapping, Some(store))
-            }
+        // Mapped from frames, blocks are huge pages only at huge-page-aligned addresses.
+        let align = if self.inner.zero_copy {
+            self.inner.block_size as usize
+        } else {
+            page as usize
         };
-        // Minor faults too with a store: a page already in it (being read, or read ahead
-        // and held back) must not be mapped before the service says so.
-        let mode = match store {
-            Some(_) => RegisterMode::MISSING | RegisterMode::MINOR,
-            None => RegisterMode::MISSING,
-        };
+        let mapping = Mapping::reserve(map_len as usize, options.prot, align)?;
         // SAFETY: registers exactly the mapping just reserved, which this region owns.
         self.inner
             .uffd
-            .register_with_mode(mapping.base as *mut libc::c_void, mapping.len, mode)
+            .register(mapping.base as *mut libc::c_void, mapping.len)
             .map_err(|error| MapError::Register(format!("{error:?}")))?;
         let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
         let layout = RegionLayout::new(len, map_len, self.inner.block_size, page);
@@ -718,7 +712,7 @@ impl Pager {
             layout,
             file,
             file_offset: options.offset,
-            store,
+            prot: options.prot,
             reply,
         });
         answer.recv().map_err(|_| MapError::ServiceGone)?;
@@ -742,21 +736,37 @@ struct Mapping {
 }
 
 impl Mapping {
-    /// Reserves `len` bytes: anonymous memory, or a shared mapping of a store file.
-    fn reserve(len: usize, prot: i32, store: Option<&OwnedFd>) -> Result<Self, MapError> {
+    /// Reserves `len` bytes of anonymous memory at an address aligned to `align` (a
+    /// power of two, at least a page).
+    fn reserve(len: usize, prot: i32, align: usize) -> Result<Self, MapError> {
         let reserve_error = |source| MapError::Reserve {
             len: len as u64,
             source,
         };
-        let (flags, fd) = match store {
-            None => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1),
-            Some(file) => (libc::MAP_SHARED, file.as_raw_fd()),
-        };
-        // SAFETY: a fresh mapping at a kernel-chosen address touches no existing memory;
-        // a store file is this pager's own. MAP_NORESERVE: the budget, not swap
-        // accounting, bounds it.
-        let base = unsafe { sys::mmap(0, len, prot, flags | libc::MAP_NORESERVE, fd, 0) }
-            .map_err(reserve_error)?;
+        let extra = align - page_size() as usize;
+        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
+        // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
+        let start = unsafe {
+            sys::mmap(
+                0,
+                len + extra,
+                prot,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        }
+        .map_err(reserve_error)?;
+        // Keep the aligned part; give back the rest on either side.
+        let base = start.next_multiple_of(align);
+        let tail = start + len + extra - (base + len);
+        for (from, bytes) in [(start, base - start), (base + len, tail)] {
+            if bytes > 0 {
+                // SAFETY: unmaps only parts of the mapping just created, outside the part
+                // kept.
+                unsafe { sys::munmap(from, bytes) }.map_err(reserve_error)?;
+            }
+        }
         let mapping = Self {
             base,
             len,

@@ -20,13 +20,10 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use userfaultfd::{Event, EventBuffer, Uffd};
+use userfaultfd::{Event, EventBuffer, RegisterMode, Uffd};
 
 use crate::file::BackingFile;
-use crate::installer::{
-    install, map_stored, raise_priority, InstallError, InstallJob, InstallPool, Installed,
-    MapStoredError,
-};
+use crate::installer::{install, raise_priority, InstallError, InstallJob, InstallPool, Installed};
 use crate::layout::{outside_holes, FaultLocator, Location, RegionLayout};
 use crate::pager::{Command, HintError, Shared};
 use crate::policy::{
@@ -34,7 +31,7 @@ use crate::policy::{
     ReadKind, RegionId, RegionInfo,
 };
 use crate::ring::{Completion, ReadRing, RingError};
-use crate::shared_store::SharedStore;
+use crate::shared_store::FrameStore;
 use crate::stash::Stash;
 use crate::stats::{LatencyHistogram, Stats};
 use crate::trace::TraceRecord;
@@ -48,8 +45,10 @@ const TOKEN_INSTALLED: u32 = 2;
 const DIRECT_IO_ALIGN: u64 = 4096;
 /// Most prefetch requests held waiting for a free read slot.
 const MAX_QUEUED_PREFETCH: usize = 1 << 16;
-/// The stash index of a staged marker whose bytes wait in its region's store.
+/// The stash index of a staged marker whose bytes wait in its slot of the store.
 const IN_STORE: u32 = u32::MAX;
+/// A block without a slot of the store.
+const NO_FRAME: u32 = u32::MAX;
 
 /// Makes reads overlapping `file_range` fail with `errno` (tests of the error path).
 #[derive(Debug, Clone)]
@@ -96,9 +95,9 @@ enum BlockState {
     /// Waiting in the demand or prefetch queue for a read slot.
     Queued,
     Reading,
-    /// Read and held in the stash (or, with a store, in the store but not mapped)
-    /// until the program faults on it (a prefetch marker); its bytes stay reserved in
-    /// the budget meanwhile.
+    /// Read and held in the stash (or in its slot of the store, not mapped) until the
+    /// program faults on it (a prefetch marker); its bytes stay reserved in the budget
+    /// meanwhile.
     Staged {
         stash: u32,
     },
@@ -125,8 +124,10 @@ struct RegionEntry {
     /// Ranges (region offsets) the program unmapped: never installed into or dropped,
     /// since something else may be mapped there now.
     holes: Vec<Range<u64>>,
-    /// With zero copy: the file the region maps, which reads land in.
-    store: Option<SharedStore>,
+    /// With zero copy: each block's slot in the store (NO_FRAME if none), else empty.
+    slots: Vec<u32>,
+    /// The program's protection of the region.
+    prot: i32,
 }
 
 impl RegionEntry {
@@ -270,6 +271,8 @@ pub(crate) struct FaultService {
     ready: VecDeque<u32>,
     /// The bytes of staged markers.
     stash: Stash,
+    /// With zero copy: the slots reads land in and regions map.
+    store: Option<FrameStore>,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -283,6 +286,8 @@ enum ServiceError {
     Install(#[from] InstallError),
     #[error("dropping evicted pages at {addr:#x} failed: {error}")]
     Evict { addr: usize, error: std::io::Error },
+    #[error("mapping a block's frame at {addr:#x} failed: {error}")]
+    MapFrame { addr: usize, error: std::io::Error },
 }
 
 impl FaultService {
@@ -293,6 +298,7 @@ impl FaultService {
         prefetch: Box<dyn PrefetchPolicy>,
         eviction: Box<dyn EvictionPolicy>,
         installs: Option<InstallPool>,
+        store: Option<FrameStore>,
     ) -> Result<Self, RingError> {
         let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
         let stash = Stash::new(
@@ -307,7 +313,7 @@ impl FaultService {
             queue_depth: config.queue_depth,
             install_threads: installs.as_ref().map_or(0, |pool| pool.threads() as u32),
             direct_io: true,
-            zero_copy: config.zero_copy_refused.is_none(),
+            zero_copy: store.is_some(),
             zero_copy_refused: config.zero_copy_refused.clone(),
             ..Stats::default()
         };
@@ -349,6 +355,7 @@ impl FaultService {
             installed: Vec::new(),
             ready: VecDeque::new(),
             stash,
+            store,
         })
     }
 
@@ -534,27 +541,12 @@ impl FaultService {
             outcome,
         };
         let outcome = match region.blocks[index as usize] {
-            BlockState::Resident if region.store.is_some() => {
-                // A minor fault: the install raced with it, or the program dropped the
-                // page's mapping (MADV_DONTNEED on a shared mapping keeps the page).
-                match map_stored(&self.uffd, page_addr, page, page) {
-                    Ok(()) => FaultOutcome::Resident,
-                    Err(MapStoredError::NotStored { .. }) => {
-                        // Gone from the store after all: read it again.
-                        self.resident -= region.layout.block_bytes(index);
-                        if !region.pinned[index as usize] {
-                            self.eviction.removed(block);
-                        }
-                        region.blocks[index as usize] = BlockState::Queued;
-                        self.waiters
-                            .entry(block)
-                            .or_default()
-                            .push(waiter(FaultOutcome::Missing));
-                        self.demand.push_back(block);
-                        FaultOutcome::Missing
-                    }
-                    Err(error) => return Err(InstallError::MapStored(error).into()),
-                }
+            BlockState::Resident if self.store.is_some() => {
+                // The install raced with the fault, or the program dropped the pages of
+                // the slot's mapping (a minor fault): map the slot again.
+                let store = self.store.as_ref().expect("checked");
+                map_frame(&self.uffd, store, region, index)?;
+                FaultOutcome::Resident
             }
             BlockState::Resident => {
                 // The fault raced with the install that already woke it.
@@ -659,7 +651,7 @@ impl FaultService {
                 continue;
             }
             let bytes = region.layout.block_bytes(block.index);
-            if !self.ring.has_free_slot() {
+            if !self.ring.has_free_slot() || !self.frame_free() {
                 break;
             }
             if !self.make_room(bytes, block, ReadKind::Demand)? {
@@ -674,7 +666,10 @@ impl FaultService {
         }
         let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
-        while self.prefetch_reads_in_flight < prefetch_limit && self.ring.has_free_slot() {
+        while self.prefetch_reads_in_flight < prefetch_limit
+            && self.ring.has_free_slot()
+            && self.frame_free()
+        {
             let Some(&first) = self.prefetch_queue.front() else {
                 break;
             };
@@ -724,6 +719,12 @@ impl FaultService {
             self.stats.blocks_prefetched += count as u64;
         }
         Ok(())
+    }
+
+    /// Whether a read can have a frame (always, without zero copy). Frames run out
+    /// only if more regions than the spare frames hold a short last block each.
+    fn frame_free(&self) -> bool {
+        self.store.as_ref().is_none_or(FrameStore::has_free)
     }
 
     fn cancel_prefetch_queue(&mut self) {
@@ -803,6 +804,8 @@ impl FaultService {
                 .get_mut(&victim.region)
                 .expect("victims were checked to belong to live regions");
             region.blocks[victim.index as usize] = BlockState::Missing;
+            // The frame takes the next read; its pages stay (warm) in the store.
+            release_frame(&mut self.store, region, victim.index, false);
             let memory = region.layout.block_memory(victim.index);
             let bytes = memory.end - memory.start;
             self.resident -= bytes;
@@ -828,16 +831,8 @@ impl FaultService {
     /// Drops the pages of a run of blocks (region offsets), skipping unmapped parts.
     fn discard_run(&self, (id, start, end): (RegionId, u64, u64)) -> Result<(), ServiceError> {
         let region = self.regions.get(&id).expect("a run of a live region");
-        if let Some(store) = &region.store {
-            // Punching the store unmaps the pages from the region too; parts the program
-            // unmapped are no longer ours and are not touched.
-            return store
-                .punch(start, end)
-                .map_err(|error| ServiceError::Evict {
-                    addr: region.base + start as usize,
-                    error,
-                });
-        }
+        // With zero copy the parts stay mapped to the evicted frames: dropping their
+        // page-table entries makes the next access a minor fault.
         for part in region.mapped_parts(start..end) {
             discard_pages(part.start, part.end)?;
         }
@@ -869,6 +864,15 @@ impl FaultService {
         region.reads_in_flight += 1;
         let file_offset = region.file_offset + start;
         let fd = region.file.read_fd();
+        let frame = match &mut self.store {
+            Some(store) => {
+                debug_assert_eq!(count, 1, "a frame holds one block");
+                let frame = store.take().expect("pump checked a frame is free");
+                region.slots[first.index as usize] = frame;
+                Some(store.view(frame))
+            }
+            None => None,
+        };
         let tag = ReadTag {
             region: first.region,
             first: first.index,
@@ -883,14 +887,10 @@ impl FaultService {
             install,
             prefetch,
         };
-        match &region.store {
-            // SAFETY: the store's view stays mapped while the region entry lives, which
-            // is until its last read completes; a block being read is not installed,
-            // punched or read by anything else until then.
-            Some(store) => unsafe {
-                self.ring
-                    .read_into(slot, fd, file_offset, store.alias(start), len, tag)
-            }?,
+        match frame {
+            // SAFETY: the store's view lives as long as the service; the frame was just
+            // taken, and no other read lands in it or region maps it until it is freed.
+            Some(dest) => unsafe { self.ring.read_into(slot, fd, file_offset, dest, len, tag) }?,
             None => self.ring.read(slot, fd, file_offset, 0, len, tag)?,
         }
         if prefetch {
@@ -931,6 +931,12 @@ impl FaultService {
             .get(&region_id)
             .is_some_and(|region| !region.removed);
         if !live {
+            if let Some(region) = self.regions.get_mut(&region_id) {
+                let tag = self.ring.tag(slot).expect("checked above");
+                for index in tag.first..tag.first + tag.count {
+                    release_frame(&mut self.store, region, index, true);
+                }
+            }
             self.finish_read(slot);
             return Ok(());
         }
@@ -986,9 +992,10 @@ impl FaultService {
             tag.done,
             tag.len - tag.done,
         );
-        let dest = region.store.as_ref().map(|store| {
-            let start = tag.first as u64 * region.layout.block_size;
-            store.alias(start).wrapping_add(done)
+        let dest = self.store.as_ref().map(|store| {
+            store
+                .view(region.slots[tag.first as usize])
+                .wrapping_add(done)
         });
         let tag = self
             .ring
@@ -998,27 +1005,24 @@ impl FaultService {
         let again = self.ring.checkout()?.expect("a slot was just returned");
         debug_assert_eq!(again, slot);
         match dest {
-            // SAFETY: as in `start_read`: the rest of the same block range of the store.
+            // SAFETY: as in `start_read`: the rest of the same frame.
             Some(dest) => unsafe { self.ring.read_into(again, fd, offset, dest, len, tag) }?,
             None => self.ring.read(again, fd, offset, done, len, tag)?,
         }
         Ok(())
     }
 
-    /// The memory the read in `slot` lands in: its ring buffer, or its blocks in the
-    /// region's store. Only for a read that is not in flight.
+    /// The memory the read in `slot` lands in: its ring buffer, or its block's frame.
+    /// Only for a read that is not in flight.
     fn landing(&mut self, slot: u32) -> &mut [u8] {
         let tag = self.ring.tag(slot).expect("a read in the ring");
-        let (first, len) = (tag.first as u64, tag.len as u64);
-        let region = self.regions.get_mut(&tag.region);
-        match region.and_then(|region| {
-            let start = first * region.layout.block_size;
-            region.store.as_mut().map(|store| (store, start))
-        }) {
-            Some((store, start)) => {
+        let len = tag.len;
+        match &mut self.store {
+            Some(store) => {
+                let frame = self.regions[&tag.region].slots[tag.first as usize];
                 // SAFETY: the read has completed (or not started), so nothing else
-                // writes the range, and the service is its only user meanwhile.
-                unsafe { store.bytes_mut(start, start + len) }
+                // writes the frame, and the service is its only user meanwhile.
+                unsafe { store.bytes_mut(frame, len) }
             }
             None => self.ring.buffer_mut(slot),
         }
@@ -1047,16 +1051,14 @@ impl FaultService {
         let staged_max = max_staged(self.config.queue_depth, self.config.block_size);
         if install == Install::OnFault
             && !self.waiters.contains_key(&block)
-            && self.regions[&region_id].store.is_some()
+            && self.store.is_some()
             && self.staged.len() < staged_max
         {
-            // With a store the marker's bytes are already where they will be mapped
+            // With zero copy the marker's bytes are already where they will be mapped
             // from: hold it back unmapped, and map it when the program faults on it.
             let region = self.regions.get_mut(&region_id).expect("checked live");
-            let memory = region.layout.block_memory(first);
-            if let Some(store) = &region.store {
-                let _ = store.forget_view(memory.start, memory.end);
-            }
+            let store = self.store.as_ref().expect("checked");
+            store.forget_view(region.slots[first as usize]);
             region.blocks[first as usize] = BlockState::Staged { stash: IN_STORE };
             self.staged.push_back(block);
             let reserved = self.ring.tag(slot).expect("completing").reserved;
@@ -1064,9 +1066,7 @@ impl FaultService {
             self.reserved += reserved;
             return Ok(());
         }
-        if install == Install::OnFault
-            && !self.waiters.contains_key(&block)
-            && self.regions[&region_id].store.is_none()
+        if install == Install::OnFault && !self.waiters.contains_key(&block) && self.store.is_none()
         {
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let memory = region.layout.block_memory(first);
@@ -1130,18 +1130,23 @@ impl FaultService {
         let (region_id, first, count, prefetch) = (tag.region, tag.first, tag.count, tag.prefetch);
         let region = self
             .regions
-            .get(&region_id)
+            .get_mut(&region_id)
             .expect("installing into a region still known");
         if region.removed {
+            for index in first..first + count {
+                release_frame(&mut self.store, region, index, true);
+            }
             self.finish_read(slot);
             return Ok(());
         }
+        let region = &self.regions[&region_id];
         // The blocks of one read are neighbours in the buffer and in the region: one
         // call installs them all.
         let start = region.layout.block_memory(first).start;
         let end = region.layout.block_memory(first + count - 1).end;
-        if region.store.is_some() {
-            map_store_range(&self.uffd, region, start..end, self.page())?;
+        if let Some(store) = &self.store {
+            debug_assert_eq!(count, 1, "a frame holds one block");
+            map_frame(&self.uffd, store, region, first)?;
             let now = self.now_ns();
             self.installed(slot, now);
             return Ok(());
@@ -1186,7 +1191,11 @@ impl FaultService {
         let region = &self.regions[&block.region];
         let memory = region.layout.block_memory(block.index);
         if stash == IN_STORE {
-            map_store_range(&self.uffd, region, memory, self.page())?;
+            let store = self
+                .store
+                .as_ref()
+                .expect("markers in frames need the store");
+            map_frame(&self.uffd, store, region, block.index)?;
             self.reserved -= region.layout.block_bytes(block.index);
             let now = self.now_ns();
             self.blocks_installed(block.region, block.index..block.index + 1, now);
@@ -1260,8 +1269,8 @@ impl FaultService {
             if region.blocks[index as usize] == BlockState::Unmapped {
                 // The program unmapped the whole block while it was read: nothing was
                 // installed, and it must never be evicted (something else may be
-                // mapped there by now). What the read left in a store goes.
-                punch_store(region, region.layout.block_memory(index));
+                // mapped there by now). Its frame goes back, emptied.
+                release_frame(&mut self.store, region, index, true);
                 continue;
             }
             let bytes = region.layout.block_bytes(index);
@@ -1334,9 +1343,7 @@ impl FaultService {
             let block = BlockRef::new(region_id, index);
             let waited = self.waiters.remove(&block);
             let memory = region.layout.block_memory(index);
-            // What the failed read left in a store must not be mapped (a minor fault
-            // would find it): empty the block first.
-            punch_store(region, memory.clone());
+            release_frame(&mut self.store, region, index, false);
             if waited.is_some() || region.pinned[index as usize] {
                 for part in region.mapped_parts(memory) {
                     self.stats.poisoned_pages +=
@@ -1405,8 +1412,7 @@ impl FaultService {
                 region.blocks[block.index as usize] = BlockState::Missing;
                 self.reserved -= region.layout.block_bytes(block.index);
                 if stash == IN_STORE {
-                    let memory = region.layout.block_memory(block.index);
-                    punch_store(region, memory);
+                    release_frame(&mut self.store, region, block.index, false);
                 } else {
                     self.stash.release(stash);
                 }
@@ -1448,10 +1454,14 @@ impl FaultService {
                 layout,
                 file,
                 file_offset,
-                store,
+                prot,
                 reply,
             } => {
                 let blocks = layout.block_count() as usize;
+                let slots = match self.store {
+                    Some(_) => vec![NO_FRAME; blocks],
+                    None => Vec::new(),
+                };
                 let entry = RegionEntry {
                     base,
                     file,
@@ -1462,7 +1472,8 @@ impl FaultService {
                     removed: false,
                     changed: false,
                     holes: Vec::new(),
-                    store,
+                    slots,
+                    prot,
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);
@@ -1553,9 +1564,10 @@ impl FaultService {
         let Some(region) = self.regions.get_mut(&id) else {
             return;
         };
-        for (index, state) in region.blocks.iter().enumerate() {
-            if *state == BlockState::Resident {
+        for index in 0..region.blocks.len() {
+            if region.blocks[index] == BlockState::Resident {
                 self.resident -= region.layout.block_bytes(index as u32);
+                release_frame(&mut self.store, region, index as u32, true);
             }
         }
         for (index, pinned) in region.pinned.iter().enumerate() {
@@ -1596,12 +1608,11 @@ impl FaultService {
                         self.resident -= bytes;
                     }
                     region.blocks[index as usize] = to;
-                    let memory = region.layout.block_memory(index);
+                    // A dropped block's frame is emptied: a drop gives memory back.
+                    release_frame(&mut self.store, region, index, true);
                     if to != BlockState::Unmapped {
+                        let memory = region.layout.block_memory(index);
                         self.discard_run((id, memory.start, memory.end))?;
-                    } else {
-                        // The program's munmap freed anonymous pages; a store keeps them.
-                        punch_store(region, memory);
                     }
                     self.stats.dropped_blocks += 1;
                 }
@@ -1723,29 +1734,68 @@ unsafe fn install_mapped(
     Ok(())
 }
 
-/// Maps the part of `range` (region offsets) the program still maps from the region's
-/// store (the zero-copy install).
-fn map_store_range(
+/// Maps block `index`'s frame over the parts of the block the program still maps,
+/// populated, registers them for missing and minor faults, and wakes the threads
+/// waiting there (the zero-copy install). A thread touching the block meanwhile sees
+/// either the old mapping, which faults, or the new one, which holds the block's bytes:
+/// the frame was filled before it is mapped.
+fn map_frame(
     uffd: &Uffd,
+    store: &FrameStore,
     region: &RegionEntry,
-    range: Range<u64>,
-    page: usize,
-) -> Result<(), InstallError> {
-    let store = region.store.as_ref().expect("a region with a store");
-    for part in region.mapped_parts(range.clone()) {
-        map_stored(uffd, part.start, part.end - part.start, page)
-            .map_err(InstallError::MapStored)?;
+    index: u32,
+) -> Result<(), ServiceError> {
+    let frame = region.slots[index as usize];
+    let memory = region.layout.block_memory(index);
+    let target = region.base + memory.start as usize;
+    let len = (memory.end - memory.start) as usize;
+    let map_error = |addr: usize, error: std::io::Error| ServiceError::MapFrame { addr, error };
+    for part in region.mapped_parts(memory) {
+        let bytes = part.end - part.start;
+        let offset = store.offset(frame) + (part.start - target) as u64;
+        // SAFETY: replaces a part of a live region that the program still maps (the
+        // service learns of every unmap before it happens) with the block's own bytes;
+        // nothing but the program's reads reaches this range.
+        unsafe {
+            crate::sys::mmap(
+                part.start,
+                bytes,
+                region.prot,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                store.fd(),
+                offset as i64,
+            )
+        }
+        .map_err(|error| map_error(part.start, error))?;
+        // As for the reservation: a forked child must not see the range.
+        // SAFETY: advises a mapping of the service's own; DONTFORK discards nothing.
+        unsafe { crate::sys::madvise(part.start, bytes, libc::MADV_DONTFORK) }
+            .map_err(|error| map_error(part.start, error))?;
+        uffd.register_with_mode(
+            part.start as *mut libc::c_void,
+            bytes,
+            RegisterMode::MISSING | RegisterMode::MINOR,
+        )
+        .map_err(|error| map_error(part.start, std::io::Error::other(format!("{error:?}"))))?;
     }
-    // The service's view of the pages is no longer needed: the region maps them now.
-    let _ = store.forget_view(range.start, range.end);
+    store.forget_view(frame);
+    let _ = uffd.wake(target as *mut libc::c_void, len);
     Ok(())
 }
 
-/// Frees `range` (region offsets) of the region's store, if it has one. Best effort: a
-/// failure only leaves memory in use until the region goes.
-fn punch_store(region: &RegionEntry, range: Range<u64>) {
-    if let Some(store) = &region.store {
-        let _ = store.punch(range.start, range.end);
+/// Gives block `index`'s frame back to the store (see `FrameStore::release`), if it
+/// has one.
+fn release_frame(
+    store: &mut Option<FrameStore>,
+    region: &mut RegionEntry,
+    index: u32,
+    free_memory: bool,
+) {
+    if let (Some(store), Some(frame)) = (store, region.slots.get_mut(index as usize)) {
+        if *frame != NO_FRAME {
+            store.release(*frame, free_memory);
+            *frame = NO_FRAME;
+        }
     }
 }
 

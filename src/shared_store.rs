@@ -1,34 +1,42 @@
-//! Zero-copy backing for regions: a region maps a file of a private huge-page tmpfs,
-//! reads land in that file's pages, and installing a block is UFFDIO_CONTINUE (map the
-//! pages already there) instead of UFFDIO_COPY (allocate and copy every 4 KiB page).
+//! Zero-copy backing for regions: a pool of block-sized frames in one file of a private
+//! huge-page tmpfs. A read lands in a free frame (O_DIRECT into the service's view of the
+//! file); installing the block maps that frame over the block's place in the region
+//! (mmap MAP_FIXED of the file, populated: 2 MiB pages are mapped whole) and registers
+//! that mapping for missing and minor faults. Evicting the block only drops its page
+//! table entries (MADV_DONTNEED): the mapping still names the old frame, whose pages
+//! are in the file, so the next access is a minor fault, which the service serves like
+//! any fault on a missing block, and the frame takes the next read. Nothing is copied,
+//! allocated or cleared per read once the pool is warm, and the program's pages are
+//! huge pages.
 //!
-//! Why tmpfs and why huge pages. userfaultfd's minor-fault mode, the one that lets the
-//! service read into the page cache first and map afterwards, exists for shmem and
-//! hugetlbfs only. The reads must land in 2 MiB pages: an O_DIRECT read is one device
-//! segment per physically contiguous piece, and a virtio disk takes a few hundred per
-//! request, so into 4 KiB pages a 1 MiB read is split and the disk gives half its
-//! bandwidth (measured here: 1.5-1.7 GB/s into 4 KiB shmem pages, 3.2 GB/s into 2 MiB
-//! ones, same queue depth). The system's own shmem (memfd) has huge pages off by default
-//! (`shmem_enabled = never`), which a pager must not change for everyone; a tmpfs
-//! mounted with `huge=always` has them whatever that knob says. The mount is made with
-//! the new mount API (fsopen/fsmount) and never attached to any directory: nobody sees
-//! it, it needs no cleanup, and it disappears with its last open file. Creating it needs
-//! CAP_SYS_ADMIN; without it the pager copies, and says why in its statistics.
+//! Measured per 2 MiB block (a C model of this scheme, 2 GiB scanned through a 1 GiB
+//! budget, 8 readers, memory warm): UFFDIO_COPY 520-690 us + MADV_DONTNEED 110-130 us;
+//! mapping a frame 100-120 us + dropping it 6 us; whole-process CPU 0.35 s/GiB against
+//! 0.08-0.09.
 //!
-//! Measured per 2 MiB block (2 GiB scanned through a 1 GiB budget, 8 readers):
-//! UFFDIO_COPY 650-690 us + MADV_DONTNEED 130 us, against UFFDIO_CONTINUE 160-180 us +
-//! hole punch 30 us (plus the zeroing of a fresh huge page inside the read).
+//! Why tmpfs, and why huge pages. The frames must be memory the kernel can map at any
+//! address without copying: pages of a file. They must be 2 MiB pages: an O_DIRECT read
+//! is one device segment per physically contiguous piece of its buffer and a virtio disk
+//! takes a few hundred per request, so into 4 KiB pages a 1 MiB read is split and the
+//! disk gives half its bandwidth (1.5-1.7 GB/s into 4 KiB shmem pages here, 3.2 into
+//! 2 MiB ones). The system's own shmem (memfd) has huge pages off by default
+//! (`shmem_enabled = never`), which a pager must not change for everyone; a tmpfs mounted
+//! with `huge=always` has them whatever that knob says. The mount is made with the new
+//! mount API (fsopen/fsmount) and never attached to any directory: nobody sees it, it
+//! needs no cleanup, and it goes with its last open file. Creating it needs
+//! CAP_SYS_ADMIN; without it the pager copies, and its statistics say why.
 //!
-//! Layout: the store's file offset of a byte equals its offset in the region, so a block
-//! is at the same offset in the file, in the region mapping and in the alias (the
-//! service's read-write mapping of the same file, which reads are directed into).
+//! The one thing copying gave for free: a page the kernel itself holds (a program's
+//! `write(2)` from the region, in progress while the block is evicted) kept its bytes;
+//! a reused frame's page is overwritten by the next read. Zero copy is opt-in for that
+//! reason too.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::sys;
 
-/// Page size of the tmpfs mount's huge pages (x86-64 and arm64 with 4 KiB pages).
+/// Size of the tmpfs mount's huge pages (x86-64 and arm64 with 4 KiB pages).
 pub const HUGE_PAGE: u64 = 2 << 20;
 
 const FSOPEN_CLOEXEC: libc::c_uint = 1;
@@ -45,11 +53,10 @@ pub struct HugeTmpfs {
 impl HugeTmpfs {
     /// Creates the mount. Fails with EPERM without CAP_SYS_ADMIN, ENOSYS before Linux 5.2.
     pub fn new() -> io::Result<Self> {
-        let name = c"tmpfs";
         // SAFETY: fsopen takes a NUL-terminated file system name; it returns a new fd
         // (or -1), which is owned from here on.
         let context =
-            cvt(unsafe { libc::syscall(libc::SYS_fsopen, name.as_ptr(), FSOPEN_CLOEXEC) })?;
+            cvt(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
         // SAFETY: `context` was just returned by fsopen and is owned by nobody else.
         let context = unsafe { OwnedFd::from_raw_fd(context as RawFd) };
         for (key, value) in [(c"huge", c"always"), (c"mode", c"0700")] {
@@ -105,34 +112,49 @@ impl HugeTmpfs {
     }
 }
 
-/// One region's store file and the service's read-write view of it. Owned by the
-/// service, which drops it only once no read into it is in flight.
+/// The frames: a file of `count` frames of `frame_len` bytes, the service's read-write view
+/// of it (where reads land), and which frames are free.
 #[derive(Debug)]
-pub struct SharedStore {
+pub struct FrameStore {
     file: OwnedFd,
-    alias: usize,
-    len: usize,
+    view: usize,
+    frame_len: usize,
+    count: u32,
+    /// Free frames; the last freed is taken first (its pages are the most recently used).
+    free: Vec<u32>,
+    /// Frames never taken yet, from `next_fresh` on.
+    next_fresh: u32,
 }
 
-impl SharedStore {
-    /// Maps `file` (of `len` bytes) read-write for the service.
-    pub fn new(file: OwnedFd, len: usize) -> io::Result<Self> {
+impl FrameStore {
+    /// A store of `count` frames of `frame_len` bytes (a multiple of `HUGE_PAGE`) in a file
+    /// of `tmpfs`. Memory is used as frames are first filled.
+    pub fn new(tmpfs: &HugeTmpfs, frame_len: u64, count: u32) -> io::Result<Self> {
+        let len = frame_len * count as u64;
+        let file = tmpfs.create_file(len)?;
         // SAFETY: a new shared mapping of a file this value owns, at a kernel-chosen
         // address (tmpfs aligns it for huge pages); it replaces nothing.
-        let alias = unsafe {
+        let view = unsafe {
             sys::mmap(
                 0,
-                len,
+                len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_NORESERVE,
                 file.as_raw_fd(),
                 0,
             )
         }?;
-        let store = Self { file, alias, len };
+        let store = Self {
+            file,
+            view,
+            frame_len: frame_len as usize,
+            count,
+            free: Vec::new(),
+            next_fresh: 0,
+        };
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
-        unsafe { sys::madvise(alias, len, libc::MADV_DONTFORK) }?;
+        unsafe { sys::madvise(view, len as usize, libc::MADV_DONTFORK) }?;
         Ok(store)
     }
 
@@ -140,69 +162,91 @@ impl SharedStore {
         self.file.as_raw_fd()
     }
 
-    /// Where the byte at region offset `offset` lands in the service's view.
-    pub fn alias(&self, offset: u64) -> *mut u8 {
-        assert!(offset <= self.len as u64, "offset past the store");
-        (self.alias + offset as usize) as *mut u8
+    pub fn frame_len(&self) -> usize {
+        self.frame_len
     }
 
-    /// The service's view of `[start, end)` (region offsets), to fill or check.
+    /// File offset of `frame`.
+    pub fn offset(&self, frame: u32) -> u64 {
+        frame as u64 * self.frame_len as u64
+    }
+
+    /// Whether `take` would find a frame.
+    pub fn has_free(&self) -> bool {
+        !self.free.is_empty() || self.next_fresh < self.count
+    }
+
+    /// A free frame, or None when all are taken.
+    pub fn take(&mut self) -> Option<u32> {
+        if let Some(frame) = self.free.pop() {
+            return Some(frame);
+        }
+        (self.next_fresh < self.count).then(|| {
+            self.next_fresh += 1;
+            self.next_fresh - 1
+        })
+    }
+
+    /// Gives `frame` back. With `free_memory`, its pages are freed too (a drop hint, a
+    /// region gone); otherwise they are kept for the next read, as an eviction does.
+    pub fn release(&mut self, frame: u32, free_memory: bool) {
+        debug_assert!(frame < self.next_fresh && !self.free.contains(&frame));
+        if free_memory {
+            // Best effort: failing only leaves the memory in use until the store goes.
+            // SAFETY: fallocate on a live fd this value owns; the frame is free, so no
+            // read lands in it and no region maps it.
+            let _ = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    self.offset(frame) as libc::off_t,
+                    self.frame_len as libc::off_t,
+                )
+            };
+        }
+        self.free.push(frame);
+    }
+
+    /// Where `frame`'s bytes are in the service's view.
+    pub fn view(&self, frame: u32) -> *mut u8 {
+        assert!(frame < self.count, "frame past the store");
+        (self.view + frame as usize * self.frame_len) as *mut u8
+    }
+
+    /// The first `len` bytes of `frame` in the service's view, to fill or check.
     ///
     /// # Safety
-    /// No read may be in flight into the range, and nothing else may use the slice
-    /// while it lives.
-    pub unsafe fn bytes_mut(&mut self, start: u64, end: u64) -> &mut [u8] {
-        assert!(
-            start <= end && end <= self.len as u64,
-            "range past the store"
-        );
-        // SAFETY: the range lies inside the alias mapping, live as long as `self`; the
-        // caller guarantees exclusive use.
-        unsafe { std::slice::from_raw_parts_mut(self.alias(start), (end - start) as usize) }
+    /// No read may be in flight into the frame, and nothing else may use the slice while
+    /// it lives.
+    pub unsafe fn bytes_mut(&mut self, frame: u32, len: usize) -> &mut [u8] {
+        assert!(len <= self.frame_len, "range past the frame");
+        // SAFETY: the range lies inside the view, live as long as `self`; the caller
+        // guarantees exclusive use.
+        unsafe { std::slice::from_raw_parts_mut(self.view(frame), len) }
     }
 
-    /// Drops the service's view of `[start, end)` after a read: the pages stay in the
-    /// store, but are counted once in the process's resident set (the region's), not
-    /// twice. Cheap: a huge page is one page-table entry here.
-    pub fn forget_view(&self, start: u64, end: u64) -> io::Result<()> {
+    /// Unmaps `frame` from the service's view after a read: the pages stay in the file,
+    /// and the process's resident set counts them once (the region's), not twice.
+    /// Cheap: a huge page is one page-table entry here, and the next read into the frame
+    /// maps it back without a copy.
+    pub fn forget_view(&self, frame: u32) {
         // SAFETY: MADV_DONTNEED on a shared mapping only unmaps it: the file keeps its
-        // bytes, and the service holds no reference into the range.
-        unsafe {
+        // bytes, and the service holds no reference into the frame.
+        let _ = unsafe {
             sys::madvise(
-                self.alias + start as usize,
-                (end - start) as usize,
+                self.view(frame) as usize,
+                self.frame_len,
                 libc::MADV_DONTNEED,
             )
-        }
-    }
-
-    /// Frees the pages of `[start, end)` (region offsets) from the store and unmaps them
-    /// from the region: the next access faults as missing, like MADV_DONTNEED on the
-    /// anonymous regions.
-    pub fn punch(&self, start: u64, end: u64) -> io::Result<()> {
-        let end = end.min(self.len as u64);
-        if start >= end {
-            return Ok(());
-        }
-        // SAFETY: fallocate on a live fd this value owns; punching only drops bytes of
-        // this store, which the service can read again.
-        cvt(unsafe {
-            libc::fallocate(
-                self.file.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                start as libc::off_t,
-                (end - start) as libc::off_t,
-            )
-        } as i64)?;
-        Ok(())
+        };
     }
 }
 
-impl Drop for SharedStore {
+impl Drop for FrameStore {
     fn drop(&mut self) {
-        // SAFETY: the alias is this value's own mapping; no read is in flight into it
-        // (the service forgets a region only when its reads are done).
-        let _ = unsafe { sys::munmap(self.alias, self.len) };
+        // SAFETY: the view is this value's own mapping; the service drops the store only
+        // after its last read completed.
+        let _ = unsafe { sys::munmap(self.view, self.frame_len * self.count as usize) };
     }
 }
 
@@ -219,24 +263,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn store_holds_what_its_view_wrote_until_punched() {
+    fn frames_keep_their_bytes_until_freed_and_are_reused_last_freed_first() {
         let Ok(tmpfs) = HugeTmpfs::new() else {
             // Unit tests may run unprivileged; the integration tests require it.
             return;
         };
-        let len = 2 * HUGE_PAGE as usize;
-        let mut store = SharedStore::new(tmpfs.create_file(len as u64).unwrap(), len).unwrap();
-        // SAFETY: no reads are in flight; the slice is the only user.
-        unsafe { store.bytes_mut(0, len as u64) }.fill(7);
-        store.forget_view(0, len as u64).unwrap();
+        let len = HUGE_PAGE as usize;
+        let mut store = FrameStore::new(&tmpfs, HUGE_PAGE, 2).unwrap();
+        let (a, b) = (store.take().unwrap(), store.take().unwrap());
+        assert_eq!(store.take(), None, "two frames only");
+        // SAFETY: no reads are in flight; the slices are the only users.
+        unsafe { store.bytes_mut(a, len) }.fill(7);
         // SAFETY: as above.
-        assert!(unsafe { store.bytes_mut(0, len as u64) }
-            .iter()
-            .all(|&b| b == 7));
-        store.punch(0, HUGE_PAGE).unwrap();
+        unsafe { store.bytes_mut(b, len) }.fill(9);
+        store.forget_view(a);
+        store.release(a, false);
+        store.release(b, true);
+        assert_eq!(store.take(), Some(b), "the last freed frame comes first");
+        assert_eq!(store.take(), Some(a));
         // SAFETY: as above.
-        let bytes = unsafe { store.bytes_mut(0, len as u64) };
-        assert!(bytes[..HUGE_PAGE as usize].iter().all(|&b| b == 0));
-        assert!(bytes[HUGE_PAGE as usize..].iter().all(|&b| b == 7));
+        assert!(unsafe { store.bytes_mut(a, len) }.iter().all(|&x| x == 7));
+        // SAFETY: as above.
+        assert!(unsafe { store.bytes_mut(b, len) }.iter().all(|&x| x == 0));
     }
 }

@@ -107,8 +107,8 @@ pub struct Stats {
     pub direct_io: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub direct_io_fallback: Option<String>,
-    /// Whether blocks are installed without copying (UFFDIO_CONTINUE of pages read into
-    /// a huge-page tmpfs store); when not, why.
+    /// Whether blocks are installed without copying (frames of a huge-page tmpfs file
+    /// mapped into the region, see `shared_store`); when not, why.
     pub zero_copy: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_copy_refused: Option<String>,
