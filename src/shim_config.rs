@@ -8,9 +8,9 @@
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
-//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | the pager's default (4K) |
+//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | 2M with zero copy and a budget of at least 128M, else the pager's default (4K) |
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
-//! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in (see `PagerBuilder::zero_copy`) | `0` |
+//! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
@@ -122,6 +122,11 @@ impl std::fmt::Display for BudgetSpec {
     }
 }
 
+/// Smallest budget for which the launcher picks huge-page blocks by itself: 64 of them,
+/// so that the eviction policy still has choices.
+pub const HUGE_BLOCK_MIN_BUDGET: u64 = 64 * HUGE_BLOCK;
+const HUGE_BLOCK: u64 = 2 << 20;
+
 /// What the shim does, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShimConfig {
@@ -139,6 +144,17 @@ pub struct ShimConfig {
 }
 
 impl ShimConfig {
+    /// The block size for a pager of `budget` bytes: the one configured, else 2 MiB
+    /// when zero copy is on and the budget holds at least 64 such blocks (zero copy
+    /// needs whole huge pages; measured in the README), else the pager's default.
+    pub fn block_size_for(&self, budget: u64) -> u64 {
+        match self.block_size {
+            Some(size) => size,
+            None if self.zero_copy && budget >= HUGE_BLOCK_MIN_BUDGET => HUGE_BLOCK,
+            None => crate::pager::DEFAULT_BLOCK_SIZE,
+        }
+    }
+
     /// The configuration with every variable unset, on a machine with `physical_ram` bytes.
     pub fn defaults(physical_ram: u64) -> Self {
         Self {
@@ -148,7 +164,7 @@ impl ShimConfig {
             policy: DEFAULT_POLICY.to_string(),
             block_size: None,
             install_threads: None,
-            zero_copy: false,
+            zero_copy: true,
             stats_path: None,
             trace_path: None,
             verbose: false,
@@ -236,7 +252,9 @@ impl ShimConfig {
                 Some(value) => Ok(Some(PathBuf::from(value))),
             }
         };
-        config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
+        if lookup(ENV_ZERO_COPY).is_some() {
+            config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
+        }
         config.stats_path = path(ENV_STATS)?;
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
@@ -360,7 +378,7 @@ mod tests {
         config.trace_path = Some("/tmp/t.jsonl".into());
         config.verbose = true;
         config.inherit = true;
-        config.zero_copy = true;
+        config.zero_copy = false;
         let env: HashMap<String, String> = config
             .to_env()
             .into_iter()

@@ -295,10 +295,12 @@ impl Shim {
             path: &path,
             file_offset: offset,
             data_len,
-            block_size: self
-                .config
-                .block_size
-                .unwrap_or(hyperoffload::pager::DEFAULT_BLOCK_SIZE),
+            block_size: match &*lock(&self.pager) {
+                PagerSlot::Running(pager) => pager.block_size(),
+                // The first file sets the budget (a percentage is of its size), and the
+                // budget the block size.
+                _ => self.config.block_size_for(self.config.budget.resolve(size)),
+            },
         };
         let pager = self.pager(&hint, size)?;
         let options = MapOptions {

@@ -45,17 +45,18 @@ pub struct RunArgs {
     /// Prefetch and eviction policy.
     #[arg(long, default_value = DEFAULT_POLICY, value_parser = policy_arg)]
     policy: String,
-    /// Block size (a power of two, at least 4K). Default: the pager's.
+    /// Block size (a power of two, at least 4K). Default: 2M with zero copy and a budget
+    /// of at least 128M, else 4K.
     #[arg(long, value_parser = super::size_arg)]
     block: Option<u64>,
     /// Threads installing prefetched reads beside the fault service thread (0: none).
     /// Default: the pager's.
     #[arg(long, value_parser = clap::value_parser!(u16).range(0..=16))]
     install_threads: Option<u16>,
-    /// Map blocks from a huge-page store instead of copying them in (blocks of a
-    /// multiple of 2M, run as root); see `PagerBuilder::zero_copy`.
+    /// Copy blocks in rather than map them from a huge-page store (zero copy needs
+    /// blocks of a multiple of 2M and CAP_SYS_ADMIN; without either it copies anyway).
     #[arg(long)]
-    zero_copy: bool,
+    no_zero_copy: bool,
     /// Also write the pager's stats (JSON) to this new file.
     #[arg(long)]
     stats: Option<PathBuf>,
@@ -120,7 +121,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.policy = args.policy.clone();
     config.block_size = args.block;
     config.install_threads = args.install_threads.map(usize::from);
-    config.zero_copy = args.zero_copy;
+    config.zero_copy = !args.no_zero_copy;
     config.stats_path = Some(shim_stats.clone());
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
