@@ -126,6 +126,8 @@ impl std::fmt::Display for BudgetSpec {
 /// so that the eviction policy still has choices.
 pub const HUGE_BLOCK_MIN_BUDGET: u64 = 64 * HUGE_BLOCK;
 const HUGE_BLOCK: u64 = 2 << 20;
+/// Most blocks of a file the launcher's block size gives (see `block_size_for`).
+pub const MAX_MAPPED_BLOCKS: u64 = 16 << 10;
 
 /// What the shim does, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,13 +146,20 @@ pub struct ShimConfig {
 }
 
 impl ShimConfig {
-    /// The block size for a pager of `budget` bytes: the one configured, else 2 MiB
-    /// when zero copy is on and the budget holds at least 64 such blocks (zero copy
-    /// needs whole huge pages; measured in the README), else the pager's default.
-    pub fn block_size_for(&self, budget: u64) -> u64 {
+    /// The block size for a pager of `budget` bytes whose first file is `file_len`
+    /// bytes: the one configured, else huge-page blocks when zero copy is on and the
+    /// budget holds at least 64 of them (zero copy needs whole huge pages; measured in
+    /// the README), else the pager's default. Huge-page blocks are 2 MiB, or larger for
+    /// files of more than `MAX_MAPPED_BLOCKS` of them: with zero copy each resident
+    /// block is a mapping of its own, and a process may have only so many
+    /// (`vm.max_map_count`, 65530 by default).
+    pub fn block_size_for(&self, budget: u64, file_len: u64) -> u64 {
         match self.block_size {
             Some(size) => size,
-            None if self.zero_copy && budget >= HUGE_BLOCK_MIN_BUDGET => HUGE_BLOCK,
+            None if self.zero_copy && budget >= HUGE_BLOCK_MIN_BUDGET => {
+                let blocks = file_len.div_ceil(HUGE_BLOCK).max(1);
+                HUGE_BLOCK * blocks.div_ceil(MAX_MAPPED_BLOCKS).next_power_of_two()
+            }
             None => crate::pager::DEFAULT_BLOCK_SIZE,
         }
     }
@@ -364,6 +373,22 @@ mod tests {
         assert!(BudgetSpec::parse("0%").is_err());
         assert!(BudgetSpec::parse("101%").is_err());
         assert!(BudgetSpec::parse("half").is_err());
+    }
+
+    #[test]
+    fn huge_blocks_only_with_zero_copy_a_large_enough_budget_and_few_enough_blocks() {
+        let mut config = ShimConfig::defaults(1 << 30);
+        let gib = 1u64 << 30;
+        assert_eq!(config.block_size_for(gib, 3 * gib), 2 << 20);
+        assert_eq!(config.block_size_for(127 << 20, 3 * gib), 4096);
+        // 32 GiB is 16384 blocks of 2 MiB; one byte more doubles the block.
+        assert_eq!(config.block_size_for(gib, 32 * gib), 2 << 20);
+        assert_eq!(config.block_size_for(gib, 32 * gib + 1), 4 << 20);
+        assert_eq!(config.block_size_for(gib, 100 * gib), 8 << 20);
+        config.zero_copy = false;
+        assert_eq!(config.block_size_for(gib, 3 * gib), 4096);
+        config.block_size = Some(64 << 10);
+        assert_eq!(config.block_size_for(gib, 3 * gib), 64 << 10);
     }
 
     #[test]

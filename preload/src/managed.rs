@@ -299,7 +299,9 @@ impl Shim {
                 PagerSlot::Running(pager) => pager.block_size(),
                 // The first file sets the budget (a percentage is of its size), and the
                 // budget the block size.
-                _ => self.config.block_size_for(self.config.budget.resolve(size)),
+                _ => self
+                    .config
+                    .block_size_for(self.config.budget.resolve(size), size),
             },
         };
         let pager = self.pager(&hint, size)?;
