@@ -151,13 +151,13 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
 
     let dir = TempDir::new("shim-llama");
     // About half the model; above it; below one layer (a layer is about 2.2 MiB here);
-    // half the model again with 2 MiB blocks. Zero copy is the launcher's default where
-    // the blocks are 2 MiB, which it picks itself from a budget of 128 MiB.
+    // half the model again, copying 4 KiB pages in. Zero copy is the launcher's default
+    // where the blocks are 2 MiB, which it picks itself from a budget of 16 MiB.
     for (budget, bytes, extra, zero_copy) in [
-        ("48M", 48u64 << 20, &[][..], false),
+        ("48M", 48u64 << 20, &[][..], true),
         ("200M", 200 << 20, &[], true),
         ("1M", 1 << 20, &[], false),
-        ("48M", 48 << 20, &["--block", "2M"], true),
+        ("48M", 48 << 20, &["--no-zero-copy"], false),
     ] {
         let stats = dir.path(&format!("stats-{budget}-{}.json", extra.len()));
         let started = std::time::Instant::now();

@@ -46,7 +46,7 @@ pub struct RunArgs {
     #[arg(long, default_value = DEFAULT_POLICY, value_parser = policy_arg)]
     policy: String,
     /// Block size (a power of two, at least 4K). Default: 2M with zero copy and a budget
-    /// of at least 128M, else 4K.
+    /// of at least 16M, else 4K.
     #[arg(long, value_parser = super::size_arg)]
     block: Option<u64>,
     /// Threads installing prefetched reads beside the fault service thread (0: none).
