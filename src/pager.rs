@@ -302,7 +302,8 @@ impl PagerBuilder {
     }
 
     /// Threads that install prefetched reads beside the fault service thread (0: the
-    /// service thread installs everything itself). See `installer`.
+    /// service thread installs everything itself). See `installer`. None run with zero
+    /// copy, where an install maps a frame instead of copying.
     pub fn install_threads(mut self, threads: usize) -> Self {
         self.install_threads = threads;
         self
@@ -406,7 +407,9 @@ impl PagerBuilder {
             wakeup,
             stats: Mutex::new(Stats::default()),
         });
-        let installs = match self.install_threads {
+        // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
+        let install_threads = if zero_copy { 0 } else { self.install_threads };
+        let installs = match install_threads {
             0 => None,
             threads => Some(
                 InstallPool::new(threads, uffd.clone(), page as usize, self.thread_nice)

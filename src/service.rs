@@ -464,6 +464,9 @@ impl FaultService {
             .find_map(|region| region.file.direct_refused().map(str::to_owned));
         stats.direct_io = refused.is_none();
         stats.direct_io_fallback = refused;
+        if let Some(store) = &self.store {
+            (stats.frame_memory_bytes, stats.peak_frame_memory_bytes) = store.memory_bytes();
+        }
         stats
     }
 

@@ -124,6 +124,11 @@ pub struct FrameStore {
     free: Vec<u32>,
     /// Frames never taken yet, from `next_fresh` on.
     next_fresh: u32,
+    /// Per frame taken so far: whether its pages are in memory (not punched).
+    holds_memory: Vec<bool>,
+    /// Frames holding memory now, and at most so far.
+    memory_frames: u32,
+    peak_memory_frames: u32,
 }
 
 impl FrameStore {
@@ -151,6 +156,9 @@ impl FrameStore {
             count,
             free: Vec::new(),
             next_fresh: 0,
+            holds_memory: Vec::new(),
+            memory_frames: 0,
+            peak_memory_frames: 0,
         };
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
@@ -178,13 +186,31 @@ impl FrameStore {
 
     /// A free frame, or None when all are taken.
     pub fn take(&mut self) -> Option<u32> {
-        if let Some(frame) = self.free.pop() {
-            return Some(frame);
+        let frame = match self.free.pop() {
+            Some(frame) => frame,
+            None if self.next_fresh < self.count => {
+                self.next_fresh += 1;
+                self.holds_memory.push(false);
+                self.next_fresh - 1
+            }
+            None => return None,
+        };
+        // The read about to land in it fills it.
+        if !std::mem::replace(&mut self.holds_memory[frame as usize], true) {
+            self.memory_frames += 1;
+            self.peak_memory_frames = self.peak_memory_frames.max(self.memory_frames);
         }
-        (self.next_fresh < self.count).then(|| {
-            self.next_fresh += 1;
-            self.next_fresh - 1
-        })
+        Some(frame)
+    }
+
+    /// Bytes of memory the frames hold now, and at most so far: frames in use, and
+    /// free frames kept warm for the next read.
+    pub fn memory_bytes(&self) -> (u64, u64) {
+        let frame = self.frame_len as u64;
+        (
+            self.memory_frames as u64 * frame,
+            self.peak_memory_frames as u64 * frame,
+        )
     }
 
     /// Gives `frame` back. With `free_memory`, its pages are freed too (a drop hint, a
@@ -203,6 +229,9 @@ impl FrameStore {
                     self.frame_len as libc::off_t,
                 )
             };
+            if std::mem::replace(&mut self.holds_memory[frame as usize], false) {
+                self.memory_frames -= 1;
+            }
         }
         self.free.push(frame);
     }
@@ -279,8 +308,10 @@ mod tests {
         store.forget_view(a);
         store.release(a, false);
         store.release(b, true);
+        assert_eq!(store.memory_bytes(), (len as u64, 2 * len as u64));
         assert_eq!(store.take(), Some(b), "the last freed frame comes first");
         assert_eq!(store.take(), Some(a));
+        assert_eq!(store.memory_bytes(), (2 * len as u64, 2 * len as u64));
         // SAFETY: as above.
         assert!(unsafe { store.bytes_mut(a, len) }.iter().all(|&x| x == 7));
         // SAFETY: as above.

@@ -112,6 +112,10 @@ pub struct Stats {
     pub zero_copy: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_copy_refused: Option<String>,
+    /// With zero copy: memory the frames hold (in use, or free and kept for the next
+    /// read), now and at most. Bounded by the budget plus a region's short last block.
+    pub frame_memory_bytes: u64,
+    pub peak_frame_memory_bytes: u64,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

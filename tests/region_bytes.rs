@@ -169,6 +169,20 @@ fn run_readers_with(
             "peak resident {} exceeds budget {budget}",
             stats.peak_resident_bytes
         );
+        if zero_copy {
+            // Frames are reused: their memory stays within the budget, plus one frame
+            // for the file's short last block.
+            assert!(
+                stats.peak_frame_memory_bytes <= budget + block,
+                "frames held {} for a budget of {budget}",
+                stats.peak_frame_memory_bytes
+            );
+            assert!(
+                stats.peak_frame_memory_bytes >= budget / 2,
+                "{}",
+                stats.to_json()
+            );
+        }
         assert!(stats.faults > 0 && stats.bytes_read >= file_len);
         if file_len > budget * 2 {
             assert!(stats.evictions > 0, "a file 4x the budget must evict");
