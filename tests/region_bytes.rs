@@ -101,29 +101,8 @@ fn reader(region: &Region, thread: u64, pattern: Pattern, check: Check, random_r
     }
 }
 
-fn run_readers(
-    file_len: u64,
-    budget: u64,
-    block: u64,
-    patterns: &[Pattern],
-    check: Check,
-    random_reads: u32,
-    path: &std::path::Path,
-) {
-    run_readers_with(
-        file_len,
-        budget,
-        block,
-        patterns,
-        check,
-        random_reads,
-        path,
-        false,
-    )
-}
-
 #[allow(clippy::too_many_arguments)]
-fn run_readers_with(
+fn run_readers(
     file_len: u64,
     budget: u64,
     block: u64,
@@ -237,6 +216,7 @@ fn awkward_size_file_with_a_quarter_budget() {
                 Check::Every,
                 2000,
                 &path,
+                false,
             );
         },
     );
@@ -258,6 +238,7 @@ fn each_pattern_alone_with_eight_threads() {
                 Check::Every,
                 2000,
                 &path,
+                false,
             );
         }
     });
@@ -275,7 +256,7 @@ fn zero_copy_regions_see_the_files_bytes_within_the_budget() {
             let dir = TempDir::new("zero-copy");
             let path = dir.path("model.bin");
             pattern_file(&path, len);
-            run_readers_with(
+            run_readers(
                 len,
                 budget,
                 2 << 20,
@@ -297,7 +278,7 @@ fn file_smaller_than_a_page() {
         pattern_file(&path, 3000);
         // The smallest budget there is: one page-sized block (a quarter of a sub-page file
         // is less than any block).
-        run_readers(3000, 4096, 4096, &MIXED, Check::Every, 200, &path);
+        run_readers(3000, 4096, 4096, &MIXED, Check::Every, 200, &path, false);
         let pager = pager_or_skip(Pager::builder().budget(4096).block_size(4096)).unwrap();
         let region = pager.map_file(&path, MapOptions::default()).unwrap();
         // The rest of the last page reads as zeros, as with mmap.
@@ -338,6 +319,7 @@ fn several_gib_sparse_file() {
             Check::PagesAnd(&SPARSE_DATA),
             5000,
             &path,
+            false,
         );
     });
 }

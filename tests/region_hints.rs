@@ -15,6 +15,46 @@ fn scan(bytes: &[u8]) {
     }
 }
 
+/// Unmaps the second page of `region` (inside block 0), maps a page of 0xAB of our own
+/// in its place, and reads every other part of the region's first `len` bytes twice
+/// over. Returns our page's address.
+fn cut_a_page_and_read_around_it(region: &hyperoffload::Region, len: usize) -> usize {
+    let base = region.as_ptr() as usize;
+    region.unmap_part(4096..8192).unwrap();
+    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
+    let reused = unsafe {
+        hyperoffload::sys::mmap(
+            base + 4096,
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        )
+    }
+    .expect("the unmapped page can be mapped again");
+    // SAFETY: `reused` is our own fresh read-write mapping.
+    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 4096) };
+    for _ in 0..2 {
+        for offset in (8192..len).step_by(4093).chain([0, 4095]) {
+            // SAFETY: offsets outside the unmapped page of the live region.
+            let byte = unsafe { *(base as *const u8).add(offset) };
+            assert_eq!(byte, pattern_byte(offset as u64), "offset {offset}");
+        }
+    }
+    reused
+}
+
+/// Asserts that the page `cut_a_page_and_read_around_it` mapped kept its bytes.
+fn assert_our_page_untouched(reused: usize) {
+    // SAFETY: still our mapping.
+    let page = unsafe { std::slice::from_raw_parts(reused as *const u8, 4096) };
+    assert!(
+        page.iter().all(|&b| b == 0xAB),
+        "the pager touched a mapping it does not own"
+    );
+}
+
 #[test]
 fn pinned_blocks_stay_resident_through_scans_larger_than_the_budget() {
     let dir = TempDir::new("pin");
@@ -239,39 +279,12 @@ fn evicting_a_block_cut_by_an_unmap_spares_what_is_mapped_in_the_hole() {
         return;
     };
     let region = pager.map_file(&path, MapOptions::default()).unwrap();
-    let base = region.as_ptr() as usize;
     scan(&region.as_slice()[..512 << 10]);
-    // One page in the middle of block 0, which is resident.
-    region.unmap_part(4096..8192).unwrap();
-    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
-    let reused = unsafe {
-        hyperoffload::sys::mmap(
-            base + 4096,
-            4096,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-            -1,
-            0,
-        )
-    }
-    .expect("the unmapped page can be mapped again");
-    // SAFETY: `reused` is our own fresh read-write mapping.
-    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 4096) };
-    // Read the rest of the file twice over: block 0 is evicted and read back.
-    for _ in 0..2 {
-        for offset in (8192..8 << 20).step_by(4093).chain([0, 4095]) {
-            // SAFETY: offsets outside the unmapped page of the live region.
-            let byte = unsafe { *(base as *const u8).add(offset) };
-            assert_eq!(byte, pattern_byte(offset as u64), "offset {offset}");
-        }
-    }
+    // One page in the middle of block 0, which is resident; reading the rest of the
+    // file twice over evicts block 0 and reads it back.
+    let reused = cut_a_page_and_read_around_it(&region, 8 << 20);
     assert!(pager.stats().evictions > 0);
-    // SAFETY: still our mapping.
-    let page = unsafe { std::slice::from_raw_parts(reused as *const u8, 4096) };
-    assert!(
-        page.iter().all(|&b| b == 0xAB),
-        "the pager dropped pages of a mapping it does not own"
-    );
+    assert_our_page_untouched(reused);
     drop(region);
     // SAFETY: our mapping, no longer used.
     unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
@@ -320,40 +333,14 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     );
     check_dropped(&region);
     // A page the program unmaps in block 0 and maps again is never touched.
-    region.unmap_part(4096..8192).unwrap();
-    // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
-    let reused = unsafe {
-        hyperoffload::sys::mmap(
-            base + 4096,
-            4096,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-            -1,
-            0,
-        )
-    }
-    .expect("the unmapped page can be mapped again");
-    // SAFETY: `reused` is our own fresh read-write mapping.
-    unsafe { std::ptr::write_bytes(reused as *mut u8, 0xAB, 4096) };
-    for _ in 0..2 {
-        for offset in (8192..32 << 20).step_by(4093).chain([0, 4095]) {
-            // SAFETY: offsets outside the unmapped page of the live region.
-            let byte = unsafe { *(base as *const u8).add(offset) };
-            assert_eq!(byte, pattern_byte(offset as u64), "offset {offset}");
-        }
-    }
+    let reused = cut_a_page_and_read_around_it(&region, 32 << 20);
     let stats = pager.stats();
     assert!(
         stats.evictions > 0 && stats.peak_resident_bytes <= 8 << 20,
         "{}",
         stats.to_json()
     );
-    // SAFETY: still our mapping.
-    let page = unsafe { std::slice::from_raw_parts(reused as *const u8, 4096) };
-    assert!(
-        page.iter().all(|&b| b == 0xAB),
-        "the pager touched a mapping it does not own"
-    );
+    assert_our_page_untouched(reused);
     drop(region);
     // SAFETY: our mapping, no longer used.
     unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
