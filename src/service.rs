@@ -45,9 +45,9 @@ const TOKEN_INSTALLED: u32 = 2;
 const DIRECT_IO_ALIGN: u64 = 4096;
 /// Most prefetch requests held waiting for a free read slot.
 const MAX_QUEUED_PREFETCH: usize = 1 << 16;
-/// The stash index of a staged marker whose bytes wait in its slot of the store.
-const IN_STORE: u32 = u32::MAX;
-/// A block without a slot of the store.
+/// The stash index of a staged marker whose bytes wait in its frame.
+const IN_FRAME: u32 = u32::MAX;
+/// A block without a frame.
 const NO_FRAME: u32 = u32::MAX;
 
 /// Makes reads overlapping `file_range` fail with `errno` (tests of the error path).
@@ -95,7 +95,7 @@ enum BlockState {
     /// Waiting in the demand or prefetch queue for a read slot.
     Queued,
     Reading,
-    /// Read and held in the stash (or in its slot of the store, not mapped) until the
+    /// Read and held in the stash (or in its frame, not mapped) until the
     /// program faults on it (a prefetch marker); its bytes stay reserved in the budget
     /// meanwhile.
     Staged {
@@ -124,8 +124,8 @@ struct RegionEntry {
     /// Ranges (region offsets) the program unmapped: never installed into or dropped,
     /// since something else may be mapped there now.
     holes: Vec<Range<u64>>,
-    /// With zero copy: each block's slot in the store (NO_FRAME if none), else empty.
-    slots: Vec<u32>,
+    /// With zero copy: each block's frame (NO_FRAME if none), else empty.
+    frames: Vec<u32>,
     /// The program's protection of the region.
     prot: i32,
 }
@@ -271,7 +271,7 @@ pub(crate) struct FaultService {
     ready: VecDeque<u32>,
     /// The bytes of staged markers.
     stash: Stash,
-    /// With zero copy: the slots reads land in and regions map.
+    /// With zero copy: the frames reads land in and regions map.
     store: Option<FrameStore>,
 }
 
@@ -546,7 +546,7 @@ impl FaultService {
         let outcome = match region.blocks[index as usize] {
             BlockState::Resident if self.store.is_some() => {
                 // The install raced with the fault, or the program dropped the pages of
-                // the slot's mapping (a minor fault): map the slot again.
+                // the frame's mapping (a minor fault): map the frame again.
                 let store = self.store.as_ref().expect("checked");
                 map_frame(&self.uffd, store, region, index)?;
                 FaultOutcome::Resident
@@ -871,7 +871,7 @@ impl FaultService {
             Some(store) => {
                 debug_assert_eq!(count, 1, "a frame holds one block");
                 let frame = store.take().expect("pump checked a frame is free");
-                region.slots[first.index as usize] = frame;
+                region.frames[first.index as usize] = frame;
                 Some(store.view(frame))
             }
             None => None,
@@ -997,7 +997,7 @@ impl FaultService {
         );
         let dest = self.store.as_ref().map(|store| {
             store
-                .view(region.slots[tag.first as usize])
+                .view(region.frames[tag.first as usize])
                 .wrapping_add(done)
         });
         let tag = self
@@ -1022,7 +1022,7 @@ impl FaultService {
         let len = tag.len;
         match &mut self.store {
             Some(store) => {
-                let frame = self.regions[&tag.region].slots[tag.first as usize];
+                let frame = self.regions[&tag.region].frames[tag.first as usize];
                 // SAFETY: the read has completed (or not started), so nothing else
                 // writes the frame, and the service is its only user meanwhile.
                 unsafe { store.bytes_mut(frame, len) }
@@ -1061,8 +1061,8 @@ impl FaultService {
             // from: hold it back unmapped, and map it when the program faults on it.
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let store = self.store.as_ref().expect("checked");
-            store.forget_view(region.slots[first as usize]);
-            region.blocks[first as usize] = BlockState::Staged { stash: IN_STORE };
+            store.forget_view(region.frames[first as usize]);
+            region.blocks[first as usize] = BlockState::Staged { stash: IN_FRAME };
             self.staged.push_back(block);
             let reserved = self.ring.tag(slot).expect("completing").reserved;
             self.finish_read(slot);
@@ -1193,7 +1193,7 @@ impl FaultService {
     fn install_staged(&mut self, block: BlockRef, stash: u32) -> Result<(), ServiceError> {
         let region = &self.regions[&block.region];
         let memory = region.layout.block_memory(block.index);
-        if stash == IN_STORE {
+        if stash == IN_FRAME {
             let store = self
                 .store
                 .as_ref()
@@ -1414,7 +1414,7 @@ impl FaultService {
             if let BlockState::Staged { stash } = region.blocks[block.index as usize] {
                 region.blocks[block.index as usize] = BlockState::Missing;
                 self.reserved -= region.layout.block_bytes(block.index);
-                if stash == IN_STORE {
+                if stash == IN_FRAME {
                     release_frame(&mut self.store, region, block.index, false);
                 } else {
                     self.stash.release(stash);
@@ -1461,7 +1461,7 @@ impl FaultService {
                 reply,
             } => {
                 let blocks = layout.block_count() as usize;
-                let slots = match self.store {
+                let frames = match self.store {
                     Some(_) => vec![NO_FRAME; blocks],
                     None => Vec::new(),
                 };
@@ -1475,7 +1475,7 @@ impl FaultService {
                     removed: false,
                     changed: false,
                     holes: Vec::new(),
-                    slots,
+                    frames,
                     prot,
                     layout,
                 };
@@ -1748,7 +1748,7 @@ fn map_frame(
     region: &RegionEntry,
     index: u32,
 ) -> Result<(), ServiceError> {
-    let frame = region.slots[index as usize];
+    let frame = region.frames[index as usize];
     let memory = region.layout.block_memory(index);
     let target = region.base + memory.start as usize;
     let len = (memory.end - memory.start) as usize;
@@ -1794,7 +1794,7 @@ fn release_frame(
     index: u32,
     free_memory: bool,
 ) {
-    if let (Some(store), Some(frame)) = (store, region.slots.get_mut(index as usize)) {
+    if let (Some(store), Some(frame)) = (store, region.frames.get_mut(index as usize)) {
         if *frame != NO_FRAME {
             store.release(*frame, free_memory);
             *frame = NO_FRAME;
