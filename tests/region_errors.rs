@@ -230,3 +230,27 @@ fn bad_pager_settings_are_refused_with_the_reason() {
         .unwrap();
     assert!(matches!(error, PagerError::BadReadSize { .. }), "{error}");
 }
+
+#[test]
+fn zero_copy_with_blocks_smaller_than_a_huge_page_copies_and_says_why() {
+    let dir = TempDir::new("zero-copy-small-blocks");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 1 << 20);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(1 << 20)
+            .block_size(64 << 10)
+            .zero_copy(true),
+    ) else {
+        return;
+    };
+    let stats = pager.stats();
+    assert!(!stats.zero_copy);
+    let why = stats.zero_copy_refused.unwrap_or_default();
+    assert!(why.contains("not whole 2 MiB pages"), "{why}");
+    // And it serves the file, by copying.
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    for (i, &byte) in region.as_slice().iter().enumerate().step_by(4093) {
+        assert_eq!(byte, pattern_byte(i as u64));
+    }
+}
