@@ -131,7 +131,7 @@ fn run_readers(
         );
         let region = Arc::new(pager.map_file(path, MapOptions::default()).unwrap());
         assert_eq!(region.len() as u64, file_len);
-        announce_region(region.as_ptr() as usize);
+        announce_region(region.as_ptr() as usize, region.map_len());
         std::thread::scope(|scope| {
             for (thread, &pattern) in patterns.iter().enumerate() {
                 let region = region.clone();
@@ -166,7 +166,11 @@ fn run_readers(
         if file_len > budget * 2 {
             assert!(stats.evictions > 0, "a file 4x the budget must evict");
         }
-        assert!(mapping_rss(region.as_ptr() as usize) <= budget);
+        assert!(mapping_rss(region.as_ptr() as usize, region.map_len()) <= budget);
+        // Long enough for the sampling parent to see this region at least once (it
+        // samples every 5 ms), however short the reading was.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        retire_region(region.as_ptr() as usize);
     }
 }
 

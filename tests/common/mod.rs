@@ -98,24 +98,9 @@ pub fn sparse_file(path: &Path, len: u64, data: &[std::ops::Range<u64>]) {
     file.sync_all().unwrap();
 }
 
-/// Resident bytes of the mapping starting at `base`, from /proc/self/smaps.
-pub fn mapping_rss(base: usize) -> u64 {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let header = format!("{base:x}-");
-    let mut in_mapping = false;
-    for line in smaps.lines() {
-        if line.starts_with(|c: char| c.is_ascii_hexdigit()) && line.contains('-') {
-            in_mapping = line.starts_with(&header);
-            continue;
-        }
-        if in_mapping {
-            if let Some(rest) = line.strip_prefix("Rss:") {
-                let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().unwrap();
-                return kb * 1024;
-            }
-        }
-    }
-    panic!("no mapping at {base:#x} in /proc/self/smaps");
+/// Resident bytes of the mappings in `[base, base + len)`, from /proc/self/smaps.
+pub fn mapping_rss(base: usize, len: usize) -> u64 {
+    process_mappings_rss(std::process::id(), &[(base, len)])
 }
 
 /// Pages of `[base, base + len)` that are resident, from mincore.
@@ -160,7 +145,7 @@ pub fn is_child() -> bool {
 }
 
 /// Resident bytes of the mappings of process `pid` that start at one of `bases`.
-pub fn process_mappings_rss(pid: u32, bases: &[usize]) -> u64 {
+pub fn process_mappings_rss(pid: u32, ranges: &[(usize, usize)]) -> u64 {
     let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
         return 0;
     };
@@ -169,7 +154,13 @@ pub fn process_mappings_rss(pid: u32, bases: &[usize]) -> u64 {
     for line in smaps.lines() {
         if line.starts_with(|c: char| c.is_ascii_hexdigit()) && line.contains('-') {
             let start = line.split('-').next().unwrap_or("");
-            counted = usize::from_str_radix(start, 16).is_ok_and(|start| bases.contains(&start));
+            // A region may be several mappings (zero copy maps each block on its own):
+            // every mapping that starts inside one counts.
+            counted = usize::from_str_radix(start, 16).is_ok_and(|start| {
+                ranges
+                    .iter()
+                    .any(|&(base, len)| (base..base + len).contains(&start))
+            });
             continue;
         }
         if counted {
@@ -229,34 +220,63 @@ pub fn run_child_sampling_rss(test: &str, limit: Duration) -> (u64, u64) {
             let _ = child.wait();
             panic!("child test {test} hung for {limit:?}");
         }
-        let bases: Vec<usize> = std::fs::read_to_string(&list)
-            .unwrap()
-            .lines()
-            .filter_map(|line| usize::from_str_radix(line.trim(), 16).ok())
-            .collect();
-        if !bases.is_empty() {
-            // SAFETY: signals our own child process.
-            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-            let stop_deadline = Instant::now() + Duration::from_secs(2);
-            while !all_threads_stopped(pid) && Instant::now() < stop_deadline {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            if all_threads_stopped(pid) {
-                max = max.max(process_mappings_rss(pid, &bases));
+        // Stopped first, then the list read: the regions it names are the ones mapped
+        // now (a region is announced after it is mapped and retired before it goes).
+        // SAFETY: signals our own child process.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let stop_deadline = Instant::now() + Duration::from_secs(2);
+        while !all_threads_stopped(pid) && Instant::now() < stop_deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if all_threads_stopped(pid) {
+            let regions = live_regions(&std::fs::read_to_string(&list).unwrap());
+            if !regions.is_empty() {
+                max = max.max(process_mappings_rss(pid, &regions));
                 samples += 1;
             }
-            // SAFETY: as above.
-            unsafe { libc::kill(pid as i32, libc::SIGCONT) };
         }
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGCONT) };
         std::thread::sleep(Duration::from_millis(5));
     }
 }
 
-/// In a child started by `run_child_sampling_rss`, announces a region to sample.
-pub fn announce_region(base: usize) {
+/// The regions a list written by `announce_region` and `retire_region` names as live:
+/// (base, length).
+fn live_regions(list: &str) -> Vec<(usize, usize)> {
+    let mut live = Vec::new();
+    for line in list.lines() {
+        if let Some(base) = line.trim().strip_prefix('-') {
+            let base = usize::from_str_radix(base, 16).ok();
+            live.retain(|&(b, _)| Some(b) != base);
+        } else if let Some((base, len)) = line.trim().split_once(' ') {
+            if let (Ok(base), Ok(len)) = (
+                usize::from_str_radix(base, 16),
+                usize::from_str_radix(len, 16),
+            ) {
+                live.push((base, len));
+            }
+        }
+    }
+    live
+}
+
+/// In a child started by `run_child_sampling_rss`, announces a region to sample (after
+/// it is mapped).
+pub fn announce_region(base: usize, len: usize) {
+    append_to_region_list(&format!("{base:x} {len:x}"));
+}
+
+/// In such a child, stops sampling a region (before it is dropped): its addresses may
+/// hold other mappings afterwards.
+pub fn retire_region(base: usize) {
+    append_to_region_list(&format!("-{base:x}"));
+}
+
+fn append_to_region_list(line: &str) {
     if let Some(list) = std::env::var_os("HYPEROFFLOAD_REGIONS_FILE") {
         let mut file = std::fs::OpenOptions::new().append(true).open(list).unwrap();
-        writeln!(file, "{base:x}").unwrap();
+        writeln!(file, "{line}").unwrap();
     }
 }
 /// The file name of the small real model the tests use.
