@@ -236,22 +236,29 @@ impl<Tag> ReadRing<Tag> {
             "read past its buffer"
         );
         let ptr = self.buffers.ptr(slot).wrapping_add(buffer_offset);
-        let entry = opcode::Read::new(types::Fd(fd), ptr, len as u32)
-            .offset(offset)
-            .build()
-            .user_data(slot as u64);
-        self.tags[slot as usize] = Some(tag);
-        self.push(&entry)
+        self.push_read(slot, fd, offset, ptr, len, tag)
     }
 
     /// Starts a read of `len` bytes at file `offset` into memory the caller owns at
-    /// `dest` (a region's page store), instead of `slot`'s buffer. The slot stays
+    /// `dest` (a frame of the zero-copy store), instead of `slot`'s buffer. The slot stays
     /// checked out, carrying `tag`, until `checkin`.
     ///
     /// # Safety
     /// `dest..dest + len` must stay mapped, writable and unused by anything else until
     /// the read's completion is reaped.
     pub unsafe fn read_into(
+        &mut self,
+        slot: u32,
+        fd: RawFd,
+        offset: u64,
+        dest: *mut u8,
+        len: usize,
+        tag: Tag,
+    ) -> Result<(), RingError> {
+        self.push_read(slot, fd, offset, dest, len, tag)
+    }
+
+    fn push_read(
         &mut self,
         slot: u32,
         fd: RawFd,

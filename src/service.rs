@@ -1046,6 +1046,11 @@ impl FaultService {
         let landing = self.landing(slot);
         let tail = valid..valid.next_multiple_of(page).min(landing.len());
         landing[tail].fill(0);
+        if let Some(store) = &self.store {
+            // Whether it is mapped now or held back, the service is done with the
+            // frame's bytes: the process's resident set counts them once (the region's).
+            store.forget_view(self.regions[&region_id].frames[first as usize]);
+        }
         self.read_latency.record_ns(elapsed);
         self.stats.bytes_read += valid as u64;
         self.stats.blocks_read += count as u64;
@@ -1060,8 +1065,6 @@ impl FaultService {
             // With zero copy the marker's bytes are already where they will be mapped
             // from: hold it back unmapped, and map it when the program faults on it.
             let region = self.regions.get_mut(&region_id).expect("checked live");
-            let store = self.store.as_ref().expect("checked");
-            store.forget_view(region.frames[first as usize]);
             region.blocks[first as usize] = BlockState::Staged { stash: IN_FRAME };
             self.staged.push_back(block);
             let reserved = self.ring.tag(slot).expect("completing").reserved;
@@ -1346,7 +1349,8 @@ impl FaultService {
             let block = BlockRef::new(region_id, index);
             let waited = self.waiters.remove(&block);
             let memory = region.layout.block_memory(index);
-            release_frame(&mut self.store, region, index, false);
+            // Emptied: the failed read's pages may still be in the service's view.
+            release_frame(&mut self.store, region, index, true);
             if waited.is_some() || region.pinned[index as usize] {
                 for part in region.mapped_parts(memory) {
                     self.stats.poisoned_pages +=
@@ -1781,7 +1785,6 @@ fn map_frame(
         )
         .map_err(|error| map_error(part.start, std::io::Error::other(format!("{error:?}"))))?;
     }
-    store.forget_view(frame);
     let _ = uffd.wake(target as *mut libc::c_void, len);
     Ok(())
 }
