@@ -314,6 +314,11 @@ impl<Tag> ReadRing<Tag> {
         self.buffers.slice_mut(slot)
     }
 
+    /// Submits queued entries without waiting for any completion.
+    pub fn submit(&mut self) -> Result<(), RingError> {
+        self.submit_and_wait(0)
+    }
+
     /// Submits queued entries and waits until at least `want` completions are ready.
     pub fn submit_and_wait(&mut self, want: usize) -> Result<(), RingError> {
         loop {

@@ -252,6 +252,9 @@ pub(crate) struct FaultService {
     reserved: u64,
     pinned: u64,
     prefetch_reads_in_flight: u32,
+    /// Bytes of prefetch reads submitted and not yet completed by the device (a read
+    /// completed but not yet installed no longer counts).
+    prefetch_bytes_on_device: u64,
     demand_reads_in_flight: u32,
     stats: Stats,
     log: FaultLog,
@@ -334,6 +337,7 @@ impl FaultService {
             reserved: 0,
             pinned: 0,
             prefetch_reads_in_flight: 0,
+            prefetch_bytes_on_device: 0,
             demand_reads_in_flight: 0,
             stats,
             log: FaultLog {
@@ -436,6 +440,7 @@ impl FaultService {
             // now, then install what finished (installs take far longer than issuing).
             self.pump()?;
             if !self.ready.is_empty() {
+                self.ring.submit()?;
                 self.install_ready()?;
                 // Installs freed slots: fill them (submitted on the next turn).
                 self.pump()?;
@@ -669,7 +674,9 @@ impl FaultService {
         }
         let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
+        let device_limit = self.prefetch.device_bytes().unwrap_or(u64::MAX);
         while self.prefetch_reads_in_flight < prefetch_limit
+            && self.prefetch_bytes_on_device < device_limit
             && self.ring.has_free_slot()
             && self.frame_free()
         {
@@ -706,10 +713,15 @@ impl FaultService {
                 .map(|index| region.layout.block_bytes(index))
                 .sum();
             if !self.make_room(bytes, first.block, ReadKind::Prefetch)? {
-                // Nothing resident is worth less than what the policy wants next: the
-                // rest of the plan is not worth it either, for now.
-                self.cancel_prefetch_queue();
-                break;
+                // Nothing resident is worth less than this block. Requests are queued
+                // in the order they are needed, so the rest are worth as little, unless
+                // this one is stale: the program passed it while it waited for the
+                // device. Drop it alone (measured at a quarter of a 3 GiB llama:
+                // dropping the queue on a stale request left runs of the blocks just
+                // ahead to be read on demand).
+                self.prefetch_queue.pop_front();
+                self.cancel_request(first.block);
+                continue;
             }
             let Some(slot) = self.ring.checkout()? else {
                 self.reserved -= bytes;
@@ -730,13 +742,13 @@ impl FaultService {
         self.store.as_ref().is_none_or(FrameStore::has_free)
     }
 
-    fn cancel_prefetch_queue(&mut self) {
-        for request in self.prefetch_queue.drain(..) {
-            if let Some(region) = self.regions.get_mut(&request.block.region) {
-                let state = &mut region.blocks[request.block.index as usize];
-                if *state == BlockState::Queued && !self.waiters.contains_key(&request.block) {
-                    *state = BlockState::Missing;
-                }
+    /// Forgets a prefetch request taken off the queue: its block is missing again
+    /// unless a thread waits on it (then it is in the demand queue too).
+    fn cancel_request(&mut self, block: BlockRef) {
+        if let Some(region) = self.regions.get_mut(&block.region) {
+            let state = &mut region.blocks[block.index as usize];
+            if *state == BlockState::Queued && !self.waiters.contains_key(&block) {
+                *state = BlockState::Missing;
             }
         }
     }
@@ -898,6 +910,7 @@ impl FaultService {
         }
         if prefetch {
             self.prefetch_reads_in_flight += 1;
+            self.prefetch_bytes_on_device += len as u64;
         } else {
             self.demand_reads_in_flight += 1;
         }
@@ -910,6 +923,10 @@ impl FaultService {
             return Ok(());
         };
         let region_id = tag.region;
+        if tag.prefetch {
+            // What was submitted last for this slot: the request's rest.
+            self.prefetch_bytes_on_device -= (tag.len - tag.done) as u64;
+        }
         if !self.config.faults.read_delay.is_zero() {
             std::thread::sleep(self.config.faults.read_delay);
         }
@@ -1004,6 +1021,9 @@ impl FaultService {
             .ring
             .checkin(slot)
             .expect("continuing a read in flight");
+        if tag.prefetch {
+            self.prefetch_bytes_on_device += len as u64;
+        }
         // Re-checking out the same slot cannot fail: it was just returned.
         let again = self.ring.checkout()?.expect("a slot was just returned");
         debug_assert_eq!(again, slot);
@@ -1090,12 +1110,11 @@ impl FaultService {
                 return Ok(());
             }
         }
-        if self.read_has_waiters(slot) {
-            self.install_read(slot)
-        } else {
-            self.ready.push_back(slot);
-            Ok(())
-        }
+        // Installed after the next reads are submitted (`serve`), waited ones first:
+        // issuing a read takes microseconds, mapping or copying a block far longer, and
+        // the device would idle meanwhile.
+        self.ready.push_back(slot);
+        Ok(())
     }
 
     /// Whether a thread waits on a block of the read in `slot`.

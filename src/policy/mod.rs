@@ -168,6 +168,14 @@ pub trait PrefetchPolicy: Send {
     /// policy size its lookahead to the measured bandwidth.
     fn read_completed(&mut self, _block: BlockRef, _bytes: u64, _elapsed_ns: u64) {}
 
+    /// Most bytes of this policy's reads the device should have at once; `None`: as
+    /// many as the queue depth allows. A deep queue keeps the device busy; a shallow one
+    /// delivers the block needed first sooner (a virtual disk may complete its whole
+    /// queue together), which pays when the program computes between reads.
+    fn device_bytes(&self) -> Option<u64> {
+        None
+    }
+
     fn hint(&mut self, _region: RegionId, _blocks: std::ops::Range<u32>, _hint: AccessHint) {}
 }
 
