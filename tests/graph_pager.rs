@@ -18,9 +18,24 @@ use hyperoffload::{MapOptions, Pager};
 const TOKENS: usize = 5;
 const BLOCK: u64 = 4 << 10;
 
-/// Reads every tensor in execution order `TOKENS` times; returns the bytes read per
-/// token after the first, and the bytes one token touches.
+/// Reads every tensor in execution order `TOKENS` times under half the model in
+/// 4 KiB blocks; returns the bytes read per token after the first, and the bytes one
+/// token touches.
 fn decode(prefetch: PrefetchKind, eviction: EvictionKind) -> Option<(Vec<u64>, u64, u64)> {
+    decode_with(prefetch, eviction, (1, 2), BLOCK, false)
+        .map(|(per_token, touched, budget, _)| (per_token, touched, budget))
+}
+
+/// As `decode`, with a budget of `share` (numerator, denominator) of the file and
+/// blocks of `block` bytes, zero copy or not; also returns the bytes the graph
+/// policies planned to stream per token.
+fn decode_with(
+    prefetch: PrefetchKind,
+    eviction: EvictionKind,
+    share: (u64, u64),
+    block: u64,
+    zero_copy: bool,
+) -> Option<(Vec<u64>, u64, u64, u64)> {
     let path = test_model()?;
     let model = ModelFile::open(&path).unwrap();
     let order = execution_order(&model.tensors);
@@ -29,16 +44,17 @@ fn decode(prefetch: PrefetchKind, eviction: EvictionKind) -> Option<(Vec<u64>, u
         .iter()
         .map(|&i| model.tensors[i].file_range.end - model.tensors[i].file_range.start)
         .sum();
-    let budget = model.file_len / 2 / BLOCK * BLOCK;
+    let budget = model.file_len * share.0 / share.1 / block * block;
     let graph = ModelGraph::from_tensors(
         &model.tensors,
-        BlockLayout::new(0, model.file_len, BLOCK).unwrap(),
+        BlockLayout::new(0, model.file_len, block).unwrap(),
     );
     let prediction = GraphPrediction::new(Arc::new(graph));
     let pager = pager_or_skip(
         Pager::builder()
             .budget(budget)
-            .block_size(BLOCK)
+            .block_size(block)
+            .zero_copy(zero_copy)
             .prefetch(prefetch.build_with(Some(&prediction)))
             .eviction(eviction.build_with(Some(&prediction))),
     )?;
@@ -76,7 +92,31 @@ fn decode(prefetch: PrefetchKind, eviction: EvictionKind) -> Option<(Vec<u64>, u
     let stats = pager.stats();
     assert!(stats.peak_resident_bytes <= budget);
     eprintln!("{prefetch:?}/{eviction:?}: per token {per_token:?} of {touched} touched, budget {budget}; {}", stats.to_json());
-    Some((per_token, touched, budget))
+    let plan = prediction.stream_plan();
+    if plan.streams() {
+        // The blocks kept are resident at the end: eviction took streamed ones.
+        let order = prediction.graph().order();
+        let kept: Vec<u32> = (0..model.file_len.div_ceil(block) as u32)
+            .filter(|&b| order.contains(b) && !plan.is_streamed(b))
+            .collect();
+        let base = bytes.as_ptr() as usize;
+        let evicted: Vec<u32> = kept
+            .iter()
+            .copied()
+            .filter(|&b| {
+                !pages_present(base + b as usize * block as usize, block as usize)
+                    .into_iter()
+                    .any(|present| present)
+            })
+            .collect();
+        eprintln!("{} kept blocks, not resident: {evicted:?}", kept.len());
+        assert!(
+            evicted.len() * 20 <= kept.len(),
+            "kept blocks evicted: {evicted:?} of {}",
+            kept.len()
+        );
+    }
+    Some((per_token, touched, budget, plan.streamed_bytes))
 }
 
 #[test]
@@ -93,6 +133,31 @@ fn graph_policies_stream_only_what_cannot_stay_resident() {
     assert!(
         mean <= 1.2 * floor as f64,
         "graph read {per_token:?} per token, floor {floor}"
+    );
+}
+
+/// With three quarters of the model in budget the graph policies stream a set of blocks
+/// spread evenly along the order (the launcher's 2 MiB blocks, zero copy): each token
+/// reads that set and little else, every byte still right.
+#[test]
+fn graph_policies_stream_a_spread_set_at_three_quarters() {
+    let Some((per_token, touched, budget, planned)) = decode_with(
+        PrefetchKind::Graph,
+        EvictionKind::Graph,
+        (3, 4),
+        2 << 20,
+        true,
+    ) else {
+        return;
+    };
+    let floor = touched - budget;
+    // The set is M - B plus the room its blocks need while resident: a window of 8 MiB
+    // and a step's share ahead and behind, large beside a 94 MiB model.
+    assert!(planned > floor, "planned {planned}, floor {floor}");
+    let mean = per_token.iter().sum::<u64>() as f64 / per_token.len() as f64;
+    assert!(
+        mean <= 1.1 * planned as f64,
+        "read {per_token:?} per token, planned {planned} (floor {floor})"
     );
 }
 

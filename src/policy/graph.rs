@@ -8,6 +8,12 @@
 //! of the model resident and streams the rest through a small window, which is the
 //! optimum (M - B bytes read per token).
 //!
+//! Which part streams matters for speed, not only how much: when the budget holds at
+//! least half the model, the streamed blocks are chosen up front, spread evenly along
+//! the order ([`streaming`]), eviction takes them before kept ones, and prefetch reads
+//! them a few at a time just ahead of the program, so the device reads while the
+//! program computes through the kept blocks between them.
+//!
 //! The two share a [`GraphPrediction`]: the graph, the current position in the order
 //! (advanced by every fault either policy hears of), and which blocks are resident
 //! (kept by the eviction side, so the prefetch side counts only bytes still to read).
@@ -16,6 +22,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use self::streaming::{plan_streaming, StreamPlan};
 use super::per_block::PerBlock;
 use super::position_set::PositionSet;
 use super::{
@@ -23,6 +30,8 @@ use super::{
     RegionInfo,
 };
 use crate::graph::{BlockLayout, CyclicOrder, ModelGraph};
+
+pub mod streaming;
 
 /// The prediction both graph policies follow, and the progress along it.
 pub struct GraphPrediction {
@@ -40,6 +49,8 @@ struct Progress {
     /// The farthest a fault has landed a little behind the cursor (`lag_behind`): how
     /// far threads sharing a step lag behind the one ahead, as observed.
     lag_seen: u32,
+    /// Which blocks stream each pass when the model does not fit the budget.
+    stream: StreamPlan,
 }
 
 impl GraphPrediction {
@@ -52,6 +63,7 @@ impl GraphPrediction {
                 cursor: 0,
                 resident: vec![false; blocks],
                 lag_seen: 0,
+                stream: StreamPlan::default(),
             }),
         })
     }
@@ -91,7 +103,18 @@ impl GraphPrediction {
         let mut progress = self.lock();
         if matches && !progress.regions.contains(&info.id) {
             progress.regions.push(info.id);
+            progress.stream = plan_streaming(
+                self.graph.order(),
+                layout,
+                info.budget,
+                self.graph.lag_guard(),
+            );
         }
+    }
+
+    /// The streamed set chosen for the bound model (empty until a region binds).
+    pub fn stream_plan(&self) -> StreamPlan {
+        self.lock().stream.clone()
     }
 
     fn region_removed(&self, region: RegionId) {
@@ -147,6 +170,9 @@ pub struct GraphPrefetch {
     /// Per block: the position (unwrapped, as `progress_steps`) it was last requested
     /// for. A resident block whose target is still ahead was read for this pass.
     target: Vec<u64>,
+    /// The device depth asked for (`PrefetchPolicy::device_bytes`): shallow while a
+    /// spread set streams.
+    device_bytes: Option<u64>,
 }
 
 /// Weight of the newest sample in the moving averages.
@@ -171,6 +197,7 @@ impl GraphPrefetch {
             read_ns: None,
             progress_steps: 0,
             target: vec![0; prediction.graph.layout().block_count() as usize],
+            device_bytes: None,
             prediction,
         }
     }
@@ -195,7 +222,9 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
-        // Bytes in flight hold budget that the resident part of the model no longer
+        // With a spread streamed set (see `streaming`), the window is the room the plan
+        // keeps for it. Otherwise (the model fits, or Belady's contiguous stream):
+        // bytes in flight hold budget that the resident part of the model no longer
         // has: every byte of lookahead beyond what hides the read latency is read again
         // each token. Measured read latency grows with the queue the lookahead itself
         // fills, so the estimate is also capped at a fraction of the budget.
@@ -207,18 +236,21 @@ impl PrefetchPolicy for GraphPrefetch {
         // 5.18-5.56 at 90 %); a sixteenth read 1.04x but decoded 6-7 % slower.
         // (When the model fits, nothing streams after the first pass, which still reads
         // the whole model: no such cap then.)
+        let plan_window = self.prediction.lock().stream.window_bytes;
         let streamed = self
             .prediction
             .graph()
             .predicted_bytes()
             .saturating_sub(info.budget);
-        let cap = match streamed {
-            0 => info.budget / 8,
-            streamed => (info.budget / 8).min(streamed / 8),
+        let cap = match (plan_window, streamed) {
+            (0, 0) => info.budget / 8,
+            (0, streamed) => (info.budget / 8).min(streamed / 8),
+            (window, _) => window,
         };
         self.max_lookahead_bytes = self
             .max_lookahead_bytes
             .min(cap.max(self.min_lookahead_bytes));
+        self.device_bytes = (plan_window > 0).then_some(streaming::STREAM_DEVICE_BYTES);
         self.initial_lookahead_bytes = self.initial_lookahead_bytes.min(self.max_lookahead_bytes);
     }
 
@@ -228,6 +260,10 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn read_completed(&mut self, _block: BlockRef, _bytes: u64, elapsed_ns: u64) {
         self.read_ns = ewma(self.read_ns, elapsed_ns as f64);
+    }
+
+    fn device_bytes(&self) -> Option<u64> {
+        self.device_bytes
     }
 
     fn plan(&mut self, fault: &FaultEvent, out: &mut Vec<PrefetchRequest>) {
@@ -264,7 +300,7 @@ impl PrefetchPolicy for GraphPrefetch {
         // never meant to carry one.
         let stride = prev_power_of_two((window / self.markers_per_window.max(1)).max(1));
         let mut counted = 0u64;
-        let mut after_resident_stretch = false;
+        let mut resident_stretch = 0u64;
         for step in 1..order.len() as u64 {
             let at = ((position as u64 + step) % order.len() as u64) as u32;
             let block = order.block_at(at);
@@ -272,7 +308,7 @@ impl PrefetchPolicy for GraphPrefetch {
             let ours = self.target[block as usize] > self.progress_steps;
             let resident = block == fault.block.index || progress.resident[block as usize];
             if resident && !ours {
-                after_resident_stretch = true;
+                resident_stretch += 1;
                 continue;
             }
             counted += 1;
@@ -280,12 +316,13 @@ impl PrefetchPolicy for GraphPrefetch {
                 break;
             }
             if resident || self.target[block as usize] == target {
+                resident_stretch = 0;
                 continue;
             }
             self.target[block as usize] = target;
             let block_ref = BlockRef::new(fault.block.region, block);
-            let marker = at as u64 % stride == 0 || after_resident_stretch;
-            after_resident_stretch = false;
+            let marker = at as u64 % stride == 0 || resident_stretch > 0;
+            resident_stretch = 0;
             out.push(if marker {
                 PrefetchRequest::marker(block_ref)
             } else {
@@ -326,11 +363,15 @@ fn prev_power_of_two(n: u64) -> u64 {
 ///
 /// Blocks the graph does not predict (other regions, embedding rows) go first, the least
 /// central first, then in the order they arrived. Among predicted blocks, the one used
-/// furthest ahead of the current position goes.
+/// furthest ahead of the current position goes; when the model does not fit, a streamed
+/// block (see [`streaming`]) before a kept one used as far ahead in the same sense
+/// (passed, or still to come this pass).
 pub struct GraphEviction {
     prediction: Arc<GraphPrediction>,
     /// Per region: every position of every tracked predicted block.
     positions: Vec<(RegionId, PositionSet)>,
+    /// Per region: the positions of the tracked predicted blocks that stream.
+    streamed_positions: Vec<(RegionId, PositionSet)>,
     /// Unpredicted blocks by (centrality bits, arrival).
     unpredicted: BTreeSet<(u64, u64, BlockRef)>,
     /// Per region, per block: how it is tracked. Dense, since every block of a bound
@@ -355,6 +396,7 @@ impl GraphEviction {
         Self {
             prediction,
             positions: Vec::new(),
+            streamed_positions: Vec::new(),
             unpredicted: BTreeSet::new(),
             tracked: PerBlock::default(),
             unpredicted_keys: HashMap::new(),
@@ -371,27 +413,40 @@ impl GraphEviction {
         self.tracked.get_mut(block)
     }
 
-    fn positions_mut(&mut self, region: RegionId) -> &mut PositionSet {
-        let at = match self.positions.iter().position(|(id, _)| *id == region) {
-            Some(at) => at,
-            None => {
-                let len = self.prediction.graph.order().len();
-                self.positions.push((region, PositionSet::new(len)));
-                self.positions.len() - 1
-            }
+    /// Adds (or removes) every position of `block` to its region's sets: all tracked
+    /// predicted blocks, and the streamed ones if it streams.
+    fn set_positions(&mut self, block: BlockRef, streamed: bool, present: bool) {
+        let order = self.prediction.graph.order();
+        let lists: &mut [&mut Vec<(RegionId, PositionSet)>] = if streamed {
+            &mut [&mut self.positions, &mut self.streamed_positions]
+        } else {
+            &mut [&mut self.positions]
         };
-        &mut self.positions[at].1
+        for sets in lists.iter_mut() {
+            let at = match sets.iter().position(|(id, _)| *id == block.region) {
+                Some(at) => at,
+                None => {
+                    sets.push((block.region, PositionSet::new(order.len())));
+                    sets.len() - 1
+                }
+            };
+            let set = &mut sets[at].1;
+            for &position in order.positions(block.index) {
+                if present {
+                    set.insert(position);
+                } else {
+                    set.remove(position);
+                }
+            }
+        }
     }
 
     fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
         let state = std::mem::replace(self.tracked_mut(block), Tracked::No);
         match state {
             Tracked::Predicted => {
-                let prediction = Arc::clone(&self.prediction);
-                let set = self.positions_mut(block.region);
-                for &position in prediction.graph.order().positions(block.index) {
-                    set.remove(position);
-                }
+                let streamed = progress.stream.is_streamed(block.index);
+                self.set_positions(block, streamed, false);
                 if let Some(slot) = progress.resident.get_mut(block.index as usize) {
                     *slot = false;
                 }
@@ -415,43 +470,84 @@ impl GraphEviction {
     /// `ModelGraph::lag_guard`): they are passed over for older ones, and taken only
     /// before blocks still to be used this pass.
     fn furthest(&self, cursor: u32, guard: u32) -> Option<(BlockRef, u32)> {
-        let order = self.prediction.graph.order();
-        let guarded_from = cursor.saturating_sub(guard);
-        // (zone, distance): the earlier zone first, then the furthest next use.
-        let mut best: Option<(BlockRef, u32, u32)> = None;
-        for (region, set) in &self.positions {
-            let is_next_use = |position: u32| {
-                order.next_position(order.block_at(position), cursor) == Some(position)
+        let streamed = furthest_in(
+            &self.prediction.graph,
+            &self.streamed_positions,
+            cursor,
+            guard,
+        );
+        let any = || furthest_in(&self.prediction.graph, &self.positions, cursor, guard);
+        let (block, _, distance) = streamed.or_else(any)?;
+        Some((block, distance))
+    }
+}
+
+/// Belady's choice among the positions in `sets` (see `GraphEviction::furthest`): the
+/// block, its zone (0: behind the guard, 1: inside it, 2: still to come) and how far
+/// ahead it is used next.
+fn furthest_in(
+    graph: &ModelGraph,
+    sets: &[(RegionId, PositionSet)],
+    cursor: u32,
+    guard: u32,
+) -> Option<(BlockRef, u32, u32)> {
+    let order = graph.order();
+    let guarded_from = cursor.saturating_sub(guard);
+    // (zone, distance): the earlier zone first, then the furthest next use.
+    let mut best: Option<(BlockRef, u32, u32)> = None;
+    for (region, set) in sets {
+        let is_next_use =
+            |position: u32| order.next_position(order.block_at(position), cursor) == Some(position);
+        // Behind the guard, then inside it (both used this pass already), then from
+        // the end of the cycle down to the cursor (still to be used this pass).
+        let zones = [
+            (0, guarded_from, 0),
+            (1, cursor, guarded_from),
+            (2, order.len(), cursor),
+        ];
+        let found = zones.iter().find_map(|&(zone, end, floor)| {
+            let last = end.checked_sub(1).filter(|&last| last >= floor)?;
+            let position = if zone == 1 {
+                // Inside the guard the oldest first: threads sharing a step work on
+                // different blocks of it, so the block passed last is as likely to be
+                // one a lagging thread has still to read as any (measured at a quarter
+                // of a 3 GiB llama: the same block read on demand three times in a row).
+                first_matching(set, floor, last, is_next_use)
+            } else {
+                last_matching(set, last, floor, is_next_use)
             };
-            // Behind the guard, then inside it (both used this pass already), then from
-            // the end of the cycle down to the cursor (still to be used this pass).
-            let zones = [
-                (0, guarded_from, 0),
-                (1, cursor, guarded_from),
-                (2, order.len(), cursor),
-            ];
-            let found = zones.iter().find_map(|&(zone, end, floor)| {
-                end.checked_sub(1)
-                    .filter(|&from| from >= floor)
-                    .and_then(|from| last_matching(set, from, floor, is_next_use))
-                    .map(|position| (zone, position))
+            position.map(|position| (zone, position))
+        });
+        if let Some((zone, position)) = found {
+            let distance = order.distance(cursor, position);
+            let better = best.is_none_or(|(_, best_zone, best_distance)| {
+                (zone, std::cmp::Reverse(distance)) < (best_zone, std::cmp::Reverse(best_distance))
             });
-            if let Some((zone, position)) = found {
-                let distance = order.distance(cursor, position);
-                let better = best.is_none_or(|(_, best_zone, best_distance)| {
-                    (zone, std::cmp::Reverse(distance))
-                        < (best_zone, std::cmp::Reverse(best_distance))
-                });
-                if better {
-                    best = Some((
-                        BlockRef::new(*region, order.block_at(position)),
-                        zone,
-                        distance,
-                    ));
-                }
+            if better {
+                best = Some((
+                    BlockRef::new(*region, order.block_at(position)),
+                    zone,
+                    distance,
+                ));
             }
         }
-        best.map(|(block, _, distance)| (block, distance))
+    }
+    best
+}
+
+/// The first member of `set` in `from..=ceiling` for which `accept` holds.
+fn first_matching(
+    set: &PositionSet,
+    mut from: u32,
+    ceiling: u32,
+    accept: impl Fn(u32) -> bool,
+) -> Option<u32> {
+    loop {
+        let position = set.first_at_or_after(from).filter(|&p| p <= ceiling)?;
+        if accept(position) {
+            return Some(position);
+        }
+        from = position.checked_add(1)?;
     }
 }
 
@@ -496,6 +592,7 @@ impl EvictionPolicy for GraphEviction {
         }
         self.tracked.remove_region(region);
         self.positions.retain(|(id, _)| *id != region);
+        self.streamed_positions.retain(|(id, _)| *id != region);
         progress.regions.retain(|&r| r != region);
     }
 
@@ -506,10 +603,8 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let bound = progress.bound(block.region);
         if bound && graph.order().contains(block.index) {
-            let set = self.positions_mut(block.region);
-            for &position in graph.order().positions(block.index) {
-                set.insert(position);
-            }
+            let streamed = progress.stream.is_streamed(block.index);
+            self.set_positions(block, streamed, true);
             progress.resident[block.index as usize] = true;
             *self.tracked_mut(block) = Tracked::Predicted;
         } else {
@@ -552,10 +647,20 @@ impl EvictionPolicy for GraphEviction {
         if kind == ReadKind::Prefetch {
             // A speculative read only displaces a block needed later than itself; an
             // unpredicted incoming block displaces nothing predicted.
+            let order = prediction.graph.order();
             let incoming_distance = progress
                 .bound(incoming.region)
-                .then(|| prediction.graph.order().next_use(incoming.index, cursor))
+                .then(|| order.next_use(incoming.index, cursor))
                 .flatten()?;
+            // A block a little behind the cursor is one a lagging thread has yet to
+            // read (the cursor follows whichever thread faulted last): needed now, not
+            // a pass from now.
+            let lagging = order
+                .next_position(incoming.index, cursor.saturating_sub(guard))
+                .is_some_and(|position| {
+                    order.distance(position, cursor) <= guard && position <= cursor
+                });
+            let incoming_distance = if lagging { 0 } else { incoming_distance };
             if distance <= incoming_distance {
                 return None;
             }

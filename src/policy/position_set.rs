@@ -120,6 +120,44 @@ impl PositionSet {
     }
 }
 
+impl PositionSet {
+    /// The least member at or after `position`.
+    pub fn first_at_or_after(&self, position: u32) -> Option<u32> {
+        if self.is_empty() || position >= self.len {
+            return None;
+        }
+        // Climb while the word holding `index` has nothing at or above it.
+        let mut index = position as usize;
+        let mut level = 0;
+        loop {
+            let word = self.levels[level][index / 64] & at_and_above(index % 64);
+            if word != 0 {
+                index = (index / 64) * 64 + word.trailing_zeros() as usize;
+                break;
+            }
+            // Nothing in this word at or above `index`: look at words after it.
+            index = index / 64 + 1;
+            level += 1;
+            if level == self.levels.len() || index / 64 >= self.levels[level].len() {
+                return None;
+            }
+        }
+        // Descend: at each lower level take the lowest bit of the word found.
+        while level > 0 {
+            level -= 1;
+            let word = self.levels[level][index];
+            debug_assert_ne!(word, 0, "a summary bit stands for a non-empty word");
+            index = index * 64 + word.trailing_zeros() as usize;
+        }
+        Some(index as u32)
+    }
+}
+
+/// Bits `bit..64` of a word.
+fn at_and_above(bit: usize) -> u64 {
+    u64::MAX << bit
+}
+
 /// Bits `0..=bit` of a word.
 fn below_and_at(bit: usize) -> u64 {
     if bit == 63 {
@@ -155,9 +193,14 @@ mod tests {
             let mut state = 0x9E37_79B9_7F4A_7C15 ^ len as u64;
             for _ in 0..20_000 {
                 let position = (next(&mut state) % len as u64) as u32;
-                match next(&mut state) % 3 {
+                match next(&mut state) % 4 {
                     0 => assert_eq!(set.insert(position), model.insert(position)),
                     1 => assert_eq!(set.remove(position), model.remove(&position)),
+                    2 => assert_eq!(
+                        set.first_at_or_after(position),
+                        model.range(position..).next().copied(),
+                        "len {len}, from {position}"
+                    ),
                     _ => assert_eq!(
                         set.last_at_or_before(position),
                         model.range(..=position).next_back().copied(),
@@ -179,6 +222,10 @@ mod tests {
         assert_eq!(set.last_at_or_before(70_000), Some(70_000));
         assert_eq!(set.last_at_or_before(u32::MAX), Some(70_000));
         assert_eq!(set.last_at_or_before(4), None);
+        assert_eq!(set.first_at_or_after(0), Some(5));
+        assert_eq!(set.first_at_or_after(6), Some(70_000));
+        assert_eq!(set.first_at_or_after(70_001), None);
+        assert_eq!(set.first_at_or_after(u32::MAX), None);
         set.remove(5);
         assert_eq!(set.last_at_or_before(69_999), None);
         assert!(!set.insert(1 << 20), "past the end");

@@ -114,6 +114,22 @@ pub fn resident_pages(base: usize, len: usize) -> Vec<bool> {
     vec.into_iter().map(|b| b & 1 == 1).collect()
 }
 
+/// Whether each page of `[base, base + len)` is mapped in this process's page tables
+/// (/proc/self/pagemap, bit 63). Unlike mincore, which for a shared file mapping reports
+/// the file's page cache, this sees a page dropped from the mapping as gone.
+pub fn pages_present(base: usize, len: usize) -> Vec<bool> {
+    use std::os::unix::fs::FileExt;
+    let pages = len.div_ceil(4096);
+    let mut raw = vec![0u8; pages * 8];
+    let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+    pagemap
+        .read_exact_at(&mut raw, (base / 4096 * 8) as u64)
+        .unwrap();
+    raw.chunks_exact(8)
+        .map(|entry| u64::from_le_bytes(entry.try_into().unwrap()) >> 63 == 1)
+        .collect()
+}
+
 /// Runs the test named `test` of this test binary in a child process with
 /// `HYPEROFFLOAD_CHILD=1`, and returns its exit status. Fails if it runs past `limit`
 /// (a hang is a bug, never an outcome to wait out).

@@ -1,5 +1,6 @@
 use std::path::Path;
 
+use super::streaming::STREAM_DEVICE_BYTES;
 use super::*;
 use crate::policy::{FaultOutcome, Install};
 
@@ -68,11 +69,12 @@ fn blocks_a_lagging_thread_may_still_read_are_evicted_last() {
     eviction.touched(&fault(5, 0));
     assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(1)));
     assert_eq!(eviction.victim(b(6), ReadKind::Prefetch), Some(b(0)));
-    // Then the guarded ones, most recently used first, as without a guard: they are
-    // used again next pass at the latest, where 8 is still to be used in this one.
-    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(4)));
-    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(3)));
+    // Then the guarded ones, oldest first (the thread behind is more likely still to
+    // read the newer ones): they are used again next pass at the latest, where 8 is
+    // still to be used in this one.
     assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(2)));
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(3)));
+    assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(4)));
     assert_eq!(eviction.victim(b(7), ReadKind::Demand), Some(b(8)));
 }
 
@@ -108,6 +110,79 @@ fn a_prefetch_never_displaces_a_block_needed_sooner() {
     );
     // A demand read always gets room: the furthest goes.
     assert_eq!(eviction.victim(b(9), ReadKind::Demand), Some(b(7)));
+}
+
+#[test]
+fn a_prefetch_for_a_thread_behind_the_cursor_is_not_refused() {
+    let pass: Vec<u32> = (0..10).collect();
+    let (_, mut eviction) = guarded_policies(&pass, 10, 3);
+    for i in [0, 1, 2, 3, 8] {
+        eviction.inserted(b(i));
+    }
+    // One thread faults at 6; 4 lies within the step behind it, where another thread
+    // is still to read it: it is needed now, not a pass from now, and the block used
+    // furthest ahead outside the guard (2) makes room for it.
+    eviction.touched(&fault(6, 0));
+    assert_eq!(eviction.victim(b(4), ReadKind::Prefetch), Some(b(2)));
+}
+
+/// Policies over `blocks` blocks of 2 MiB (one streaming chunk each), predicted order
+/// `pass`, under a budget of `budget_blocks` blocks.
+fn streaming_policies(
+    pass: &[u32],
+    blocks: u32,
+    budget_blocks: u64,
+) -> (GraphPrefetch, GraphEviction) {
+    let block = 2 << 20;
+    let layout = BlockLayout::new(0, blocks as u64 * block, block).unwrap();
+    let graph = Arc::new(ModelGraph::from_pass(layout, pass));
+    let (mut prefetch, mut eviction) = graph_policies(graph);
+    let info = RegionInfo {
+        id: RegionId(0),
+        path: Path::new("/model"),
+        file_offset: 0,
+        data_len: blocks as u64 * block,
+        block_size: block,
+        block_count: blocks,
+        budget: budget_blocks * block,
+    };
+    prefetch.region_added(&info);
+    eviction.region_added(&info);
+    (prefetch, eviction)
+}
+
+#[test]
+fn streamed_blocks_are_evicted_before_kept_ones() {
+    // 30 blocks, a budget of 20: 10 must stream, 4 more for the window, 1 behind; the
+    // 15 kept are spread evenly: every other block.
+    let pass: Vec<u32> = (0..30).collect();
+    let (prefetch, mut eviction) = streaming_policies(&pass, 30, 20);
+    let plan = eviction.prediction.stream_plan();
+    let kept: Vec<u32> = (0..30).filter(|&b| !plan.is_streamed(b)).collect();
+    assert_eq!(kept, (0..30).step_by(2).collect::<Vec<_>>());
+    assert_eq!(prefetch.max_lookahead_bytes, 4 * (2 << 20), "the window");
+    assert_eq!(prefetch.device_bytes(), Some(STREAM_DEVICE_BYTES));
+    for i in 0..10 {
+        eviction.inserted(b(i));
+    }
+    eviction.touched(&fault(9, 0));
+    // Streamed blocks the program passed, the latest first; then the streamed block
+    // still to be used (9, at the cursor); only then kept ones, by Belady's rule.
+    let victims: Vec<u32> = (0..10)
+        .map(|_| eviction.victim(b(10), ReadKind::Demand).unwrap().index)
+        .collect();
+    assert_eq!(victims, [7, 5, 3, 1, 9, 8, 6, 4, 2, 0]);
+}
+
+#[test]
+fn a_model_that_fits_streams_nothing() {
+    let pass: Vec<u32> = (0..20).collect();
+    let (prefetch, eviction) = streaming_policies(&pass, 20, 20);
+    assert!(!eviction.prediction.stream_plan().streams());
+    // The lookahead is bounded by the budget then, not by a streaming window, and the
+    // device may take a whole queue.
+    assert_eq!(prefetch.max_lookahead_bytes, 20 * (2 << 20) / 8);
+    assert_eq!(prefetch.device_bytes(), None);
 }
 
 #[test]
