@@ -100,9 +100,9 @@ pub fn plan_streaming(
     if must > total / 3 {
         // Below two thirds of the model the reads dominate the token (4:1 at two
         // thirds of a 3 GiB llama here, 8:1 at a quarter): overlap can hide little, and
-        // the spread's room costs bytes. At a quarter Belady's contiguous stream with a
-        // deep queue read 1.09x M - B per token, a spread set 1.11x, at the same speed
-        // within the noise (1.25-1.34 tok/s); at half, 1.89-2.06 tok/s either way.
+        // the spread's room costs bytes. Full bench runs at a quarter: a spread set
+        // 1.25 tok/s reading 1.11x M - B, Belady's contiguous stream with a deep queue
+        // 1.34 at 1.10x; at half 1.89 against 1.98.
         return plan;
     }
     // Streamed bytes within one step's span (`lag_guard`): threads sharing a step work
