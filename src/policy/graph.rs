@@ -9,7 +9,7 @@
 //! optimum (M - B bytes read per token).
 //!
 //! Which part streams matters for speed, not only how much: when the budget holds at
-//! least half the model, the streamed blocks are chosen up front, spread evenly along
+//! least two thirds of the model, the streamed blocks are chosen up front, spread evenly along
 //! the order ([`streaming`]), eviction takes them before kept ones, and prefetch reads
 //! them a few at a time just ahead of the program, so the device reads while the
 //! program computes through the kept blocks between them.
@@ -300,7 +300,7 @@ impl PrefetchPolicy for GraphPrefetch {
         // never meant to carry one.
         let stride = prev_power_of_two((window / self.markers_per_window.max(1)).max(1));
         let mut counted = 0u64;
-        let mut resident_stretch = 0u64;
+        let mut after_resident_stretch = false;
         for step in 1..order.len() as u64 {
             let at = ((position as u64 + step) % order.len() as u64) as u32;
             let block = order.block_at(at);
@@ -308,7 +308,7 @@ impl PrefetchPolicy for GraphPrefetch {
             let ours = self.target[block as usize] > self.progress_steps;
             let resident = block == fault.block.index || progress.resident[block as usize];
             if resident && !ours {
-                resident_stretch += 1;
+                after_resident_stretch = true;
                 continue;
             }
             counted += 1;
@@ -316,13 +316,12 @@ impl PrefetchPolicy for GraphPrefetch {
                 break;
             }
             if resident || self.target[block as usize] == target {
-                resident_stretch = 0;
                 continue;
             }
             self.target[block as usize] = target;
             let block_ref = BlockRef::new(fault.block.region, block);
-            let marker = at as u64 % stride == 0 || resident_stretch > 0;
-            resident_stretch = 0;
+            let marker = at as u64 % stride == 0 || after_resident_stretch;
+            after_resident_stretch = false;
             out.push(if marker {
                 PrefetchRequest::marker(block_ref)
             } else {
@@ -467,8 +466,9 @@ impl GraphEviction {
     /// scanning backwards from just behind the cursor round the cycle, the first entry
     /// that is its block's next use. The `guard` positions just behind the cursor may
     /// still be read by a thread lagging behind the one that faulted last (see
-    /// `ModelGraph::lag_guard`): they are passed over for older ones, and taken only
-    /// before blocks still to be used this pass.
+    /// `ModelGraph::lag_guard`): they are passed over for older ones, taken only
+    /// before blocks still to be used this pass, and then the oldest first. With a
+    /// streamed set planned, a streamed block goes before any kept one.
     fn furthest(&self, cursor: u32, guard: u32) -> Option<(BlockRef, u32)> {
         let streamed = furthest_in(
             &self.prediction.graph,

@@ -17,17 +17,29 @@ fn policies(pass: &[u32], blocks: u32) -> (GraphPrefetch, GraphEviction) {
 
 /// As `policies`, sparing `guard` positions behind the latest fault.
 fn guarded_policies(pass: &[u32], blocks: u32, guard: u32) -> (GraphPrefetch, GraphEviction) {
-    let layout = BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap();
+    bound_policies(pass, blocks, BLOCK, guard, u64::MAX)
+}
+
+/// Both policies over a graph whose predicted order is `pass`, over `blocks` blocks of
+/// `block` bytes, bound to region 0 under `budget` bytes.
+fn bound_policies(
+    pass: &[u32],
+    blocks: u32,
+    block: u64,
+    guard: u32,
+    budget: u64,
+) -> (GraphPrefetch, GraphEviction) {
+    let layout = BlockLayout::new(0, blocks as u64 * block, block).unwrap();
     let graph = Arc::new(ModelGraph::from_pass(layout, pass).with_lag_guard(guard));
     let (mut prefetch, mut eviction) = graph_policies(graph);
     let info = RegionInfo {
         id: RegionId(0),
         path: Path::new("/model"),
         file_offset: 0,
-        data_len: blocks as u64 * BLOCK,
-        block_size: BLOCK,
+        data_len: blocks as u64 * block,
+        block_size: block,
         block_count: blocks,
-        budget: u64::MAX,
+        budget,
     };
     prefetch.region_added(&info);
     eviction.region_added(&info);
@@ -134,21 +146,7 @@ fn streaming_policies(
     budget_blocks: u64,
 ) -> (GraphPrefetch, GraphEviction) {
     let block = 2 << 20;
-    let layout = BlockLayout::new(0, blocks as u64 * block, block).unwrap();
-    let graph = Arc::new(ModelGraph::from_pass(layout, pass));
-    let (mut prefetch, mut eviction) = graph_policies(graph);
-    let info = RegionInfo {
-        id: RegionId(0),
-        path: Path::new("/model"),
-        file_offset: 0,
-        data_len: blocks as u64 * block,
-        block_size: block,
-        block_count: blocks,
-        budget: budget_blocks * block,
-    };
-    prefetch.region_added(&info);
-    eviction.region_added(&info);
-    (prefetch, eviction)
+    bound_policies(pass, blocks, block, 0, budget_blocks * block)
 }
 
 #[test]
