@@ -1,7 +1,7 @@
 //! End to end: unmodified llama.cpp (`llama-completion`) on SmolLM2-135M generates the
-//! same greedy text under `hyperoffload run` as without it, at budgets of about half the
-//! model, above the model, and below one layer, and the shim's stats show the pager
-//! served the model within the budget.
+//! same greedy text under `hyperoffload run` as without it, at budgets of about half and
+//! three quarters of the model, above the model, and below one layer, and the shim's
+//! stats show the pager served the model within the budget.
 //!
 //! Weight repacking: the CPU backend can copy some quantization types (Q4_0, Q4_K,
 //! IQ4_NL...) into anonymous "repack" buffers at load, and inference would then not read
@@ -150,11 +150,14 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
     );
 
     let dir = TempDir::new("shim-llama");
-    // About half the model; above it; below one layer (a layer is about 2.2 MiB here);
-    // half the model again, copying 4 KiB pages in. Zero copy is the launcher's default
-    // where the blocks are 2 MiB, which it picks itself from a budget of 16 MiB.
+    // About half the model; three quarters (where the graph policies stream a spread
+    // set of blocks, a few reads at a time); above it; below one layer (a layer is about
+    // 2.2 MiB here); half the model again, copying 4 KiB pages in. Zero copy is the
+    // launcher's default where the blocks are 2 MiB, which it picks itself from a budget
+    // of 16 MiB.
     for (budget, bytes, extra, zero_copy) in [
         ("48M", 48u64 << 20, &[][..], true),
+        ("72M", 72 << 20, &[], true),
         ("200M", 200 << 20, &[], true),
         ("1M", 1 << 20, &[], false),
         ("48M", 48 << 20, &["--no-zero-copy"], false),
