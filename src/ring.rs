@@ -236,7 +236,10 @@ impl<Tag> ReadRing<Tag> {
             "read past its buffer"
         );
         let ptr = self.buffers.ptr(slot).wrapping_add(buffer_offset);
-        self.push_read(slot, fd, offset, ptr, len, tag)
+        // SAFETY: the slot's buffer belongs to the ring and is handed out to nothing
+        // else until this read's completion is reaped and the slot checked in; the
+        // assert above keeps the read inside it.
+        unsafe { self.read_into(slot, fd, offset, ptr, len, tag) }
     }
 
     /// Starts a read of `len` bytes at file `offset` into memory the caller owns at
@@ -247,18 +250,6 @@ impl<Tag> ReadRing<Tag> {
     /// `dest..dest + len` must stay mapped, writable and unused by anything else until
     /// the read's completion is reaped.
     pub unsafe fn read_into(
-        &mut self,
-        slot: u32,
-        fd: RawFd,
-        offset: u64,
-        dest: *mut u8,
-        len: usize,
-        tag: Tag,
-    ) -> Result<(), RingError> {
-        self.push_read(slot, fd, offset, dest, len, tag)
-    }
-
-    fn push_read(
         &mut self,
         slot: u32,
         fd: RawFd,
