@@ -137,8 +137,8 @@ fn graph_policies_stream_only_what_cannot_stay_resident() {
 }
 
 /// With three quarters of the model in budget the graph policies stream a set of blocks
-/// spread evenly along the order (the launcher's 2 MiB blocks, zero copy): each token
-/// reads that set and little else, every byte still right.
+/// spread evenly along the order (the launcher's 2 MiB blocks, zero copy): the blocks
+/// kept stay mapped, each token reads no more than the set, every byte still right.
 #[test]
 fn graph_policies_stream_a_spread_set_at_three_quarters() {
     let Some((per_token, touched, budget, planned)) = decode_with(
@@ -152,7 +152,9 @@ fn graph_policies_stream_a_spread_set_at_three_quarters() {
     };
     let floor = touched - budget;
     // The set is M - B plus the room its blocks need while resident: a window of 8 MiB
-    // and a step's share ahead and behind, large beside a 94 MiB model.
+    // and a step's share ahead and behind, large beside a 94 MiB model. A token reads
+    // about M - B of it (32.5 MB here against a set of 54 and a floor of 23), so the
+    // bound on bytes is loose; which blocks stay is what `decode_with` checks.
     assert!(planned > floor, "planned {planned}, floor {floor}");
     let mean = per_token.iter().sum::<u64>() as f64 / per_token.len() as f64;
     assert!(
