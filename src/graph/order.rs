@@ -95,6 +95,17 @@ impl CyclicOrder {
         positions.get(after).or(positions.first()).copied()
     }
 
+    /// The last position of `block` before `before`, going round the cycle: where it
+    /// was last used when the program is at `before`.
+    pub fn prev_position(&self, block: u32, before: u32) -> Option<u32> {
+        let positions = self.positions(block);
+        let at = positions.partition_point(|&p| p < before);
+        at.checked_sub(1)
+            .and_then(|last| positions.get(last))
+            .or(positions.last())
+            .copied()
+    }
+
     /// Steps from `from` until `block` is next used; `None` when it is not predicted.
     pub fn next_use(&self, block: u32, from: u32) -> Option<u32> {
         self.next_position(block, from)
@@ -124,5 +135,16 @@ mod tests {
         assert_eq!(order.next_use(0, 1), Some(4));
         assert_eq!(order.next_use(0, 0), Some(0));
         assert!(order.next_use(5, 0).is_none());
+    }
+
+    #[test]
+    fn prev_position_goes_back_round_the_cycle() {
+        let order = CyclicOrder::from_sequence([0, 1, 2, 1, 3], 4);
+        assert_eq!(order.prev_position(1, 4), Some(3));
+        assert_eq!(order.prev_position(1, 3), Some(1));
+        assert_eq!(order.prev_position(1, 1), Some(3));
+        assert_eq!(order.prev_position(3, 0), Some(4));
+        assert_eq!(order.prev_position(0, 1), Some(0));
+        assert!(order.prev_position(5, 2).is_none());
     }
 }

@@ -127,16 +127,15 @@ impl Progress {
         self.regions.contains(&region)
     }
 
-    /// Moves the cursor to the fault's block (its next occurrence at or after the
-    /// cursor: the program moves forward) and returns the new position; `None` when the
-    /// block is not predicted.
+    /// Moves the cursor to the fault's block (see `locate`) and returns the new
+    /// position; `None` when the block is not predicted.
     fn advance(&mut self, graph: &ModelGraph, block: BlockRef) -> Option<u32> {
         if !self.bound(block.region) {
             return None;
         }
         let order = graph.order();
-        let position = order.next_position(block.index, self.cursor)?;
-        if let Some(behind) = lag_behind(order, self.cursor, position) {
+        let (position, lag) = locate(order, self.cursor, block.index)?;
+        if let Some(behind) = lag {
             self.lag_seen = self.lag_seen.max(behind);
         }
         self.cursor = position;
@@ -331,6 +330,24 @@ impl PrefetchPolicy for GraphPrefetch {
     }
 }
 
+/// Where a fault on `block` puts the program when the cursor is at `cursor`: the
+/// block's next use (the program moves forward), or its last use when that lies a
+/// little behind (`lag_behind`) and nearer than the next, with how far behind: a
+/// thread lagging behind the one that faulted before it. A block used at two places
+/// is judged by both: a block that two tensors share (the end of one layer's
+/// attn_norm and the start of its ffn_down, 60 positions on, in a 3 GiB llama at
+/// 2 MiB blocks) faulted on by the thread still at the start of ffn_down is that
+/// thread a step behind, not a pass ahead at attn_norm. Taking the next use (as this
+/// did) moved the cursor back 60 positions at every layer.
+fn locate(order: &CyclicOrder, cursor: u32, block: u32) -> Option<(u32, Option<u32>)> {
+    let ahead = order.next_position(block, cursor)?;
+    let behind = order.prev_position(block, cursor)?;
+    Some(match lag_behind(order, cursor, behind) {
+        Some(lag) if lag < order.distance(cursor, ahead) => (behind, Some(lag)),
+        _ => (ahead, None),
+    })
+}
+
 /// How far the program moved along the order from `from` to `to`. Threads sharing a
 /// tensor fault slightly out of order: a fault a little behind the last one is the
 /// program still there, not a whole pass ahead. Counting it as a pass (as this did)
@@ -498,6 +515,19 @@ fn furthest_in(
     for (region, set) in sets {
         let is_next_use =
             |position: u32| order.next_position(order.block_at(position), cursor) == Some(position);
+        // A block used at two places is in the zone of its last use, not of its next
+        // (see `locate`): one that two tensors share, used last inside the guard, is
+        // still being read whatever pass its next use is in.
+        let last_use = |position: u32| order.prev_position(order.block_at(position), cursor);
+        let passed_before_guard = |position: u32| {
+            is_next_use(position) && last_use(position).is_some_and(|last| last < guarded_from)
+        };
+        let last_used_in_guard = |position: u32| {
+            last_use(position) == Some(position)
+                && order
+                    .next_position(order.block_at(position), cursor)
+                    .is_some_and(|next| next < cursor)
+        };
         // Behind the guard, then inside it (both used this pass already), then from
         // the end of the cycle down to the cursor (still to be used this pass).
         let zones = [
@@ -507,28 +537,25 @@ fn furthest_in(
         ];
         let found = zones.iter().find_map(|&(zone, end, floor)| {
             let last = end.checked_sub(1).filter(|&last| last >= floor)?;
-            let position = if zone == 1 {
+            let position = match zone {
                 // Inside the guard the oldest first: threads sharing a step work on
                 // different blocks of it, so the block passed last is as likely to be
                 // one a lagging thread has still to read as any (measured at a quarter
                 // of a 3 GiB llama: the same block read on demand three times in a row).
-                first_matching(set, floor, last, is_next_use)
-            } else {
-                last_matching(set, last, floor, is_next_use)
+                1 => first_matching(set, floor, last, last_used_in_guard),
+                0 => last_matching(set, last, floor, passed_before_guard),
+                _ => last_matching(set, last, floor, is_next_use),
             };
             position.map(|position| (zone, position))
         });
         if let Some((zone, position)) = found {
-            let distance = order.distance(cursor, position);
+            let block = order.block_at(position);
+            let distance = order.next_use(block, cursor).unwrap_or(0);
             let better = best.is_none_or(|(_, best_zone, best_distance)| {
                 (zone, std::cmp::Reverse(distance)) < (best_zone, std::cmp::Reverse(best_distance))
             });
             if better {
-                best = Some((
-                    BlockRef::new(*region, order.block_at(position)),
-                    zone,
-                    distance,
-                ));
+                best = Some((BlockRef::new(*region, block), zone, distance));
             }
         }
     }

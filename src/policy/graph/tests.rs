@@ -106,6 +106,43 @@ fn without_a_bound_from_the_model_the_observed_lag_guards() {
     assert_eq!(eviction.victim(b(12), ReadKind::Demand), Some(b(6)));
 }
 
+/// The pass of a layer whose norm shares block 2 with the start of its last matrix
+/// (blocks 2..=5), used 39 positions later: 0 1 2 [10..=47] 2 3 4 5 (45 positions).
+fn shared_block_pass() -> Vec<u32> {
+    let mut pass = vec![0, 1, 2];
+    pass.extend(10..=47);
+    pass.extend([2, 3, 4, 5]);
+    pass
+}
+
+#[test]
+fn a_fault_on_a_block_used_just_behind_is_a_lagging_thread_there() {
+    let pass = shared_block_pass();
+    let (_, mut eviction) = policies(&pass, 48);
+    // One thread starts the last matrix at 3 (position 42); the other faults on its
+    // first block, 2: one position behind, not a pass ahead at position 2.
+    eviction.touched(&fault(3, 0));
+    eviction.touched(&fault(2, 1));
+    assert_eq!(eviction.prediction.cursor(), 41);
+    assert_eq!(eviction.prediction.lock().lag_seen, 1);
+}
+
+#[test]
+fn a_block_used_last_inside_the_guard_is_guarded_whatever_its_next_use() {
+    let pass = shared_block_pass();
+    let (_, mut eviction) = guarded_policies(&pass, 48, 3);
+    for i in [2, 3, 47] {
+        eviction.inserted(b(i));
+    }
+    // The program is at 4 (position 43), the guard is positions 40..43. Block 2 was
+    // last used at 41, inside it, though its next use (position 2) lies behind it: it
+    // goes with the guarded ones, oldest first, not before them.
+    eviction.touched(&fault(4, 0));
+    assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(47)));
+    assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(2)));
+    assert_eq!(eviction.victim(b(5), ReadKind::Demand), Some(b(3)));
+}
+
 #[test]
 fn a_prefetch_never_displaces_a_block_needed_sooner() {
     let pass: Vec<u32> = (0..10).collect();
