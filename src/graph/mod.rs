@@ -101,6 +101,9 @@ pub struct ModelGraph {
     order: CyclicOrder,
     /// See `lag_guard`.
     lag_guard: u32,
+    /// Per position of the order: where the piece of work it belongs to (a step, or one
+    /// expert's matrix) starts. Empty for a learned graph. See `lag_guard_at`.
+    unit_start: Vec<u32>,
 }
 
 impl ModelGraph {
@@ -166,6 +169,24 @@ impl ModelGraph {
             .flat_map(|step| step.groups.iter().flatten())
             .flat_map(|&node| graph[node].blocks.clone());
         let order = CyclicOrder::from_sequence(sequence.collect::<Vec<_>>(), layout.block_count());
+        // The pieces of work threads share, in order, as runs of blocks (see `unit_starts`).
+        let units: Vec<Vec<u32>> = steps
+            .iter()
+            .flat_map(|step| -> Vec<Vec<NodeIndex>> {
+                if step.experts {
+                    step.groups.clone()
+                } else {
+                    vec![step.groups.iter().flatten().copied().collect()]
+                }
+            })
+            .map(|nodes| {
+                nodes
+                    .iter()
+                    .flat_map(|&node| graph[node].blocks.clone())
+                    .collect()
+            })
+            .collect();
+        let unit_start = unit_starts(&order, &units);
         // The largest piece of work threads share: a step's blocks, or for experts the
         // blocks of one expert (a token runs each chosen expert's matrix whole).
         let lag_guard = steps
@@ -190,13 +211,15 @@ impl ModelGraph {
             })
             .max()
             .unwrap_or(0);
-        Self::finish(
+        let mut built = Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
             graph,
             order,
             lag_guard,
-        )
+        );
+        built.unit_start = unit_start;
+        built
     }
 
     /// Builds the graph learned from observed block transitions, with no model
@@ -265,6 +288,7 @@ impl ModelGraph {
             block_rank,
             order,
             lag_guard,
+            unit_start: Vec::new(),
         }
     }
 
@@ -278,6 +302,18 @@ impl ModelGraph {
     /// spares the lagging thread a demand read of a block evicted under it.
     pub fn lag_guard(&self) -> u32 {
         self.lag_guard
+    }
+
+    /// Positions behind `position` that a thread may still be reading when the latest
+    /// fault is there: back to the start of the step (or expert's matrix) that
+    /// `position` belongs to. The CPU backend waits for every thread at the end of
+    /// each step, so threads sharing one are never further apart. Without steps (a
+    /// learned graph) `lag_guard`.
+    pub fn lag_guard_at(&self, position: u32) -> u32 {
+        match self.unit_start.get(position as usize) {
+            Some(&start) => position - start,
+            None => self.lag_guard,
+        }
     }
 
     #[cfg(test)]
@@ -333,6 +369,30 @@ impl ModelGraph {
 struct Step {
     groups: Vec<Vec<NodeIndex>>,
     experts: bool,
+}
+
+/// Per position of `order`: the position where its unit (a run of blocks, in the
+/// order `units` follow the pass) starts. `order` is `units` concatenated with repeats
+/// merged: a unit whose first block is the previous one's last starts at that shared
+/// position; blocks the order dropped are skipped.
+fn unit_starts(order: &CyclicOrder, units: &[Vec<u32>]) -> Vec<u32> {
+    let sequence = order.sequence();
+    let mut starts = vec![0; sequence.len()];
+    let mut next = 0;
+    for unit in units {
+        let shares_first = next > 0
+            && unit
+                .first()
+                .is_some_and(|&first| sequence[next - 1] == first);
+        let start = if shares_first { next - 1 } else { next } as u32;
+        for &block in unit {
+            if sequence.get(next) == Some(&block) {
+                starts[next] = start;
+                next += 1;
+            }
+        }
+    }
+    starts
 }
 
 /// Edges from the exits of step `from` to the entries of step `to`. Expert `e` feeds

@@ -272,3 +272,23 @@ fn the_lag_guard_is_the_largest_step_and_zero_when_learned() {
     let learned = ModelGraph::from_pass(layout, &[0, 1, 2, 3]);
     assert_eq!(learned.lag_guard(), 0);
 }
+
+#[test]
+fn the_guard_at_a_position_reaches_back_to_the_start_of_its_step() {
+    let tensors = packed(&[
+        ("blk.0.attn_norm.weight", 100),
+        ("blk.0.attn_q.weight", 40_000),
+        ("blk.0.attn_k.weight", 8_000),
+    ]);
+    let (graph, layout) = one_block_extents(&tensors);
+    // attn_norm: block 0; attn_q: blocks 0..=9; attn_k: blocks 9..=11. Shared blocks
+    // are merged: the pass is blocks 0..=11 at positions 0..=11.
+    assert_eq!(graph.order().sequence(), &(0..12).collect::<Vec<_>>()[..]);
+    let guards: Vec<u32> = (0..12).map(|p| graph.lag_guard_at(p)).collect();
+    // attn_q starts at the block it shares with attn_norm; attn_k at the one it
+    // shares with attn_q (position 9, which the order gives attn_q).
+    assert_eq!(guards, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]);
+    // Without steps, the graph-wide guard everywhere.
+    let learned = ModelGraph::from_pass(layout, &[0, 1, 2, 3]).with_lag_guard(2);
+    assert_eq!(learned.lag_guard_at(3), 2);
+}

@@ -142,10 +142,11 @@ impl Progress {
         Some(position)
     }
 
-    /// Positions behind the cursor that a lagging thread may still be reading: the
-    /// graph's bound when it knows the model's steps, else the lag observed.
+    /// Positions behind the cursor that a lagging thread may still be reading: back to
+    /// the start of the cursor's step when the graph knows the model's steps
+    /// (`ModelGraph::lag_guard_at`), and at least the lag observed.
     fn lag_guard(&self, graph: &ModelGraph) -> u32 {
-        graph.lag_guard().max(self.lag_seen)
+        graph.lag_guard_at(self.cursor).max(self.lag_seen)
     }
 }
 
