@@ -76,6 +76,49 @@ fn llama_bench_command(args: &BenchArgs, tokens: u32) -> Vec<OsString> {
     .collect()
 }
 
+/// The prompt of the cold-start runs.
+const FIRST_TOKEN_PROMPT: &str = "The capital of France is";
+
+/// `llama-completion` generating one token from a short prompt: its wall time, run
+/// cold, is the time from starting the program to its first token (loading, the
+/// prompt's pass over the weights, one sampled token, exit). No warm-up pass (its
+/// default is an empty decode over all the weights before the prompt), so the bytes
+/// read show whether loading read the model: one pass reads it once. A small context,
+/// as llama-bench's (its context is its token count): at the model's default one the
+/// program's own memory (KV cache, compute buffers) was 780 MiB, and the kernel side,
+/// whose cgroup counts it, was killed for memory at a quarter of the model.
+fn first_token_command(args: &BenchArgs) -> Vec<OsString> {
+    let completion = args.llama_bin.join("llama-completion");
+    let mut command = vec![
+        completion.into_os_string(),
+        "-m".into(),
+        args.model.clone().into_os_string(),
+    ];
+    command.extend(
+        [
+            "-p",
+            FIRST_TOKEN_PROMPT,
+            "-n",
+            "1",
+            "-c",
+            "256",
+            "--temp",
+            "0",
+            "--seed",
+            "1",
+            "-t",
+            &args.threads.to_string(),
+            "-no-cnv",
+            "--no-display-prompt",
+            "--no-warmup",
+            "--no-repack",
+        ]
+        .into_iter()
+        .map(OsString::from),
+    );
+    command
+}
+
 /// Tokens per second of llama-bench's tg test, warm and without a memory limit: the
 /// compute-bound speed.
 fn warm_tokens_per_s(args: &BenchArgs) -> anyhow::Result<f64> {
@@ -155,8 +198,16 @@ struct Row {
     kernel_p99_us: Option<f64>,
     pager_p50_us: Option<f64>,
     pager_p99_us: Option<f64>,
+    /// Cold start to the first token (see `first_token_command`): wall seconds and
+    /// bytes read from the device, medians per side.
+    kernel_first_token_s: Option<f64>,
+    pager_first_token_s: Option<f64>,
+    kernel_first_token_bytes: Option<f64>,
+    pager_first_token_bytes: Option<f64>,
 }
 
+/// The median of `value` over `side`'s runs that succeeded (a run killed for memory
+/// has nothing to report).
 fn side_median(
     runs: &[RunRecord],
     side: Side,
@@ -164,7 +215,7 @@ fn side_median(
 ) -> Option<f64> {
     let mut values: Vec<f64> = runs
         .iter()
-        .filter(|r| r.side == side)
+        .filter(|r| r.side == side && r.exit_code == Some(0))
         .filter_map(value)
         .collect();
     median(&mut values)
@@ -211,30 +262,42 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);
         let dir = args.out.join(format!("budget-{share}pct"));
         eprintln!("bench: budget {share}% = {}", format_size(budget));
-        let report = compare(
-            &CompareConfig {
-                program: llama_bench_command(&args, args.tokens),
+        let progress = |record: &RunRecord| {
+            eprintln!(
+                "bench:   {} run {}: {:.1} s, tg {}, {} read",
+                record.side.name(),
+                record.index,
+                record.wall_s,
+                record
+                    .program
+                    .bench_tokens_per_s("tg")
+                    .map(|t| format!("{t:.2} t/s"))
+                    .unwrap_or_else(|| "-".into()),
+                format_size(record.io.bytes_read),
+            )
+        };
+        let config = |program, out_dir| -> anyhow::Result<CompareConfig> {
+            Ok(CompareConfig {
+                program,
                 budget_bytes: budget,
                 runs: args.runs,
-                out_dir: dir.clone(),
+                out_dir,
                 model: Some(args.model.clone()),
                 launcher: std::env::current_exe()?,
-            },
+            })
+        };
+        let report = compare(
+            &config(llama_bench_command(&args, args.tokens), dir.clone())?,
             interrupted,
-            |record| {
-                eprintln!(
-                    "bench:   {} run {}: {:.1} s, tg {}",
-                    record.side.name(),
-                    record.index,
-                    record.wall_s,
-                    record
-                        .program
-                        .bench_tokens_per_s("tg")
-                        .map(|t| format!("{t:.2} t/s"))
-                        .unwrap_or_else(|| "?".into())
-                )
-            },
+            progress,
         )?;
+        eprintln!("bench:   cold start to the first token (llama-completion -n 1)");
+        let first_token = compare(
+            &config(first_token_command(&args), dir.join("first-token"))?,
+            interrupted,
+            progress,
+        )?;
+        let first = &first_token.runs;
         let runs = &report.runs;
         let tps = |side| side_median(runs, side, |r| r.program.bench_tokens_per_s("tg"));
         let optimum = simulate(
@@ -263,6 +326,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             kernel_p99_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p99_us)),
             pager_p50_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p50_us)),
             pager_p99_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p99_us)),
+            kernel_first_token_s: side_median(first, Side::Kernel, |r| Some(r.wall_s)),
+            pager_first_token_s: side_median(first, Side::Pager, |r| Some(r.wall_s)),
+            kernel_first_token_bytes: side_median(first, Side::Kernel, |r| {
+                Some(r.io.bytes_read as f64)
+            }),
+            pager_first_token_bytes: side_median(first, Side::Pager, |r| {
+                Some(r.io.bytes_read as f64)
+            }),
         });
     }
     let markdown = results_markdown(&args, model_len, device_bps, compute_s, &rows);
@@ -348,5 +419,37 @@ fn results_markdown(
          reports with plots: `budget-*/report.md`.",
         args.tokens, args.tokens
     );
+    let _ = writeln!(
+        out,
+        "\n## Cold start to the first token\n\n`llama-completion -p \"{FIRST_TOKEN_PROMPT}\" -n 1 -c \
+         256 -t {} --no-warmup --no-repack`, page cache dropped, {} runs per side (medians): wall \
+         time from starting the program to its exit after the first token (loading, the \
+         prompt's pass over the weights, one token), and the bytes it read from the device. \
+         One pass reads the model once; loading that reads it whole (llama.cpp maps with \
+         MAP_POPULATE) reads it twice when it does not fit.\n",
+        args.threads, args.runs,
+    );
+    let _ = writeln!(
+        out,
+        "| budget | first token s kernel | first token s pager | pager/kernel | read MiB kernel | read MiB pager |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    for row in rows {
+        let ratio = match (row.pager_first_token_s, row.kernel_first_token_s) {
+            (Some(p), Some(k)) if k > 0.0 => format!("{:.2}", p / k),
+            _ => "–".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {:.0}% ({:.0} MiB) | {} | {} | {} | {} | {} |",
+            row.share,
+            mib(row.budget as f64),
+            opt(row.kernel_first_token_s, 2),
+            opt(row.pager_first_token_s, 2),
+            ratio,
+            opt(row.kernel_first_token_bytes.map(mib), 0),
+            opt(row.pager_first_token_bytes.map(mib), 0),
+        );
+    }
     out
 }
