@@ -55,7 +55,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         graph.source()
     );
     println!(
-        "eviction spares {} behind the latest fault (the largest step, which threads share)",
+        "eviction spares up to {} behind the latest fault (back to the start of its step; the largest step, which threads share)",
         format_size(graph.lag_guard() as u64 * layout.block_size)
     );
     if args.tensors {

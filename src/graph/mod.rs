@@ -292,14 +292,14 @@ impl ModelGraph {
         }
     }
 
-    /// Positions behind the program's latest fault that it may still be reading: the
-    /// largest step of the order (a tensor) in blocks; 0 for a learned graph, which
-    /// knows no tensors (the graph policies then use the lag they observe). Threads
-    /// split each step's rows between them and fault at different offsets in it, and
-    /// the latest fault may come from the one ahead. Eviction treats
-    /// these positions as still in use: every block behind the program costs one read on
-    /// the next pass wherever it lies, so preferring older ones costs nothing, and it
-    /// spares the lagging thread a demand read of a block evicted under it.
+    /// The most positions behind the program's latest fault that a thread may still be
+    /// reading, anywhere in the pass: the largest step of the order (a tensor, or one
+    /// expert's matrix) in blocks; 0 for a learned graph, which knows no tensors (the
+    /// graph policies then use the lag they observe). Threads split each step's rows
+    /// between them and fault at different offsets in it, and the latest fault may come
+    /// from the one ahead. Eviction guards the positions back to the start of the
+    /// current step (`lag_guard_at`), sparing the lagging thread a demand read of a
+    /// block evicted under it; this bound sizes the room a streamed set keeps for them.
     pub fn lag_guard(&self) -> u32 {
         self.lag_guard
     }
@@ -308,7 +308,10 @@ impl ModelGraph {
     /// fault is there: back to the start of the step (or expert's matrix) that
     /// `position` belongs to. The CPU backend waits for every thread at the end of
     /// each step, so threads sharing one are never further apart. Without steps (a
-    /// learned graph) `lag_guard`.
+    /// learned graph) `lag_guard`. Guarding more than this costs reads: a guarded block
+    /// is passed over for an older one the budget could have kept for the next pass
+    /// (a quarter of a 3 GiB llama: 2410 MiB per token guarding the largest step
+    /// everywhere, 2361-2379 guarding the current one).
     pub fn lag_guard_at(&self, position: u32) -> u32 {
         match self.unit_start.get(position as usize) {
             Some(&start) => position - start,

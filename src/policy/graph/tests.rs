@@ -196,7 +196,6 @@ fn streamed_blocks_are_evicted_before_kept_ones() {
     let kept: Vec<u32> = (0..30).filter(|&b| !plan.is_streamed(b)).collect();
     assert_eq!(kept, (0..30).step_by(2).collect::<Vec<_>>());
     assert_eq!(prefetch.max_lookahead_bytes, 4 * (2 << 20), "the window");
-    assert_eq!(prefetch.device_bytes(), Some(STREAM_DEVICE_BYTES));
     for i in 0..10 {
         eviction.inserted(b(i));
     }
@@ -207,6 +206,20 @@ fn streamed_blocks_are_evicted_before_kept_ones() {
         .map(|_| eviction.victim(b(10), ReadKind::Demand).unwrap().index)
         .collect();
     assert_eq!(victims, [7, 5, 3, 1, 9, 8, 6, 4, 2, 0]);
+}
+
+#[test]
+fn the_device_bound_holds_from_the_second_pass() {
+    let pass: Vec<u32> = (0..30).collect();
+    let (mut prefetch, _) = streaming_policies(&pass, 30, 20);
+    let mut requests = Vec::new();
+    // The first pass reads every block: the device's full depth.
+    for i in 0..30 {
+        prefetch.plan(&fault(i, i as u64), &mut requests);
+        assert_eq!(prefetch.device_bytes(), None, "at {i}");
+    }
+    prefetch.plan(&fault(0, 30), &mut requests);
+    assert_eq!(prefetch.device_bytes(), Some(STREAM_DEVICE_BYTES));
 }
 
 #[test]
