@@ -164,12 +164,9 @@ impl ModelGraph {
             graph.add_edge(from, to, weight);
         }
 
-        let sequence = steps
-            .iter()
-            .flat_map(|step| step.groups.iter().flatten())
-            .flat_map(|&node| graph[node].blocks.clone());
-        let order = CyclicOrder::from_sequence(sequence.collect::<Vec<_>>(), layout.block_count());
-        // The pieces of work threads share, in order, as runs of blocks (see `unit_starts`).
+        // The pieces of work threads share, in execution order, as runs of blocks: a
+        // step, or for experts one expert's matrix (a token runs each chosen expert's
+        // matrix whole). The pass is their blocks in turn.
         let units: Vec<Vec<u32>> = steps
             .iter()
             .flat_map(|step| -> Vec<Vec<NodeIndex>> {
@@ -186,40 +183,28 @@ impl ModelGraph {
                     .collect()
             })
             .collect();
+        let order =
+            CyclicOrder::from_sequence(units.iter().flatten().copied(), layout.block_count());
         let unit_start = unit_starts(&order, &units);
-        // The largest piece of work threads share: a step's blocks, or for experts the
-        // blocks of one expert (a token runs each chosen expert's matrix whole).
-        let lag_guard = steps
+        // The largest piece of work. Extents of one tensor may share their boundary
+        // blocks: a unit's span, not its length.
+        let lag_guard = units
             .iter()
-            .flat_map(|step| -> Vec<u32> {
-                // Extents of one tensor may share their boundary blocks: take the span.
-                let span = |nodes: &mut dyn Iterator<Item = &NodeIndex>| -> u32 {
-                    let (start, end) = nodes.fold((u32::MAX, 0), |(start, end), &node| {
-                        let blocks = &graph[node].blocks;
-                        (start.min(blocks.start), end.max(blocks.end))
-                    });
-                    end.saturating_sub(start)
-                };
-                if step.experts {
-                    step.groups
-                        .iter()
-                        .map(|group| span(&mut group.iter()))
-                        .collect()
-                } else {
-                    vec![span(&mut step.groups.iter().flatten())]
-                }
+            .map(|blocks| {
+                let start = blocks.iter().min().copied().unwrap_or(0);
+                let end = blocks.iter().max().map_or(0, |&last| last + 1);
+                end.saturating_sub(start)
             })
             .max()
             .unwrap_or(0);
-        let mut built = Self::finish(
+        Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
             graph,
             order,
             lag_guard,
-        );
-        built.unit_start = unit_start;
-        built
+            unit_start,
+        )
     }
 
     /// Builds the graph learned from observed block transitions, with no model
@@ -243,7 +228,7 @@ impl ModelGraph {
             }
         }
         let order = CyclicOrder::from_sequence(transitions.cyclic_order(), block_count);
-        Self::finish(layout, GraphSource::Learned, graph, order, 0)
+        Self::finish(layout, GraphSource::Learned, graph, order, 0, Vec::new())
     }
 
     /// A graph of single blocks whose predicted order is exactly `pass` (one token's
@@ -266,6 +251,7 @@ impl ModelGraph {
         graph: DiGraph<Node, f64>,
         order: CyclicOrder,
         lag_guard: u32,
+        unit_start: Vec<u32>,
     ) -> Self {
         let edges: Vec<(usize, usize, f64)> = graph
             .raw_edges()
@@ -288,7 +274,7 @@ impl ModelGraph {
             block_rank,
             order,
             lag_guard,
-            unit_start: Vec::new(),
+            unit_start,
         }
     }
 

@@ -519,20 +519,19 @@ fn furthest_in(
     // (zone, distance): the earlier zone first, then the furthest next use.
     let mut best: Option<(BlockRef, u32, u32)> = None;
     for (region, set) in sets {
-        let is_next_use =
-            |position: u32| order.next_position(order.block_at(position), cursor) == Some(position);
+        // The next and the last use of the block at `position`, seen from the cursor.
+        let next_use = |position: u32| order.next_position(order.block_at(position), cursor);
+        let last_use = |position: u32| order.prev_position(order.block_at(position), cursor);
+        let is_next_use = |position: u32| next_use(position) == Some(position);
         // A block used at two places is in the zone of its last use, not of its next
         // (see `locate`): one that two tensors share, used last inside the guard, is
         // still being read whatever pass its next use is in.
-        let last_use = |position: u32| order.prev_position(order.block_at(position), cursor);
         let passed_before_guard = |position: u32| {
             is_next_use(position) && last_use(position).is_some_and(|last| last < guarded_from)
         };
         let last_used_in_guard = |position: u32| {
             last_use(position) == Some(position)
-                && order
-                    .next_position(order.block_at(position), cursor)
-                    .is_some_and(|next| next < cursor)
+                && next_use(position).is_some_and(|next| next < cursor)
         };
         // Behind the guard, then inside it (both used this pass already), then from
         // the end of the cycle down to the cursor (still to be used this pass).
