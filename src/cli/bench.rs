@@ -209,8 +209,7 @@ struct Row {
     pager_first_token_bytes: Option<f64>,
 }
 
-/// The median of `value` over `side`'s runs that succeeded (a run killed for memory
-/// has nothing to report).
+/// The median of `value` over `side`'s runs that succeeded.
 fn side_median(
     runs: &[RunRecord],
     side: Side,
@@ -218,7 +217,7 @@ fn side_median(
 ) -> Option<f64> {
     let mut values: Vec<f64> = runs
         .iter()
-        .filter(|r| r.side == side && r.exit_code == Some(0))
+        .filter(|r| r.side == side && r.succeeded())
         .filter_map(value)
         .collect();
     median(&mut values)

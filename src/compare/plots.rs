@@ -12,7 +12,7 @@ pub fn representative(report: &Report, side: Side) -> Option<&RunRecord> {
     let mut runs: Vec<&RunRecord> = report
         .runs
         .iter()
-        .filter(|r| r.side == side && r.exit_code == Some(0))
+        .filter(|r| r.side == side && r.succeeded())
         .collect();
     runs.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
     runs.get(runs.len().saturating_sub(1) / 2).copied()
@@ -108,7 +108,7 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
                 for run in report
                     .runs
                     .iter()
-                    .filter(|r| r.side == side && r.exit_code == Some(0))
+                    .filter(|r| r.side == side && r.succeeded())
                 {
                     for (slot, count) in total.iter_mut().zip(&run.io.request_size_counts) {
                         *slot += count;

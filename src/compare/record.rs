@@ -115,6 +115,12 @@ pub struct RunRecord {
 }
 
 impl RunRecord {
+    /// Whether the program exited with status 0: a failed run (killed for memory, say)
+    /// has no figures worth reporting.
+    pub fn succeeded(&self) -> bool {
+        self.exit_code == Some(0)
+    }
+
     /// A figure of the pager's stats JSON.
     pub fn pager_stat(&self, field: &str) -> Option<u64> {
         self.pager_stats.as_ref()?.get(field)?.as_u64()

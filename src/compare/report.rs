@@ -212,7 +212,7 @@ fn spread_cell(spread: Option<Spread>) -> String {
 
 fn side_values(runs: &[RunRecord], side: Side, value: fn(&RunRecord) -> Option<f64>) -> Vec<f64> {
     runs.iter()
-        .filter(|r| r.side == side && r.exit_code == Some(0))
+        .filter(|r| r.side == side && r.succeeded())
         .filter_map(value)
         .collect()
 }
@@ -259,7 +259,7 @@ impl Report {
         let failed: Vec<String> = self
             .runs
             .iter()
-            .filter(|r| r.exit_code != Some(0))
+            .filter(|r| !r.succeeded())
             .map(|r| {
                 format!(
                     "{} run {} (exit {}, see `{}`)",
@@ -351,11 +351,7 @@ impl Report {
     ) {
         let sum = |side: Side| {
             let mut total = vec![0u64; edges.len() + 1];
-            for run in self
-                .runs
-                .iter()
-                .filter(|r| r.side == side && r.exit_code == Some(0))
-            {
+            for run in self.runs.iter().filter(|r| r.side == side && r.succeeded()) {
                 for (slot, count) in total.iter_mut().zip(counts(run)) {
                     *slot += count;
                 }
