@@ -188,14 +188,14 @@ fn streaming_policies(
 
 #[test]
 fn streamed_blocks_are_evicted_before_kept_ones() {
-    // 30 blocks, a budget of 20: 10 must stream, 4 more for the window, 1 behind; the
+    // 30 blocks, a budget of 24: 6 must stream, 8 more for the window, 1 behind; the
     // 15 kept are spread evenly: every other block.
     let pass: Vec<u32> = (0..30).collect();
-    let (prefetch, mut eviction) = streaming_policies(&pass, 30, 20);
+    let (prefetch, mut eviction) = streaming_policies(&pass, 30, 24);
     let plan = eviction.prediction.stream_plan();
     let kept: Vec<u32> = (0..30).filter(|&b| !plan.is_streamed(b)).collect();
     assert_eq!(kept, (0..30).step_by(2).collect::<Vec<_>>());
-    assert_eq!(prefetch.max_lookahead_bytes, 4 * (2 << 20), "the window");
+    assert_eq!(prefetch.max_lookahead_bytes, 8 * (2 << 20), "the window");
     for i in 0..10 {
         eviction.inserted(b(i));
     }
