@@ -118,6 +118,17 @@ pub enum Completion {
 
 const POLL_BIT: u64 = 1 << 63;
 
+/// Memory a read lands in other than its slot's buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Landing {
+    pub dest: *mut u8,
+    pub len: usize,
+    /// Whether the kernel issues the read from one of its io_uring worker threads
+    /// (IOSQE_ASYNC) instead of inside this thread's next submit: for a read whose first
+    /// step is slow work on the CPU, such as faulting in the destination's pages.
+    pub off_thread: bool,
+}
+
 /// The ring, its read buffers and what each one is doing.
 pub struct ReadRing<Tag> {
     ring: IoUring,
@@ -239,29 +250,43 @@ impl<Tag> ReadRing<Tag> {
         // SAFETY: the slot's buffer belongs to the ring and is handed out to nothing
         // else until this read's completion is reaped and the slot checked in; the
         // assert above keeps the read inside it.
-        unsafe { self.read_into(slot, fd, offset, ptr, len, tag) }
+        unsafe {
+            self.read_into(
+                slot,
+                fd,
+                offset,
+                Landing {
+                    dest: ptr,
+                    len,
+                    off_thread: false,
+                },
+                tag,
+            )
+        }
     }
 
-    /// Starts a read of `len` bytes at file `offset` into memory the caller owns at
-    /// `dest` (a frame of the zero-copy store), instead of `slot`'s buffer. The slot stays
-    /// checked out, carrying `tag`, until `checkin`.
+    /// Starts a read at file `offset` into memory the caller owns (a frame of the
+    /// zero-copy store), instead of `slot`'s buffer. The slot stays checked out, carrying
+    /// `tag`, until `checkin`.
     ///
     /// # Safety
-    /// `dest..dest + len` must stay mapped, writable and unused by anything else until
-    /// the read's completion is reaped.
+    /// `landing.dest..landing.dest + landing.len` must stay mapped, writable and unused
+    /// by anything else until the read's completion is reaped.
     pub unsafe fn read_into(
         &mut self,
         slot: u32,
         fd: RawFd,
         offset: u64,
-        dest: *mut u8,
-        len: usize,
+        landing: Landing,
         tag: Tag,
     ) -> Result<(), RingError> {
-        let entry = opcode::Read::new(types::Fd(fd), dest, len as u32)
+        let mut entry = opcode::Read::new(types::Fd(fd), landing.dest, landing.len as u32)
             .offset(offset)
             .build()
             .user_data(slot as u64);
+        if landing.off_thread {
+            entry = entry.flags(squeue::Flags::ASYNC);
+        }
         self.tags[slot as usize] = Some(tag);
         self.push(&entry)
     }

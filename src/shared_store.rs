@@ -44,6 +44,16 @@ const FSMOUNT_CLOEXEC: libc::c_uint = 1;
 const FSCONFIG_SET_STRING: libc::c_uint = 1;
 const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 
+/// A frame handed out for a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakenFrame {
+    pub index: u32,
+    /// Whether its pages are in memory already. If not, the read landing in it first
+    /// allocates and clears them, which can take far longer than the read (see
+    /// `FaultService::start_read`).
+    pub warm: bool,
+}
+
 /// A detached tmpfs mount whose files use 2 MiB pages.
 #[derive(Debug)]
 pub struct HugeTmpfs {
@@ -185,7 +195,7 @@ impl FrameStore {
     }
 
     /// A free frame, or None when all are taken.
-    pub fn take(&mut self) -> Option<u32> {
+    pub fn take(&mut self) -> Option<TakenFrame> {
         let frame = match self.free.pop() {
             Some(frame) => frame,
             None if self.next_fresh < self.count => {
@@ -196,11 +206,12 @@ impl FrameStore {
             None => return None,
         };
         // The read about to land in it fills it.
-        if !std::mem::replace(&mut self.holds_memory[frame as usize], true) {
+        let warm = std::mem::replace(&mut self.holds_memory[frame as usize], true);
+        if !warm {
             self.memory_frames += 1;
             self.peak_memory_frames = self.peak_memory_frames.max(self.memory_frames);
         }
-        Some(frame)
+        Some(TakenFrame { index: frame, warm })
     }
 
     /// Bytes of memory the frames hold now, and at most so far: frames in use, and
@@ -301,6 +312,8 @@ mod tests {
         let mut store = FrameStore::new(&tmpfs, HUGE_PAGE, 2).unwrap();
         let (a, b) = (store.take().unwrap(), store.take().unwrap());
         assert_eq!(store.take(), None, "two frames only");
+        assert!(!a.warm && !b.warm, "fresh frames hold no memory yet");
+        let (a, b) = (a.index, b.index);
         // SAFETY: no reads are in flight; the slices are the only users.
         unsafe { store.bytes_mut(a, len) }.fill(7);
         // SAFETY: as above.
@@ -309,8 +322,11 @@ mod tests {
         store.release(a, false);
         store.release(b, true);
         assert_eq!(store.memory_bytes(), (len as u64, 2 * len as u64));
-        assert_eq!(store.take(), Some(b), "the last freed frame comes first");
-        assert_eq!(store.take(), Some(a));
+        let (again_b, again_a) = (store.take().unwrap(), store.take().unwrap());
+        assert_eq!(again_b.index, b, "the last freed frame comes first");
+        assert_eq!(again_a.index, a);
+        assert!(again_a.warm, "kept its pages");
+        assert!(!again_b.warm, "its pages were freed");
         assert_eq!(store.memory_bytes(), (2 * len as u64, 2 * len as u64));
         // SAFETY: as above.
         assert!(unsafe { store.bytes_mut(a, len) }.iter().all(|&x| x == 7));
