@@ -274,6 +274,60 @@ fn zero_copy_regions_see_the_files_bytes_within_the_budget() {
     );
 }
 
+/// Threads of this process that are io_uring's workers.
+fn io_uring_workers() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("iou-wrk"))
+        .count()
+}
+
+/// A zero-copy frame's first read faults its pages in, which the kernel clears first:
+/// the service hands those reads to io_uring's workers instead of doing that work inside
+/// its own submit (see `FaultService::start_read`). In a child process, so that no other
+/// test's ring adds workers.
+#[test]
+fn zero_copy_first_reads_are_issued_by_io_uring_workers() {
+    let test = "zero_copy_first_reads_are_issued_by_io_uring_workers";
+    if !is_child() {
+        let status = run_child(test, &[], Duration::from_secs(120));
+        assert!(status.success(), "{test} failed in its child: {status}");
+        return;
+    }
+    let dir = TempDir::new("first-reads");
+    let path = dir.path("model.bin");
+    let len = 16 << 20;
+    pattern_file(&path, len);
+    assert_eq!(
+        io_uring_workers(),
+        0,
+        "workers before the pager read anything"
+    );
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(32 << 20)
+            .block_size(2 << 20)
+            .zero_copy(true),
+    ) else {
+        return;
+    };
+    let stats = pager.stats();
+    assert!(
+        stats.zero_copy,
+        "zero copy refused: {:?}",
+        stats.zero_copy_refused
+    );
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    check_range(region.as_slice(), 0..len, Check::Every);
+    // Workers stay a few seconds after their last work; the reads ended just now.
+    assert!(
+        io_uring_workers() > 0,
+        "the frames' first reads ran without an io_uring worker: {}",
+        pager.stats().to_json()
+    );
+}
+
 #[test]
 fn file_smaller_than_a_page() {
     sampled("file_smaller_than_a_page", 4096, || {
