@@ -41,7 +41,8 @@ pub const STREAM_CHUNK: u64 = 2 << 20;
 /// 9.17-9.37 (9.29) with 15-30, reading 0.5 % more; 6 9.14-9.29, 12 and 16 no faster
 /// than 8. At 75 % 4 and 8 were the same (3.99-4.08 and 4.00-4.11, three runs each).
 /// With 4, the service found nothing left to read with the device idle 2.7 % of the
-/// time (per-state timing in the service loop).
+/// time over whole runs and 6.7 % in steady decode (per-state timing in the service
+/// loop).
 pub const WINDOW_CHUNKS: u64 = 8;
 
 /// Most bytes of prefetch reads on the device at once while a spread set streams
