@@ -234,6 +234,20 @@ fn a_model_that_fits_streams_nothing() {
 }
 
 #[test]
+fn a_contiguous_stream_looks_ahead_an_eighth_at_most_and_never_past_the_cap() {
+    // Below two thirds of the model nothing is spread: an eighth of the budget or of
+    // what streams, whichever is less, and at most `STREAM_LOOKAHEAD_MAX`.
+    let block = 2u64 << 20;
+    let pass: Vec<u32> = (0..1536).collect();
+    let quarter = bound_policies(&pass, 1536, block, 0, 384 * block).0;
+    assert_eq!(quarter.max_lookahead_bytes, 384 * block / 8);
+    let half = bound_policies(&pass, 1536, block, 0, 768 * block).0;
+    assert_eq!(half.max_lookahead_bytes, STREAM_LOOKAHEAD_MAX);
+    assert!(768 * block / 8 > STREAM_LOOKAHEAD_MAX);
+    assert_eq!(half.device_bytes(), None, "no spread set, no device bound");
+}
+
+#[test]
 fn unpredicted_blocks_go_first() {
     let (_, mut eviction) = policies(&[0, 1, 2], 10);
     eviction.inserted(b(1));
