@@ -879,7 +879,7 @@ impl FaultService {
         region.reads_in_flight += 1;
         let file_offset = region.file_offset + start;
         let fd = region.file.read_fd();
-        let frame = match &mut self.store {
+        let landing = match &mut self.store {
             Some(store) => {
                 debug_assert_eq!(count, 1, "a frame holds one block");
                 let frame = store.take().expect("pump checked a frame is free");
@@ -893,7 +893,11 @@ impl FaultService {
                 // -n 1 cold, 3 GiB llama at 125 %, memory idle 8 s before (three runs
                 // each): 6.66-7.59 s on this thread, 5.17-5.19 punted; memory just freed
                 // by the run before: 1.28 and 1.29-1.33 s.
-                Some((store.view(frame.index), !frame.warm))
+                Some(Landing {
+                    dest: store.view(frame.index),
+                    len,
+                    off_thread: !frame.warm,
+                })
             }
             None => None,
         };
@@ -911,13 +915,8 @@ impl FaultService {
             install,
             prefetch,
         };
-        match frame {
-            Some((dest, cold)) => {
-                let landing = Landing {
-                    dest,
-                    len,
-                    off_thread: cold,
-                };
+        match landing {
+            Some(landing) => {
                 // SAFETY: the store's view lives as long as the service; the frame was
                 // just taken, and no other read lands in it or region maps it until it
                 // is freed.
@@ -1029,10 +1028,14 @@ impl FaultService {
             tag.done,
             tag.len - tag.done,
         );
-        let dest = self.store.as_ref().map(|store| {
-            store
+        // On this thread: the first attempt faulted the frame's pages in (short reads and
+        // retries are rare enough not to need a worker either way).
+        let landing = self.store.as_ref().map(|store| Landing {
+            dest: store
                 .view(region.frames[tag.first as usize])
-                .wrapping_add(done)
+                .wrapping_add(done),
+            len,
+            off_thread: false,
         });
         let tag = self
             .ring
@@ -1044,15 +1047,8 @@ impl FaultService {
         // Re-checking out the same slot cannot fail: it was just returned.
         let again = self.ring.checkout()?.expect("a slot was just returned");
         debug_assert_eq!(again, slot);
-        match dest {
-            Some(dest) => {
-                // On this thread: the first attempt faulted the frame's pages in (short
-                // reads and retries are rare enough not to need a worker either way).
-                let landing = Landing {
-                    dest,
-                    len,
-                    off_thread: false,
-                };
+        match landing {
+            Some(landing) => {
                 // SAFETY: as in `start_read`: the rest of the same frame.
                 unsafe { self.ring.read_into(again, fd, offset, landing, tag) }?
             }
