@@ -1,0 +1,77 @@
+//! The device yardstick (`hyperoffload::device`): it reads the whole file from the
+//! device, whatever memory the reads land in, and names the file when it cannot.
+
+mod common;
+
+use common::*;
+use hyperoffload::device::{drop_page_cache, read_rate, sequential_read_rate};
+
+/// Bytes this process has had read from storage (`read_bytes` of /proc/self/io: reads
+/// that reached the block layer, io_uring's worker threads included).
+fn storage_read_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    io.lines()
+        .find_map(|line| line.strip_prefix("read_bytes: "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn every_shape_reads_the_whole_file_from_the_device() {
+    let dir = TempDir::new("device-rate");
+    let path = dir.path("model.bin");
+    // Not a multiple of the read size nor of a page: the last read is short.
+    let len = (24 << 20) + 12_345;
+    pattern_file(&path, len);
+    let shapes: [(&str, Box<dyn Fn() -> f64>); 3] = [
+        (
+            "1 MiB x 32 into its own buffers",
+            Box::new(|| sequential_read_rate(&path, 1 << 20, 32).unwrap()),
+        ),
+        (
+            "2 MiB x 2 across 16 MiB",
+            Box::new(|| read_rate(&path, 2 << 20, 2, 16 << 20).unwrap()),
+        ),
+        (
+            "1 MiB x 4 with less landing room than reads in flight",
+            Box::new(|| read_rate(&path, 1 << 20, 4, 1 << 20).unwrap()),
+        ),
+    ];
+    for (shape, measure) in shapes {
+        if !drop_page_cache() {
+            if std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1") {
+                eprintln!("skipped: cannot drop the page cache (not root)");
+                return;
+            }
+            panic!("cannot drop the page cache: run as root (or HYPEROFFLOAD_ALLOW_SKIP=1)");
+        }
+        // The file's inode (and with it its extents) read back first, so what is
+        // counted below is the reads of its data.
+        std::fs::File::open(&path).unwrap().metadata().unwrap();
+        let before = storage_read_bytes();
+        let rate = measure();
+        let read = storage_read_bytes() - before;
+        assert!(rate.is_finite() && rate > 0.0, "{shape}: rate {rate}");
+        // Direct reads bypass the page cache, so they all reach the device: the file,
+        // its last page rounded up.
+        assert!(
+            read == len.next_multiple_of(4096),
+            "{shape}: {read} bytes from storage for a file of {len}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_file_is_named_in_the_error() {
+    let dir = TempDir::new("device-rate-missing");
+    let path = dir.path("no-such-model.gguf");
+    let error = read_rate(&path, 1 << 20, 4, 8 << 20)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("no-such-model.gguf") && error.contains("O_DIRECT"),
+        "{error}"
+    );
+}
