@@ -25,21 +25,18 @@ fn every_shape_reads_the_whole_file_from_the_device() {
     // Not a multiple of the read size nor of a page: the last read is short.
     let len = (24 << 20) + 12_345;
     pattern_file(&path, len);
-    let shapes: [(&str, Box<dyn Fn() -> f64>); 3] = [
+    // (what, read size, depth, landing room; None: the reads' own buffers)
+    let shapes = [
+        ("1 MiB x 32 into its own buffers", 1 << 20, 32, None),
+        ("2 MiB x 2 across 16 MiB", 2 << 20, 2, Some(16 << 20)),
         (
-            "1 MiB x 32 into its own buffers",
-            Box::new(|| sequential_read_rate(&path, 1 << 20, 32).unwrap()),
-        ),
-        (
-            "2 MiB x 2 across 16 MiB",
-            Box::new(|| read_rate(&path, 2 << 20, 2, 16 << 20).unwrap()),
-        ),
-        (
-            "1 MiB x 4 with less landing room than reads in flight",
-            Box::new(|| read_rate(&path, 1 << 20, 4, 1 << 20).unwrap()),
+            "1 MiB x 4, less landing room than reads in flight",
+            1 << 20,
+            4,
+            Some(1 << 20),
         ),
     ];
-    for (shape, measure) in shapes {
+    for (shape, chunk, depth, landing) in shapes {
         if !drop_page_cache() {
             if std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1") {
                 eprintln!("skipped: cannot drop the page cache (not root)");
@@ -51,7 +48,11 @@ fn every_shape_reads_the_whole_file_from_the_device() {
         // counted below is the reads of its data.
         std::fs::File::open(&path).unwrap().metadata().unwrap();
         let before = storage_read_bytes();
-        let rate = measure();
+        let rate = match landing {
+            None => sequential_read_rate(&path, chunk, depth),
+            Some(landing) => read_rate(&path, chunk, depth, landing),
+        }
+        .unwrap();
         let read = storage_read_bytes() - before;
         assert!(rate.is_finite() && rate > 0.0, "{shape}: rate {rate}");
         // Direct reads bypass the page cache, so they all reach the device: the file,
