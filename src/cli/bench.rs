@@ -7,7 +7,8 @@
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -51,6 +52,84 @@ fn median(values: &mut [f64]) -> Option<f64> {
     }
     values.sort_by(|a, b| a.total_cmp(b));
     Some(values[values.len() / 2])
+}
+
+/// Three cold measurements of the device's limit: io_uring O_DIRECT reads of the whole
+/// model, 1 MiB each, 32 deep.
+fn device_limit(model: &Path) -> anyhow::Result<Vec<f64>> {
+    let mut rates = Vec::new();
+    for _ in 0..3 {
+        if !drop_page_cache() {
+            eprintln!("bench: cannot drop the page cache (not root?): figures are not cold");
+        }
+        rates.push(sequential_read_rate(model, 1 << 20, 32)?);
+    }
+    Ok(rates)
+}
+
+/// The device's limit while the unchanged program decodes with the model resident:
+/// the figures of `device_limit`, then the same reads beside a warm llama-bench tg.
+/// Reads and decode share the memory: here the limit fell from 3.5-3.7 GB/s alone to
+/// 3.2-3.4 beside a decode, and 2 MiB reads two deep across 1 GiB from 3.4 to 3.0-3.2
+/// (two threads streaming memory cut them to 2.8-2.9), while reads into 4 MiB reused
+/// kept their speed beside either. So at budgets where the pager's reads overlap the
+/// program's compute, they run below the limit measured alone.
+/// Returns (alone, during decode), three measurements each.
+fn device_during_decode(args: &BenchArgs) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let alone = device_limit(&args.model)?;
+    // Long enough to outlast loading and the measurements; killed once they are done.
+    let command = llama_bench_command(args, 512);
+    let mut decode = Command::new(&command[0])
+        .args(&command[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting llama-bench")?;
+    let measured = (|| {
+        // Decoding once the program has had 3 s of CPU: loading a model from the page
+        // cache takes a fraction of that, decode uses both threads.
+        let started = Instant::now();
+        while cpu_seconds(decode.id())? < 3.0 {
+            if let Some(status) = decode.try_wait()? {
+                bail!("llama-bench exited ({status}) before it started decoding");
+            }
+            if started.elapsed() > Duration::from_secs(120) {
+                bail!("llama-bench did not start decoding within 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut during = Vec::new();
+        for _ in 0..3 {
+            during.push(sequential_read_rate(&args.model, 1 << 20, 32)?);
+        }
+        if let Some(status) = decode.try_wait()? {
+            bail!("llama-bench exited ({status}) while the device was measured beside it");
+        }
+        Ok(during)
+    })();
+    let _ = decode.kill();
+    let _ = decode.wait();
+    Ok((alone, measured?))
+}
+
+/// User and system CPU seconds process `pid` has used so far.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces), from field 3 on.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |field: usize| -> anyhow::Result<f64> {
+        fields
+            .get(field - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .with_context(|| format!("no field {field} in /proc/{pid}/stat"))
+    };
+    // SAFETY: sysconf reads a configuration value and touches no memory of ours.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok((ticks(14)? + ticks(15)?) / per_second.max(1.0))
 }
 
 fn llama_bench_command(args: &BenchArgs, tokens: u32) -> Vec<OsString> {
@@ -186,6 +265,20 @@ fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::R
     Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
 }
 
+/// The device's limit alone and beside a warm decode, measured back to back
+/// (`device_during_decode`).
+struct DecodeShare {
+    alone_bps: f64,
+    during_bps: f64,
+}
+
+impl DecodeShare {
+    /// What of the limit measured alone the device gives beside a decode.
+    fn fraction(&self) -> f64 {
+        self.during_bps / self.alone_bps
+    }
+}
+
 struct Row {
     share: f64,
     budget: u64,
@@ -193,7 +286,10 @@ struct Row {
     pager_tps: Option<f64>,
     pager_bytes_per_token: f64,
     optimum_bytes_per_token: Option<f64>,
-    /// (M - B) / device limit: the reads' part of the floor.
+    /// The device's limit measured beside this budget's decode runs (the upper median of
+    /// three measurements before them and three after).
+    device_bps: f64,
+    /// (M - B) / `device_bps`: the reads' part of the floor.
     read_floor_s: f64,
     kernel_read_mb_s: Option<f64>,
     pager_read_mb_s: Option<f64>,
@@ -236,17 +332,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         format_size(model_len)
     );
 
-    let mut device = Vec::new();
-    for _ in 0..3 {
-        if !drop_page_cache() {
-            eprintln!("bench: cannot drop the page cache (not root?): figures are not cold");
-        }
-        device.push(sequential_read_rate(&args.model, 1 << 20, 32)?);
-    }
-    let device_bps = median(&mut device).expect("three measurements");
+    let device_bps = median(&mut device_limit(&args.model)?).expect("three measurements");
     eprintln!("bench: device limit {:.0} MB/s", device_bps / 1e6);
     let warm_tps = warm_tokens_per_s(&args)?;
     eprintln!("bench: warm decode {warm_tps:.2} tok/s");
+    let (mut alone, mut during) = device_during_decode(&args)?;
+    let decode_share = DecodeShare {
+        alone_bps: median(&mut alone).expect("three measurements"),
+        during_bps: median(&mut during).expect("three measurements"),
+    };
+    eprintln!(
+        "bench: device limit {:.0} MB/s alone, {:.0} MB/s beside a warm decode",
+        decode_share.alone_bps / 1e6,
+        decode_share.during_bps / 1e6
+    );
 
     // The optimum for each budget, from the model's predicted order.
     let block = hyperoffload::pager::DEFAULT_BLOCK_SIZE.max(64 << 10);
@@ -287,11 +386,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 launcher: std::env::current_exe()?,
             })
         };
+        // This virtual disk's rate drifts by several percent over minutes (3.2-3.7 GB/s
+        // in one day here), so each budget's floor uses the device as measured right
+        // before and right after its decode runs, not only at the start of the bench.
+        let mut device_beside = device_limit(&args.model)?;
         let report = compare(
             &config(llama_bench_command(&args, args.tokens), dir.clone())?,
             interrupted,
             progress,
         )?;
+        device_beside.extend(device_limit(&args.model)?);
+        let budget_device_bps = median(&mut device_beside).expect("six measurements");
+        eprintln!(
+            "bench:   device limit beside the runs {:.0} MB/s",
+            budget_device_bps / 1e6
+        );
         eprintln!("bench:   cold start to the first token (llama-completion -n 1)");
         let first_token = compare(
             &config(first_token_command(&args), dir.join("first-token"))?,
@@ -320,7 +429,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             pager_tps: tps(Side::Pager),
             pager_bytes_per_token,
             optimum_bytes_per_token: optimum,
-            read_floor_s: streamed / device_bps,
+            device_bps: budget_device_bps,
+            read_floor_s: streamed / budget_device_bps,
             kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
             pager_read_mb_s: side_median(runs, Side::Pager, |r| Some(r.io.mean_bandwidth_mb_s)),
             kernel_p50_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p50_us)),
@@ -346,7 +456,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .filter_map(|row| row.pager_tps)
         .fold(0.0, f64::max);
     let compute_s = 1.0 / warm_tps.max(resident_tps);
-    let markdown = results_markdown(&args, model_len, device_bps, warm_tps, compute_s, &rows);
+    let markdown = results_markdown(
+        &args,
+        model_len,
+        device_bps,
+        &decode_share,
+        warm_tps,
+        compute_s,
+        &rows,
+    );
     let path = args.out.join("results.md");
     std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
     print!("{markdown}");
@@ -357,6 +475,7 @@ fn results_markdown(
     args: &BenchArgs,
     model_len: u64,
     device_bps: f64,
+    decode_share: &DecodeShare,
     warm_tps: f64,
     compute_s: f64,
     rows: &[Row],
@@ -377,7 +496,11 @@ fn results_markdown(
         out,
         "Model `{}` ({:.0} MiB), llama-bench `-p 0 -n {} -t {} -r 1 --repack 0`, {} runs per side \
          and budget (medians), page cache dropped before every run. Device limit (io_uring \
-         O_DIRECT 1 MiB reads, QD32, cold, median of 3): {:.0} MB/s. Warm decode without a \
+         O_DIRECT 1 MiB reads, QD32, cold, median of 3) at the start: {:.0} MB/s; each budget's \
+         floor uses the limit measured beside its decode runs (column \"device MB/s\": the \
+         upper median of 3 measurements before them and 3 after). The same reads beside a warm \
+         llama-bench tg (the model resident, the program decoding): {:.0} MB/s against {:.0} \
+         alone just before ({:.0} %): reads and decode share the memory. Warm decode without a \
          limit: {:.2} tok/s (fastest of 3 runs); compute per token, the faster of that and the \
          pager's with the model resident: {:.3} s. Kernel: the unchanged program in a memory \
          cgroup limited to the budget (page cache included); pager: `hyperoffload run \
@@ -388,31 +511,38 @@ fn results_markdown(
         args.threads,
         args.runs,
         device_bps / 1e6,
+        decode_share.during_bps / 1e6,
+        decode_share.alone_bps / 1e6,
+        decode_share.fraction() * 100.0,
         warm_tps,
         compute_s,
     );
     let _ = writeln!(
         out,
         "| budget | kernel tok/s | pager tok/s | pager/kernel | pager token time / floor | \
-         pager bytes/token (MiB) | M - B (MiB) | optimum (sim, MiB) | read MB/s kernel / pager | \
+         device MB/s | token time / floor beside decode | pager bytes/token (MiB) | M - B (MiB) | optimum (sim, MiB) | read MB/s kernel / pager | \
          fault p50 us kernel / pager | fault p99 us kernel / pager |"
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for row in rows {
         let speedup =
             ratio(row.pager_tps, row.kernel_tps).map_or("–".into(), |r| format!("{r:.2}x"));
-        let to_floor = row.pager_tps.map_or("–".to_string(), |tps| {
-            format!("{:.2}", (1.0 / tps) / compute_s.max(row.read_floor_s))
-        });
+        let to_floor = |read_floor_s: f64| {
+            row.pager_tps.map_or("–".to_string(), |tps| {
+                format!("{:.2}", (1.0 / tps) / compute_s.max(read_floor_s))
+            })
+        };
         let _ = writeln!(
             out,
-            "| {:.0}% ({:.0} MiB) | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} / {} | {} / {} | {} / {} |",
+            "| {:.0}% ({:.0} MiB) | {} | {} | {} | {} | {:.0} | {} | {:.1} | {:.1} | {} | {} / {} | {} / {} | {} / {} |",
             row.share,
             mib(row.budget as f64),
             opt(row.kernel_tps, 2),
             opt(row.pager_tps, 2),
             speedup,
-            to_floor,
+            to_floor(row.read_floor_s),
+            row.device_bps / 1e6,
+            to_floor(row.read_floor_s / decode_share.fraction()),
             mib(row.pager_bytes_per_token),
             mib(model_len.saturating_sub(row.budget) as f64),
             opt(row.optimum_bytes_per_token.map(mib), 1),
@@ -426,7 +556,9 @@ fn results_markdown(
     }
     let _ = writeln!(
         out,
-        "\nFloor: token time >= max(compute, (M - B) / device limit). Pager bytes per token: \
+        "\nFloor: token time >= max(compute, (M - B) / device MB/s); beside decode, the device \
+         rate scaled by what it gives beside a decode (the bound were every read made while \
+         the program computes; the target is the floor). Pager bytes per token: \
          two cold pager runs generating 2 and 2 + {} tokens, the difference divided by {} \
          (loading and warm-up cancel out). Optimum: Belady's policy replayed on the model's \
          predicted order (`hyperoffload simulate --model --policy belady`). Per-budget \
