@@ -15,7 +15,7 @@ use clap::Args;
 use hyperoffload::compare::program_output::ProgramFigures;
 use hyperoffload::compare::record::{RunRecord, Side};
 use hyperoffload::compare::{compare, CompareConfig};
-use hyperoffload::device::{drop_page_cache, sequential_read_rate};
+use hyperoffload::device::{drop_page_cache, read_rate, sequential_read_rate};
 use hyperoffload::graph::{BlockLayout, ModelGraph};
 use hyperoffload::model::ModelFile;
 use hyperoffload::sim::{simulate, SimPolicy, Timing, Workload};
@@ -67,16 +67,21 @@ fn device_limit(model: &Path) -> anyhow::Result<Vec<f64>> {
     Ok(rates)
 }
 
-/// The device's limit while the unchanged program decodes with the model resident:
-/// the figures of `device_limit`, then the same reads beside a warm llama-bench tg.
-/// Reads and decode share the memory: here the limit fell from 3.5-3.7 GB/s alone to
-/// 3.2-3.4 beside a decode, and 2 MiB reads two deep across 1 GiB from 3.4 to 3.0-3.2
-/// (two threads streaming memory cut them to 2.8-2.9), while reads into 4 MiB reused
-/// kept their speed beside either. So at budgets where the pager's reads overlap the
-/// program's compute, they run below the limit measured alone.
-/// Returns (alone, during decode), three measurements each.
+/// What of its rate the device keeps while the unchanged program decodes with the
+/// model resident: reads shaped as the pager's while a spread set streams (2 MiB, two
+/// deep, each landing in its own memory across 1 GiB), alone and then beside a warm
+/// llama-bench tg, three measurements each, back to back. Reads and decode share the
+/// memory: here such reads ran at 3.3-3.4 GB/s alone and 3.0-3.2 beside a decode (two
+/// threads streaming memory cut them to 2.8-2.9), while reads into 4 MiB used over and
+/// over kept their speed beside either. So where the pager's reads overlap the
+/// program's compute they run below the device's limit measured alone.
+/// Returns (alone, during decode).
 fn device_during_decode(args: &BenchArgs) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
-    let alone = device_limit(&args.model)?;
+    let pager_shaped = || read_rate(&args.model, 2 << 20, 2, 1 << 30);
+    let mut alone = Vec::new();
+    for _ in 0..3 {
+        alone.push(pager_shaped()?);
+    }
     // Long enough to outlast loading and the measurements; killed once they are done.
     let command = llama_bench_command(args, 512);
     let mut decode = Command::new(&command[0])
@@ -100,7 +105,7 @@ fn device_during_decode(args: &BenchArgs) -> anyhow::Result<(Vec<f64>, Vec<f64>)
         }
         let mut during = Vec::new();
         for _ in 0..3 {
-            during.push(sequential_read_rate(&args.model, 1 << 20, 32)?);
+            during.push(pager_shaped()?);
         }
         if let Some(status) = decode.try_wait()? {
             bail!("llama-bench exited ({status}) while the device was measured beside it");
@@ -265,8 +270,8 @@ fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::R
     Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
 }
 
-/// The device's limit alone and beside a warm decode, measured back to back
-/// (`device_during_decode`).
+/// The device's rate alone and beside a warm decode, for reads shaped as the pager's,
+/// measured back to back (`device_during_decode`).
 struct DecodeShare {
     alone_bps: f64,
     during_bps: f64,
@@ -342,7 +347,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         during_bps: median(&mut during).expect("three measurements"),
     };
     eprintln!(
-        "bench: device limit {:.0} MB/s alone, {:.0} MB/s beside a warm decode",
+        "bench: pager-shaped reads {:.0} MB/s alone, {:.0} MB/s beside a warm decode",
         decode_share.alone_bps / 1e6,
         decode_share.during_bps / 1e6
     );
@@ -498,9 +503,10 @@ fn results_markdown(
          and budget (medians), page cache dropped before every run. Device limit (io_uring \
          O_DIRECT 1 MiB reads, QD32, cold, median of 3) at the start: {:.0} MB/s; each budget's \
          floor uses the limit measured beside its decode runs (column \"device MB/s\": the \
-         upper median of 3 measurements before them and 3 after). The same reads beside a warm \
-         llama-bench tg (the model resident, the program decoding): {:.0} MB/s against {:.0} \
-         alone just before ({:.0} %): reads and decode share the memory. Warm decode without a \
+         upper median of 3 measurements before them and 3 after). Reads shaped as the pager's \
+         (2 MiB, two deep, landing across 1 GiB) beside a warm llama-bench tg (the model \
+         resident, the program decoding): {:.0} MB/s against {:.0} alone just before ({:.0} \
+         %): reads and decode share the memory. Warm decode without a \
          limit: {:.2} tok/s (fastest of 3 runs); compute per token, the faster of that and the \
          pager's with the model resident: {:.3} s. Kernel: the unchanged program in a memory \
          cgroup limited to the budget (page cache included); pager: `hyperoffload run \
