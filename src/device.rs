@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::ring::{Completion, Landing, ReadRing, RingError};
+use crate::ring::{BufferArena, Completion, Landing, ReadRing, RingError};
 
 #[derive(Debug, Error)]
 pub enum DeviceError {
@@ -66,12 +66,15 @@ pub fn read_rate(
         .len();
     let chunk = chunk.next_multiple_of(4096);
     let landings = (landing_bytes / chunk).max(depth as usize);
-    let mut landing = memmap2::MmapMut::map_anon(landings * chunk).map_err(DeviceError::Memory)?;
-    // Best effort, as the ring's own buffers: without THP the reads still land.
-    let _ = landing.advise(memmap2::Advice::HugePage);
-    // Faulted in before the clock starts: the pager's frames are, in steady state.
-    landing.fill(0);
-    let base = landing.as_mut_ptr();
+    // Huge-page aligned, as the ring's own buffers and the pager's frames: a read into
+    // 4 KiB pages is split into many device segments.
+    let landing = BufferArena::new(landings, chunk).map_err(DeviceError::Memory)?;
+    // Faulted in before the clock starts, as the pager's frames are in steady state.
+    for index in 0..landings {
+        // SAFETY: buffer `index` is `chunk` bytes of the arena's own fresh mapping,
+        // which nothing else references.
+        unsafe { std::ptr::write_bytes(landing.ptr(index as u32), 0, chunk) };
+    }
     // Which landing each slot's read uses, and which landings are taken.
     let mut landing_of_slot = vec![0usize; depth as usize];
     let mut taken = vec![false; landings];
@@ -103,7 +106,7 @@ pub fn read_rate(
                     file.as_raw_fd(),
                     next,
                     Landing {
-                        dest: base.add(index * chunk),
+                        dest: landing.ptr(index as u32),
                         len: n,
                         off_thread: false,
                     },

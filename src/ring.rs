@@ -82,7 +82,8 @@ impl BufferArena {
         })
     }
 
-    fn ptr(&self, slot: u32) -> *mut u8 {
+    /// Where buffer `slot` starts (`slot` below the count the arena was made with).
+    pub fn ptr(&self, slot: u32) -> *mut u8 {
         (self.base + slot as usize * self.buffer_len) as *mut u8
     }
 
