@@ -601,3 +601,96 @@ fn results_markdown(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(share: f64, pager_tps: Option<f64>) -> Row {
+        Row {
+            share,
+            budget: 1 << 30,
+            kernel_tps: Some(0.5),
+            pager_tps,
+            pager_bytes_per_token: 1e9,
+            optimum_bytes_per_token: None,
+            device_bps: 3.5e9,
+            read_floor_s: 0.2,
+            kernel_read_mb_s: None,
+            pager_read_mb_s: None,
+            kernel_p50_us: None,
+            kernel_p99_us: None,
+            pager_p50_us: None,
+            pager_p99_us: None,
+            kernel_first_token_s: None,
+            pager_first_token_s: None,
+            kernel_first_token_bytes: None,
+            pager_first_token_bytes: None,
+        }
+    }
+
+    fn args() -> BenchArgs {
+        BenchArgs {
+            model: "m.gguf".into(),
+            llama_bin: "bin".into(),
+            budgets: vec![50.0],
+            runs: 3,
+            tokens: 8,
+            threads: 2,
+            out: "bench".into(),
+        }
+    }
+
+    #[test]
+    fn every_row_has_the_headers_columns_and_both_floors() {
+        let share = DecodeShare {
+            alone_bps: 3.5e9,
+            during_bps: 2.8e9,
+        };
+        // Token 0.25 s, floor max(0.1, 0.2): 1.25; beside decode the reads' floor is
+        // 0.2 / 0.8 = 0.25: 1.00.
+        let rows = [row(50.0, Some(4.0)), row(90.0, None)];
+        let markdown = results_markdown(&args(), 2 << 30, 3.6e9, &share, 10.0, 0.1, &rows);
+        let table: Vec<&str> = markdown
+            .lines()
+            .skip_while(|line| !line.starts_with("| budget | kernel tok/s"))
+            .take_while(|line| line.starts_with('|'))
+            .collect();
+        let columns = |line: &str| line.matches('|').count();
+        assert_eq!(table.len(), 4, "{markdown}");
+        assert!(
+            table.iter().all(|line| columns(line) == columns(table[0])),
+            "{markdown}"
+        );
+        let cells: Vec<&str> = table[2].split('|').map(str::trim).collect();
+        assert_eq!(&cells[5..8], ["1.25", "3500", "1.00"], "{}", table[2]);
+        let missing: Vec<&str> = table[3].split('|').map(str::trim).collect();
+        assert_eq!(&missing[5..8], ["–", "3500", "–"], "{}", table[3]);
+        assert!(markdown.contains("2800 MB/s against 3500 alone just before (80 %)"));
+    }
+
+    #[test]
+    fn cpu_seconds_counts_this_process_and_names_a_missing_one() {
+        let before = cpu_seconds(std::process::id()).unwrap();
+        let started = Instant::now();
+        let mut spin = 0u64;
+        let mut after = before;
+        // Until the count moves by 0.2 s of CPU, or 10 s of a count that stays put.
+        while after - before < 0.2 && started.elapsed() < Duration::from_secs(10) {
+            for _ in 0..1_000_000 {
+                spin = std::hint::black_box(spin.wrapping_add(1));
+            }
+            after = cpu_seconds(std::process::id()).unwrap();
+        }
+        assert!(
+            after - before >= 0.2,
+            "{before} -> {after} after 10 s of spinning"
+        );
+        // Past the kernel's largest pid (4194304).
+        let error = cpu_seconds(u32::MAX).unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("/proc/{}/stat", u32::MAX)),
+            "{error}"
+        );
+    }
+}
