@@ -75,10 +75,9 @@ pub fn read_rate(
         // which nothing else references.
         unsafe { std::ptr::write_bytes(landing.ptr(index as u32), 0, chunk) };
     }
-    // Which landing each slot's read uses, and which landings are taken.
-    let mut landing_of_slot = vec![0usize; depth as usize];
+    // Which landings are taken; each read's tag is (file offset, landing).
     let mut taken = vec![false; landings];
-    let mut ring: ReadRing<u64> = ReadRing::new(depth, 4096)?;
+    let mut ring: ReadRing<(u64, usize)> = ReadRing::new(depth, 4096)?;
     let started = Instant::now();
     let (mut next, mut in_flight, mut turn) = (0u64, 0, 0usize);
     let mut completions = Vec::new();
@@ -92,7 +91,6 @@ pub fn read_rate(
             let index = turn % landings;
             turn += 1;
             taken[index] = true;
-            landing_of_slot[slot as usize] = index;
             let n = ((len - next) as usize).min(chunk).next_multiple_of(4096);
             // SAFETY: landing `index` is `chunk` bytes inside `landing` (n <= chunk),
             // marked taken until this read's completion, so no other read lands there
@@ -110,7 +108,7 @@ pub fn read_rate(
                         len: n,
                         off_thread: false,
                     },
-                    next,
+                    (next, index),
                 )?;
             }
             next += n as u64;
@@ -124,8 +122,8 @@ pub fn read_rate(
         ring.reap(&mut completions);
         for completion in &completions {
             if let Completion::Read { slot, result } = *completion {
-                taken[landing_of_slot[slot as usize]] = false;
-                let offset = ring.checkin(slot).unwrap_or(0);
+                let (offset, index) = ring.checkin(slot).unwrap_or_default();
+                taken[index] = false;
                 in_flight -= 1;
                 if result < 0 {
                     return Err(DeviceError::Read {

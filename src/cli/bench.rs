@@ -284,6 +284,13 @@ impl DecodeShare {
     }
 }
 
+impl Row {
+    /// (M - B) / `device_bps`: the reads' part of the floor, for a model of `model_len`.
+    fn read_floor_s(&self, model_len: u64) -> f64 {
+        model_len.saturating_sub(self.budget) as f64 / self.device_bps
+    }
+}
+
 struct Row {
     share: f64,
     budget: u64,
@@ -294,8 +301,6 @@ struct Row {
     /// The device's limit measured beside this budget's decode runs (the upper median of
     /// three measurements before them and three after).
     device_bps: f64,
-    /// (M - B) / `device_bps`: the reads' part of the floor.
-    read_floor_s: f64,
     kernel_read_mb_s: Option<f64>,
     pager_read_mb_s: Option<f64>,
     kernel_p50_us: Option<f64>,
@@ -426,7 +431,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .ok()
         .and_then(|report| report.steady_bytes_per_token(Some(6)));
         let pager_bytes_per_token = pager_bytes_per_token(&args, budget, &dir)?;
-        let streamed = model_len.saturating_sub(budget) as f64;
         rows.push(Row {
             share,
             budget,
@@ -435,7 +439,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             pager_bytes_per_token,
             optimum_bytes_per_token: optimum,
             device_bps: budget_device_bps,
-            read_floor_s: streamed / budget_device_bps,
             kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
             pager_read_mb_s: side_median(runs, Side::Pager, |r| Some(r.io.mean_bandwidth_mb_s)),
             kernel_p50_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p50_us)),
@@ -546,9 +549,9 @@ fn results_markdown(
             opt(row.kernel_tps, 2),
             opt(row.pager_tps, 2),
             speedup,
-            to_floor(row.read_floor_s),
+            to_floor(row.read_floor_s(model_len)),
             row.device_bps / 1e6,
-            to_floor(row.read_floor_s / decode_share.fraction()),
+            to_floor(row.read_floor_s(model_len) / decode_share.fraction()),
             mib(row.pager_bytes_per_token),
             mib(model_len.saturating_sub(row.budget) as f64),
             opt(row.optimum_bytes_per_token.map(mib), 1),
@@ -606,16 +609,19 @@ fn results_markdown(
 mod tests {
     use super::*;
 
+    /// Model length in these tests.
+    const MODEL: u64 = 2 << 30;
+
     fn row(share: f64, pager_tps: Option<f64>) -> Row {
         Row {
             share,
-            budget: 1 << 30,
+            // M - B of 0.7 GB: 0.2 s at the row's 3.5 GB/s.
+            budget: MODEL - 700_000_000,
             kernel_tps: Some(0.5),
             pager_tps,
             pager_bytes_per_token: 1e9,
             optimum_bytes_per_token: None,
             device_bps: 3.5e9,
-            read_floor_s: 0.2,
             kernel_read_mb_s: None,
             pager_read_mb_s: None,
             kernel_p50_us: None,
@@ -650,7 +656,7 @@ mod tests {
         // Token 0.25 s, floor max(0.1, 0.2): 1.25; beside decode the reads' floor is
         // 0.2 / 0.8 = 0.25: 1.00.
         let rows = [row(50.0, Some(4.0)), row(90.0, None)];
-        let markdown = results_markdown(&args(), 2 << 30, 3.6e9, &share, 10.0, 0.1, &rows);
+        let markdown = results_markdown(&args(), MODEL, 3.6e9, &share, 10.0, 0.1, &rows);
         let table: Vec<&str> = markdown
             .lines()
             .skip_while(|line| !line.starts_with("| budget | kernel tok/s"))
