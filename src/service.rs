@@ -1883,10 +1883,13 @@ fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -> u64 {
 
 /// Drops pages so the range faults again on next access.
 fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
+    // Locked pages too (see `sys::discard`): the budget bounds the region whatever the
+    // program asked of the kernel. Plain MADV_DONTNEED on a region the program had
+    // mlocked through the kernel failed here, which stopped the service and the program.
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
     // points into it.
-    match unsafe { crate::sys::madvise(start, end - start, libc::MADV_DONTNEED) } {
+    match unsafe { crate::sys::discard(start, end - start) } {
         // ENOMEM: part of the range was unmapped by the program (a block cut by a
         // partial munmap); the kernel still dropped the pages of the mapped parts.
         Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),

@@ -271,14 +271,9 @@ impl FrameStore {
     /// maps it back without a copy.
     pub fn forget_view(&self, frame: u32) {
         // SAFETY: MADV_DONTNEED on a shared mapping only unmaps it: the file keeps its
-        // bytes, and the service holds no reference into the frame.
-        let _ = unsafe {
-            sys::madvise(
-                self.view(frame) as usize,
-                self.frame_len,
-                libc::MADV_DONTNEED,
-            )
-        };
+        // bytes, and the service holds no reference into the frame. (Locked too: under
+        // mlockall(MCL_FUTURE) the view is.)
+        let _ = unsafe { sys::discard(self.view(frame) as usize, self.frame_len) };
     }
 }
 

@@ -56,3 +56,22 @@ pub unsafe fn madvise(addr: usize, len: usize, advice: i32) -> io::Result<()> {
         Ok(())
     }
 }
+
+/// Drops the pages of `[addr, addr + len)` (MADV_DONTNEED), locked ones too: with
+/// MADV_DONTNEED_LOCKED (Linux 5.18), since memory can be mlocked behind the pager's
+/// back (mlockall, or an mlock that bypassed the shim) and plain MADV_DONTNEED refuses
+/// locked memory with EINVAL. On an older kernel, plain MADV_DONTNEED.
+///
+/// # Safety
+/// As for `madvise` with MADV_DONTNEED: the range's contents must be recreatable or no
+/// longer needed.
+pub unsafe fn discard(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: the caller guarantees the contents may go.
+    match unsafe { madvise(addr, len, libc::MADV_DONTNEED_LOCKED) } {
+        // SAFETY: as above.
+        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => unsafe {
+            madvise(addr, len, libc::MADV_DONTNEED)
+        },
+        result => result,
+    }
+}

@@ -1,0 +1,81 @@
+//! What the program (or anything else in the process) does to a region's memory through
+//! the kernel, behind the pager's back: locking it, dropping its pages, asking for every
+//! future mapping to be locked. The region must keep serving the file's bytes within the
+//! budget, never hang, never stop the program.
+//!
+//! Each runs in a child process: locking is per process, and a failure here is an abort
+//! or a thread faulting forever, which a child turns into a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use hyperoffload::{MapOptions, Pager};
+
+const LEN: u64 = 24 << 20;
+const BUDGET: u64 = 8 << 20;
+
+fn in_child(test: &str) -> bool {
+    if is_child() {
+        return true;
+    }
+    for zero_copy in ["0", "1"] {
+        let status = run_child(
+            test,
+            &[("REGION_ZERO_COPY", zero_copy.to_string())],
+            Duration::from_secs(60),
+        );
+        assert!(
+            status.success(),
+            "{test} failed in its child (zero copy {zero_copy}): {status}"
+        );
+    }
+    false
+}
+
+fn pager() -> Option<Pager> {
+    let zero_copy = std::env::var("REGION_ZERO_COPY").as_deref() == Ok("1");
+    pager_or_skip(
+        Pager::builder()
+            .budget(BUDGET)
+            .block_size(2 << 20)
+            .zero_copy(zero_copy),
+    )
+}
+
+/// Asserts that `bytes`, read at file offset `start`, are the file's.
+fn assert_file_bytes(bytes: &[u8], start: u64) {
+    for (at, &byte) in bytes.iter().enumerate().step_by(509) {
+        let offset = start + at as u64;
+        assert_eq!(byte, pattern_byte(offset), "offset {offset}");
+    }
+}
+
+/// The kernel's mlock of a region faults it all in and marks it locked, which plain
+/// MADV_DONTNEED refuses: the first eviction failed and the service stopped the program.
+#[test]
+fn a_region_locked_through_the_kernel_stays_within_the_budget() {
+    if !in_child("a_region_locked_through_the_kernel_stays_within_the_budget") {
+        return;
+    }
+    let dir = TempDir::new("kernel-mlock");
+    let path = dir.path("model.bin");
+    pattern_file(&path, LEN);
+    let Some(pager) = pager() else { return };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    // An unaligned start, as a program may pass: the kernel rounds it down.
+    // SAFETY: locks (and so faults in) the live region's pages; contents are unchanged.
+    let rc = unsafe { libc::mlock(region.as_ptr().add(100).cast(), region.len() - 100) };
+    assert_eq!(rc, 0, "mlock: {}", std::io::Error::last_os_error());
+    for _ in 0..2 {
+        assert_file_bytes(region.as_slice(), 0);
+    }
+    let stats = pager.stats();
+    assert!(stats.evictions > 0, "the scans evicted nothing: {stats:?}");
+    assert!(
+        stats.peak_resident_bytes <= BUDGET,
+        "peak resident {} over the budget {BUDGET}",
+        stats.peak_resident_bytes
+    );
+}
