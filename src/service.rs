@@ -543,6 +543,21 @@ impl FaultService {
                 panic!("injected panic after {n} faults");
             }
         }
+        if self.store.is_none()
+            && region.blocks[index as usize] == BlockState::Resident
+            && !page_present(page_addr)
+        {
+            // Resident, yet the page is gone: dropped behind the service's back (advice
+            // given to the kernel directly, say MADV_DONTNEED_LOCKED through a path the
+            // shim does not see). Waking the thread, as for a fault that raced with the
+            // install, would have it fault again forever: read the block again.
+            let memory = region.layout.block_memory(index);
+            self.drop_blocks(id, &(memory.start..memory.end), BlockState::Missing)?;
+            self.stats.lost_blocks += 1;
+        }
+        let Some(region) = self.regions.get_mut(&id) else {
+            return Ok(());
+        };
         let waiter = |outcome| Waiter {
             t_ns: now,
             tid,
@@ -1895,6 +1910,18 @@ fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
         Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
         result => result.map_err(|error| ServiceError::Evict { addr: start, error }),
     }
+}
+
+/// Whether the page at `addr` (page aligned, in a region this service serves) is in the
+/// process's page tables (or in swap: a fault there is no userfault).
+fn page_present(addr: usize) -> bool {
+    let mut state = 0u8;
+    // SAFETY: mincore reads the page tables of one page of a live mapping and writes one
+    // byte into `state`.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, 1, &mut state) };
+    // A failure (the page was unmapped meanwhile) is answered as present: waking the
+    // thread is then what the fault needs.
+    rc != 0 || state & 1 == 1
 }
 
 /// Reports why the service stopped and ends the process: threads waiting on faults

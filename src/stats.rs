@@ -93,6 +93,9 @@ pub struct Stats {
     pub evicted_bytes: u64,
     /// Blocks dropped by a `drop` hint.
     pub dropped_blocks: u64,
+    /// Resident blocks whose pages a fault found gone (dropped behind the pager's back,
+    /// e.g. by advice given to the kernel directly): read again.
+    pub lost_blocks: u64,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
     pub peak_resident_bytes: u64,

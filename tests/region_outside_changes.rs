@@ -79,3 +79,39 @@ fn a_region_locked_through_the_kernel_stays_within_the_budget() {
         stats.peak_resident_bytes
     );
 }
+
+/// Pages dropped through the kernel while the pager counts them resident: a fault on
+/// them was answered with a wake-up only (as for a fault racing an install), and the
+/// thread faulted again forever.
+#[test]
+fn pages_dropped_behind_the_pagers_back_are_read_again() {
+    if !in_child("pages_dropped_behind_the_pagers_back_are_read_again") {
+        return;
+    }
+    let dir = TempDir::new("dropped-behind");
+    let path = dir.path("model.bin");
+    pattern_file(&path, LEN);
+    let Some(pager) = pager() else { return };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let block = 3u64 << 20;
+    let base = region.as_ptr() as usize;
+    assert_file_bytes(&region.as_slice()[block as usize..(block + (1 << 20)) as usize], block);
+    // SAFETY: drops pages of the live region; their bytes are the file's and the pager
+    // is expected to read them again.
+    let rc = unsafe {
+        libc::madvise(
+            (base + block as usize) as *mut libc::c_void,
+            64 << 10,
+            libc::MADV_DONTNEED,
+        )
+    };
+    assert_eq!(rc, 0, "madvise: {}", std::io::Error::last_os_error());
+    assert!(
+        pages_present(base + block as usize, 64 << 10)
+            .iter()
+            .all(|&present| !present),
+        "the pages were not dropped"
+    );
+    assert_file_bytes(&region.as_slice()[block as usize..(block + (2 << 20)) as usize], block);
+    assert_file_bytes(region.as_slice(), 0);
+}
