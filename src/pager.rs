@@ -700,7 +700,13 @@ impl Pager {
         } else {
             page as usize
         };
-        let mapping = Mapping::reserve(map_len as usize, options.prot, align)?;
+        // Reserved inaccessible, registered, and only then given the program's
+        // protection. Under mlockall(MCL_FUTURE) the kernel fills every new accessible
+        // mapping as it creates it: a readable reservation got zero pages before it was
+        // registered, no fault ever reached the service, and the program read zeros
+        // where the file has its bytes. An inaccessible mapping is not filled, and making
+        // it readable fills nothing.
+        let mapping = Mapping::reserve(map_len as usize, libc::PROT_NONE, align)?;
         // SAFETY: registers exactly the mapping just reserved, which this region owns.
         self.inner
             .uffd
@@ -719,12 +725,20 @@ impl Pager {
             reply,
         });
         answer.recv().map_err(|_| MapError::ServiceGone)?;
-        Ok(Region {
+        let region = Region {
             pager: self.clone(),
             id,
             mapping,
             data_len: len,
-        })
+        };
+        // SAFETY: the reservation is this region's own, and nothing reads it yet.
+        unsafe { sys::mprotect(region.mapping.base, region.mapping.len, options.prot) }.map_err(
+            |source| MapError::Reserve {
+                len: map_len,
+                source,
+            },
+        )?;
+        Ok(region)
     }
 }
 

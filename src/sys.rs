@@ -42,6 +42,20 @@ pub unsafe fn munmap(addr: usize, len: usize) -> io::Result<()> {
     }
 }
 
+/// mprotect(2).
+///
+/// # Safety
+/// Code relying on the range's current protection must tolerate the new one.
+pub unsafe fn mprotect(addr: usize, len: usize, prot: i32) -> io::Result<()> {
+    // SAFETY: the caller guarantees the change is harmless to the range's users.
+    let rc = unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) };
+    if rc != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// madvise(2).
 ///
 /// # Safety

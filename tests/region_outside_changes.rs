@@ -115,3 +115,31 @@ fn pages_dropped_behind_the_pagers_back_are_read_again() {
     assert_file_bytes(&region.as_slice()[block as usize..(block + (2 << 20)) as usize], block);
     assert_file_bytes(region.as_slice(), 0);
 }
+
+/// Under mlockall(MCL_FUTURE) the kernel fills every new mapping as it creates it: the
+/// region's reservation got zero pages before it was registered, and the program read
+/// zeros where the file has its bytes, with no fault ever reaching the pager.
+#[test]
+fn a_region_mapped_under_mlockall_future_serves_the_files_bytes() {
+    if !in_child("a_region_mapped_under_mlockall_future_serves_the_files_bytes") {
+        return;
+    }
+    let dir = TempDir::new("mlockall-future");
+    let path = dir.path("model.bin");
+    pattern_file(&path, LEN);
+    let Some(pager) = pager() else { return };
+    // SAFETY: locks this child's memory; it exits after the test.
+    let rc = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) };
+    assert_eq!(rc, 0, "mlockall: {}", std::io::Error::last_os_error());
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    for _ in 0..2 {
+        assert_file_bytes(region.as_slice(), 0);
+    }
+    let stats = pager.stats();
+    assert!(stats.faults > 0, "no fault reached the pager: {stats:?}");
+    assert!(
+        stats.peak_resident_bytes <= BUDGET,
+        "peak resident {} over the budget {BUDGET}",
+        stats.peak_resident_bytes
+    );
+}
