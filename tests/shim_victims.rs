@@ -501,3 +501,107 @@ fn a_file_of_no_known_format_has_its_access_order_learned_and_reused() {
     );
     assert!(second["peak_resident_bytes"].as_u64().unwrap() <= 4 << 20);
 }
+
+/// The victim's `sum` of a whole file, as it prints it (FNV-1a's step; its seed is the
+/// victim's own, not FNV's).
+fn file_sum(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap();
+    let sum = bytes.iter().fold(1_469_598_103_934_665_603u64, |s, &b| {
+        (s ^ u64::from(b)).wrapping_mul(1_099_511_628_211)
+    });
+    format!("{sum:x}")
+}
+
+/// Runs `victim fork-bypass MODEL OTHER how` under the shim and checks what every
+/// process saw. Children made without the `fork` symbol used to keep the parent's shim
+/// state, and their exit report or own model mapping waited forever for a fault service
+/// that does not exist in them. The victim bounds each process with alarm(), so a hang
+/// shows as a child dead of SIGALRM (or a missing exit line), not as a stuck test.
+fn check_child_made_without_the_fork_symbol(how: &str) {
+    let setup = setup(&format!("shim-fork-bypass{how}"));
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let other = setup.dir.path("other.gguf");
+    pattern_file(&other, (4 << 20) + 77);
+    let stats = setup.dir.path("stats.json");
+    let started = std::time::Instant::now();
+    let output = Command::new("timeout")
+        .arg("60")
+        .arg(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .args([
+            "run",
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.gguf",
+            "--stats",
+        ])
+        .arg(&stats)
+        .arg("--")
+        .arg(&setup.victim)
+        .arg("fork-bypass")
+        .args([&model, &other])
+        .arg(how)
+        .output()
+        .unwrap();
+    let elapsed = started.elapsed();
+    assert_success(&output, how);
+    let seen = stdout(&output);
+    let has = |line: &str| lines_with(&seen, line) == vec![line];
+    // The parent's bytes came through the region and are the file's.
+    let model_sum = file_sum(&model);
+    assert!(
+        has(&format!("parent sum {model_sum} kind anon")),
+        "{how}:\n{seen}"
+    );
+    // The child's own model mapping went to the kernel; the parent's range was absent.
+    let child = if how == "daemon" {
+        "daemon child"
+    } else {
+        "child"
+    };
+    assert!(
+        has(&format!("child sum {} kind file", file_sum(&other))),
+        "{how}:\n{seen}"
+    );
+    assert!(has("child munmap parent range 0"), "{how}:\n{seen}");
+    assert!(has(&format!("exit complete {child}")), "{how}:\n{seen}");
+    let messages = stderr(&output);
+    assert!(!messages.contains("cannot write"), "{how}: {messages}");
+    if how != "daemon" {
+        // daemon's caller _exits inside it: only the other ways have a parent to go on.
+        assert!(has("child exit 0"), "{how}:\n{seen}");
+        assert!(
+            has(&format!("parent after sum {model_sum}")),
+            "{how}:\n{seen}"
+        );
+        assert!(has("system 3"), "{how}:\n{seen}");
+        assert!(has("exit complete parent"), "{how}:\n{seen}");
+        let parent_pid = lines_with(&seen, "parent pid ")[0].replace("parent pid ", "");
+        let json = read_stats(&stats);
+        assert_eq!(json["pid"].to_string(), parent_pid, "{json}");
+        assert!(json["faults"].as_u64().unwrap() > 0, "{json}");
+    }
+    assert!(
+        elapsed < std::time::Duration::from_secs(20),
+        "{how}: took {elapsed:?}"
+    );
+}
+
+#[test]
+fn a_child_made_by_daemon_exits_and_maps_models_without_the_parents_pager() {
+    check_child_made_without_the_fork_symbol("daemon");
+}
+
+#[test]
+fn a_child_made_by_underscore_fork_exits_and_maps_models_without_the_parents_pager() {
+    check_child_made_without_the_fork_symbol("_Fork");
+}
+
+#[test]
+fn a_child_made_by_the_raw_fork_syscall_exits_and_maps_models_without_the_parents_pager() {
+    check_child_made_without_the_fork_symbol("syscall");
+}

@@ -196,7 +196,9 @@ pub unsafe extern "C" fn munlock(addr: *const c_void, len: size_t) -> c_int {
     unsafe { raw::munlock(addr, len) }
 }
 
-/// fork through libc's own (it runs the atfork handlers); the child runs unpaged.
+/// fork through libc's own (it runs the atfork handlers); the child runs unpaged. Only
+/// calls through this symbol get here; `state` recognises children made any other way
+/// by their pid and treats them the same.
 #[cfg_attr(not(test), no_mangle)]
 pub extern "C" fn fork() -> pid_t {
     let Some(real_fork) = real_fork() else {

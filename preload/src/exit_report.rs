@@ -33,8 +33,9 @@ pub fn register() {
 }
 
 extern "C" fn write_at_exit() {
-    // A forked child inherits the handler but not the pager's service thread: asking it
-    // for stats would wait forever.
+    // A child inherits the handler but not the pager's service thread: asking it for
+    // stats would wait forever. However the child was made (daemon, _Fork, a raw
+    // system call), the check sees it; the report is the parent's to write.
     if state::is_forked_child() {
         return;
     }

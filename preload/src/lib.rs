@@ -6,7 +6,8 @@
 //! Behaviour chosen where the kernel's cannot be kept:
 //! - fork: managed regions are MADV_DONTFORK, so a child does not have them (an access
 //!   faults SIGSEGV; it never reads zeros). A forked child runs with the shim in
-//!   pass-through for good: the parent's pager thread does not exist there.
+//!   pass-through for good: the parent's pager thread does not exist there. Children made
+//!   without our `fork` (daemon, _Fork, raw clone, vfork) are told apart by pid (`state`).
 //! - exec: children do not inherit the shim unless HYPEROFFLOAD_INHERIT=1 (`env_scrub`).
 //! - mremap of managed memory: refused with EINVAL (and a warning once).
 //! - mlock of managed memory: pins within the budget; beyond it, ENOMEM and a warning.

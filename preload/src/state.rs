@@ -7,15 +7,23 @@
 //!  Ready --fork, in the child--> ForkedChild   (pass-through for good)
 //! ```
 //!
+//! The state belongs to the process that loaded the shim (its pid is recorded by a
+//! constructor). A child made without our `fork` hook (glibc's `daemon` calls its
+//! internal `__fork`; `_Fork`, a raw `clone`/`fork` system call and `vfork` run no hook
+//! at all) inherits the state unchanged, so every check here also compares the pid: any
+//! other process counts as a forked child, without writing anything (a vfork-like child
+//! shares the parent's memory, and the parent's state must stay as it is).
+//!
 //! Every hook passes straight through unless the state is `Ready`. Configuration is
 //! read on the first mapping that could be managed (not in a constructor: the
 //! environment and allocator are certainly usable by then). A hook re-entered during
 //! initialisation, or called by another thread meanwhile, passes through.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use hyperoffload::shim_config::{physical_ram, ShimConfig};
+use libc::{c_char, c_int};
 
 use crate::managed::Shim;
 use crate::raw;
@@ -29,17 +37,54 @@ const FORKED_CHILD: u8 = 4;
 static STATE: AtomicU8 = AtomicU8::new(UNINIT);
 static SHIM: OnceLock<Shim> = OnceLock::new();
 
+/// The process `STATE` and `SHIM` belong to; 0 until recorded.
+static OWNER: AtomicI32 = AtomicI32::new(0);
+
+#[used]
+#[link_section = ".init_array"]
+static RECORD_OWNER_AT_LOAD: extern "C" fn(c_int, *const *const c_char, *const *mut c_char) =
+    record_owner;
+
+/// Records the owner when the library loads: before `main`, so before the program can
+/// make any child.
+extern "C" fn record_owner(_argc: c_int, _argv: *const *const c_char, _envp: *const *mut c_char) {
+    owner();
+}
+
+/// The owner's pid, recorded now if no constructor has run yet (a hook called from an
+/// earlier library's constructor).
+fn owner() -> libc::pid_t {
+    let recorded = OWNER.load(Ordering::Acquire);
+    if recorded != 0 {
+        return recorded;
+    }
+    match OWNER.compare_exchange(0, raw::getpid(), Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => OWNER.load(Ordering::Acquire),
+        Err(other) => other,
+    }
+}
+
+/// Whether this is the process that loaded the shim, not a child of it, however made.
+fn in_owner() -> bool {
+    owner() == raw::getpid()
+}
+
 /// The shim, if it is serving this process.
 pub fn ready() -> Option<&'static Shim> {
-    if STATE.load(Ordering::Acquire) == READY {
+    // The state first: the pid costs a system call, paid only while the shim serves.
+    if STATE.load(Ordering::Acquire) == READY && in_owner() {
         SHIM.get()
     } else {
         None
     }
 }
 
-/// The shim, initialising it first if this is the first candidate mapping.
+/// The shim, initialising it first if this is the first candidate mapping. A child never
+/// initialises it: it would write the state a vfork-like child shares with its parent.
 pub fn ready_or_init() -> Option<&'static Shim> {
+    if !in_owner() {
+        return None;
+    }
     match STATE.compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
             let next = match read_config() {
@@ -64,8 +109,10 @@ pub fn become_forked_child() {
     STATE.store(FORKED_CHILD, Ordering::Release);
 }
 
+/// Whether this process is a child of the shim's owner: through our `fork` hook, or
+/// made any other way (then the state still reads as the parent's).
 pub fn is_forked_child() -> bool {
-    STATE.load(Ordering::Acquire) == FORKED_CHILD
+    STATE.load(Ordering::Acquire) == FORKED_CHILD || !in_owner()
 }
 
 fn read_config() -> Option<ShimConfig> {

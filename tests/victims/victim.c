@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -61,6 +62,36 @@ static void *reader(void *arg) {
     s += shared_p[(seed >> 16) % shared_len];
   }
   return (void *)(long)s;
+}
+
+/* For "fork-bypass": which process is exiting, and proof that its exit got past every
+ * atexit handler registered after this one (the shim's among them). */
+static const char *role = "parent";
+
+static void report_exit(void) {
+  printf("exit complete %s\n", role);
+  fflush(stdout);
+}
+
+/* A child made without the fork symbol: maps a model file of its own and unmaps the
+ * parent's range (absent here: MADV_DONTFORK), as any process may. */
+static void bypass_child(const char *other, unsigned char *parent_p, size_t parent_len) {
+  alarm(20); /* alarms are not inherited: a hang ends in SIGALRM, not in a stuck test */
+  printf("child pid %d\n", (int)getpid());
+  size_t len;
+  unsigned char *q = map(other, PROT_READ, MAP_PRIVATE, &len);
+  printf("child sum %llx kind %s\n", sum(q, len), kind(q));
+  printf("child munmap parent range %d\n", munmap(parent_p, parent_len));
+  fflush(stdout);
+  exit(0);
+}
+
+/* Creates a child the way `how` says, bypassing the fork symbol: 0 in the child. */
+static pid_t bypass_fork(const char *how) {
+  if (!strcmp(how, "_Fork")) return _Fork();
+  if (!strcmp(how, "syscall")) return (pid_t)syscall(SYS_fork);
+  fprintf(stderr, "unknown fork way %s\n", how);
+  exit(2);
 }
 
 int main(int argc, char **argv) {
@@ -191,6 +222,38 @@ int main(int argc, char **argv) {
       printf("mremap ok\n");
       printf("sum %llx\n", sum(q, len));
     }
+    return 0;
+  }
+  if (!strcmp(mode, "fork-bypass")) {
+    /* fork-bypass MODEL OTHER daemon|_Fork|syscall: read the model, make a child without
+     * the fork symbol; the child maps OTHER and exits; the parent (gone with daemon)
+     * waits, reads again and exits. Every process bounds itself with alarm(). */
+    const char *other = argv[3], *how = argv[4];
+    alarm(30);
+    atexit(report_exit); /* before the first mapping: runs after the shim's handler */
+    unsigned char *p = map(path, PROT_READ, MAP_PRIVATE, &len);
+    printf("parent pid %d\n", (int)getpid());
+    printf("parent sum %llx kind %s\n", sum(p, len), kind(p));
+    fflush(stdout);
+    if (!strcmp(how, "daemon")) {
+      /* glibc's daemon forks with its internal __fork; the caller _exits inside it. */
+      if (daemon(1, 1) != 0) { perror("daemon"); return 2; }
+      role = "daemon child";
+      bypass_child(other, p, len);
+    }
+    pid_t pid = bypass_fork(how);
+    if (pid < 0) { perror(how); return 2; }
+    if (pid == 0) {
+      role = "child";
+      bypass_child(other, p, len);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) printf("child signal %d\n", WTERMSIG(status));
+    else printf("child exit %d\n", WEXITSTATUS(status));
+    printf("parent after sum %llx\n", sum(p, len));
+    printf("system %d\n", WEXITSTATUS(system("exit 3")));
+    fflush(stdout);
     return 0;
   }
   if (!strcmp(mode, "exec-child")) {
