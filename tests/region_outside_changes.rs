@@ -95,7 +95,10 @@ fn pages_dropped_behind_the_pagers_back_are_read_again() {
     let region = pager.map_file(&path, MapOptions::default()).unwrap();
     let block = 3u64 << 20;
     let base = region.as_ptr() as usize;
-    assert_file_bytes(&region.as_slice()[block as usize..(block + (1 << 20)) as usize], block);
+    assert_file_bytes(
+        &region.as_slice()[block as usize..(block + (1 << 20)) as usize],
+        block,
+    );
     // SAFETY: drops pages of the live region; their bytes are the file's and the pager
     // is expected to read them again.
     let rc = unsafe {
@@ -112,7 +115,10 @@ fn pages_dropped_behind_the_pagers_back_are_read_again() {
             .all(|&present| !present),
         "the pages were not dropped"
     );
-    assert_file_bytes(&region.as_slice()[block as usize..(block + (2 << 20)) as usize], block);
+    assert_file_bytes(
+        &region.as_slice()[block as usize..(block + (2 << 20)) as usize],
+        block,
+    );
     assert_file_bytes(region.as_slice(), 0);
 }
 

@@ -180,6 +180,10 @@ fn mlock_pins_within_the_budget_and_mremap_is_refused() {
     assert!(seen.contains("mlock small 0"), "{seen}");
     assert!(seen.contains("mlock all -1 errno ENOMEM"), "{seen}");
     assert!(stderr(&output).contains("mlock of a model mapping refused"));
+    // Pinned by the shim, not locked by the kernel (which broke eviction).
+    assert!(seen.contains("mlock unaligned 0"), "{seen}");
+    let json = read_stats(&setup.dir.path("stats.json"));
+    assert!(json["pinned_bytes"].as_u64().unwrap() >= 65536, "{json}");
     assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
 
     let expected = stdout(&plain(&setup.victim, &["remap", model]));
@@ -189,6 +193,28 @@ fn mlock_pins_within_the_budget_and_mremap_is_refused() {
     assert!(seen.contains("mremap failed EINVAL"), "{seen}");
     assert!(stderr(&output).contains("mremap of a model mapping is not supported"));
     assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
+}
+
+/// Advice that drops pages is the pager's to carry out: given to the kernel it dropped
+/// pages the pager counted resident. Advice the shim does not know is refused, as the
+/// kernel refuses advice it does not know.
+#[test]
+fn advice_that_drops_pages_is_carried_out_and_unknown_advice_refused() {
+    let setup = setup("shim-advice");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 8 << 20);
+    let model = model.to_str().unwrap();
+    let expected = stdout(&plain(&setup.victim, &["advice", model]));
+    let stats = setup.dir.path("stats.json");
+    let output = shimmed(&setup, &stats, &["advice", model]);
+    assert_success(&output, "advice");
+    let seen = stdout(&output);
+    assert!(seen.contains("dontneed_locked 0"), "{seen}");
+    assert!(seen.contains("unknown advice -1 errno EINVAL"), "{seen}");
+    assert!(stderr(&output).contains("madvise advice 64 on a model mapping is not supported"));
+    assert_eq!(lines_with(&seen, "sum"), lines_with(&expected, "sum"));
+    let json = read_stats(&stats);
+    assert!(json["dropped_blocks"].as_u64().unwrap() > 0, "{json}");
 }
 
 #[test]

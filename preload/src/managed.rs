@@ -63,6 +63,7 @@ pub struct Shim {
     learning: Mutex<Option<(PathBuf, hyperoffload::graph::BlockLayout)>>,
     start: Instant,
     warned_mremap: AtomicBool,
+    warned_advice: AtomicBool,
     warned_mlock: AtomicBool,
     warned_map: AtomicBool,
 }
@@ -121,6 +122,7 @@ impl Shim {
             learning: Mutex::new(None),
             start: Instant::now(),
             warned_mremap: AtomicBool::new(false),
+            warned_advice: AtomicBool::new(false),
             warned_mlock: AtomicBool::new(false),
             warned_map: AtomicBool::new(false),
         }
@@ -500,7 +502,7 @@ impl Shim {
                 Ok(())
             }
             libc::MADV_DONTNEED if posix => Ok(()),
-            libc::MADV_DONTNEED | libc::MADV_FREE => {
+            libc::MADV_DONTNEED | libc::MADV_DONTNEED_LOCKED | libc::MADV_FREE => {
                 region.drop_range(range).map_err(|_| libc::EINVAL)
             }
             libc::MADV_NORMAL => hint(AccessHint::Normal),
@@ -513,15 +515,25 @@ impl Shim {
             | libc::MADV_KEEPONFORK => Ok(()),
             // Punching a hole in the file needs write access the mapping does not have.
             libc::MADV_REMOVE => Err(libc::EACCES),
-            _ => {
-                // Advice with no effect on contents (huge pages, dump, KSM, cold): the
-                // kernel applies it to the region's anonymous memory.
+            advice if keeps_contents(advice) => {
+                // The kernel applies it to the region's own memory.
                 let start = region.as_ptr() as usize + range.start as usize;
-                // SAFETY: non-destructive advice on the region's own pages.
+                // SAFETY: advice that keeps the contents, on the region's own pages.
                 let rc = unsafe {
                     raw::madvise(start as *mut _, (range.end - range.start) as usize, advice)
                 };
                 raw::check(rc)
+            }
+            _ => {
+                // Anything else may drop or fence pages the pager counts resident (guard
+                // regions, poisoning, advice newer than this list): refused, as the
+                // kernel refuses advice it does not know. Passed through, advice that
+                // dropped pages left the pager waking a thread that faulted on them
+                // again, forever.
+                self.warn_once(&self.warned_advice, || {
+                    format!("madvise advice {advice} on a model mapping is not supported; refused with EINVAL")
+                });
+                Err(libc::EINVAL)
             }
         }
     }
@@ -529,6 +541,7 @@ impl Shim {
     /// mlock/mlock2: pins managed pages within the budget (kernel mlock would fault the
     /// whole range in and keep eviction from ever dropping it).
     pub fn lock_range(&self, addr: usize, len: usize, flags: libc::c_uint) -> Option<Errno> {
+        let (addr, len) = page_rounded(addr, len)?;
         let pieces = self.pieces(addr, len)?;
         let mut result = Ok(());
         for piece in pieces {
@@ -562,6 +575,7 @@ impl Shim {
     }
 
     pub fn unlock_range(&self, addr: usize, len: usize) -> Option<Errno> {
+        let (addr, len) = page_rounded(addr, len)?;
         let pieces = self.pieces(addr, len)?;
         let mut result = Ok(());
         for piece in pieces {
@@ -609,4 +623,31 @@ impl Shim {
         }
         refused
     }
+}
+
+/// `[addr, addr + len)` from the start of its first page, as mlock(2) takes it (the
+/// kernel rounds the start down); None if the end overflows.
+fn page_rounded(addr: usize, len: usize) -> Option<(usize, usize)> {
+    let start = addr - addr % PAGE;
+    Some((start, len.checked_add(addr - start)?))
+}
+
+/// Advice the kernel may apply to a managed region's memory: it keeps the pages'
+/// contents where the pager put them, or moves them in ways that fault back without a
+/// userfault (swap), or faults pages in through the pager (populate).
+fn keeps_contents(advice: c_int) -> bool {
+    matches!(
+        advice,
+        libc::MADV_HUGEPAGE
+            | libc::MADV_NOHUGEPAGE
+            | libc::MADV_DONTDUMP
+            | libc::MADV_DODUMP
+            | libc::MADV_MERGEABLE
+            | libc::MADV_UNMERGEABLE
+            | libc::MADV_COLD
+            | libc::MADV_PAGEOUT
+            | libc::MADV_COLLAPSE
+            | libc::MADV_POPULATE_READ
+            | libc::MADV_POPULATE_WRITE
+    )
 }
