@@ -126,28 +126,91 @@ pub fn outside_holes(range: Range<u64>, holes: &[Range<u64>]) -> Vec<Range<u64>>
 
 /// Finds the region an address belongs to. Rebuilt when regions are added or removed,
 /// which is rare; lookups are a binary search.
+///
+/// Regions may overlap: when the program unmaps part of a region (llama.cpp unmaps the
+/// head of its model mapping), the kernel may place a later region of the same pager in
+/// that hole, inside the first one's extent, even at its base. At an address covered by
+/// several regions the newest one is the mapping there: a region is only ever placed where
+/// nothing was mapped, so the older ones' pages at its addresses are all gone. (Newest,
+/// not smallest: a later region may also straddle the end of an earlier one's tail hole.)
+/// Insertion order is mapping order: `Pager::map_file` returns only once the service has
+/// added the region, so one mapped into its hole is added after it.
 #[derive(Default, Debug)]
 pub struct FaultLocator {
-    /// (base, end, region), sorted by base, non-overlapping.
+    /// (base, end, region) of every region, oldest first.
     spans: Vec<(usize, usize, RegionId)>,
+    /// Which region each address belongs to: sorted by start, non-overlapping.
+    visible: Vec<Segment>,
+}
+
+/// A part of a region's extent not covered by any newer region.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Segment {
+    start: usize,
+    end: usize,
+    region: RegionId,
+    /// The region's base, which offsets are counted from.
+    base: usize,
 }
 
 impl FaultLocator {
     pub fn insert(&mut self, base: usize, len: usize, region: RegionId) {
-        let at = self.spans.partition_point(|&(start, _, _)| start < base);
-        self.spans.insert(at, (base, base + len, region));
+        self.spans.push((base, base + len, region));
+        self.visible = visible_segments(&self.spans);
     }
 
     pub fn remove(&mut self, region: RegionId) {
         self.spans.retain(|&(_, _, id)| id != region);
+        self.visible = visible_segments(&self.spans);
     }
 
     /// The region containing `addr` and the offset of `addr` inside it.
     pub fn lookup(&self, addr: usize) -> Option<(RegionId, u64)> {
-        let after = self.spans.partition_point(|&(start, _, _)| start <= addr);
-        let &(start, end, region) = self.spans.get(after.checked_sub(1)?)?;
-        (addr < end).then_some((region, (addr - start) as u64))
+        let after = self
+            .visible
+            .partition_point(|segment| segment.start <= addr);
+        let segment = self.visible.get(after.checked_sub(1)?)?;
+        (addr < segment.end).then_some((segment.region, (addr - segment.base) as u64))
     }
+}
+
+/// The parts of each span that no newer span covers, sorted by start. `spans` is oldest
+/// first, so laying each one over the result of those before it leaves the newest on top.
+fn visible_segments(spans: &[(usize, usize, RegionId)]) -> Vec<Segment> {
+    let mut segments = Vec::with_capacity(spans.len());
+    for &(start, end, region) in spans {
+        let top = Segment {
+            start,
+            end,
+            region,
+            base: start,
+        };
+        segments = overlay(segments, top);
+    }
+    segments
+}
+
+/// Lays `top` over sorted, disjoint `segments`: what it covers of them goes, the parts
+/// on either side of it stay.
+fn overlay(segments: Vec<Segment>, top: Segment) -> Vec<Segment> {
+    let mut out = Vec::with_capacity(segments.len() + 2);
+    for segment in segments {
+        if segment.start < top.start {
+            out.push(Segment {
+                end: segment.end.min(top.start),
+                ..segment
+            });
+        }
+        if segment.end > top.end {
+            out.push(Segment {
+                start: segment.start.max(top.end),
+                ..segment
+            });
+        }
+    }
+    let at = out.partition_point(|segment| segment.start < top.start);
+    out.insert(at, top);
+    out
 }
 
 #[cfg(test)]
@@ -223,5 +286,112 @@ mod tests {
         assert_eq!(locator.lookup(0x20800), Some((RegionId(2), 0x800)));
         locator.remove(RegionId(1));
         assert_eq!(locator.lookup(0x10000), None);
+    }
+
+    #[test]
+    fn locator_keeps_adjacent_regions_apart() {
+        let mut locator = FaultLocator::default();
+        locator.insert(0x10000, 0x1000, RegionId(1));
+        locator.insert(0x11000, 0x1000, RegionId(2));
+        assert_eq!(locator.lookup(0x10fff), Some((RegionId(1), 0xfff)));
+        assert_eq!(locator.lookup(0x11000), Some((RegionId(2), 0)));
+        assert_eq!(locator.lookup(0x12000), None);
+    }
+
+    #[test]
+    fn a_region_in_a_hole_of_another_answers_inside_it_and_the_outer_one_around_it() {
+        // Region 1 lost 0x12000..0x14000 to an unmap; region 2 was placed there.
+        let mut locator = FaultLocator::default();
+        locator.insert(0x10000, 0x8000, RegionId(1));
+        locator.insert(0x12000, 0x2000, RegionId(2));
+        assert_eq!(locator.lookup(0x11fff), Some((RegionId(1), 0x1fff)));
+        assert_eq!(locator.lookup(0x12000), Some((RegionId(2), 0)));
+        assert_eq!(locator.lookup(0x13fff), Some((RegionId(2), 0x1fff)));
+        // Above the inner region: the outer one, with offsets from its own base.
+        assert_eq!(locator.lookup(0x14000), Some((RegionId(1), 0x4000)));
+        assert_eq!(locator.lookup(0x17fff), Some((RegionId(1), 0x7fff)));
+        assert_eq!(locator.lookup(0x18000), None);
+        // Once the inner region goes, its addresses are the outer one's again.
+        locator.remove(RegionId(2));
+        assert_eq!(locator.lookup(0x12000), Some((RegionId(1), 0x2000)));
+        assert_eq!(locator.lookup(0x14000), Some((RegionId(1), 0x4000)));
+    }
+
+    #[test]
+    fn a_region_at_the_base_of_another_wins_there() {
+        // Region 1 lost its head (as llama.cpp unmaps a GGUF header); region 2 was placed
+        // at the same base. The order of insertion decides, not the order of the ids.
+        let mut locator = FaultLocator::default();
+        locator.insert(0x10000, 0x8000, RegionId(7));
+        locator.insert(0x10000, 0x1000, RegionId(3));
+        assert_eq!(locator.lookup(0x10000), Some((RegionId(3), 0)));
+        assert_eq!(locator.lookup(0x10fff), Some((RegionId(3), 0xfff)));
+        assert_eq!(locator.lookup(0x11000), Some((RegionId(7), 0x1000)));
+        // The same extent again (the older region wholly unmapped but not yet removed).
+        locator.insert(0x10000, 0x8000, RegionId(9));
+        assert_eq!(locator.lookup(0x10000), Some((RegionId(9), 0)));
+        assert_eq!(locator.lookup(0x17fff), Some((RegionId(9), 0x7fff)));
+        locator.remove(RegionId(9));
+        assert_eq!(locator.lookup(0x10000), Some((RegionId(3), 0)));
+        locator.remove(RegionId(3));
+        assert_eq!(locator.lookup(0x10000), Some((RegionId(7), 0)));
+    }
+
+    #[test]
+    fn a_region_straddling_the_end_of_another_wins_where_they_overlap() {
+        // Region 1 lost its tail; region 2, larger, was placed over it and beyond.
+        let mut locator = FaultLocator::default();
+        locator.insert(0x10000, 0x4000, RegionId(1));
+        locator.insert(0x12000, 0x8000, RegionId(2));
+        assert_eq!(locator.lookup(0x11fff), Some((RegionId(1), 0x1fff)));
+        assert_eq!(locator.lookup(0x12000), Some((RegionId(2), 0)));
+        assert_eq!(locator.lookup(0x19fff), Some((RegionId(2), 0x7fff)));
+        assert_eq!(locator.lookup(0x1a000), None);
+    }
+
+    #[test]
+    fn overlaying_keeps_segments_sorted_and_disjoint() {
+        let segment = |start, end, id| Segment {
+            start,
+            end,
+            region: RegionId(id),
+            base: start,
+        };
+        let below = segment(0x0, 0x1000, 1);
+        let outer = segment(0x1000, 0x5000, 2);
+        let above = segment(0x6000, 0x7000, 3);
+        let inner = segment(0x2000, 0x3000, 4);
+        assert_eq!(
+            overlay(vec![below, outer, above], inner),
+            vec![
+                below,
+                Segment {
+                    end: 0x2000,
+                    ..outer
+                },
+                inner,
+                Segment {
+                    start: 0x3000,
+                    ..outer
+                },
+                above,
+            ]
+        );
+        // Covering several segments whole and one in part.
+        let wide = segment(0x800, 0x6800, 5);
+        assert_eq!(
+            overlay(vec![below, outer, above], wide),
+            vec![
+                Segment {
+                    end: 0x800,
+                    ..below
+                },
+                wide,
+                Segment {
+                    start: 0x6800,
+                    ..above
+                },
+            ]
+        );
     }
 }
