@@ -20,6 +20,13 @@ impl<T> Managed<T> {
     pub fn is_fully_unmapped(&self) -> bool {
         self.live.is_empty()
     }
+
+    /// Whether any live page of the mapping lies in `range`.
+    fn overlaps(&self, range: &Range<usize>) -> bool {
+        self.live
+            .iter()
+            .any(|part| part.start < range.end && range.start < part.end)
+    }
 }
 
 /// A piece of an address range, as the registry divides it.
@@ -95,18 +102,21 @@ impl<T: Clone> Registry<T> {
 
     /// Whether any live managed page lies in `range`.
     pub fn overlaps(&self, range: Range<usize>) -> bool {
-        self.mappings.iter().any(|mapping| {
-            mapping
-                .live
-                .iter()
-                .any(|part| part.start < range.end && range.start < part.end)
-        })
+        self.mappings.iter().any(|mapping| mapping.overlaps(&range))
     }
 
-    /// Records that `range` of the mapping starting at `base` was unmapped. Returns the
-    /// mapping if nothing of it is left (it is removed from the registry).
+    /// Records that `range` (a managed piece from `split`) of the mapping starting at
+    /// `base` was unmapped. Returns the mapping if nothing of it is left (it is removed
+    /// from the registry).
+    ///
+    /// The base alone does not name a mapping: one placed in a hole at the head of
+    /// another has the same base. Live parts never overlap (the kernel only places a
+    /// mapping where nothing is mapped), so the one with live pages in `range` is it.
     pub fn unmapped(&mut self, base: usize, range: Range<usize>) -> Option<Managed<T>> {
-        let index = self.mappings.iter().position(|m| m.base == base)?;
+        let index = self
+            .mappings
+            .iter()
+            .position(|m| m.base == base && m.overlaps(&range))?;
         let mapping = &mut self.mappings[index];
         let mut live = Vec::with_capacity(mapping.live.len() + 1);
         for part in mapping.live.drain(..) {
@@ -183,5 +193,61 @@ mod tests {
         assert_eq!(gone.value, 7);
         assert!(registry.is_empty());
         assert!(registry.unmapped(0x10000, 0x10000..0x20000).is_none());
+    }
+
+    #[test]
+    fn a_mapping_in_a_hole_of_another_is_split_and_unmapped_on_its_own() {
+        let mut registry = Registry::default();
+        registry.insert(0x10000, 0x8000, 1);
+        assert!(registry.unmapped(0x10000, 0x13000..0x14000).is_none());
+        registry.insert(0x13000, 0x1000, 2);
+        assert_eq!(
+            registry.split(0x12000..0x15000),
+            vec![
+                managed(1, 0x10000, 0x12000..0x13000),
+                managed(2, 0x13000, 0x13000..0x14000),
+                managed(1, 0x10000, 0x14000..0x15000),
+            ]
+        );
+        let inner = registry.unmapped(0x13000, 0x13000..0x14000).unwrap();
+        assert_eq!(inner.value, 2);
+        assert!(!registry.overlaps(0x13000..0x14000));
+        assert!(registry.overlaps(0x14000..0x14001));
+    }
+
+    #[test]
+    fn mappings_sharing_a_base_are_told_apart_by_their_live_pages() {
+        // The head of mapping 1 unmapped (as llama.cpp does), mapping 2 placed there.
+        let mut registry = Registry::default();
+        registry.insert(0x10000, 0x8000, 1);
+        assert!(registry.unmapped(0x10000, 0x10000..0x12000).is_none());
+        registry.insert(0x10000, 0x2000, 2);
+        assert_eq!(
+            registry.split(0x11000..0x13000),
+            vec![
+                managed(2, 0x10000, 0x11000..0x12000),
+                managed(1, 0x10000, 0x12000..0x13000),
+            ]
+        );
+        // Part of mapping 2: mapping 1 is untouched.
+        assert!(registry.unmapped(0x10000, 0x10000..0x11000).is_none());
+        assert_eq!(
+            registry.split(0x10000..0x13000),
+            vec![
+                Piece::Kernel(0x10000..0x11000),
+                managed(2, 0x10000, 0x11000..0x12000),
+                managed(1, 0x10000, 0x12000..0x13000),
+            ]
+        );
+        // The rest of mapping 2, then all of mapping 1.
+        assert_eq!(
+            registry.unmapped(0x10000, 0x11000..0x12000).unwrap().value,
+            2
+        );
+        assert_eq!(
+            registry.unmapped(0x10000, 0x12000..0x18000).unwrap().value,
+            1
+        );
+        assert!(registry.is_empty());
     }
 }
