@@ -27,18 +27,38 @@ fn plain(victim: &Path, args: &[&str]) -> Output {
     Command::new(victim).args(args).output().unwrap()
 }
 
-/// Runs the victim under `hyperoffload run` with a 2M budget, 1M minimum size.
+/// The launcher's options for the victim runs: a 2M budget, 1M minimum size.
+const RUN_OPTIONS: [&str; 7] = [
+    "--budget",
+    "2M",
+    "--min-size",
+    "1M",
+    "--match",
+    "*.gguf",
+    "--stats",
+];
+
+/// Runs the victim under `hyperoffload run` with `RUN_OPTIONS`.
 fn shimmed(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
     launcher()
-        .args([
-            "--budget",
-            "2M",
-            "--min-size",
-            "1M",
-            "--match",
-            "*.gguf",
-            "--stats",
-        ])
+        .args(RUN_OPTIONS)
+        .arg(stats)
+        .arg("--")
+        .arg(&setup.victim)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// As `shimmed`, for a run whose failure is a hang: killed after 60 s by `timeout`, from
+/// outside the launcher (it kills its process group, the victim included).
+fn shimmed_bounded(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
+    Command::new("timeout")
+        .arg("60")
+        .arg(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .arg("run")
+        .args(RUN_OPTIONS)
         .arg(stats)
         .arg("--")
         .arg(&setup.victim)
@@ -630,4 +650,36 @@ fn a_child_made_by_underscore_fork_exits_and_maps_models_without_the_parents_pag
 #[test]
 fn a_child_made_by_the_raw_fork_syscall_exits_and_maps_models_without_the_parents_pager() {
     check_child_made_without_the_fork_symbol("syscall");
+}
+
+#[test]
+fn a_model_mapped_into_the_unmapped_head_of_another_is_served_and_so_is_the_rest() {
+    let setup = setup("shim-nest");
+    let first = setup.dir.path("a.gguf");
+    pattern_file(&first, 8 << 20);
+    let second = setup.dir.path("b.gguf");
+    std::fs::write(&second, vec![0x5A; 1 << 20]).unwrap();
+    let args = [
+        "nest",
+        first.to_str().unwrap(),
+        second.to_str().unwrap(),
+        "2097152",
+    ];
+    let stats = setup.dir.path("stats.json");
+    let expected = plain(&setup.victim, &args);
+    assert_success(&expected, "plain run");
+    let output = shimmed_bounded(&setup, &stats, &args);
+    assert_success(&output, "shimmed run");
+    let seen = stdout(&output);
+    assert!(seen.contains("nested 1"), "not placed in the hole:\n{seen}");
+    for what in ["b sum", "a rest"] {
+        assert_eq!(
+            lines_with(&seen, what),
+            lines_with(&stdout(&expected), what),
+            "{what}"
+        );
+    }
+    // Both taken over (and still mapped at exit, with any copies placed elsewhere).
+    let json = read_stats(&stats);
+    assert!(json["managed_mappings"].as_u64().unwrap() >= 2, "{json}");
 }

@@ -276,6 +276,24 @@ int main(int argc, char **argv) {
     fflush(stdout);
     return 0;
   }
+  if (!strcmp(mode, "nest")) {
+    /* Unmaps the head of one model mapping (as llama.cpp does), then maps a second model
+     * until the kernel places it in that hole, inside the first one's old extent (at most
+     * 64 tries; the copies placed elsewhere stay mapped so the next try goes lower). Both
+     * must read their files' bytes, the first one's above the second one too. */
+    size_t head = strtoul(argv[4], NULL, 0), blen = 0;
+    unsigned char *a = map(path, PROT_READ, MAP_SHARED, &len), *b = NULL;
+    if (munmap(a, head)) perror("munmap head");
+    int nested = 0;
+    for (int i = 0; i < 64 && !nested; i++) {
+      b = map(argv[3], PROT_READ, MAP_SHARED, &blen);
+      nested = b >= a && b < a + head;
+    }
+    printf("nested %d\n", nested);
+    printf("b sum %llx\n", sum(b, blen));
+    printf("a rest %llx\n", sum(a + head, len - head));
+    return 0;
+  }
   if (!strcmp(mode, "exec-child")) {
     /* Does a program this one executes see the shim? */
     const char *preload = getenv("LD_PRELOAD");
