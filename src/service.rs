@@ -537,6 +537,16 @@ impl FaultService {
             Location::Block(index) => index,
         };
         let block = BlockRef::new(id, index);
+        if region.blocks[index as usize] == BlockState::Unmapped {
+            // The program is unmapping it: the service has been told, the kernel's
+            // munmap follows. (A region of ours mapped there since is newer, and
+            // `lookup` answers with it.) Woken, the thread faults again until the range
+            // is gone, then as without a pager: SIGSEGV. Served as a missing block (as
+            // it was), the read installed nothing in the hole and the thread waited
+            // for good. Not a model access: the policies do not hear of it.
+            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+            return Ok(());
+        }
         self.stats.faults += 1;
         if let Some(n) = self.config.faults.panic_after_faults {
             if self.stats.faults > n {
@@ -601,8 +611,7 @@ impl FaultService {
                 self.install_staged(block, stash)?;
                 FaultOutcome::Staged
             }
-            // An unmapped block cannot fault; if its address was reused by a mapping of
-            // ours, serve it like a missing one.
+            // (Unmapped: answered above.)
             BlockState::Missing | BlockState::Poisoned | BlockState::Unmapped => {
                 region.blocks[index as usize] = BlockState::Queued;
                 self.waiters
@@ -1686,9 +1695,17 @@ impl FaultService {
                 }
                 BlockState::Missing => region.blocks[index as usize] = to,
                 // Unmapped while queued or read: the read is dropped from its queue or
-                // finishes without installing anything (see `installed`).
+                // finishes without installing anything (see `installed`). A thread
+                // waiting on it would wait forever: woken, it faults again on whatever
+                // is mapped there now (nothing: SIGSEGV, as without the pager).
                 BlockState::Queued | BlockState::Reading if to == BlockState::Unmapped => {
                     region.blocks[index as usize] = to;
+                    if self.waiters.remove(&block).is_some() {
+                        let memory = region.layout.block_memory(index);
+                        let start = region.base + memory.start as usize;
+                        let len = (memory.end - memory.start) as usize;
+                        let _ = self.uffd.wake(start as *mut libc::c_void, len);
+                    }
                 }
                 // Dropped while queued or read: the read finishes and installs.
                 _ => {}

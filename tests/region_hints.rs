@@ -345,3 +345,56 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     // SAFETY: our mapping, no longer used.
     unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
 }
+
+/// A thread waits on a block, and the program unmaps that block before it is read. The
+/// waiter used to be forgotten, asleep in the kernel for good; woken, it faults on
+/// unmapped memory: SIGSEGV, as without a pager. The service is held up by a slow read
+/// (injected delay) so that both the wait and the unmap reach it before the block's read.
+#[test]
+fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
+    let test = "a_thread_waiting_on_a_block_the_program_unmaps_is_woken";
+    if !is_child() {
+        let status = run_child(test, &[], Duration::from_secs(60));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGSEGV),
+            "{test}: the waiting thread should fault on the unmapped block: {status}"
+        );
+        return;
+    }
+    let dir = TempDir::new("unmap-waiter");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 16 << 20);
+    let builder = Pager::builder()
+        .budget(8 << 20)
+        .block_size(1 << 20)
+        .inject_read_delay(Duration::from_secs(2));
+    let Some(pager) = pager_or_skip(builder) else {
+        // Skipped: end the way the parent expects.
+        // SAFETY: raising a signal in this child process ends it, as intended.
+        unsafe { libc::raise(libc::SIGSEGV) };
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let base = region.as_ptr() as usize;
+    let read_at = move |offset: usize| {
+        std::thread::spawn(move || {
+            // SAFETY: a byte of the live region (unmapped by the test only for the
+            // second reader, which is the point).
+            unsafe { std::ptr::read_volatile((base + offset) as *const u8) }
+        })
+    };
+    // The first read holds the service in its injected delay...
+    let first = read_at(0);
+    std::thread::sleep(Duration::from_millis(500));
+    // ...while a second thread faults on block 12 and the program unmaps that block.
+    let waiter = read_at(12 << 20);
+    std::thread::sleep(Duration::from_millis(500));
+    region.unmap_part((12 << 20)..(13 << 20)).unwrap();
+    assert_eq!(first.join().unwrap(), pattern_byte(0));
+    // The woken waiter faults on nothing and the process dies of SIGSEGV; a forgotten
+    // one sleeps, and the parent's limit fails the test.
+    let _ = waiter.join();
+    panic!("the waiting thread read an unmapped block");
+}
