@@ -12,6 +12,7 @@ pub mod graph;
 mod installer;
 pub mod layout;
 pub mod map_candidate;
+pub mod map_count;
 pub mod model;
 pub mod pager;
 pub mod policy;

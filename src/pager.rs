@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -26,6 +26,7 @@ use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
 use crate::installer::InstallPool;
 use crate::layout::RegionLayout;
+use crate::map_count;
 use crate::policy::{
     AccessHint, EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy, RegionId,
 };
@@ -124,6 +125,19 @@ pub enum MapError {
     Reserve { len: u64, source: std::io::Error },
     #[error("cannot register the region with userfaultfd: {0}")]
     Register(String),
+    #[error(
+        "{path}: zero copy maps each of its {blocks} blocks from a frame of its own, up to \
+         {needed} memory mappings, and this process has {available} to spare under \
+         vm.max_map_count ({limit}): use larger blocks, copy mode (--no-zero-copy), or \
+         raise vm.max_map_count"
+    )]
+    TooManyMappings {
+        path: String,
+        blocks: u64,
+        needed: u64,
+        available: u64,
+        limit: u64,
+    },
     #[error("the fault service has stopped")]
     ServiceGone,
 }
@@ -452,6 +466,7 @@ impl PagerBuilder {
                 budget: self.budget,
                 block_size: self.block_size,
                 zero_copy,
+                mappings_promised: AtomicU64::new(0),
             }),
         })
     }
@@ -598,6 +613,8 @@ struct PagerInner {
     block_size: u64,
     /// Whether blocks are mapped from the frame store rather than copied in.
     zero_copy: bool,
+    /// The most memory mappings the live zero-copy regions may take (`map_count`).
+    mappings_promised: AtomicU64,
 }
 
 impl Drop for PagerInner {
@@ -661,6 +678,43 @@ impl Pager {
         (trace, untraced)
     }
 
+    /// With zero copy, reserves for a region of `map_len` bytes the most memory mappings
+    /// it can take (see `map_count`), or refuses it if the process cannot have them:
+    /// reaching the limit later would stop the program. Returns what was reserved, to
+    /// give back when the region goes.
+    fn promise_mappings(&self, path: &str, map_len: u64) -> Result<MappingPromise, MapError> {
+        let needed = if self.inner.zero_copy {
+            map_count::zero_copy_mappings(map_len.div_ceil(self.inner.block_size))
+        } else {
+            0
+        };
+        let promised = self
+            .inner
+            .mappings_promised
+            .fetch_add(needed, Ordering::AcqRel);
+        // Given back if refused, or if the region fails to map.
+        let promise = MappingPromise {
+            pager: self.clone(),
+            count: needed,
+        };
+        if needed == 0 {
+            return Ok(promise);
+        }
+        if let Some((limit, in_use)) = map_count::limit_and_in_use() {
+            let available = map_count::mappings_available(in_use, promised, limit);
+            if needed > available {
+                return Err(MapError::TooManyMappings {
+                    path: path.to_owned(),
+                    blocks: map_len.div_ceil(self.inner.block_size),
+                    needed,
+                    available,
+                    limit,
+                });
+            }
+        }
+        Ok(promise)
+    }
+
     /// Maps `path` (or part of it, per `options`) into a new region.
     pub fn map_file(&self, path: &Path, options: MapOptions) -> Result<Region, MapError> {
         if options.prot & libc::PROT_WRITE != 0 {
@@ -700,6 +754,7 @@ impl Pager {
         } else {
             page as usize
         };
+        let mappings = self.promise_mappings(&name(), map_len)?;
         // Reserved inaccessible, registered, and only then given the program's
         // protection. Under mlockall(MCL_FUTURE) the kernel fills every new accessible
         // mapping as it creates it: a readable reservation got zero pages before it was
@@ -730,6 +785,7 @@ impl Pager {
             id,
             mapping,
             data_len: len,
+            _mappings: mappings,
         };
         // SAFETY: the reservation is this region's own, and nothing reads it yet.
         unsafe { sys::mprotect(region.mapping.base, region.mapping.len, options.prot) }.map_err(
@@ -852,6 +908,24 @@ pub struct Region {
     id: RegionId,
     mapping: Mapping,
     data_len: u64,
+    /// Dropped after `mapping` is unmapped.
+    _mappings: MappingPromise,
+}
+
+/// Memory mappings reserved for a zero-copy region (see `Pager::promise_mappings`),
+/// given back when dropped.
+struct MappingPromise {
+    pager: Pager,
+    count: u64,
+}
+
+impl Drop for MappingPromise {
+    fn drop(&mut self) {
+        self.pager
+            .inner
+            .mappings_promised
+            .fetch_sub(self.count, Ordering::AcqRel);
+    }
 }
 
 impl Region {

@@ -254,3 +254,89 @@ fn zero_copy_with_blocks_smaller_than_a_huge_page_copies_and_says_why() {
         assert_eq!(byte, pattern_byte(i as u64));
     }
 }
+
+/// Takes all but `spare` of this process's memory mappings (vm.max_map_count), as a
+/// big program may: page-sized pieces of one reservation with alternating protections,
+/// so that no two merge.
+fn use_up_mappings_but(spare: u64) {
+    let (limit, in_use) = hyperoffload::map_count::limit_and_in_use().unwrap();
+    let pieces = (limit - in_use - spare) as usize;
+    // SAFETY: a fresh private anonymous mapping at a kernel-chosen address.
+    let base = unsafe {
+        hyperoffload::sys::mmap(
+            0,
+            pieces * 4096,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    }
+    .unwrap();
+    for piece in (0..pieces).step_by(2) {
+        // SAFETY: changes the protection of a page of our own fresh mapping.
+        unsafe { hyperoffload::sys::mprotect(base + piece * 4096, 4096, libc::PROT_NONE) }.unwrap();
+    }
+    let (_, now) = hyperoffload::map_count::limit_and_in_use().unwrap();
+    assert!(
+        now + spare + 2 >= limit,
+        "mappings merged: {now} of {limit}"
+    );
+}
+
+/// With zero copy each block touched is a mapping of its own, so a process can run out
+/// of mappings (vm.max_map_count), and then mapping a frame failed and the service
+/// stopped the program. A region that may not fit is refused up front, with the reason;
+/// one that fits is served to the end.
+#[test]
+fn a_zero_copy_region_the_process_has_no_mappings_for_is_refused_up_front() {
+    let test = "a_zero_copy_region_the_process_has_no_mappings_for_is_refused_up_front";
+    if !is_child() {
+        let status = run_child(test, &[], Duration::from_secs(120));
+        assert!(status.success(), "{test} failed in its child: {status}");
+        return;
+    }
+    let dir = TempDir::new("map-count");
+    let (big, small) = (dir.path("big.bin"), dir.path("small.bin"));
+    pattern_file(&big, 256 << 20);
+    pattern_file(&small, 64 << 20);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(16 << 20)
+            .block_size(2 << 20)
+            .zero_copy(true),
+    ) else {
+        return;
+    };
+    assert!(
+        pager.stats().zero_copy,
+        "{:?}",
+        pager.stats().zero_copy_refused
+    );
+    // Room for 200 mappings beyond the program's spare: 128 blocks may take 257.
+    use_up_mappings_but(hyperoffload::map_count::SPARE_MAPPINGS + 200);
+    match pager.map_file(&big, MapOptions::default()) {
+        Err(error @ MapError::TooManyMappings { needed: 257, .. }) => {
+            let message = error.to_string();
+            assert!(message.contains("vm.max_map_count"), "{message}");
+            assert!(message.contains("big.bin"), "{message}");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a region that may need 257 mappings, with 200 to spare"),
+    }
+    // 32 blocks may take 65: mapped, and every block touched, in an order that keeps
+    // frames from lining up, twice over a budget of 8 blocks.
+    let region = pager.map_file(&small, MapOptions::default()).unwrap();
+    let bytes = region.as_slice();
+    for _ in 0..2 {
+        for block in (0..32usize).rev().chain(0..32) {
+            let offset = block * (2 << 20) + 4099;
+            assert_eq!(
+                bytes[offset],
+                pattern_byte(offset as u64),
+                "offset {offset}"
+            );
+        }
+    }
+    assert!(pager.stats().evictions > 0);
+}
