@@ -140,6 +140,8 @@ pub enum MapError {
     },
     #[error("the fault service has stopped")]
     ServiceGone,
+    #[error("this pager serves process {owner}; a child forked from it cannot use it")]
+    ForkedChild { owner: i32 },
 }
 
 /// Why a hint was refused.
@@ -159,6 +161,8 @@ pub enum HintError {
     },
     #[error("the fault service has stopped")]
     ServiceGone,
+    #[error("this pager serves process {owner}; a child forked from it cannot use it")]
+    ForkedChild { owner: i32 },
 }
 
 /// Where and how a region maps a file.
@@ -467,6 +471,7 @@ impl PagerBuilder {
                 block_size: self.block_size,
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
+                owner: sys::getpid(),
             }),
         })
     }
@@ -615,16 +620,38 @@ struct PagerInner {
     zero_copy: bool,
     /// The most memory mappings the live zero-copy regions may take (`map_count`).
     mappings_promised: AtomicU64,
+    /// The process the service thread runs in. A forked child has a copy of this value
+    /// but no service thread, and the regions are not mapped there (MADV_DONTFORK):
+    /// asking the service would wait forever, and unregistering or unmapping would act
+    /// on the parent's userfaultfd or on the child's own later mappings.
+    owner: libc::pid_t,
+}
+
+impl PagerInner {
+    /// Whether this is the process the service runs in, not a forked child.
+    fn serving_here(&self) -> bool {
+        sys::getpid() == self.owner
+    }
+
+    fn forked_child_error(&self) -> HintError {
+        HintError::ForkedChild { owner: self.owner }
+    }
 }
 
 impl Drop for PagerInner {
     fn drop(&mut self) {
-        self.shared.send(Command::Shutdown);
+        // Exclusive access: no lock, which a fork may have left held.
         let thread = self
             .thread
-            .lock()
+            .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take();
+        if !self.serving_here() {
+            // A forked child: the thread is the parent's; joining it would wait forever.
+            std::mem::forget(thread);
+            return;
+        }
+        self.shared.send(Command::Shutdown);
         if let Some(thread) = thread {
             // The service aborts the process rather than unwinding, so join only fails
             // if it was already gone.
@@ -655,6 +682,13 @@ impl Pager {
     /// Current statistics (asks the service; falls back to its last published snapshot
     /// if it has stopped).
     pub fn stats(&self) -> Stats {
+        if !self.inner.serving_here() {
+            // A forked child: the snapshot as the fork left it, if its lock is free.
+            return match self.inner.shared.stats.try_lock() {
+                Ok(stats) => stats.clone(),
+                Err(_) => Stats::default(),
+            };
+        }
         let (reply, answer) = sync_channel(1);
         self.inner.shared.send(Command::Stats { reply });
         answer.recv().unwrap_or_else(|_| {
@@ -670,6 +704,9 @@ impl Pager {
     /// The faults recorded since the last call, in fault order, and how many were not
     /// recorded because the trace limit was reached. Empty unless built with `trace`.
     pub fn take_trace(&self) -> (Vec<TraceRecord>, u64) {
+        if !self.inner.serving_here() {
+            return (Vec::new(), 0);
+        }
         let (reply, answer) = sync_channel(1);
         self.inner.shared.send(Command::TakeTrace { reply });
         let (mut trace, untraced) = answer.recv().unwrap_or_default();
@@ -717,6 +754,11 @@ impl Pager {
 
     /// Maps `path` (or part of it, per `options`) into a new region.
     pub fn map_file(&self, path: &Path, options: MapOptions) -> Result<Region, MapError> {
+        if !self.inner.serving_here() {
+            return Err(MapError::ForkedChild {
+                owner: self.inner.owner,
+            });
+        }
         if options.prot & libc::PROT_WRITE != 0 {
             return Err(MapError::Writable);
         }
@@ -877,6 +919,20 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// Lets go of the whole reservation without unmapping it: in a forked child, which
+    /// does not have it (and may have mapped something else there since).
+    fn forget(&mut self) {
+        // Exclusive access: no lock, which a fork may have left held.
+        let holes = self
+            .holes
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        holes.clear();
+        holes.push(0..self.len);
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         for part in self.live_parts() {
@@ -960,7 +1016,12 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.data_len as usize) }
     }
 
+    /// Whether a hint on `range` can be sent: inside the region, and from the process
+    /// the service runs in.
     fn check(&self, range: &Range<u64>) -> Result<(), HintError> {
+        if !self.pager.inner.serving_here() {
+            return Err(self.pager.inner.forked_child_error());
+        }
         if range.start > range.end || range.end > self.mapping.len as u64 {
             return Err(HintError::OutOfRange {
                 start: range.start,
@@ -1073,6 +1134,11 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        if !self.pager.inner.serving_here() {
+            // A forked child: nothing of the region is here (see `PagerInner::owner`).
+            self.mapping.forget();
+            return;
+        }
         let (reply, answer) = sync_channel(1);
         self.pager
             .inner

@@ -42,6 +42,13 @@ pub unsafe fn munmap(addr: usize, len: usize) -> io::Result<()> {
     }
 }
 
+/// getpid(2) from the kernel: right in any child, however it was made (fork, `_Fork`,
+/// a raw clone), where a libc that caches the pid may not have updated it.
+pub fn getpid() -> libc::pid_t {
+    // SAFETY: getpid takes no arguments and has no memory effects.
+    unsafe { libc::syscall(libc::SYS_getpid) as libc::pid_t }
+}
+
 /// mprotect(2).
 ///
 /// # Safety

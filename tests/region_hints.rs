@@ -398,3 +398,69 @@ fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
     let _ = waiter.join();
     panic!("the waiting thread read an unmapped block");
 }
+
+/// A child forked from a program that uses the library has a copy of the pager but no
+/// service thread, and no regions (MADV_DONTFORK). Its calls used to wait forever for a
+/// service that is not there; dropping its copies could have unregistered the parent's
+/// region (the userfaultfd is shared). Now they answer at once, and the parent is
+/// untouched.
+#[test]
+fn a_forked_child_gets_answers_not_hangs_and_leaves_the_parents_region_alone() {
+    let test = "a_forked_child_gets_answers_not_hangs_and_leaves_the_parents_region_alone";
+    if !is_child() {
+        let status = run_child(test, &[], Duration::from_secs(60));
+        assert!(status.success(), "{test} failed in its child: {status}");
+        return;
+    }
+    let dir = TempDir::new("forked-library");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 16 << 20);
+    let Some(pager) = pager_or_skip(Pager::builder().budget(4 << 20).block_size(1 << 20)) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    scan(region.as_slice());
+    // SAFETY: the child below only calls the pager (which must not take locks or wait
+    // there) and ends with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // Answered from the snapshot the fork copied (published every 100 ms).
+        let _ = pager.stats();
+        let pinned = region.pin(0..1 << 20);
+        let mapped = pager.map_file(&path, MapOptions::default()).err();
+        let dropped = region.drop_range(0..1 << 20);
+        // One bit per wrong answer, in the exit status.
+        let wrong = !matches!(pinned, Err(HintError::ForkedChild { .. })) as i32
+            | (!matches!(mapped, Some(hyperoffload::MapError::ForkedChild { .. })) as i32) << 1
+            | (!matches!(dropped, Err(HintError::ForkedChild { .. })) as i32) << 2;
+        drop(region);
+        drop(pager);
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(wrong) };
+    }
+    let mut status = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        // SAFETY: waits for our own child without blocking.
+        let done = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if done == pid {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: kills our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the forked child hung calling the pager");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the forked child's calls answered wrongly: status {status:#x}"
+    );
+    // Still registered and served here: evicted blocks come back with the file's bytes.
+    for _ in 0..2 {
+        scan(region.as_slice());
+    }
+    assert!(pager.stats().evictions > 0);
+}
