@@ -14,9 +14,10 @@
 
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Context};
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
@@ -98,7 +99,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let program = resolve_program(&args.command[0])?;
     check_reachable(&program)
         .with_context(|| format!("cannot run {} under the pager", program.display()))?;
-    for (what, path) in [("--stats", &args.stats), ("--trace", &args.trace)] {
+    // Every file the run writes: the shim refuses to overwrite one (with a message on
+    // stderr), so a rerun would have lost it with an exit status of 0.
+    let events = args.trace.as_ref().map(|path| events_path(path));
+    for (what, path) in [
+        ("--stats", &args.stats),
+        ("--trace", &args.trace),
+        ("--trace (its events)", &events),
+    ] {
         if let Some(path) = path {
             if path.symlink_metadata().is_ok() {
                 bail!(
@@ -126,6 +134,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
+    // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
+    // here, before the program starts: the shim reads the same variables.
+    check_as_the_shim_reads_it(&config)?;
 
     let mut command = Command::new(&args.command[0]);
     command.args(&args.command[1..]);
@@ -144,11 +155,46 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     command.env("LD_PRELOAD", preload);
 
-    let mut child = command
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs between fork and exec and only calls prctl, getppid and
+    // _exit (async-signal-safe); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            // If the launcher dies without passing a signal on (SIGKILL, a crash), the
+            // program goes too rather than run on unsupervised, its stats unreported.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Already gone before the line above took effect.
+            if libc::getppid() != launcher {
+                libc::_exit(128 + libc::SIGKILL);
+            }
+            Ok(())
+        });
+    }
+    // A SIGTERM or SIGHUP sent to the launcher alone (a service manager, `kill`) is
+    // passed on to the program, whose end is then reported as any other: the launcher
+    // died of it at once, leaving the program running and its directory behind.
+    // Installed before the program starts (one arriving meanwhile is passed on once it
+    // has); handlers, unlike ignored signals, do not survive its exec.
+    let forwarding = forward_terminations();
+    let child = command
         .spawn()
-        .with_context(|| format!("cannot start {}", program.display()))?;
+        .with_context(|| format!("cannot start {}", program.display()));
+    let mut child = match child {
+        Ok(child) => child,
+        Err(error) => {
+            restore_forwarding(forwarding);
+            return Err(error);
+        }
+    };
+    pass_on_to(child.id() as libc::pid_t);
     // The terminal's ^C and ^\ reach the program too: let it decide, and report after.
     let previous = ignore_interrupts();
+    // The handler stops passing signals on before the program is reaped: its pid can be
+    // reused only after that.
+    wait_without_reaping(child.id() as libc::pid_t);
+    restore_forwarding(forwarding);
     let status = child.wait().context("waiting for the program")?;
     restore_interrupts(previous);
 
@@ -219,6 +265,7 @@ struct PrivateDir(PathBuf);
 impl PrivateDir {
     fn create() -> anyhow::Result<Self> {
         let base = std::env::temp_dir();
+        remove_stale_private_dirs(&base);
         for attempt in 0..100u32 {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -241,10 +288,68 @@ impl PrivateDir {
     }
 }
 
+/// Removes the private directories of launchers that died without removing theirs
+/// (killed with SIGKILL): this user's, named for a process that no longer exists.
+fn remove_stale_private_dirs(base: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    // SAFETY: getuid has no memory effects.
+    let uid = unsafe { libc::getuid() };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = stale_dir_pid(&name.to_string_lossy()) else {
+            continue;
+        };
+        // Never through a symlink, and only this user's directories.
+        let Ok(metadata) = entry.path().symlink_metadata() else {
+            continue;
+        };
+        if !metadata.is_dir() || metadata.uid() != uid {
+            continue;
+        }
+        // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// The launcher pid in a private directory's name (`hyperoffload-run-<pid>-<hex>`).
+fn stale_dir_pid(name: &str) -> Option<libc::pid_t> {
+    let rest = name.strip_prefix("hyperoffload-run-")?;
+    let (pid, suffix) = rest.split_once('-')?;
+    if suffix.len() != 8 || !suffix.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    pid.parse().ok().filter(|&pid: &libc::pid_t| pid > 0)
+}
+
 impl Drop for PrivateDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Where the shim writes its mapping events beside a `--trace` file.
+fn events_path(trace: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.events.jsonl", trace.display()))
+}
+
+/// Refuses a configuration the shim would refuse, with the shim's reason.
+fn check_as_the_shim_reads_it(config: &ShimConfig) -> anyhow::Result<()> {
+    let env = config.to_env();
+    let lookup = |var: &str| {
+        env.iter()
+            .find(|(name, _)| *name == var)
+            .map(|(_, value)| value.clone())
+    };
+    ShimConfig::from_lookup(lookup, physical_ram())
+        .map(|_| ())
+        .map_err(|error| anyhow::anyhow!("the shim would refuse this configuration: {error}"))
 }
 
 /// Creates `path` (never overwriting, never through a symlink), mode 0600.
@@ -257,6 +362,74 @@ fn write_new(path: &Path, contents: &[u8]) -> std::io::Result<()> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)?
         .write_all(contents)
+}
+
+/// The program's pid, for the signal handler that passes terminations on to it.
+static PROGRAM: AtomicI32 = AtomicI32::new(0);
+/// A termination that arrived before the program started.
+static PENDING: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn pass_on(signal: libc::c_int) {
+    let pid = PROGRAM.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe; `pid` is the launcher's own child, not yet
+        // reaped (the handler is removed before it is: `wait_without_reaping`).
+        unsafe { libc::kill(pid, signal) };
+    } else {
+        PENDING.store(signal, Ordering::SeqCst);
+    }
+}
+
+/// From now on terminations go to `program`, and one that came before goes now.
+fn pass_on_to(program: libc::pid_t) {
+    PROGRAM.store(program, Ordering::SeqCst);
+    let pending = PENDING.swap(0, Ordering::SeqCst);
+    if pending != 0 {
+        // SAFETY: signals our own child, just started.
+        unsafe { libc::kill(program, pending) };
+    }
+}
+
+const PASSED_ON: [libc::c_int; 2] = [libc::SIGTERM, libc::SIGHUP];
+
+/// Waits until the program has ended, leaving it to be reaped (`Child::wait`).
+fn wait_without_reaping(pid: libc::pid_t) {
+    loop {
+        // SAFETY: an all-zero siginfo_t is valid; waitid writes into it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waits for our own child with WNOWAIT, which leaves it unreaped.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
+        }
+    }
+}
+
+fn forward_terminations() -> Handlers {
+    // SAFETY: installs a handler that only calls kill (async-signal-safe); the previous
+    // handlers are returned.
+    PASSED_ON.map(|signal| unsafe {
+        libc::signal(
+            signal,
+            pass_on as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        )
+    })
+}
+
+fn restore_forwarding(previous: Handlers) {
+    for (signal, handler) in PASSED_ON.into_iter().zip(previous) {
+        // SAFETY: puts back the handler `forward_terminations` replaced.
+        unsafe { libc::signal(signal, handler) };
+    }
+    PROGRAM.store(0, Ordering::SeqCst);
+    PENDING.store(0, Ordering::SeqCst);
 }
 
 type Handlers = [libc::sighandler_t; 2];
@@ -311,4 +484,28 @@ fn summary(json: &str) -> String {
         format_size(rate as u64),
         elapsed
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_private_directory_names_carry_a_pid() {
+        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00d"), Some(1234));
+        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00"), None);
+        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00g"), None);
+        assert_eq!(stale_dir_pid("hyperoffload-run-x-0badf00d"), None);
+        assert_eq!(stale_dir_pid("hyperoffload-run-0-0badf00d"), None);
+        assert_eq!(stale_dir_pid("other-run-1234-0badf00d"), None);
+    }
+
+    #[test]
+    fn the_shims_refusals_are_the_launchers() {
+        let mut config = ShimConfig::defaults(8 << 30);
+        assert!(check_as_the_shim_reads_it(&config).is_ok());
+        config.block_size = Some(3000);
+        let error = check_as_the_shim_reads_it(&config).unwrap_err().to_string();
+        assert!(error.contains("HYPEROFFLOAD_BLOCK"), "{error}");
+    }
 }
