@@ -73,3 +73,43 @@ pub(crate) fn model_tensors(
 ) -> anyhow::Result<Vec<hyperoffload::model::TensorInfo>> {
     Ok(hyperoffload::model::ModelFile::open(model)?.tensors)
 }
+
+/// A `--budget` argument: a size (`128M`) or a share of `total` bytes (`50%`). Zero,
+/// negative, NaN or infinite shares, and budgets that come to nothing, are refused:
+/// they used to come out as a budget of 0 bytes, under which every run failed.
+pub(crate) fn budget_bytes(text: &str, total: u64) -> anyhow::Result<u64> {
+    use anyhow::{bail, Context};
+    let bytes = match text.strip_suffix('%') {
+        Some(share) => {
+            let share: f64 = share
+                .trim()
+                .parse()
+                .with_context(|| format!("--budget {text}: not a percentage"))?;
+            if !share.is_finite() || share <= 0.0 {
+                bail!("--budget {text}: the share must be a positive number of percent");
+            }
+            (total as f64 * share / 100.0) as u64
+        }
+        None => hyperoffload::size::parse_size(text).with_context(|| format!("--budget {text}"))?,
+    };
+    if bytes == 0 {
+        bail!("--budget {text}: that is no memory at all");
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_are_sizes_or_positive_shares() {
+        assert_eq!(budget_bytes("50%", 1000).unwrap(), 500);
+        assert_eq!(budget_bytes("125%", 1000).unwrap(), 1250);
+        assert_eq!(budget_bytes("64K", 1000).unwrap(), 64 << 10);
+        for bad in ["0%", "-5%", "nan%", "inf%", "x%", "0", "0.01%"] {
+            let error = budget_bytes(bad, 1000).unwrap_err().to_string();
+            assert!(error.contains(bad), "{bad}: {error}");
+        }
+    }
+}

@@ -80,13 +80,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         }
     };
     let model = workload.layout.data_len;
-    let budget = match args.budget.strip_suffix('%') {
-        Some(share) => {
-            let share: f64 = share.trim().parse().context("--budget percentage")?;
-            (model as f64 * share / 100.0) as u64
-        }
-        None => parse_size(&args.budget)?,
-    };
+    let budget = super::budget_bytes(&args.budget, model)?;
 
     let (workload, graph) = match args.learn {
         Some(tokens) => {
