@@ -54,10 +54,23 @@ with safe_open(sys.argv[1], framework="np") as f:
 print("safetensors", h.hexdigest())
 "#;
 
+/// The python3 with the clients: the virtual environment tools/setup.sh makes when
+/// the system's Python refuses pip installs (PEP 668), else the one on PATH.
+fn python3() -> Command {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")));
+    let venv = cache.map(|cache| cache.join("hyperoffload/python/bin/python3"));
+    match venv.filter(|venv| venv.is_file()) {
+        Some(venv) => Command::new(venv),
+        None => Command::new("python3"),
+    }
+}
+
 /// The Python interpreter itself (not a wrapper script such as pyenv's, which would
 /// exec it without the shim).
 fn python() -> PathBuf {
-    let output = Command::new("python3")
+    let output = python3()
         .args(["-c", "import sys; print(sys.executable)"])
         .output()
         .expect("python3");
@@ -100,7 +113,7 @@ fn run_shimmed(script: &str, file: &Path, stats: &Path) -> String {
 
 #[test]
 fn python_clients_see_the_same_bytes_under_the_shim() {
-    let check = Command::new("python3")
+    let check = python3()
         .args(["-c", "import numpy, safetensors"])
         .output()
         .expect("python3");

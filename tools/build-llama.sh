@@ -58,8 +58,10 @@ else
 fi
 config="version=$version ${cmake_args[*]} targets=${targets[*]}"
 
-# Fast path: a finished build with the same configuration.
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
+rebuild=${LLAMA_REBUILD:-0}
+
+# Fast path: a finished build with the same configuration (unless asked to rebuild).
+if [ "$rebuild" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
   ok=1
   for t in "${targets[@]}"; do [ -x "$bindir/$t" ] || ok=0; done
   if [ "$ok" = 1 ]; then
@@ -75,12 +77,12 @@ if ! flock -n 9; then
   flock 9
 fi
 # Re-check after taking the lock: another caller may have finished it.
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
+if [ "$rebuild" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
   echo "$bindir"
   exit 0
 fi
 rm -f "$stamp"
-if [ "${LLAMA_REBUILD:-0}" = 1 ]; then
+if [ "$rebuild" = 1 ]; then
   log "LLAMA_REBUILD=1: removing old tree"
   rm -rf "$dir/src" "$dir/build" "$bindir"
 fi

@@ -17,9 +17,15 @@ cargo build --release --workspace
 # runs would not be cold.
 work="${TMPDIR:-/tmp}/hyperoffload-demo"
 mkdir -p "$work"
-cp -u "$model" "$work/"
+copy="$work/$(basename "$model")"
+# Reused only if it is the model byte for byte: a copy cut short by an interrupted run
+# is newer than the model, and `cp -u` kept it for good.
+if ! cmp -s "$model" "$copy"; then
+  cp "$model" "$copy.tmp"
+  mv "$copy.tmp" "$copy"
+fi
 out="${HYPEROFFLOAD_DEMO_OUT:-demo}"
 target/release/hyperoffload compare --budget 50% --runs "${HYPEROFFLOAD_DEMO_RUNS:-3}" \
   --out "$out" -- \
-  "$bin/llama-bench" -m "$work/$(basename "$model")" -p 0 -n 16 -t 2 -r 1 --repack 0
+  "$bin/llama-bench" -m "$copy" -p 0 -n 16 -t 2 -r 1 --repack 0
 cat "$out/report.md"
