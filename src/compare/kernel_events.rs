@@ -12,10 +12,14 @@
 //!
 //! Reads. Block requests complete in interrupt context, in any task, so requests are
 //! traced for the model's device and attributed to the program when they overlap a bio
-//! the program's own threads queued (`block:block_bio_queue`, traced per process).
-//! A request issued again before it completed (requeued by the driver) counts once.
+//! one of the program's tasks queued (`block:block_bio_queue`, traced for the device,
+//! every process). The program's tasks are the child and, transitively, every task
+//! one of them created (`task:task_newtask`): threads, children, and the kernel's
+//! io_uring workers (`iou-wrk-*`), which issue the pager's punted reads and which the
+//! per-process instance's fork following never sees. A request issued again before it
+//! completed (requeued by the driver) counts once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::samples::{FaultSample, MappedRange, ReadRequest};
 use super::trace_event::{DeviceNumber, EventKind, TraceEvent};
@@ -85,32 +89,73 @@ pub fn model_faults(
     faults
 }
 
-/// The device's read requests that overlap a bio the program queued, with times
-/// relative to `origin_ns`. `program_events` hold the program's `block_bio_queue`
-/// events, `device_events` the device's `block_rq_issue`/`block_rq_complete`.
-pub fn program_reads(
-    program_events: &[TraceEvent],
-    device_events: &[TraceEvent],
-    device: DeviceNumber,
-    origin_ns: u64,
-) -> Vec<ReadRequest> {
-    // Sector ranges of the program's bios: start -> end (longest wins on equal starts).
+/// The tasks of the program, followed through task creation in time order.
+#[derive(Debug)]
+struct ProgramTasks {
+    root: u32,
+    tids: HashSet<u32>,
+}
+
+impl ProgramTasks {
+    fn new(root: u32) -> Self {
+        Self {
+            root,
+            tids: HashSet::from([root]),
+        }
+    }
+
+    /// `creator` created `created`: ours if the creator is. A tid another process's
+    /// task gets is no longer ours (tids are reused); the root is ours from the start,
+    /// though someone else (the runner) created it.
+    fn created(&mut self, creator: u32, created: u32) {
+        if self.tids.contains(&creator) {
+            self.tids.insert(created);
+        } else if created != self.root {
+            self.tids.remove(&created);
+        }
+    }
+
+    fn contains(&self, tid: u32) -> bool {
+        self.tids.contains(&tid)
+    }
+}
+
+/// Sector ranges of the reads the program's tasks queued on `device`: start -> end
+/// (longest wins on equal starts). `events` hold `task_newtask` and `block_bio_queue`
+/// events of every process, in time order; `root` is the program's first task.
+fn program_bios(events: &[TraceEvent], root: u32, device: DeviceNumber) -> BTreeMap<u64, u64> {
+    let mut tasks = ProgramTasks::new(root);
     let mut bios: BTreeMap<u64, u64> = BTreeMap::new();
-    for event in program_events {
-        if let EventKind::BioQueue {
-            dev,
-            rwbs,
-            sector,
-            sectors,
-        } = &event.kind
-        {
-            if *dev == device && rwbs.contains('R') {
+    for event in events {
+        match &event.kind {
+            EventKind::TaskNew { pid } => tasks.created(event.tid, *pid),
+            EventKind::BioQueue {
+                dev,
+                rwbs,
+                sector,
+                sectors,
+            } if *dev == device && rwbs.contains('R') && tasks.contains(event.tid) => {
                 let end = sector + u64::from(*sectors);
                 let entry = bios.entry(*sector).or_insert(end);
                 *entry = (*entry).max(end);
             }
+            _ => {}
         }
     }
+    bios
+}
+
+/// The device's read requests that overlap a bio the program queued, with times
+/// relative to `origin_ns`. `device_events` hold the device's `block_bio_queue`,
+/// `block_rq_issue` and `block_rq_complete` events and every `task_newtask`, in time
+/// order; `root` is the program's first task (the child the runner started).
+pub fn program_reads(
+    device_events: &[TraceEvent],
+    root: u32,
+    device: DeviceNumber,
+    origin_ns: u64,
+) -> Vec<ReadRequest> {
+    let bios = program_bios(device_events, root, device);
     let overlaps_a_bio = |start: u64, end: u64| {
         // A bio starting before `end` whose end is past `start`. Bios are short and do
         // not nest, so the last few starting before `end` are enough to look at.
@@ -223,46 +268,62 @@ mod tests {
         assert_eq!(faults[2].latency_ns, None);
     }
 
-    #[test]
-    fn reads_are_attributed_by_the_program_s_bios() {
-        let dev = DeviceNumber {
-            major: 254,
-            minor: 0,
-        };
-        let other = DeviceNumber { major: 8, minor: 0 };
-        let bio = |sector, sectors| EventKind::BioQueue {
-            dev,
+    const DEV: DeviceNumber = DeviceNumber {
+        major: 254,
+        minor: 0,
+    };
+
+    fn bio(sector: u64, sectors: u32) -> EventKind {
+        EventKind::BioQueue {
+            dev: DEV,
             rwbs: "RA".into(),
             sector,
             sectors,
-        };
-        let issue = |dev, sector, sectors: u32| EventKind::RequestIssue {
+        }
+    }
+
+    fn issue(dev: DeviceNumber, sector: u64, sectors: u32) -> EventKind {
+        EventKind::RequestIssue {
             dev,
             rwbs: "RA".into(),
             bytes: u64::from(sectors) * 512,
             sector,
             sectors,
-        };
-        let complete = |sector| EventKind::RequestComplete {
-            dev,
+        }
+    }
+
+    fn complete(sector: u64) -> EventKind {
+        EventKind::RequestComplete {
+            dev: DEV,
             rwbs: "RA".into(),
             sector,
             sectors: 8,
             error: 0,
-        };
-        let program = [event(1, 5, bio(1000, 8)), event(2, 5, bio(1008, 8))];
+        }
+    }
+
+    fn new_task(pid: u32) -> EventKind {
+        EventKind::TaskNew { pid }
+    }
+
+    #[test]
+    fn reads_are_attributed_by_the_program_s_bios() {
+        let other = DeviceNumber { major: 8, minor: 0 };
         let device = [
+            event(1, 5, bio(1000, 8)),
+            event(2, 5, bio(1008, 8)),
+            event(2, 9, bio(5000, 8)),
             // Two merged bios of the program.
-            event(3, 5, issue(dev, 1000, 16)),
-            // Requeued and issued again.
-            event(5, 5, issue(dev, 1000, 16)),
+            event(3, 5, issue(DEV, 1000, 16)),
             // Someone else's read on the same device, and a read on another device.
-            event(4, 9, issue(dev, 5000, 8)),
+            event(4, 9, issue(DEV, 5000, 8)),
             event(4, 9, issue(other, 1000, 8)),
+            // Requeued and issued again.
+            event(5, 5, issue(DEV, 1000, 16)),
             event(10, 0, complete(1000)),
             event(11, 0, complete(5000)),
         ];
-        let reads = program_reads(&program, &device, dev, 1000);
+        let reads = program_reads(&device, 5, DEV, 1000);
         assert_eq!(
             reads,
             vec![ReadRequest {
@@ -271,5 +332,38 @@ mod tests {
                 bytes: 8192
             }]
         );
+    }
+
+    #[test]
+    fn reads_of_every_task_the_program_created_count_and_no_one_else_s() {
+        let device = [
+            // The runner (1) starts the program (5): ours all the same.
+            event(1, 1, new_task(5)),
+            // The program's thread 6 and an io_uring worker 7 that thread 6's ring
+            // created (no fork event announces it), which creates worker 8.
+            event(2, 5, new_task(6)),
+            event(3, 6, new_task(7)),
+            event(4, 7, new_task(8)),
+            // Another process (9) creates 10.
+            event(5, 9, new_task(10)),
+            event(10, 5, bio(1000, 8)),
+            event(11, 6, bio(2000, 8)),
+            event(12, 7, bio(3000, 8)),
+            event(13, 8, bio(4000, 8)),
+            event(14, 9, bio(5000, 8)),
+            event(15, 10, bio(6000, 8)),
+            // Worker 7 exits; another process's new task gets its tid.
+            event(20, 9, new_task(7)),
+            event(21, 7, bio(7000, 8)),
+        ];
+        let issues: Vec<TraceEvent> = (1..=7)
+            .map(|i| event(30 + i, 0, issue(DEV, i * 1000, 8)))
+            .collect();
+        let events: Vec<TraceEvent> = device.into_iter().chain(issues).collect();
+        let issued_us: Vec<u64> = program_reads(&events, 5, DEV, 0)
+            .iter()
+            .map(|r| r.issue_ns / 1000)
+            .collect();
+        assert_eq!(issued_us, vec![31, 32, 33, 34]);
     }
 }

@@ -18,13 +18,15 @@ between fork and exec. Pager side: `hyperoffload run --budget B --stats F --trac
 in an unlimited cgroup used only to measure its peak.
 - Tracing: tracefs directly, two private instances per run (`instances/hyperoffload-PID-*`, \
 `trace_clock` mono). Instance 1 follows the program (`set_event_pid` written by the child \
-before exec, `options/event-fork`) with `exceptions:page_fault_user`, `sched:sched_switch`, \
-`raw_syscalls:sys_enter` (kernel side) and `block:block_bio_queue` filtered by the model's \
-device. Instance 2 has `block:block_rq_issue`/`block_rq_complete` filtered by the device \
-(`dev == MKDEV(major, minor)` of the disk holding the model), since completions run in \
-interrupt context. The raw event text is kept as `run-*.events.txt` and `run-*.block.txt`.
-- Reads: the device's read requests that overlap a bio the program queued; bytes, count and \
-sizes from `block_rq_issue`, bandwidth per 100 ms by `block_rq_complete` time.
+before exec, `options/event-fork`) with `exceptions:page_fault_user`, `sched:sched_switch` and \
+`raw_syscalls:sys_enter` (kernel side). Instance 2 has `block:block_bio_queue` and \
+`block:block_rq_issue`/`block_rq_complete` filtered by the device (`dev == MKDEV(major, \
+minor)` of the disk holding the model), since completions run in interrupt context, and \
+`task:task_newtask`. The raw event text is kept as `run-*.events.txt` and `run-*.block.txt`.
+- Reads: the device's read requests that overlap a bio one of the program's tasks queued: the \
+child and, transitively, every task one of them created (threads, children, and io_uring's \
+`iou-wrk` workers, which no fork event announces); bytes, count and sizes from \
+`block_rq_issue`, bandwidth per 100 ms by `block_rq_complete` time.
 - Kernel faults: `page_fault_user` events whose address lies in the model's file mapping \
 (ranges from `/proc/PID/maps`, sampled every 25 ms). Latency: the kernel here has no fault-exit \
 tracepoint, kprobes or function_graph, so a fault's end is inferred per thread: a fault that \

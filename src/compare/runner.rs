@@ -187,15 +187,19 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let program_trace = TraceInstance::create(&format!("{unique}-proc"))?;
     program_trace.set_buffer_kb(TRACE_BUFFER_KB)?;
     program_trace.write("options/event-fork", "1")?;
-    program_trace.enable_event("block/block_bio_queue", Some(&dev_filter))?;
     if spec.side == Side::Kernel {
         program_trace.enable_event("exceptions/page_fault_user", None)?;
         program_trace.enable_event("sched/sched_switch", None)?;
         program_trace.enable_event("raw_syscalls/sys_enter", None)?;
     }
     // Block requests complete in interrupt context: filtered by device, not process.
+    // Bios too, with every task creation: io_uring's workers are created without a
+    // fork event, so the pid filter never follows them; reads are attributed to the
+    // program's tasks afterwards (`program_reads`).
     let device_trace = TraceInstance::create(&format!("{unique}-dev"))?;
     device_trace.set_buffer_kb(TRACE_BUFFER_KB / 4)?;
+    device_trace.enable_event("block/block_bio_queue", Some(&dev_filter))?;
+    device_trace.enable_event("task/task_newtask", None)?;
     device_trace.enable_event("block/block_rq_issue", Some(&dev_filter))?;
     device_trace.enable_event("block/block_rq_complete", Some(&dev_filter))?;
 
@@ -328,8 +332,8 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let device_events = read_events(&out(&device_events_file), &mut tracing)?;
 
     let reads = program_reads(
-        &program_events,
         &device_events,
+        child.id(),
         spec.model.device,
         origin_mono_ns,
     );

@@ -67,6 +67,9 @@ pub enum EventKind {
         sectors: u32,
         error: i32,
     },
+    /// `task:task_newtask`: the current task created task `pid` (a thread, a child,
+    /// or a kernel worker such as io_uring's `iou-wrk`).
+    TaskNew { pid: u32 },
     /// Any other event, by name.
     Other(String),
 }
@@ -182,6 +185,9 @@ pub fn parse_line(line: &str) -> Result<Option<TraceEvent>, TraceLineError> {
                 error,
             }
         }
+        "task_newtask" => EventKind::TaskNew {
+            pid: number(field(text, "pid=")).ok_or_else(bad)?,
+        },
         other => EventKind::Other(other.to_string()),
     };
     Ok(Some(TraceEvent {
@@ -322,6 +328,13 @@ mod tests {
             }
         );
         assert_eq!(dev.kernel_dev_t(), 266_338_304);
+    }
+
+    #[test]
+    fn task_newtask() {
+        let event = parse("     llama-bench-900     [001] .....   5.5: task_newtask: pid=912 comm=llama bench clone_flags=3d0f00 oom_score_adj=0");
+        assert_eq!(event.tid, 900);
+        assert_eq!(event.kind, EventKind::TaskNew { pid: 912 });
     }
 
     #[test]
