@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use hyperoffload::compare::report::failed_runs;
 use hyperoffload::compare::{compare, find_model_argument, CompareConfig};
 use hyperoffload::size::{format_size, parse_size};
 
@@ -106,6 +107,17 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
         "wrote {}/report.md, report.json and plots",
         args.out.display()
     );
+    // The report is written either way (a failure is worth reading), but a script
+    // running compare must not take a run that failed for a comparison made.
+    let failed = failed_runs(&report.runs);
+    if !failed.is_empty() {
+        bail!(
+            "{} of {} runs failed, left out of the figures: {}",
+            failed.len(),
+            report.runs.len(),
+            failed.join(", ")
+        );
+    }
     Ok(())
 }
 

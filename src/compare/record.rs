@@ -7,11 +7,12 @@ use super::program_output::ProgramFigures;
 use super::samples::MemorySample;
 
 /// Which way the program's model was paged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Side {
     /// Unchanged program: mmap, page cache and readahead, in a memory cgroup limited to
     /// the budget.
+    #[default]
     Kernel,
     /// The program under the shim (`hyperoffload run`) with the same budget.
     Pager,
@@ -87,7 +88,7 @@ pub struct TracingFigures {
     pub event_files: Vec<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
     pub side: Side,
     /// 1-based, per side.

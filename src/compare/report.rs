@@ -41,6 +41,22 @@ smaps `Rss` of the model mapping (kernel), the pager's `peak_resident_bytes` (pa
 peak: largest sampled VmRSS sum over the cgroup's processes.
 - Medians over runs, spread as min-max; ratio = pager median / kernel median.";
 
+/// The runs whose program failed, each named with its exit status and stderr file.
+pub fn failed_runs(runs: &[RunRecord]) -> Vec<String> {
+    runs.iter()
+        .filter(|r| !r.succeeded())
+        .map(|r| {
+            format!(
+                "{} run {} (exit {}, see `{}`)",
+                r.side.name(),
+                r.index,
+                r.exit_code.map_or("by signal".into(), |c| c.to_string()),
+                r.stderr_file
+            )
+        })
+        .collect()
+}
+
 /// What was compared.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReportHeader {
@@ -258,20 +274,7 @@ impl Report {
             }
             let _ = writeln!(md);
         }
-        let failed: Vec<String> = self
-            .runs
-            .iter()
-            .filter(|r| !r.succeeded())
-            .map(|r| {
-                format!(
-                    "{} run {} (exit {}, see `{}`)",
-                    r.side.name(),
-                    r.index,
-                    r.exit_code.map_or("by signal".into(), |c| c.to_string()),
-                    r.stderr_file
-                )
-            })
-            .collect();
+        let failed = failed_runs(&self.runs);
         if !failed.is_empty() {
             let _ = writeln!(
                 md,
@@ -387,4 +390,37 @@ pub const PLOTS: &[(&str, &str)] = &[
 /// The standard bucket edges, for a report's header fields.
 pub fn standard_edges() -> (Vec<f64>, Vec<u64>) {
     (LATENCY_EDGES_US.to_vec(), request_size_edges())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(side: Side, index: usize, exit_code: Option<i32>) -> RunRecord {
+        RunRecord {
+            side,
+            index,
+            exit_code,
+            stderr_file: format!("run-{}-{index}.stderr", side.name()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn failed_runs_name_each_failure_and_nothing_else() {
+        let runs = [
+            run(Side::Kernel, 1, Some(0)),
+            run(Side::Pager, 1, Some(1)),
+            run(Side::Kernel, 2, None),
+            run(Side::Pager, 2, Some(0)),
+        ];
+        assert_eq!(
+            failed_runs(&runs),
+            [
+                "pager run 1 (exit 1, see `run-pager-1.stderr`)",
+                "kernel run 2 (exit by signal, see `run-kernel-2.stderr`)"
+            ]
+        );
+        assert!(failed_runs(&runs[..1]).is_empty());
+    }
 }

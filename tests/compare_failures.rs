@@ -1,0 +1,59 @@
+//! `hyperoffload compare` of a program that fails: the report is written and names the
+//! failed runs, and compare exits non-zero. Needs root (cgroups, tracefs,
+//! drop_caches); one run per side of `false`, so it takes about a second.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_hyperoffload");
+
+fn is_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root && std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1") {
+        eprintln!("skipped: compare needs root (memory cgroups, tracefs, drop_caches)");
+        return false;
+    }
+    assert!(
+        root,
+        "compare needs root (memory cgroups, tracefs, drop_caches)"
+    );
+    true
+}
+
+fn out_dir(name: &str) -> PathBuf {
+    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = base.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn compare_of_a_failing_program_writes_the_report_and_exits_non_zero() {
+    if !is_root() {
+        return;
+    }
+    let out = out_dir("compare-failing");
+    std::fs::create_dir_all(&out).unwrap();
+    let model = out.join("model.gguf");
+    std::fs::write(&model, vec![0u8; 1 << 20]).unwrap();
+    let output = Command::new(BIN)
+        .args(["compare", "--budget", "50%", "--runs", "1", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .args(["--", "false"])
+        .output()
+        .expect("start hyperoffload");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "compare exited 0: {stderr}");
+    for run in ["kernel run 1 (exit 1", "pager run 1 (exit 1"] {
+        assert!(stderr.contains(run), "{run} not named: {stderr}");
+    }
+    let markdown = std::fs::read_to_string(out.join("report.md")).expect("report.md");
+    assert!(markdown.contains("**Failed runs"), "{markdown}");
+    assert!(out.join("report.json").is_file());
+    let _ = std::fs::remove_dir_all(&out);
+}
