@@ -219,9 +219,11 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             command
         }
         Side::Pager => {
-            // The launcher refuses to overwrite these.
-            let _ = std::fs::remove_file(out(&stats_file));
-            let _ = std::fs::remove_file(out(&pager_trace_file));
+            // The launcher and the shim refuse to overwrite these, and a file a previous
+            // run left would pass for this run's.
+            for file in pager_outputs(&stats_file, &pager_trace_file) {
+                let _ = std::fs::remove_file(out(&file));
+            }
             let mut command = Command::new(spec.launcher);
             command
                 .arg("run")
@@ -424,6 +426,17 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             latency_cdf: latency_cdf(&faults, 2_000),
         },
     })
+}
+
+/// Every file a pager run writes in the output directory, given its `--stats` and
+/// `--trace` names: the shim puts its own events beside the trace
+/// (`<trace>.events.jsonl`).
+fn pager_outputs(stats_file: &str, trace_file: &str) -> [String; 3] {
+    [
+        stats_file.to_string(),
+        trace_file.to_string(),
+        format!("{trace_file}.events.jsonl"),
+    ]
 }
 
 /// The parsed events of a captured trace file, in time order. Events the comparison
