@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use hyperoffload::compare::figures::LatencyFigures;
 use hyperoffload::compare::program_output::ProgramFigures;
 use hyperoffload::compare::record::{RunRecord, Side};
 use hyperoffload::compare::{compare, CompareConfig};
@@ -329,6 +330,18 @@ fn side_median(
     median(&mut values)
 }
 
+/// The median of a latency figure over a side's runs that measured one: a run in which
+/// no fault waited has no latency (compare's report shows "–"), not a latency of 0.
+fn latency_median(
+    runs: &[RunRecord],
+    side: Side,
+    figure: impl Fn(&LatencyFigures) -> f64,
+) -> Option<f64> {
+    side_median(runs, side, |r| {
+        (r.faults.waited_faults > 0).then(|| figure(&r.faults.latency))
+    })
+}
+
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.tokens == 0 || args.runs == 0 {
         bail!("--tokens and --runs must be at least 1");
@@ -441,10 +454,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             device_bps: budget_device_bps,
             kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
             pager_read_mb_s: side_median(runs, Side::Pager, |r| Some(r.io.mean_bandwidth_mb_s)),
-            kernel_p50_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p50_us)),
-            kernel_p99_us: side_median(runs, Side::Kernel, |r| Some(r.faults.latency.p99_us)),
-            pager_p50_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p50_us)),
-            pager_p99_us: side_median(runs, Side::Pager, |r| Some(r.faults.latency.p99_us)),
+            kernel_p50_us: latency_median(runs, Side::Kernel, |l| l.p50_us),
+            kernel_p99_us: latency_median(runs, Side::Kernel, |l| l.p99_us),
+            pager_p50_us: latency_median(runs, Side::Pager, |l| l.p50_us),
+            pager_p99_us: latency_median(runs, Side::Pager, |l| l.p99_us),
             kernel_first_token_s: side_median(first, Side::Kernel, |r| Some(r.wall_s)),
             pager_first_token_s: side_median(first, Side::Pager, |r| Some(r.wall_s)),
             kernel_first_token_bytes: side_median(first, Side::Kernel, |r| {
@@ -673,6 +686,35 @@ mod tests {
         let missing: Vec<&str> = table[3].split('|').map(str::trim).collect();
         assert_eq!(&missing[5..8], ["–", "3500", "–"], "{}", table[3]);
         assert!(markdown.contains("2800 MB/s against 3500 alone just before (80 %)"));
+    }
+
+    fn run_record(side: Side, exit_code: i32, waited_p50_us: Option<f64>) -> RunRecord {
+        let mut record = RunRecord {
+            side,
+            exit_code: Some(exit_code),
+            ..Default::default()
+        };
+        if let Some(p50_us) = waited_p50_us {
+            record.faults.waited_faults = 5;
+            record.faults.latency.measured = 5;
+            record.faults.latency.p50_us = p50_us;
+        }
+        record
+    }
+
+    #[test]
+    fn latency_medians_skip_runs_without_a_waited_fault() {
+        let runs = [
+            run_record(Side::Kernel, 0, Some(100.0)),
+            run_record(Side::Kernel, 0, None),
+            run_record(Side::Kernel, 0, None),
+            // A failed run does not count either.
+            run_record(Side::Kernel, 1, Some(900.0)),
+            run_record(Side::Pager, 0, None),
+        ];
+        let p50 = |side| latency_median(&runs, side, |l| l.p50_us);
+        assert_eq!(p50(Side::Kernel), Some(100.0));
+        assert_eq!(p50(Side::Pager), None);
     }
 
     #[test]
