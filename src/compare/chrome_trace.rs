@@ -48,6 +48,20 @@ impl<'a> TensorLocator<'a> {
     }
 }
 
+/// The region the tensor table describes: the first file the pager mapped (region ids
+/// count from 0), which the trace's `file` metadata names. Faults in other regions are
+/// in other files, whose tensors the trace does not say: they stay unnamed rather than
+/// take the first file's names.
+const NAMED_REGION: u32 = 0;
+
+/// The tensor a fault hit, if its region is the one the table describes.
+fn tensor_of<'a>(locator: Option<&TensorLocator<'a>>, r: &TraceRecord) -> Option<&'a TensorInfo> {
+    if r.region != NAMED_REGION {
+        return None;
+    }
+    locator?.at(r.file_offset, r.block_size)
+}
+
 pub fn outcome_name(outcome: FaultOutcome) -> &'static str {
     match outcome {
         FaultOutcome::Missing => "missing",
@@ -57,7 +71,8 @@ pub fn outcome_name(outcome: FaultOutcome) -> &'static str {
     }
 }
 
-/// The trace document. `metadata` goes to `otherData`.
+/// The trace document. `tensors` are the first mapped file's (region 0); `metadata`
+/// goes to `otherData`.
 pub fn chrome_trace(
     records: &[TraceRecord],
     tensors: Option<&[TensorInfo]>,
@@ -67,9 +82,7 @@ pub fn chrome_trace(
     let events: Vec<Value> = records
         .iter()
         .map(|r| {
-            let tensor = locator
-                .as_ref()
-                .and_then(|l| l.at(r.file_offset, r.block_size));
+            let tensor = tensor_of(locator.as_ref(), r);
             let name = tensor.map_or_else(|| format!("block {}", r.block), |t| t.name.clone());
             json!({
                 "name": name,
@@ -98,15 +111,13 @@ pub fn chrome_trace(
     })
 }
 
-/// The CSV next to the JSON: the trace's columns plus the tensor name.
+/// The CSV next to the JSON: the trace's columns plus the tensor name (region 0's
+/// faults only, as in [`chrome_trace`]).
 pub fn named_csv(records: &[TraceRecord], tensors: Option<&[TensorInfo]>) -> String {
     let locator = tensors.map(TensorLocator::new);
     let mut csv = format!("{},tensor\n", crate::trace::HEADER);
     for r in records {
-        let tensor = locator
-            .as_ref()
-            .and_then(|l| l.at(r.file_offset, r.block_size))
-            .map_or("", |t| t.name.as_str());
+        let tensor = tensor_of(locator.as_ref(), r).map_or("", |t| t.name.as_str());
         csv.push_str(&format!(
             "{},{},{},{},{},{},{},{},{}\n",
             r.t_ns,
@@ -194,5 +205,24 @@ mod tests {
         ));
         assert!(csv.contains(",missing,25000,blk.0.attn_q.weight\n"));
         assert!(csv.ends_with(",resident,25000,\n"));
+    }
+
+    #[test]
+    fn faults_in_other_files_are_not_named_by_the_first_file_s_tensors() {
+        let tensors = [tensor("blk.0.attn_q.weight", 0, 8192)];
+        let second_file = TraceRecord {
+            region: 1,
+            ..record(0, FaultOutcome::Missing)
+        };
+        let records = [record(0, FaultOutcome::Missing), second_file];
+        let trace = chrome_trace(&records, Some(&tensors), json!({}));
+        let events = trace["traceEvents"].as_array().unwrap();
+        assert_eq!(events[0]["name"], "blk.0.attn_q.weight");
+        assert_eq!(events[1]["name"], "block 0");
+        assert_eq!(events[1]["args"]["tensor"], Value::Null);
+        let csv = named_csv(&records, Some(&tensors));
+        let lines: Vec<&str> = csv.lines().collect();
+        assert!(lines[1].ends_with(",blk.0.attn_q.weight"), "{csv}");
+        assert!(lines[2].ends_with(",missing,25000,"), "{csv}");
     }
 }
