@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use hyperoffload::compare::report::failed_runs;
 use hyperoffload::compare::{compare, find_model_argument, CompareConfig};
-use hyperoffload::size::{format_size, parse_size};
+use hyperoffload::size::format_size;
 
 #[derive(clap::Args)]
 pub struct CompareArgs {
@@ -62,13 +62,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     let model_len = std::fs::metadata(&model)
         .with_context(|| model.display().to_string())?
         .len();
-    let budget = match args.budget.strip_suffix('%') {
-        Some(share) => {
-            let share: f64 = share.trim().parse().context("--budget percentage")?;
-            (model_len as f64 * share / 100.0) as u64
-        }
-        None => parse_size(&args.budget)?,
-    };
+    let budget = super::budget_bytes(&args.budget, model_len)?;
     if euid() != 0 {
         eprintln!("warning: not root: the page cache cannot be dropped, so the comparison is not cold (the report says so); cgroups and tracefs will likely fail too");
     }
