@@ -70,3 +70,65 @@ fn the_fuzzers_seed_files_parse() {
         hyperoffload::graph::store::decode(&graph, std::path::Path::new("small.json")).unwrap();
     assert_eq!(saved.layout.block_size, 65536);
 }
+
+/// A recording, as `hyperoffload run --trace` writes it: the fuzzers' seed.
+fn recording() -> Vec<u8> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::read(root.join("fuzz/seeds/trace_reader/small.csv")).unwrap()
+}
+
+/// `hyperoffload trace ARGS` run in `dir`.
+fn trace_in(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .arg("trace")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn trace_from_the_csv_it_would_write_keeps_the_recording() {
+    // `./trace.csv` is the default `--out trace.json`'s CSV under another spelling:
+    // copying it onto itself used to truncate it.
+    let dir = TempDir::new("trace-from-self");
+    let csv = dir.path("trace.csv");
+    let absolute = csv.to_str().unwrap().to_string();
+    for from in ["./trace.csv", absolute.as_str()] {
+        std::fs::write(&csv, recording()).unwrap();
+        let output = trace_in(&dir.0, &["--from", from]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "--from {from}: {stderr}");
+        assert_eq!(std::fs::read(&csv).unwrap(), recording(), "--from {from}");
+        assert!(stderr.contains("4 faults"), "{stderr}");
+        let json = std::fs::read_to_string(dir.path("trace.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&json).unwrap();
+    }
+}
+
+#[test]
+fn trace_refuses_an_out_that_would_write_the_json_over_the_csv() {
+    let dir = TempDir::new("trace-out-csv");
+    let csv = dir.path("rec.csv");
+    std::fs::write(&csv, recording()).unwrap();
+    let output = trace_in(&dir.0, &["--from", "rec.csv", "--out", "rec.csv"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "accepted: {stderr}");
+    assert!(stderr.contains("--out rec.json"), "{stderr}");
+    assert_eq!(std::fs::read(&csv).unwrap(), recording(), "CSV changed");
+    // Nor may the recording be the tensor-named CSV the trace writes.
+    let named = dir.path("x.tensors.csv");
+    std::fs::write(&named, recording()).unwrap();
+    let output = trace_in(&dir.0, &["--from", "x.tensors.csv", "--out", "x.json"]);
+    assert!(!output.status.success());
+    assert_eq!(
+        std::fs::read(&named).unwrap(),
+        recording(),
+        "recording changed"
+    );
+    // A .json name writes all three.
+    let output = trace_in(&dir.0, &["--from", "rec.csv", "--out", "rec.json"]);
+    assert!(output.status.success());
+    assert_eq!(std::fs::read(&csv).unwrap(), recording());
+    assert!(dir.path("rec.json").is_file() && dir.path("rec.tensors.csv").is_file());
+}

@@ -3,6 +3,7 @@
 
 use std::ffi::OsString;
 use std::io::BufReader;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -16,13 +17,17 @@ use hyperoffload::trace::TraceReader;
 #[derive(clap::Args)]
 pub struct TraceArgs {
     /// The Chrome trace JSON to write; the pager's CSV goes next to it (`.csv`, the
-    /// format `simulate --trace` reads) with a tensor-named copy (`.tensors.csv`).
+    /// format `simulate --trace` reads) with a tensor-named copy (`.tensors.csv`). A
+    /// name ending in .csv is refused: the JSON would overwrite the CSV (`--out rec.json`
+    /// writes rec.csv too).
     #[arg(long, default_value = "trace.json")]
     out: PathBuf,
     /// RAM budget for the pager (a size or `N%` of the model).
     #[arg(long, default_value = "50%")]
     budget: String,
-    /// Convert this recorded fault trace CSV instead of running a program.
+    /// Convert this recorded fault trace CSV instead of running a program. It is copied
+    /// to the CSV beside --out unless it is that file (by any name); it may not be the
+    /// JSON or the tensor-named CSV, which would overwrite it.
     #[arg(long, conflicts_with = "program")]
     from: Option<PathBuf>,
     /// The model file, for tensor names (default: the program's *.gguf/*.safetensors
@@ -35,27 +40,23 @@ pub struct TraceArgs {
 }
 
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
-    let csv = args.out.with_extension("csv");
+    let outputs = Outputs::for_json(&args.out)?;
+    let csv = &outputs.csv;
     let model = args
         .model
         .clone()
         .or_else(|| find_model_argument(&args.program));
     match &args.from {
-        Some(from) => {
-            if from != &csv {
-                std::fs::copy(from, &csv)
-                    .with_context(|| format!("copying {} to {}", from.display(), csv.display()))?;
-            }
-        }
+        Some(from) => copy_recording(from, &outputs)?,
         None => {
             // The launcher refuses to overwrite a trace.
-            let _ = std::fs::remove_file(&csv);
+            let _ = std::fs::remove_file(csv);
             let status = Command::new(std::env::current_exe()?)
                 .arg("run")
                 .arg("--budget")
                 .arg(&args.budget)
                 .arg("--trace")
-                .arg(&csv)
+                .arg(csv)
                 .arg("--")
                 .args(&args.program)
                 .status()
@@ -69,7 +70,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         }
     }
     let reader = TraceReader::new(BufReader::new(
-        std::fs::File::open(&csv).with_context(|| csv.display().to_string())?,
+        std::fs::File::open(csv).with_context(|| csv.display().to_string())?,
     ))?;
     let metadata: serde_json::Map<String, serde_json::Value> = reader
         .metadata()
@@ -88,15 +89,12 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         .map(|a| a.to_string_lossy())
         .collect::<Vec<_>>());
     let trace = chrome_trace(&records, tensors.as_deref(), metadata);
-    write(&args.out, &serde_json::to_string(&trace)?)?;
-    write(
-        &args.out.with_extension("tensors.csv"),
-        &named_csv(&records, tensors.as_deref()),
-    )?;
+    write(&outputs.json, &serde_json::to_string(&trace)?)?;
+    write(&outputs.tensors, &named_csv(&records, tensors.as_deref()))?;
     eprintln!(
         "{} faults: {} (open in ui.perfetto.dev), {} (simulate --trace)",
         records.len(),
-        args.out.display(),
+        outputs.json.display(),
         csv.display()
     );
     Ok(())
@@ -104,4 +102,116 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
 
 fn write(path: &Path, text: &str) -> anyhow::Result<()> {
     std::fs::write(path, text).with_context(|| path.display().to_string())
+}
+
+/// The files a trace writes, all named after `--out`.
+#[derive(Debug, PartialEq)]
+struct Outputs {
+    /// The Chrome trace.
+    json: PathBuf,
+    /// The pager's fault CSV, as `simulate --trace` reads it.
+    csv: PathBuf,
+    /// The CSV with tensor names.
+    tensors: PathBuf,
+}
+
+impl Outputs {
+    /// The outputs for `--out json`; refused when two of them would be one file, which
+    /// happens exactly when `json` ends in `.csv` (or has no file name to replace the
+    /// extension of): the JSON would be written over the CSV it is made from.
+    fn for_json(json: &Path) -> anyhow::Result<Self> {
+        let outputs = Self {
+            json: json.to_path_buf(),
+            csv: json.with_extension("csv"),
+            tensors: json.with_extension("tensors.csv"),
+        };
+        if outputs.json == outputs.csv || outputs.json == outputs.tensors {
+            bail!(
+                "--out {}: the Chrome trace JSON would overwrite the fault CSV written beside \
+                 it; give --out a .json name (--out {} writes {} too)",
+                json.display(),
+                json.with_extension("json").display(),
+                json.with_extension("csv").display()
+            );
+        }
+        Ok(outputs)
+    }
+}
+
+/// Puts the recording `from` where the trace's CSV goes. Files are compared by identity,
+/// not by name: `./trace.csv` and `trace.csv` are one file, and copying a file onto
+/// itself truncates it before reading it.
+fn copy_recording(from: &Path, outputs: &Outputs) -> anyhow::Result<()> {
+    for (what, output) in [
+        ("Chrome trace JSON", &outputs.json),
+        ("tensor-named CSV", &outputs.tensors),
+    ] {
+        if same_file(from, output)? {
+            bail!(
+                "--from {}: that is where the {what} goes, which would overwrite the \
+                 recording; choose another --out",
+                from.display()
+            );
+        }
+    }
+    if !same_file(from, &outputs.csv)? {
+        std::fs::copy(from, &outputs.csv)
+            .with_context(|| format!("copying {} to {}", from.display(), outputs.csv.display()))?;
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` are the same existing file (same device and inode, whatever the
+/// spelling, symlinks followed). A path naming no file is no file: not the same.
+fn same_file(a: &Path, b: &Path) -> anyhow::Result<bool> {
+    let metadata = |path: &Path| match std::fs::metadata(path) {
+        Ok(metadata) => Ok(Some(metadata)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error).with_context(|| path.display().to_string()),
+    };
+    Ok(match (metadata(a)?, metadata(b)?) {
+        (Some(a), Some(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_are_named_after_the_json() {
+        let outputs = Outputs::for_json(Path::new("dir/rec.json")).unwrap();
+        assert_eq!(outputs.csv, Path::new("dir/rec.csv"));
+        assert_eq!(outputs.tensors, Path::new("dir/rec.tensors.csv"));
+        let outputs = Outputs::for_json(Path::new("rec")).unwrap();
+        assert_eq!(outputs.json, Path::new("rec"));
+        assert_eq!(outputs.csv, Path::new("rec.csv"));
+    }
+
+    #[test]
+    fn an_out_whose_json_would_be_the_csv_is_refused() {
+        for out in ["rec.csv", "rec.tensors.csv", "/", ".."] {
+            let error = Outputs::for_json(Path::new(out)).unwrap_err().to_string();
+            assert!(error.contains("would overwrite"), "{out}: {error}");
+        }
+    }
+
+    #[test]
+    fn same_file_sees_through_spellings_and_links() {
+        let dir = std::env::temp_dir().join(format!("trace-same-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("a.csv");
+        std::fs::write(&file, "x").unwrap();
+        let link = dir.join("link.csv");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        let other = dir.join("b.csv");
+        std::fs::write(&other, "x").unwrap();
+        assert!(same_file(&file, &dir.join(".").join("a.csv")).unwrap());
+        assert!(same_file(&file, &link).unwrap());
+        assert!(!same_file(&file, &other).unwrap());
+        assert!(!same_file(&file, &dir.join("missing.csv")).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
