@@ -683,3 +683,65 @@ fn a_model_mapped_into_the_unmapped_head_of_another_is_served_and_so_is_the_rest
     let json = read_stats(&stats);
     assert!(json["managed_mappings"].as_u64().unwrap() >= 2, "{json}");
 }
+
+/// A GGUF with one 64 MiB tensor: as large as the launcher's default `--min-size`, which
+/// `hyperoffload trace` uses, and with a tensor table for the trace's names.
+fn trace_model(path: &Path) {
+    use hyperoffload::model::ggml_type::GgmlType;
+    use hyperoffload::model::gguf::{GgufValue, GgufWriter, NewTensor};
+    let tensor = NewTensor {
+        name: "blob".to_string(),
+        dims: vec![16 << 20],
+        ggml_type: GgmlType::F32,
+    };
+    let metadata = [("general.name".to_string(), GgufValue::string("blob"))];
+    let file = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut writer = GgufWriter::new(file, &metadata, vec![tensor], 32).unwrap();
+    let piece: Vec<u8> = (0..1u64 << 20).map(pattern_byte).collect();
+    for _ in 0..64 {
+        writer.write_data(&piece).unwrap();
+    }
+    use std::io::Write;
+    writer.finish().unwrap().flush().unwrap();
+}
+
+/// `hyperoffload trace --out OUT -- victim sum-exit MODEL CODE` in the setup's directory.
+fn traced_sum_exit(setup: &Setup, out: &Path, model: &Path, code: &str) -> Output {
+    Command::new(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .arg("trace")
+        .arg("--out")
+        .arg(out)
+        .arg("--")
+        .arg(&setup.victim)
+        .arg("sum-exit")
+        .arg(model)
+        .arg(code)
+        .current_dir(&setup.dir.0)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn trace_passes_the_programs_exit_status_through_and_still_writes_the_trace() {
+    let setup = setup("shim-trace-status");
+    let model = setup.dir.path("m.gguf");
+    trace_model(&model);
+    let out = setup.dir.path("t.json");
+    let output = traced_sum_exit(&setup, &out, &model, "3");
+    let messages = stderr(&output);
+    assert_eq!(output.status.code(), Some(3), "{messages}");
+    assert!(
+        stdout(&output).contains("kind anon"),
+        "not served by the pager"
+    );
+    assert!(messages.contains("faults: "), "{messages}");
+    let csv = std::fs::read_to_string(setup.dir.path("t.csv")).unwrap();
+    assert!(csv.lines().count() > 2, "no faults recorded:\n{csv}");
+    let json = std::fs::read_to_string(&out).unwrap();
+    serde_json::from_str::<serde_json::Value>(&json).unwrap();
+    assert!(setup.dir.path("t.tensors.csv").is_file());
+    // And success stays success.
+    let output = traced_sum_exit(&setup, &out, &model, "0");
+    assert_success(&output, "trace of a program that succeeded");
+}

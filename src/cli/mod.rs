@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod compare;
 mod exec_check;
+mod exit_status;
 mod inspect;
 mod run;
 mod scan;
@@ -54,7 +55,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
         Command::Scan(args) => scan::run(args),
         Command::Bench(args) => bench::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
-        Command::Trace(args) => trace::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Trace(args) => trace::run(args),
         Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Synth(args) => synth::run(args).map(|()| std::process::ExitCode::SUCCESS),

@@ -1,11 +1,12 @@
 //! `hyperoffload trace`: a program's faults under the pager, as a Chrome/Perfetto trace
-//! and the block-access CSV that `simulate` replays.
+//! and the block-access CSV that `simulate` replays. The exit status is the program's
+//! (see `exit_status`), after the trace is written.
 
 use std::ffi::OsString;
 use std::io::BufReader;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode, ExitStatus};
 
 use anyhow::{bail, Context};
 use serde_json::json;
@@ -13,6 +14,8 @@ use serde_json::json;
 use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv};
 use hyperoffload::compare::find_model_argument;
 use hyperoffload::trace::TraceReader;
+
+use super::exit_status;
 
 #[derive(clap::Args)]
 pub struct TraceArgs {
@@ -39,36 +42,62 @@ pub struct TraceArgs {
     program: Vec<OsString>,
 }
 
-pub fn run(args: TraceArgs) -> anyhow::Result<()> {
+/// Records (or takes `--from`) the CSV and converts it. The exit status is the
+/// program's, as `hyperoffload run` passes it on, once the trace is written: a failed
+/// program still leaves what it did, and scripts still see that it failed.
+pub fn run(args: TraceArgs) -> anyhow::Result<ExitCode> {
     let outputs = Outputs::for_json(&args.out)?;
+    let status = match &args.from {
+        Some(from) => {
+            copy_recording(from, &outputs)?;
+            None
+        }
+        None => Some(record(&args, &outputs.csv)?),
+    };
+    let failed = status.filter(|status| !status.success());
+    if let Some(status) = failed {
+        eprintln!("warning: the program ended with {status}");
+        if !outputs.csv.exists() {
+            // Nothing to convert: a program killed by a signal runs no exit handlers,
+            // so the shim wrote nothing. Its status says more than an error of ours.
+            eprintln!(
+                "`hyperoffload run` left no trace at {}",
+                outputs.csv.display()
+            );
+            return Ok(exit_status::pass_through(status));
+        }
+    }
+    convert(&args, &outputs)?;
+    Ok(failed.map_or(ExitCode::SUCCESS, exit_status::pass_through))
+}
+
+/// Runs the program under `hyperoffload run`, which writes the fault CSV at `csv`.
+fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
+    // The launcher refuses to overwrite a trace.
+    let _ = std::fs::remove_file(csv);
+    let status = Command::new(std::env::current_exe()?)
+        .arg("run")
+        .arg("--budget")
+        .arg(&args.budget)
+        .arg("--trace")
+        .arg(csv)
+        .arg("--")
+        .args(&args.program)
+        .status()
+        .context("starting `hyperoffload run`")?;
+    if status.success() && !csv.exists() {
+        bail!("`hyperoffload run` left no trace at {}", csv.display());
+    }
+    Ok(status)
+}
+
+/// Writes the Chrome trace and the tensor-named CSV from the fault CSV.
+fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
     let csv = &outputs.csv;
     let model = args
         .model
         .clone()
         .or_else(|| find_model_argument(&args.program));
-    match &args.from {
-        Some(from) => copy_recording(from, &outputs)?,
-        None => {
-            // The launcher refuses to overwrite a trace.
-            let _ = std::fs::remove_file(csv);
-            let status = Command::new(std::env::current_exe()?)
-                .arg("run")
-                .arg("--budget")
-                .arg(&args.budget)
-                .arg("--trace")
-                .arg(csv)
-                .arg("--")
-                .args(&args.program)
-                .status()
-                .context("starting `hyperoffload run`")?;
-            if !status.success() {
-                eprintln!("warning: the program ended with {status}");
-            }
-            if !csv.exists() {
-                bail!("`hyperoffload run` left no trace at {}", csv.display());
-            }
-        }
-    }
     let reader = TraceReader::new(BufReader::new(
         std::fs::File::open(csv).with_context(|| csv.display().to_string())?,
     ))?;
