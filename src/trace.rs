@@ -21,6 +21,14 @@ use crate::policy::FaultOutcome;
 
 pub const HEADER: &str = "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns";
 
+/// Where the shim writes its own events (JSON lines) beside a fault trace at `trace`:
+/// `<trace>.events.jsonl`. One definition, so whoever clears old traces finds it.
+pub fn events_path(trace: &std::path::Path) -> std::path::PathBuf {
+    let mut name = trace.as_os_str().to_owned();
+    name.push(".events.jsonl");
+    name.into()
+}
+
 /// One fault.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct TraceRecord {
@@ -231,6 +239,14 @@ impl<R: BufRead> Iterator for TraceReader<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_events_file_is_named_after_the_whole_trace_name() {
+        assert_eq!(
+            events_path(std::path::Path::new("/d/t.csv")),
+            std::path::Path::new("/d/t.csv.events.jsonl")
+        );
+    }
 
     fn record(block: u32, outcome: FaultOutcome) -> TraceRecord {
         TraceRecord {

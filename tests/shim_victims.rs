@@ -745,3 +745,26 @@ fn trace_passes_the_programs_exit_status_through_and_still_writes_the_trace() {
     let output = traced_sum_exit(&setup, &out, &model, "0");
     assert_success(&output, "trace of a program that succeeded");
 }
+
+#[test]
+fn trace_replaces_every_file_an_earlier_trace_left() {
+    let setup = setup("shim-trace-rerun");
+    let model = setup.dir.path("m.gguf");
+    trace_model(&model);
+    let out = setup.dir.path("t.json");
+    // What a previous run left (the shim refuses to overwrite its events file).
+    let events = setup.dir.path("t.csv.events.jsonl");
+    for file in ["t.json", "t.csv", "t.tensors.csv", "t.csv.events.jsonl"] {
+        std::fs::write(setup.dir.path(file), "stale\n").unwrap();
+    }
+    let output = traced_sum_exit(&setup, &out, &model, "0");
+    assert_success(&output, "rerun of a trace");
+    let messages = stderr(&output);
+    assert!(!messages.contains("cannot write"), "{messages}");
+    for file in ["t.json", "t.csv", "t.tensors.csv", "t.csv.events.jsonl"] {
+        let text = std::fs::read_to_string(setup.dir.path(file)).unwrap();
+        assert!(!text.contains("stale"), "{file} is the old one");
+    }
+    let events = std::fs::read_to_string(events).unwrap();
+    assert!(events.lines().any(|line| line.contains('{')), "{events}");
+}

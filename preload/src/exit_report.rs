@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use hyperoffload::graph::store;
 use hyperoffload::graph::Transitions;
-use hyperoffload::trace::TraceWriter;
+use hyperoffload::trace::{events_path, TraceWriter};
 
 use crate::{managed::Reentry, state};
 
@@ -116,8 +116,7 @@ extern "C" fn write_at_exit() {
         // The shim's own decisions (what it took over, hints, unmaps), one JSON a line.
         let mut lines = shim.take_trace().join("\n");
         lines.push('\n');
-        let events = PathBuf::from(format!("{}.events.jsonl", path.display()));
-        write_new(shim, &events, config.inherit, lines.as_bytes());
+        write_new(shim, &events_path(path), config.inherit, lines.as_bytes());
     }
 }
 

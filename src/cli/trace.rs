@@ -13,7 +13,7 @@ use serde_json::json;
 
 use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv};
 use hyperoffload::compare::find_model_argument;
-use hyperoffload::trace::TraceReader;
+use hyperoffload::trace::{events_path, TraceReader};
 
 use super::exit_status;
 
@@ -22,7 +22,8 @@ pub struct TraceArgs {
     /// The Chrome trace JSON to write; the pager's CSV goes next to it (`.csv`, the
     /// format `simulate --trace` reads) with a tensor-named copy (`.tensors.csv`). A
     /// name ending in .csv is refused: the JSON would overwrite the CSV (`--out rec.json`
-    /// writes rec.csv too).
+    /// writes rec.csv too). A recording replaces these files and the shim's events
+    /// beside the CSV (`.csv.events.jsonl`) from an earlier run.
     #[arg(long, default_value = "trace.json")]
     out: PathBuf,
     /// RAM budget for the pager (a size or `N%` of the model).
@@ -52,7 +53,10 @@ pub fn run(args: TraceArgs) -> anyhow::Result<ExitCode> {
             copy_recording(from, &outputs)?;
             None
         }
-        None => Some(record(&args, &outputs.csv)?),
+        None => {
+            clear_outputs(&outputs)?;
+            Some(record(&args, &outputs.csv)?)
+        }
     };
     let failed = status.filter(|status| !status.success());
     if let Some(status) = failed {
@@ -71,10 +75,9 @@ pub fn run(args: TraceArgs) -> anyhow::Result<ExitCode> {
     Ok(failed.map_or(ExitCode::SUCCESS, exit_status::pass_through))
 }
 
-/// Runs the program under `hyperoffload run`, which writes the fault CSV at `csv`.
+/// Runs the program under `hyperoffload run`, which writes the fault CSV at `csv` (and
+/// the shim's events beside it).
 fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
-    // The launcher refuses to overwrite a trace.
-    let _ = std::fs::remove_file(csv);
     let status = Command::new(std::env::current_exe()?)
         .arg("run")
         .arg("--budget")
@@ -89,6 +92,22 @@ fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
         bail!("`hyperoffload run` left no trace at {}", csv.display());
     }
     Ok(status)
+}
+
+/// Removes what an earlier trace to the same outputs left, before the program runs: the
+/// launcher and the shim never overwrite a trace (the shim keeps an old events file with
+/// only a message), and a run that leaves no trace must not leave the previous run's
+/// JSON looking like its own.
+fn clear_outputs(outputs: &Outputs) -> anyhow::Result<()> {
+    for path in outputs.all() {
+        match std::fs::remove_file(&path) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                return Err(error).with_context(|| format!("removing {}", path.display()))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Writes the Chrome trace and the tensor-named CSV from the fault CSV.
@@ -165,6 +184,16 @@ impl Outputs {
         }
         Ok(outputs)
     }
+
+    /// Every file a recording writes: these three and the shim's events beside the CSV.
+    fn all(&self) -> [PathBuf; 4] {
+        [
+            self.json.clone(),
+            self.csv.clone(),
+            self.tensors.clone(),
+            events_path(&self.csv),
+        ]
+    }
 }
 
 /// Puts the recording `from` where the trace's CSV goes. Files are compared by identity,
@@ -213,6 +242,7 @@ mod tests {
         let outputs = Outputs::for_json(Path::new("dir/rec.json")).unwrap();
         assert_eq!(outputs.csv, Path::new("dir/rec.csv"));
         assert_eq!(outputs.tensors, Path::new("dir/rec.tensors.csv"));
+        assert_eq!(outputs.all()[3], Path::new("dir/rec.csv.events.jsonl"));
         let outputs = Outputs::for_json(Path::new("rec")).unwrap();
         assert_eq!(outputs.json, Path::new("rec"));
         assert_eq!(outputs.csv, Path::new("rec.csv"));
