@@ -20,8 +20,9 @@ pub struct PolicyPair {
     /// fallback was taken.
     pub description: String,
     /// The graph must be learned from this run's faults and saved beside the model
-    /// (graph requested, no tensor table): record every fault and call
-    /// `graph::store::save` at the end.
+    /// (graph requested, neither a tensor table nor a usable saved graph): record every
+    /// fault and call `graph::store::save` at the end. Never set for a run that has a
+    /// graph (see `policies_by_name`).
     pub learn: Option<crate::graph::BlockLayout>,
 }
 
@@ -84,14 +85,18 @@ pub fn policies_by_name(
     match model.map(model_graph) {
         Some(Ok((graph, source))) => {
             let blocks = graph.layout().block_count();
-            let layout = *graph.layout();
             let prediction = GraphPrediction::new(Arc::new(graph));
             Ok(PolicyPair {
                 prefetch: prefetch.build_with(Some(&prediction)),
                 eviction: eviction.build_with(Some(&prediction)),
                 description: format!("graph ({source}, {blocks} blocks)"),
-                // A learned graph keeps learning: the next run's is fresher.
-                learn: (source == LEARNED).then_some(layout),
+                // A run with a graph learns nothing: it prefetches, so only mispredicted
+                // blocks fault, and the transitions among those few are no access order.
+                // Saving them would replace the recording with a poorer graph, and the
+                // run after that would be nearly as bad as none. The recording is kept
+                // until the model changes (its key no longer matches) or the graph file
+                // is deleted, which makes the next run record again.
+                learn: None,
             })
         }
         failed => {
@@ -140,10 +145,9 @@ fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, &'static str), Strin
         Err(error) => error.to_string(),
     };
     match store::load(hint.path) {
-        Ok(Loaded::Fresh(saved)) if saved.layout == layout => Ok((
-            ModelGraph::learned(layout, &saved.transitions),
-            "learned graph",
-        )),
+        Ok(Loaded::Fresh(saved)) if saved.layout == layout => {
+            Ok((ModelGraph::learned(layout, &saved.transitions), LEARNED))
+        }
         Ok(Loaded::Fresh(_)) => Err(format!("{table}; the saved graph is for another layout")),
         Ok(Loaded::Stale { reason, .. }) => Err(format!("{table}; saved graph ignored: {reason}")),
         Ok(Loaded::Absent) => Err(table),
@@ -209,6 +213,29 @@ mod tests {
             "{}",
             pair.description
         );
+    }
+
+    #[test]
+    fn a_run_with_a_learned_graph_keeps_it_rather_than_learning_again() {
+        let dir = std::env::temp_dir().join(format!("policy-learned-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = dir.join("m.bin");
+        std::fs::write(&model, vec![7u8; 16 * 4096]).unwrap();
+        let hint = ModelHint {
+            path: &model,
+            file_offset: 0,
+            data_len: 16 * 4096,
+            block_size: 4096,
+        };
+        let recording = policies_by_name("graph", Some(&hint)).unwrap();
+        let layout = recording.learn.expect("no graph yet: a recording run");
+        let mut transitions = crate::graph::Transitions::new();
+        transitions.observe_all((0..16).chain(0..16));
+        store::save(&model, layout, &transitions).unwrap();
+        let pair = policies_by_name("graph", Some(&hint)).unwrap();
+        assert!(pair.description.contains(LEARNED), "{}", pair.description);
+        assert!(pair.learn.is_none(), "the learned graph would be replaced");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
