@@ -353,26 +353,7 @@ fn threads_started_during_load_and_an_exit_with_reads_in_flight_end_cleanly() {
     assert_success(&expected, "plain run");
     // A hang is the failure this test exists for: bound it from outside the launcher.
     let started = std::time::Instant::now();
-    let output = Command::new("timeout")
-        .arg("60")
-        .arg(env!("CARGO_BIN_EXE_hyperoffload"))
-        .env("HYPEROFFLOAD_SHIM", shim())
-        .args([
-            "run",
-            "--budget",
-            "2M",
-            "--min-size",
-            "1M",
-            "--match",
-            "*.gguf",
-            "--stats",
-        ])
-        .arg(&stats)
-        .arg("--")
-        .arg(&setup.victim)
-        .args(["threads-exit", model])
-        .output()
-        .unwrap();
+    let output = shimmed_bounded(&setup, &stats, &["threads-exit", model]);
     assert_success(&output, "shimmed run");
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
     let seen = stdout(&output);
@@ -580,28 +561,8 @@ fn check_child_made_without_the_fork_symbol(how: &str) {
     pattern_file(&other, (4 << 20) + 77);
     let stats = setup.dir.path("stats.json");
     let started = std::time::Instant::now();
-    let output = Command::new("timeout")
-        .arg("60")
-        .arg(LAUNCHER)
-        .env("HYPEROFFLOAD_SHIM", shim())
-        .args([
-            "run",
-            "--budget",
-            "2M",
-            "--min-size",
-            "1M",
-            "--match",
-            "*.gguf",
-            "--stats",
-        ])
-        .arg(&stats)
-        .arg("--")
-        .arg(&setup.victim)
-        .arg("fork-bypass")
-        .args([&model, &other])
-        .arg(how)
-        .output()
-        .unwrap();
+    let (model_arg, other_arg) = (model.to_str().unwrap(), other.to_str().unwrap());
+    let output = shimmed_bounded(&setup, &stats, &["fork-bypass", model_arg, other_arg, how]);
     let elapsed = started.elapsed();
     assert_success(&output, how);
     let seen = stdout(&output);
