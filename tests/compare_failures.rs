@@ -3,7 +3,11 @@
 //! none of the previous pager run's files. Needs root (cgroups, tracefs,
 //! drop_caches); one run per side of `false`, so each test takes about a second.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::out_dir;
+
+use std::path::Path;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_hyperoffload");
@@ -20,15 +24,6 @@ fn is_root() -> bool {
         "compare needs root (memory cgroups, tracefs, drop_caches)"
     );
     true
-}
-
-fn out_dir(name: &str) -> PathBuf {
-    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = base.join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 fn compare_false(out: &Path) -> std::process::Output {

@@ -3,6 +3,10 @@
 //! run's fault trace through `trace` and `simulate`. Needs root (cgroups, tracefs,
 //! drop_caches), the model (tools/fetch-model.sh) and llama.cpp (tools/build-llama.sh).
 
+mod common;
+
+use common::out_dir;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -47,15 +51,6 @@ fn inputs() -> Option<(PathBuf, PathBuf)> {
         return None;
     }
     Some((model, bench))
-}
-
-fn out_dir(name: &str) -> PathBuf {
-    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let dir = base.join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 fn run(command: &mut Command) -> std::process::Output {

@@ -325,3 +325,14 @@ pub fn test_model() -> Option<PathBuf> {
     }
     panic!("{why}");
 }
+
+/// A fresh output directory for a test named `name`, under cargo's temporary directory
+/// for integration tests (or the system's), unique to this process.
+pub fn out_dir(name: &str) -> PathBuf {
+    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = base.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
