@@ -738,3 +738,63 @@ fn trace_replaces_every_file_an_earlier_trace_left() {
     let events = std::fs::read_to_string(events).unwrap();
     assert!(events.lines().any(|line| line.contains('{')), "{events}");
 }
+
+/// ^C at a terminal reaches the whole foreground group: trace, the launcher and the
+/// program. A program that ends normally on it writes its trace, and trace must still be
+/// there to convert it; it died of the ^C at once and the JSON was never written.
+#[test]
+fn trace_outlives_a_ctrl_c_that_the_program_ends_on() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let setup = setup("shim-trace-sigint");
+    let model = setup.dir.path("m.gguf");
+    trace_model(&model);
+    let out = setup.dir.path("t.json");
+    let mut child = Command::new(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .arg("trace")
+        .arg("--out")
+        .arg(&out)
+        .arg("--")
+        .arg(&setup.victim)
+        .arg("sum-then-wait-for-sigint")
+        .arg(&model)
+        .current_dir(&setup.dir.0)
+        // Its own group, as a shell's foreground job: the ^C goes to all of it.
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let group = child.id() as i32;
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let waiting = line == "waiting";
+        seen.push(line);
+        if waiting {
+            break;
+        }
+    }
+    assert!(seen.iter().any(|l| l == "waiting"), "{seen:?}");
+    // SAFETY: signals the process group this test made.
+    unsafe { libc::kill(-group, libc::SIGINT) };
+    seen.extend(lines.map(Result::unwrap));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("trace did not end after the ^C");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(status.success(), "trace: {status}; {seen:?}");
+    assert!(seen.iter().any(|l| l == "interrupted"), "{seen:?}");
+    let json = std::fs::read_to_string(&out).unwrap();
+    serde_json::from_str::<serde_json::Value>(&json).unwrap();
+}

@@ -1,7 +1,5 @@
 //! A child's exit status passed on as this process's own, so a shell or script sees what
 //! the program did: its exit code, or death by the same signal.
-//!
-//! `run.rs` does the same inline; it could call `pass_through` instead.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitCode, ExitStatus};

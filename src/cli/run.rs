@@ -14,7 +14,7 @@
 
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -216,17 +216,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     drop(private);
 
-    if let Some(code) = status.code() {
-        return Ok(ExitCode::from(code as u8));
-    }
-    let signal = status.signal().unwrap_or(libc::SIGKILL);
-    // SAFETY: restores the default action for `signal` and sends it to this process:
-    // the same death the program had. Nothing is held that needs cleaning up.
-    unsafe {
-        libc::signal(signal, libc::SIG_DFL);
-        libc::raise(signal);
-    }
-    Ok(ExitCode::from(128u8.wrapping_add(signal as u8)))
+    Ok(super::exit_status::pass_through(status))
 }
 
 /// The shim beside this executable, or where `HYPEROFFLOAD_SHIM` says.
@@ -432,9 +422,11 @@ fn restore_forwarding(previous: Handlers) {
     PENDING.store(0, Ordering::SeqCst);
 }
 
-type Handlers = [libc::sighandler_t; 2];
+pub(crate) type Handlers = [libc::sighandler_t; 2];
 
-fn ignore_interrupts() -> Handlers {
+/// Ignores the terminal's ^C and ^\\ in this process (they reach the program's process
+/// group too); call after starting the program, or it would inherit SIG_IGN.
+pub(crate) fn ignore_interrupts() -> Handlers {
     // SAFETY: setting SIG_IGN for two signals; the previous handlers are returned.
     unsafe {
         [
@@ -444,7 +436,7 @@ fn ignore_interrupts() -> Handlers {
     }
 }
 
-fn restore_interrupts(previous: Handlers) {
+pub(crate) fn restore_interrupts(previous: Handlers) {
     // SAFETY: puts back the handlers `ignore_interrupts` replaced.
     unsafe {
         libc::signal(libc::SIGINT, previous[0]);

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +65,9 @@ static void *reader(void *arg) {
   return (void *)(long)s;
 }
 
+/* For "sum-then-wait-for-sigint". */
+static volatile sig_atomic_t interrupted;
+static void on_sigint(int signal) { (void)signal; interrupted = 1; }
 /* For "fork-bypass": which process is exiting, and proof that its exit got past every
  * atexit handler registered after this one (the shim's among them). */
 static const char *role = "parent";
@@ -119,6 +123,18 @@ int main(int argc, char **argv) {
     ((char *)again)[0] = 1;
     printf("reuse ok\n");
     return 0;
+  }
+  if (!strcmp(mode, "sum-then-wait-for-sigint")) {
+    /* Reads the whole file, then waits for ^C and ends normally on it (through exit(),
+     * so the shim writes its report), as an interactive program does. */
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    signal(SIGINT, on_sigint);
+    printf("sum %llx kind %s\n", sum(p, len), kind(p));
+    printf("waiting\n");
+    fflush(stdout);
+    while (!interrupted) pause();
+    printf("interrupted\n");
+    exit(0);
   }
   if (!strcmp(mode, "sum-exit") && argc > 3) {
     /* Reads the whole file, then exits with the status given: through exit(), so the
