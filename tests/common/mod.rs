@@ -326,8 +326,9 @@ pub fn test_model() -> Option<PathBuf> {
     panic!("{why}");
 }
 
-/// A fresh output directory for a test named `name`, under cargo's temporary directory
-/// for integration tests (or the system's), unique to this process.
+/// A fresh output directory for a test named `name`, in the system's temporary
+/// directory, unique to this process. (`CARGO_TARGET_TMPDIR`, which this looks up first,
+/// is set for the build, not when the test runs.)
 pub fn out_dir(name: &str) -> PathBuf {
     let base = std::env::var_os("CARGO_TARGET_TMPDIR")
         .map(PathBuf::from)
