@@ -798,3 +798,23 @@ fn trace_outlives_a_ctrl_c_that_the_program_ends_on() {
     let json = std::fs::read_to_string(&out).unwrap();
     serde_json::from_str::<serde_json::Value>(&json).unwrap();
 }
+
+/// A model argument of no format with tensors (the pager served it; the shim learns its
+/// order): the trace is written with faults named by block, and a warning. It used to
+/// fail after the whole run for want of tensor names.
+#[test]
+fn trace_of_a_file_without_tensors_names_faults_by_block() {
+    let setup = setup("shim-trace-no-tensors");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, 64 << 20);
+    let out = setup.dir.path("t.json");
+    let output = traced_sum_exit(&setup, &out, &model, "0");
+    assert_success(&output, "trace of a file without tensors");
+    assert!(
+        stderr(&output).contains("faults are named by block"),
+        "{}",
+        stderr(&output)
+    );
+    let json = std::fs::read_to_string(&out).unwrap();
+    serde_json::from_str::<serde_json::Value>(&json).unwrap();
+}

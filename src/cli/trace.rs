@@ -150,9 +150,23 @@ fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
         .map(|(k, v)| (k.clone(), json!(v)))
         .collect();
     let records = reader.collect::<Result<Vec<_>, _>>()?;
-    let tensors = match &model {
-        Some(model) => Some(super::model_tensors(model)?),
-        None => None,
+    let tensors = match (&args.model, &model) {
+        // Asked for: its tensors or an error.
+        (Some(asked), _) => Some(super::model_tensors(asked)?),
+        // Guessed from the program's arguments: a file the pager served, but of no
+        // format with tensors (the shim learns those). The trace is still worth having:
+        // it failed after the whole run for want of names.
+        (None, Some(found)) => match super::model_tensors(found) {
+            Ok(tensors) => Some(tensors),
+            Err(error) => {
+                eprintln!(
+                    "warning: {}: {error:#}; faults are named by block",
+                    found.display()
+                );
+                None
+            }
+        },
+        (None, None) => None,
     };
     let mut metadata = serde_json::Value::Object(metadata);
     metadata["program"] = json!(args
