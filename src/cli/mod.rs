@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod child;
 mod compare;
 mod exec_check;
 mod exit_status;

@@ -14,7 +14,6 @@
 
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -24,6 +23,7 @@ use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES}
 use hyperoffload::shim_config::{physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
 use hyperoffload::size::format_size;
 
+use super::child::{end_with_this_process, ignore_interrupts, restore_interrupts, Handlers};
 use super::exec_check::{check_reachable, resolve_program};
 
 /// The shim's file name.
@@ -155,23 +155,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     command.env("LD_PRELOAD", preload);
 
-    let launcher = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and only calls prctl, getppid and
-    // _exit (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            // If the launcher dies without passing a signal on (SIGKILL, a crash), the
-            // program goes too rather than run on unsupervised, its stats unreported.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // Already gone before the line above took effect.
-            if libc::getppid() != launcher {
-                libc::_exit(128 + libc::SIGKILL);
-            }
-            Ok(())
-        });
-    }
+    // If the launcher dies without passing a signal on (SIGKILL, a crash), the program
+    // goes too rather than run on unsupervised, its stats unreported.
+    end_with_this_process(&mut command, libc::SIGKILL);
     // A SIGTERM or SIGHUP sent to the launcher alone (a service manager, `kill`) is
     // passed on to the program, whose end is then reported as any other: the launcher
     // died of it at once, leaving the program running and its directory behind.
@@ -420,28 +406,6 @@ fn restore_forwarding(previous: Handlers) {
     }
     PROGRAM.store(0, Ordering::SeqCst);
     PENDING.store(0, Ordering::SeqCst);
-}
-
-pub(crate) type Handlers = [libc::sighandler_t; 2];
-
-/// Ignores the terminal's ^C and ^\\ in this process (they reach the program's process
-/// group too); call after starting the program, or it would inherit SIG_IGN.
-pub(crate) fn ignore_interrupts() -> Handlers {
-    // SAFETY: setting SIG_IGN for two signals; the previous handlers are returned.
-    unsafe {
-        [
-            libc::signal(libc::SIGINT, libc::SIG_IGN),
-            libc::signal(libc::SIGQUIT, libc::SIG_IGN),
-        ]
-    }
-}
-
-pub(crate) fn restore_interrupts(previous: Handlers) {
-    // SAFETY: puts back the handlers `ignore_interrupts` replaced.
-    unsafe {
-        libc::signal(libc::SIGINT, previous[0]);
-        libc::signal(libc::SIGQUIT, previous[1]);
-    }
 }
 
 /// One line for people from the shim's stats JSON.

@@ -5,7 +5,6 @@
 use std::ffi::OsString;
 use std::io::BufReader;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 
@@ -16,7 +15,7 @@ use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv};
 use hyperoffload::compare::find_model_argument;
 use hyperoffload::trace::{events_path, TraceReader};
 
-use super::exit_status;
+use super::{child, exit_status};
 
 #[derive(clap::Args)]
 pub struct TraceArgs {
@@ -88,29 +87,16 @@ fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
         .arg(csv)
         .arg("--")
         .args(&args.program);
-    let tracer = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs between fork and exec and only calls prctl, getppid and
-    // _exit (async-signal-safe); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            // If this process dies first, the launcher gets SIGTERM and passes it on to
-            // the program, rather than both running on unattended.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != tracer {
-                libc::_exit(128 + libc::SIGTERM);
-            }
-            Ok(())
-        });
-    }
+    // If this process dies first, the launcher gets SIGTERM and passes it on to the
+    // program, rather than both running on unattended.
+    child::end_with_this_process(&mut command, libc::SIGTERM);
     let mut child = command.spawn().context("starting `hyperoffload run`")?;
     // The terminal's ^C goes to the program too; one that ends on it normally writes its
     // trace, which is then converted here, as the launcher reports it: this process
     // died of the ^C at once and the trace was never converted.
-    let previous = super::run::ignore_interrupts();
+    let previous = child::ignore_interrupts();
     let status = child.wait().context("waiting for `hyperoffload run`");
-    super::run::restore_interrupts(previous);
+    child::restore_interrupts(previous);
     let status = status?;
     if status.success() && !csv.exists() {
         bail!("`hyperoffload run` left no trace at {}", csv.display());
