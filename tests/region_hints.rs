@@ -295,19 +295,9 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     let dir = TempDir::new("zero-copy-hints");
     let path = dir.path("f.bin");
     pattern_file(&path, (32 << 20) + 5000);
-    let Some(pager) = pager_or_skip(
-        Pager::builder()
-            .budget(8 << 20)
-            .block_size(2 << 20)
-            .zero_copy(true),
-    ) else {
+    let Some(pager) = zero_copy_pager(8 << 20) else {
         return;
     };
-    assert!(
-        pager.stats().zero_copy,
-        "{:?}",
-        pager.stats().zero_copy_refused
-    );
     let region = pager.map_file(&path, MapOptions::default()).unwrap();
     let base = region.as_ptr() as usize;
     // Pinned blocks stay through scans four times the budget.

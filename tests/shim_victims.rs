@@ -38,14 +38,24 @@ const RUN_OPTIONS: [&str; 7] = [
     "--stats",
 ];
 
-/// Runs the victim under `hyperoffload run` with `RUN_OPTIONS`.
-fn shimmed(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
-    launcher()
+/// `command` (a `hyperoffload run`) given `RUN_OPTIONS`, the stats path and the victim.
+fn with_victim<'c>(
+    command: &'c mut Command,
+    setup: &Setup,
+    stats: &Path,
+    args: &[&str],
+) -> &'c mut Command {
+    command
         .args(RUN_OPTIONS)
         .arg(stats)
         .arg("--")
         .arg(&setup.victim)
         .args(args)
+}
+
+/// Runs the victim under `hyperoffload run` with `RUN_OPTIONS`.
+fn shimmed(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
+    with_victim(&mut launcher(), setup, stats, args)
         .output()
         .unwrap()
 }
@@ -53,16 +63,13 @@ fn shimmed(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
 /// As `shimmed`, for a run whose failure is a hang: killed after 60 s by `timeout`, from
 /// outside the launcher (it kills its process group, the victim included).
 fn shimmed_bounded(setup: &Setup, stats: &Path, args: &[&str]) -> Output {
-    Command::new("timeout")
+    let mut command = Command::new("timeout");
+    command
         .arg("60")
         .arg(LAUNCHER)
         .env("HYPEROFFLOAD_SHIM", shim())
-        .arg("run")
-        .args(RUN_OPTIONS)
-        .arg(stats)
-        .arg("--")
-        .arg(&setup.victim)
-        .args(args)
+        .arg("run");
+    with_victim(&mut command, setup, stats, args)
         .output()
         .unwrap()
 }

@@ -337,3 +337,20 @@ pub fn out_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
+
+/// A pager mapping 2 MiB blocks from frames (zero copy) within `budget`, or None if the
+/// test may skip; fails if zero copy was refused, with the reason.
+pub fn zero_copy_pager(budget: u64) -> Option<Pager> {
+    let pager = pager_or_skip(
+        Pager::builder()
+            .budget(budget)
+            .block_size(2 << 20)
+            .zero_copy(true),
+    )?;
+    assert!(
+        pager.stats().zero_copy,
+        "{:?}",
+        pager.stats().zero_copy_refused
+    );
+    Some(pager)
+}
