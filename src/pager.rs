@@ -632,10 +632,6 @@ impl PagerInner {
     fn serving_here(&self) -> bool {
         sys::getpid() == self.owner
     }
-
-    fn forked_child_error(&self) -> HintError {
-        HintError::ForkedChild { owner: self.owner }
-    }
 }
 
 impl Drop for PagerInner {
@@ -720,8 +716,9 @@ impl Pager {
     /// reaching the limit later would stop the program. Returns what was reserved, to
     /// give back when the region goes.
     fn promise_mappings(&self, path: &str, map_len: u64) -> Result<MappingPromise, MapError> {
+        let blocks = map_len.div_ceil(self.inner.block_size);
         let needed = if self.inner.zero_copy {
-            map_count::zero_copy_mappings(map_len.div_ceil(self.inner.block_size))
+            map_count::zero_copy_mappings(blocks)
         } else {
             0
         };
@@ -742,7 +739,7 @@ impl Pager {
             if needed > available {
                 return Err(MapError::TooManyMappings {
                     path: path.to_owned(),
-                    blocks: map_len.div_ceil(self.inner.block_size),
+                    blocks,
                     needed,
                     available,
                     limit,
@@ -803,7 +800,7 @@ impl Pager {
         // registered, no fault ever reached the service, and the program read zeros
         // where the file has its bytes. An inaccessible mapping is not filled, and making
         // it readable fills nothing.
-        let mapping = Mapping::reserve(map_len as usize, libc::PROT_NONE, align)?;
+        let mapping = Mapping::reserve(map_len as usize, align)?;
         // SAFETY: registers exactly the mapping just reserved, which this region owns.
         self.inner
             .uffd
@@ -851,9 +848,10 @@ struct Mapping {
 }
 
 impl Mapping {
-    /// Reserves `len` bytes of anonymous memory at an address aligned to `align` (a
-    /// power of two, at least a page).
-    fn reserve(len: usize, prot: i32, align: usize) -> Result<Self, MapError> {
+    /// Reserves `len` bytes of inaccessible anonymous memory at an address aligned to
+    /// `align` (a power of two, at least a page); `map_file` gives it the program's
+    /// protection once it is registered.
+    fn reserve(len: usize, align: usize) -> Result<Self, MapError> {
         let reserve_error = |source| MapError::Reserve {
             len: len as u64,
             source,
@@ -865,7 +863,7 @@ impl Mapping {
             sys::mmap(
                 0,
                 len + extra,
-                prot,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
@@ -1020,7 +1018,9 @@ impl Region {
     /// the service runs in.
     fn check(&self, range: &Range<u64>) -> Result<(), HintError> {
         if !self.pager.inner.serving_here() {
-            return Err(self.pager.inner.forked_child_error());
+            return Err(HintError::ForkedChild {
+                owner: self.pager.inner.owner,
+            });
         }
         if range.start > range.end || range.end > self.mapping.len as u64 {
             return Err(HintError::OutOfRange {

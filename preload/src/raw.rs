@@ -181,13 +181,6 @@ pub fn fd_path(fd: c_int, buffer: &mut [u8; 4096]) -> Option<&[u8]> {
     Some(&buffer[..len as usize])
 }
 
-/// getpid(2) from the kernel: right in any child, however it was made (a libc that
-/// cached the pid would only update the cache in its own fork).
-pub fn getpid() -> libc::pid_t {
-    // SAFETY: getpid takes no arguments and has no memory effects.
-    unsafe { libc::syscall(libc::SYS_getpid) as libc::pid_t }
-}
-
 /// Writes a whole message to stderr with write(2): no stdio lock, which a thread
 /// faulting on a managed page may hold.
 pub fn write_stderr(message: &[u8]) {

@@ -27,6 +27,7 @@ use libc::{c_char, c_int};
 
 use crate::managed::Shim;
 use crate::raw;
+use hyperoffload::sys::getpid;
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -58,7 +59,7 @@ fn owner() -> libc::pid_t {
     if recorded != 0 {
         return recorded;
     }
-    match OWNER.compare_exchange(0, raw::getpid(), Ordering::AcqRel, Ordering::Acquire) {
+    match OWNER.compare_exchange(0, getpid(), Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => OWNER.load(Ordering::Acquire),
         Err(other) => other,
     }
@@ -66,7 +67,7 @@ fn owner() -> libc::pid_t {
 
 /// Whether this is the process that loaded the shim, not a child of it, however made.
 fn in_owner() -> bool {
-    owner() == raw::getpid()
+    owner() == getpid()
 }
 
 /// The shim, if it is serving this process.
