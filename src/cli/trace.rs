@@ -123,10 +123,6 @@ fn clear_outputs(outputs: &Outputs) -> anyhow::Result<()> {
 /// Writes the Chrome trace and the tensor-named CSV from the fault CSV.
 fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
     let csv = &outputs.csv;
-    let model = args
-        .model
-        .clone()
-        .or_else(|| find_model_argument(&args.program));
     let reader = TraceReader::new(BufReader::new(
         std::fs::File::open(csv).with_context(|| csv.display().to_string())?,
     ))?;
@@ -136,23 +132,22 @@ fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
         .map(|(k, v)| (k.clone(), json!(v)))
         .collect();
     let records = reader.collect::<Result<Vec<_>, _>>()?;
-    let tensors = match (&args.model, &model) {
+    let tensors = match &args.model {
         // Asked for: its tensors or an error.
-        (Some(asked), _) => Some(super::model_tensors(asked)?),
-        // Guessed from the program's arguments: a file the pager served, but of no
+        Some(asked) => Some(super::model_tensors(asked)?),
+        // Guessed from the program's arguments: a file the pager served, but maybe of no
         // format with tensors (the shim learns those). The trace is still worth having:
         // it failed after the whole run for want of names.
-        (None, Some(found)) => match super::model_tensors(found) {
-            Ok(tensors) => Some(tensors),
-            Err(error) => {
-                eprintln!(
-                    "warning: {}: {error:#}; faults are named by block",
-                    found.display()
-                );
-                None
-            }
-        },
-        (None, None) => None,
+        None => find_model_argument(&args.program).and_then(|found| {
+            super::model_tensors(&found)
+                .inspect_err(|error| {
+                    eprintln!(
+                        "warning: {}: {error:#}; faults are named by block",
+                        found.display()
+                    )
+                })
+                .ok()
+        }),
     };
     let mut metadata = serde_json::Value::Object(metadata);
     metadata["program"] = json!(args
