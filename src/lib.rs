@@ -17,6 +17,7 @@ pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod policy_name;
+mod recent_faults;
 pub mod ring;
 mod service;
 pub mod shared_store;

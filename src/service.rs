@@ -30,6 +30,7 @@ use crate::policy::{
     BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, Install, PrefetchPolicy, PrefetchRequest,
     ReadKind, RegionId, RegionInfo,
 };
+use crate::recent_faults::RecentFaults;
 use crate::ring::{Completion, Landing, ReadRing, RingError};
 use crate::shared_store::FrameStore;
 use crate::stash::Stash;
@@ -266,6 +267,10 @@ pub(crate) struct FaultService {
     fault_addrs: Vec<(usize, u32)>,
     plan: Vec<PrefetchRequest>,
     victims: Vec<BlockRef>,
+    /// Scratch for `make_room`: victims the policy named that `recent` spares.
+    spared: Vec<BlockRef>,
+    /// Each thread's last two blocks, which eviction spares (see `recent_faults`).
+    recent: RecentFaults,
     completions: Vec<Completion>,
     /// Worker threads that install prefetched reads (none: all installs on this thread).
     installs: Option<InstallPool>,
@@ -354,6 +359,8 @@ impl FaultService {
             fault_addrs: Vec::new(),
             plan: Vec::new(),
             victims: Vec::new(),
+            spared: Vec::new(),
+            recent: RecentFaults::default(),
             completions: Vec::new(),
             installs,
             installed: Vec::new(),
@@ -548,6 +555,7 @@ impl FaultService {
             return Ok(());
         }
         self.stats.faults += 1;
+        self.recent.record(tid, block);
         if let Some(n) = self.config.faults.panic_after_faults {
             if self.stats.faults > n {
                 panic!("injected panic after {n} faults");
@@ -788,10 +796,14 @@ impl FaultService {
     ) -> Result<bool, ServiceError> {
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
+        let mut spared = std::mem::take(&mut self.spared);
+        spared.clear();
+        // Spared victims a demand read took after all, from the first named.
+        let mut spared_taken = 0;
         let mut freed = 0u64;
         let mut room = true;
         while self.resident + self.reserved + bytes > self.config.budget + freed {
-            match self.eviction.victim(incoming, kind) {
+            let victim = match self.eviction.victim(incoming, kind) {
                 Some(victim) => {
                     let Some(region) = self.regions.get(&victim.region) else {
                         continue;
@@ -804,14 +816,24 @@ impl FaultService {
                         debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
                         continue;
                     }
-                    freed += region.layout.block_bytes(victim.index);
-                    victims.push(victim);
+                    if self.recent.spares(victim) {
+                        spared.push(victim);
+                        continue;
+                    }
+                    victim
                 }
                 None if kind == ReadKind::Demand => {
                     // Held-back markers are the only other thing a demand read can take
-                    // room from.
-                    match self.staged.front().copied() {
-                        Some(staged) => self.discard_staged(staged),
+                    // room from; then the blocks threads faulted on last.
+                    if let Some(staged) = self.staged.front().copied() {
+                        self.discard_staged(staged);
+                        continue;
+                    }
+                    match spared.get(spared_taken) {
+                        Some(&victim) => {
+                            spared_taken += 1;
+                            victim
+                        }
                         None => {
                             room = false;
                             break;
@@ -822,8 +844,16 @@ impl FaultService {
                     room = false;
                     break;
                 }
-            }
+            };
+            let region = &self.regions[&victim.region];
+            freed += region.layout.block_bytes(victim.index);
+            victims.push(victim);
         }
+        // The policy handed the spared blocks over as victims: give back those kept.
+        for &block in &spared[spared_taken..] {
+            self.eviction.inserted(block);
+        }
+        self.spared = spared;
         self.evict(&mut victims)?;
         self.victims = victims;
         if room {
@@ -1620,6 +1650,7 @@ impl FaultService {
     }
 
     fn remove_region(&mut self, id: RegionId) {
+        self.recent.region_removed(id);
         let staged: Vec<BlockRef> = self
             .staged
             .iter()
