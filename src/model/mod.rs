@@ -3,6 +3,7 @@
 pub mod ggml_type;
 pub mod gguf;
 pub mod safetensors;
+pub mod split;
 pub mod synth;
 
 use std::fs::File;

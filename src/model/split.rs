@@ -1,0 +1,289 @@
+//! Models stored in several GGUF files (`llama-gguf-split`): `name-00001-of-00004.gguf`
+//! and its siblings. Large models are mostly published this way; llama.cpp loads every
+//! part given the first, and maps each file whole. To the pager they are one model: a
+//! budget given as a share is a share of all the parts, and one predicted order runs
+//! through them all.
+//!
+//! Each part is a GGUF file of its own with `split.no` (0-based) and `split.count` in its
+//! metadata, and its own tensor table: the tensors whose data it holds. The names follow
+//! llama.cpp's `llama_split_path`: `{prefix}-{no + 1:05}-of-{count:05}.gguf`.
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+use super::{ModelError, ModelFile, ModelFormat};
+
+/// Metadata keys of a split GGUF (llama.cpp's `LLM_KV_SPLIT_*`).
+pub const SPLIT_NO: &str = "split.no";
+pub const SPLIT_COUNT: &str = "split.count";
+
+/// Why the parts of a split model could not be gathered.
+#[derive(Debug, Error)]
+pub enum SplitError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(
+        "{}: part {no} of a {count}-part split model, but its name does not end in \
+         `{expected}`, so its other parts cannot be found",
+        path.display()
+    )]
+    UnexpectedName {
+        path: PathBuf,
+        no: u64,
+        count: u64,
+        expected: String,
+    },
+    #[error("{}: `split.no` is {no}, not below `split.count` {count}", path.display())]
+    BadNumber { path: PathBuf, no: u64, count: u64 },
+    #[error(
+        "{}: part {} of the split model {} is missing ({source})",
+        path.display(), no + 1, first.display()
+    )]
+    MissingPart {
+        path: PathBuf,
+        first: PathBuf,
+        no: u64,
+        source: std::io::Error,
+    },
+    #[error(
+        "{}: expected part {} of {count} of a split model, but it says part {} of {}",
+        path.display(), no + 1, found_no.map_or("?".to_string(), |n| (n + 1).to_string()),
+        found_count.map_or("?".to_string(), |n| n.to_string())
+    )]
+    WrongPart {
+        path: PathBuf,
+        no: u64,
+        count: u64,
+        found_no: Option<u64>,
+        found_count: Option<u64>,
+    },
+}
+
+/// Where a GGUF file stands in a split model: part `no` (0-based) of `count`.
+fn split_position(model: &ModelFile) -> Option<(u64, u64)> {
+    let ModelFormat::Gguf(gguf) = &model.format else {
+        return None;
+    };
+    let count = gguf.get_u64(SPLIT_COUNT)?;
+    let no = gguf.get_u64(SPLIT_NO).unwrap_or(0);
+    Some((no, count))
+}
+
+/// The file name suffix of part `no` (0-based) of `count`.
+fn part_suffix(no: u64, count: u64) -> String {
+    format!("-{:05}-of-{:05}.gguf", no + 1, count)
+}
+
+/// The path of part `no` (0-based) of `count` of the split model whose parts are named
+/// from `prefix` (the path of any part without its suffix).
+pub fn part_path(prefix: &Path, no: u64, count: u64) -> PathBuf {
+    let mut path = prefix.as_os_str().to_os_string();
+    path.push(part_suffix(no, count));
+    PathBuf::from(path)
+}
+
+/// Every part of the split model `model` belongs to, in order, with their tensor tables;
+/// `None` when `model` is not part of a split model (no `split.count`, or a count of one).
+/// Each sibling must exist and say it is the part its name says.
+pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitError> {
+    let Some((no, count)) = split_position(model) else {
+        return Ok(None);
+    };
+    if count <= 1 {
+        return Ok(None);
+    }
+    let path = &model.path;
+    if no >= count {
+        return Err(SplitError::BadNumber {
+            path: path.clone(),
+            no,
+            count,
+        });
+    }
+    let suffix = part_suffix(no, count);
+    let text = path.as_os_str().as_encoded_bytes();
+    let Some(prefix) = text.strip_suffix(suffix.as_bytes()) else {
+        return Err(SplitError::UnexpectedName {
+            path: path.clone(),
+            no,
+            count,
+            expected: suffix,
+        });
+    };
+    // SAFETY: `prefix` is `text` less an ASCII suffix, so it splits the encoded bytes
+    // at a boundary between characters (as `strip_suffix` on valid encoded bytes does).
+    let prefix = Path::new(unsafe { std::ffi::OsStr::from_encoded_bytes_unchecked(prefix) });
+    let first = part_path(prefix, 0, count);
+    let mut parts = Vec::with_capacity(count as usize);
+    for part in 0..count {
+        if part == no {
+            parts.push(model.clone());
+            continue;
+        }
+        let part_path = part_path(prefix, part, count);
+        if let Err(source) = std::fs::metadata(&part_path) {
+            return Err(SplitError::MissingPart {
+                path: part_path,
+                first,
+                no: part,
+                source,
+            });
+        }
+        let sibling = ModelFile::open(&part_path)?;
+        let found = split_position(&sibling);
+        if found != Some((part, count)) {
+            return Err(SplitError::WrongPart {
+                path: part_path,
+                no: part,
+                count,
+                found_no: found.map(|(n, _)| n),
+                found_count: found.map(|(_, c)| c),
+            });
+        }
+        parts.push(sibling);
+    }
+    Ok(Some(parts))
+}
+
+/// The bytes of the model `path` holds: the sizes of all its parts for a split GGUF,
+/// else the file's size. A file that is no model this program reads counts its size.
+pub fn model_len(path: &Path) -> Result<u64, SplitError> {
+    match ModelFile::open(path) {
+        Ok(model) => Ok(match split_parts(&model)? {
+            Some(parts) => parts.iter().map(|part| part.file_len).sum(),
+            None => model.file_len,
+        }),
+        Err(error) => match std::fs::metadata(path) {
+            Ok(meta) => Ok(meta.len()),
+            Err(_) => Err(error.into()),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ggml_type::GgmlType;
+    use crate::model::gguf::{GgufValue, GgufWriter, NewTensor};
+
+    /// Writes a one-tensor GGUF part with the given split keys (`None`: none).
+    fn write_part(path: &Path, split: Option<(u16, u16)>) {
+        let mut metadata = vec![(
+            "general.architecture".to_string(),
+            GgufValue::string("llama"),
+        )];
+        if let Some((no, count)) = split {
+            metadata.push((SPLIT_NO.to_string(), GgufValue::U16(no)));
+            metadata.push((SPLIT_COUNT.to_string(), GgufValue::U16(count)));
+        }
+        let tensors = vec![NewTensor {
+            name: format!("blk.{}.attn_q.weight", split.map_or(0, |s| s.0)),
+            dims: vec![256],
+            ggml_type: GgmlType::F32,
+        }];
+        let file = std::fs::File::create(path).unwrap();
+        let mut writer = GgufWriter::new(file, &metadata, tensors, 32).unwrap();
+        writer.write_data(&[0u8; 1024]).unwrap();
+        writer.finish().unwrap();
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("split-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn any_part_finds_all_parts_in_order() {
+        let dir = dir("all");
+        for no in 0..3 {
+            write_part(&part_path(&dir.join("m"), no, 3), Some((no as u16, 3)));
+        }
+        for no in 0..3 {
+            let model = ModelFile::open(part_path(&dir.join("m"), no, 3)).unwrap();
+            let parts = split_parts(&model).unwrap().expect("a split model");
+            let names: Vec<_> = parts
+                .iter()
+                .map(|p| p.path.file_name().unwrap().to_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                names,
+                [
+                    "m-00001-of-00003.gguf",
+                    "m-00002-of-00003.gguf",
+                    "m-00003-of-00003.gguf"
+                ]
+            );
+        }
+        let one = std::fs::metadata(part_path(&dir.join("m"), 0, 3))
+            .unwrap()
+            .len();
+        assert_eq!(
+            model_len(&part_path(&dir.join("m"), 1, 3)).unwrap(),
+            3 * one
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_whole_model_is_no_split() {
+        let dir = dir("whole");
+        let path = dir.join("m.gguf");
+        write_part(&path, None);
+        assert!(split_parts(&ModelFile::open(&path).unwrap())
+            .unwrap()
+            .is_none());
+        let single = dir.join("s-00001-of-00001.gguf");
+        write_part(&single, Some((0, 1)));
+        assert!(split_parts(&ModelFile::open(&single).unwrap())
+            .unwrap()
+            .is_none());
+        assert_eq!(
+            model_len(&path).unwrap(),
+            std::fs::metadata(&path).unwrap().len()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_missing_or_wrong_part_is_named() {
+        let dir = dir("missing");
+        let prefix = dir.join("m");
+        write_part(&part_path(&prefix, 0, 3), Some((0, 3)));
+        write_part(&part_path(&prefix, 2, 3), Some((2, 3)));
+        let first = ModelFile::open(part_path(&prefix, 0, 3)).unwrap();
+        let error = split_parts(&first).unwrap_err().to_string();
+        assert!(
+            error.contains("m-00002-of-00003.gguf") && error.contains("part 2"),
+            "{error}"
+        );
+        // A part 2 that says it is part 3.
+        write_part(&part_path(&prefix, 1, 3), Some((2, 3)));
+        let error = split_parts(&first).unwrap_err().to_string();
+        assert!(
+            error.contains("expected part 2 of 3") && error.contains("says part 3 of 3"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_renamed_part_or_a_bad_number_is_refused() {
+        let dir = dir("renamed");
+        let renamed = dir.join("model.gguf");
+        write_part(&renamed, Some((0, 2)));
+        let error = split_parts(&ModelFile::open(&renamed).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("-00001-of-00002.gguf"), "{error}");
+        let bad = dir.join("b-00005-of-00002.gguf");
+        write_part(&bad, Some((4, 2)));
+        let error = split_parts(&ModelFile::open(&bad).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not below"), "{error}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
