@@ -8,6 +8,7 @@ use thiserror::Error;
 
 use crate::graph::store::{self, Loaded};
 use crate::graph::{BlockLayout, ModelGraph};
+use crate::model::split::split_parts;
 use crate::model::ModelFile;
 use crate::policy::graph::GraphPrediction;
 use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
@@ -130,28 +131,49 @@ pub fn policies_by_name(
 
 const LEARNED: &str = "learned graph";
 
-/// The model's graph: from its tensor table, else from a graph saved beside it by an
-/// earlier run. Errors say why neither was usable.
-fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, &'static str), String> {
+/// The model's graph: from its tensor table (the tables of all its files for a split
+/// GGUF), else from a graph saved beside it by an earlier run. Errors say why neither
+/// was usable.
+fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
     let layout = BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size)
         .map_err(|error| error.to_string())?;
     let table = match ModelFile::open(hint.path) {
-        Ok(model) => {
-            return Ok((
-                ModelGraph::from_tensors(&model.tensors, layout),
-                "tensor table",
-            ))
-        }
+        Ok(model) => return Ok(table_graph(&model, layout)),
         Err(error) => error.to_string(),
     };
     match store::load(hint.path) {
-        Ok(Loaded::Fresh(saved)) if saved.layout == layout => {
-            Ok((ModelGraph::learned(layout, &saved.transitions), LEARNED))
-        }
+        Ok(Loaded::Fresh(saved)) if saved.layout == layout => Ok((
+            ModelGraph::learned(layout, &saved.transitions),
+            LEARNED.to_string(),
+        )),
         Ok(Loaded::Fresh(_)) => Err(format!("{table}; the saved graph is for another layout")),
         Ok(Loaded::Stale { reason, .. }) => Err(format!("{table}; saved graph ignored: {reason}")),
         Ok(Loaded::Absent) => Err(table),
         Err(error) => Err(format!("{table}; {error}")),
+    }
+}
+
+/// The graph of `model`'s tensor table as a region of geometry `layout` presents it;
+/// for a part of a split GGUF, of all the parts' tables (each file presented whole).
+/// Parts that cannot be gathered leave the graph to this file's table, and say why.
+fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
+    let single = || ModelGraph::from_tensors(&model.tensors, layout);
+    match split_parts(model) {
+        Ok(None) => (single(), "tensor table".to_string()),
+        Ok(Some(parts)) => match ModelGraph::from_parts(&parts, layout.block_size) {
+            Ok(graph) => (
+                graph,
+                format!("tensor tables of {} split files", parts.len()),
+            ),
+            Err(error) => (
+                single(),
+                format!("tensor table of this split file: {error}"),
+            ),
+        },
+        Err(error) => (
+            single(),
+            format!("tensor table of this split file: {error}"),
+        ),
     }
 }
 

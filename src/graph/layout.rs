@@ -62,6 +62,29 @@ impl BlockLayout {
     }
 }
 
+/// Block counts and lengths, as decisions over a model's blocks need them: of one
+/// region (`BlockLayout`) or of a model in several files (`ModelGraph`).
+pub trait BlockLengths {
+    fn block_size(&self) -> u64;
+    fn block_count(&self) -> u32;
+    /// Bytes of file data in block `index`; 0 past the end.
+    fn block_len(&self, index: u32) -> u64;
+}
+
+impl BlockLengths for BlockLayout {
+    fn block_size(&self) -> u64 {
+        self.block_size
+    }
+
+    fn block_count(&self) -> u32 {
+        BlockLayout::block_count(self)
+    }
+
+    fn block_len(&self, index: u32) -> u64 {
+        BlockLayout::block_len(self, index)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,16 +20,17 @@ pub mod rank;
 pub mod store;
 
 use std::ops::Range;
+use std::path::PathBuf;
 
 use petgraph::graph::{DiGraph, NodeIndex};
 use thiserror::Error;
 
 pub use arch::{Architecture, ExecutionOrder};
-pub use layout::BlockLayout;
+pub use layout::{BlockLayout, BlockLengths};
 pub use learn::Transitions;
 pub use order::CyclicOrder;
 
-use crate::model::TensorInfo;
+use crate::model::{ModelFile, TensorInfo};
 
 /// A graph that cannot be built.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -89,10 +90,27 @@ impl Default for BuildOptions {
     }
 }
 
-/// A model's dependency graph over the blocks of one region.
+/// One file of the model a graph describes: a region presenting `file_offset..file_offset
+/// + data_len` of it in blocks of the graph's size has its block `i` at the graph's block
+/// `first_block + i`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphPart {
+    /// The file; `None` in a graph of one file, which any region of its geometry
+    /// presents (the pager was given the file, under whatever name).
+    pub path: Option<PathBuf>,
+    pub file_offset: u64,
+    pub data_len: u64,
+    pub first_block: u32,
+}
+
+/// A model's dependency graph over the blocks of one region, or of one region per file
+/// for a model stored in several (`from_parts`).
 #[derive(Debug, Clone)]
 pub struct ModelGraph {
+    /// The blocks the graph counts: of the one region, or of every part's in turn.
     layout: BlockLayout,
+    /// The files those blocks come from, in block order (never empty).
+    parts: Vec<GraphPart>,
     source: GraphSource,
     graph: DiGraph<Node, f64>,
     node_rank: Vec<f64>,
@@ -207,6 +225,46 @@ impl ModelGraph {
         )
     }
 
+    /// Builds the graph of a model stored in several files (a split GGUF, see
+    /// `model::split`), each presented whole by a region of its own in blocks of
+    /// `block_size`: the blocks of each file follow the previous file's, and one order
+    /// runs through them all. The nodes' file ranges are offsets in the files laid end to
+    /// end, each from a block boundary.
+    pub fn from_parts(parts: &[ModelFile], block_size: u64) -> Result<Self, GraphError> {
+        if block_size == 0 {
+            return Err(GraphError::ZeroBlockSize);
+        }
+        let mut graph_parts = Vec::with_capacity(parts.len());
+        let mut tensors = Vec::new();
+        let mut first_block = 0u64;
+        let mut data_len = 0;
+        for file in parts {
+            let first = u32::try_from(first_block).map_err(|_| GraphError::TooManyBlocks {
+                data_len: first_block * block_size + file.file_len,
+                block_size,
+            })?;
+            let base = first_block * block_size;
+            tensors.extend(file.tensors.iter().map(|tensor| TensorInfo {
+                file_range: base + tensor.file_range.start..base + tensor.file_range.end,
+                ..tensor.clone()
+            }));
+            graph_parts.push(GraphPart {
+                path: Some(file.path.clone()),
+                file_offset: 0,
+                data_len: file.file_len,
+                first_block: first,
+            });
+            data_len = base + file.file_len;
+            first_block += file.file_len.div_ceil(block_size);
+        }
+        let layout = BlockLayout::new(0, data_len, block_size)?;
+        let mut graph = Self::from_tensors(&tensors, layout);
+        if !graph_parts.is_empty() {
+            graph.parts = graph_parts;
+        }
+        Ok(graph)
+    }
+
     /// Builds the graph learned from observed block transitions, with no model
     /// knowledge: one node per block seen.
     pub fn learned(layout: BlockLayout, transitions: &Transitions) -> Self {
@@ -268,6 +326,12 @@ impl ModelGraph {
         }
         Self {
             layout,
+            parts: vec![GraphPart {
+                path: None,
+                file_offset: layout.file_offset,
+                data_len: layout.data_len,
+                first_block: 0,
+            }],
             source,
             graph,
             node_rank,
@@ -315,6 +379,22 @@ impl ModelGraph {
         &self.layout
     }
 
+    /// The files the graph's blocks come from, in block order.
+    pub fn parts(&self) -> &[GraphPart] {
+        &self.parts
+    }
+
+    /// The part block `block` belongs to, by index in `parts`.
+    pub fn part_of(&self, block: u32) -> Option<usize> {
+        let at = self
+            .parts
+            .partition_point(|part| part.first_block <= block)
+            .checked_sub(1)?;
+        let part = &self.parts[at];
+        let blocks = part.data_len.div_ceil(self.layout.block_size);
+        (((block - part.first_block) as u64) < blocks).then_some(at)
+    }
+
     pub fn source(&self) -> GraphSource {
         self.source
     }
@@ -346,10 +426,31 @@ impl ModelGraph {
         let mut total = 0;
         for &block in self.order.sequence() {
             if !std::mem::replace(&mut seen[block as usize], true) {
-                total += self.layout.block_len(block);
+                total += self.block_len(block);
             }
         }
         total
+    }
+}
+
+impl BlockLengths for ModelGraph {
+    fn block_size(&self) -> u64 {
+        self.layout.block_size
+    }
+
+    fn block_count(&self) -> u32 {
+        self.layout.block_count()
+    }
+
+    /// Exact across parts: a part's last block is as short as the file leaves it.
+    fn block_len(&self, block: u32) -> u64 {
+        let Some(part) = self.part_of(block).map(|at| &self.parts[at]) else {
+            return 0;
+        };
+        let start = (block - part.first_block) as u64 * self.layout.block_size;
+        part.data_len
+            .saturating_sub(start)
+            .min(self.layout.block_size)
     }
 }
 

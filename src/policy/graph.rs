@@ -40,11 +40,13 @@ pub struct GraphPrediction {
 }
 
 struct Progress {
-    /// Regions presenting the graph's model with the graph's block geometry.
-    regions: Vec<RegionId>,
+    /// Regions presenting the graph's model with the graph's block geometry, each with
+    /// the part (file) it presents: its index in `ModelGraph::parts`.
+    regions: Vec<(RegionId, usize)>,
     /// Position in the order of the latest fault.
     cursor: u32,
-    /// Per block of the graph: resident and evictable, as the eviction side knows it.
+    /// Per block of the graph (the graph's numbering, across parts): resident and
+    /// evictable, as the eviction side knows it.
     resident: Vec<bool>,
     /// The farthest a fault has landed a little behind the cursor (`lag_behind`): how
     /// far threads sharing a step lag behind the one ahead, as observed.
@@ -93,22 +95,31 @@ impl GraphPrediction {
         self.progress.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Binds a region that presents the graph's model: same file range and block size.
+    /// Binds a region that presents one of the graph's parts: same file range and block
+    /// size, and the part's file when the graph has several.
     fn region_added(&self, info: &RegionInfo<'_>) {
-        let layout = self.graph.layout();
-        let matches = info.file_offset == layout.file_offset
-            && info.data_len == layout.data_len
-            && info.block_size == layout.block_size
-            && info.data_len > 0;
+        let block_size = self.graph.layout().block_size;
+        let part = self.graph.parts().iter().position(|part| {
+            info.file_offset == part.file_offset
+                && info.data_len == part.data_len
+                && info.block_size == block_size
+                && info.data_len > 0
+                && part
+                    .path
+                    .as_deref()
+                    .is_none_or(|path| same_file(path, info.path))
+        });
         let mut progress = self.lock();
-        if matches && !progress.regions.contains(&info.id) {
-            progress.regions.push(info.id);
-            progress.stream = plan_streaming(
-                self.graph.order(),
-                layout,
-                info.budget,
-                self.graph.lag_guard(),
-            );
+        if let Some(part) = part {
+            if !progress.bound(info.id) {
+                progress.regions.push((info.id, part));
+                progress.stream = plan_streaming(
+                    self.graph.order(),
+                    &*self.graph,
+                    info.budget,
+                    self.graph.lag_guard(),
+                );
+            }
         }
     }
 
@@ -118,23 +129,49 @@ impl GraphPrediction {
     }
 
     fn region_removed(&self, region: RegionId) {
-        self.lock().regions.retain(|&r| r != region);
+        self.lock().regions.retain(|&(r, _)| r != region);
     }
+}
+
+/// Whether two paths name the same file (the shim names a file as the kernel resolves
+/// its descriptor, a split model's parts are named from the first).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    a == b
+        || matches!(
+            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+            (Ok(a), Ok(b)) if a == b
+        )
 }
 
 impl Progress {
     fn bound(&self, region: RegionId) -> bool {
-        self.regions.contains(&region)
+        self.regions.iter().any(|&(r, _)| r == region)
+    }
+
+    /// The graph's number for `block` of a bound region.
+    fn global(&self, graph: &ModelGraph, block: BlockRef) -> Option<u32> {
+        let &(_, part) = self.regions.iter().find(|&&(r, _)| r == block.region)?;
+        let global = graph.parts()[part].first_block.checked_add(block.index)?;
+        (graph.part_of(global) == Some(part)).then_some(global)
+    }
+
+    /// The block of a bound region that presents the graph's block `global`; `None`
+    /// when no region presents its part.
+    fn local(&self, graph: &ModelGraph, global: u32) -> Option<BlockRef> {
+        let part = graph.part_of(global)?;
+        let &(region, _) = self.regions.iter().find(|&&(_, p)| p == part)?;
+        Some(BlockRef::new(
+            region,
+            global - graph.parts()[part].first_block,
+        ))
     }
 
     /// Moves the cursor to the fault's block (see `locate`) and returns the new
     /// position; `None` when the block is not predicted.
     fn advance(&mut self, graph: &ModelGraph, block: BlockRef) -> Option<u32> {
-        if !self.bound(block.region) {
-            return None;
-        }
+        let global = self.global(graph, block)?;
         let order = graph.order();
-        let (position, lag) = locate(order, self.cursor, block.index)?;
+        let (position, lag) = locate(order, self.cursor, global)?;
         if let Some(behind) = lag {
             self.lag_seen = self.lag_seen.max(behind);
         }
@@ -303,6 +340,8 @@ impl PrefetchPolicy for GraphPrefetch {
             }
         }
         self.last = Some((position, fault.time_ns));
+        // The fault's block, in the graph's numbering.
+        let faulted = order.block_at(position);
 
         // Every block used within the lookahead (`window` positions) must be resident or
         // in flight. Blocks this policy requested for a position still ahead count
@@ -324,7 +363,7 @@ impl PrefetchPolicy for GraphPrefetch {
             let block = order.block_at(at);
             let target = self.progress_steps + step;
             let ours = self.target[block as usize] > self.progress_steps;
-            let resident = block == fault.block.index || progress.resident[block as usize];
+            let resident = block == faulted || progress.resident[block as usize];
             if resident && !ours {
                 after_resident_stretch = true;
                 continue;
@@ -336,8 +375,11 @@ impl PrefetchPolicy for GraphPrefetch {
             if resident || self.target[block as usize] == target {
                 continue;
             }
+            // A part of the model no region presents (not mapped yet, or any more).
+            let Some(block_ref) = progress.local(graph, block) else {
+                continue;
+            };
             self.target[block as usize] = target;
-            let block_ref = BlockRef::new(fault.block.region, block);
             let marker = at as u64 % stride == 0 || after_resident_stretch;
             after_resident_stretch = false;
             out.push(if marker {
@@ -404,9 +446,9 @@ fn prev_power_of_two(n: u64) -> u64 {
 pub struct GraphEviction {
     prediction: Arc<GraphPrediction>,
     /// Per region: every position of every tracked predicted block.
-    positions: Vec<(RegionId, PositionSet)>,
+    positions: Vec<RegionPositions>,
     /// Per region: the positions of the tracked predicted blocks that stream.
-    streamed_positions: Vec<(RegionId, PositionSet)>,
+    streamed_positions: Vec<RegionPositions>,
     /// Unpredicted blocks by (centrality bits, arrival).
     unpredicted: BTreeSet<(u64, u64, BlockRef)>,
     /// Per region, per block: how it is tracked. Dense, since every block of a bound
@@ -422,8 +464,17 @@ pub struct GraphEviction {
 enum Tracked {
     #[default]
     No,
-    Predicted,
+    /// With the block's number in the graph (its part's first block plus its index).
+    Predicted(u32),
     Unpredicted,
+}
+
+/// Positions in the order of one region's tracked blocks.
+struct RegionPositions {
+    region: RegionId,
+    /// The graph's number for the region's block 0 (see `GraphPart::first_block`).
+    first_block: u32,
+    set: PositionSet,
 }
 
 impl GraphEviction {
@@ -448,25 +499,29 @@ impl GraphEviction {
         self.tracked.get_mut(block)
     }
 
-    /// Adds (or removes) every position of `block` to its region's sets: all tracked
-    /// predicted blocks, and the streamed ones if it streams.
-    fn set_positions(&mut self, block: BlockRef, streamed: bool, present: bool) {
+    /// Adds (or removes) every position of `block` (`global` in the graph) to its
+    /// region's sets: all tracked predicted blocks, and the streamed ones if it streams.
+    fn set_positions(&mut self, block: BlockRef, global: u32, streamed: bool, present: bool) {
         let order = self.prediction.graph.order();
-        let lists: &mut [&mut Vec<(RegionId, PositionSet)>] = if streamed {
+        let lists: &mut [&mut Vec<RegionPositions>] = if streamed {
             &mut [&mut self.positions, &mut self.streamed_positions]
         } else {
             &mut [&mut self.positions]
         };
         for sets in lists.iter_mut() {
-            let at = match sets.iter().position(|(id, _)| *id == block.region) {
+            let at = match sets.iter().position(|sets| sets.region == block.region) {
                 Some(at) => at,
                 None => {
-                    sets.push((block.region, PositionSet::new(order.len())));
+                    sets.push(RegionPositions {
+                        region: block.region,
+                        first_block: global - block.index,
+                        set: PositionSet::new(order.len()),
+                    });
                     sets.len() - 1
                 }
             };
-            let set = &mut sets[at].1;
-            for &position in order.positions(block.index) {
+            let set = &mut sets[at].set;
+            for &position in order.positions(global) {
                 if present {
                     set.insert(position);
                 } else {
@@ -479,10 +534,10 @@ impl GraphEviction {
     fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
         let state = std::mem::replace(self.tracked_mut(block), Tracked::No);
         match state {
-            Tracked::Predicted => {
-                let streamed = progress.stream.is_streamed(block.index);
-                self.set_positions(block, streamed, false);
-                if let Some(slot) = progress.resident.get_mut(block.index as usize) {
+            Tracked::Predicted(global) => {
+                let streamed = progress.stream.is_streamed(global);
+                self.set_positions(block, global, streamed, false);
+                if let Some(slot) = progress.resident.get_mut(global as usize) {
                     *slot = false;
                 }
                 self.tracked_count -= 1;
@@ -523,7 +578,7 @@ impl GraphEviction {
 /// ahead it is used next.
 fn furthest_in(
     graph: &ModelGraph,
-    sets: &[(RegionId, PositionSet)],
+    sets: &[RegionPositions],
     cursor: u32,
     guard: u32,
 ) -> Option<(BlockRef, u32, u32)> {
@@ -531,7 +586,12 @@ fn furthest_in(
     let guarded_from = cursor.saturating_sub(guard);
     // (zone, distance): the earlier zone first, then the furthest next use.
     let mut best: Option<(BlockRef, u32, u32)> = None;
-    for (region, set) in sets {
+    for RegionPositions {
+        region,
+        first_block,
+        set,
+    } in sets
+    {
         // The next and the last use of the block at `position`, seen from the cursor.
         let next_use = |position: u32| order.next_position(order.block_at(position), cursor);
         let last_use = |position: u32| order.prev_position(order.block_at(position), cursor);
@@ -573,7 +633,7 @@ fn furthest_in(
                 (zone, std::cmp::Reverse(distance)) < (best_zone, std::cmp::Reverse(best_distance))
             });
             if better {
-                best = Some((BlockRef::new(*region, block), zone, distance));
+                best = Some((BlockRef::new(*region, block - first_block), zone, distance));
             }
         }
     }
@@ -636,9 +696,9 @@ impl EvictionPolicy for GraphEviction {
             self.forget(BlockRef::new(region, index), &mut progress);
         }
         self.tracked.remove_region(region);
-        self.positions.retain(|(id, _)| *id != region);
-        self.streamed_positions.retain(|(id, _)| *id != region);
-        progress.regions.retain(|&r| r != region);
+        self.positions.retain(|sets| sets.region != region);
+        self.streamed_positions.retain(|sets| sets.region != region);
+        progress.regions.retain(|&(r, _)| r != region);
     }
 
     fn inserted(&mut self, block: BlockRef) {
@@ -646,18 +706,14 @@ impl EvictionPolicy for GraphEviction {
         let mut progress = prediction.lock();
         self.forget(block, &mut progress);
         let graph = &prediction.graph;
-        let bound = progress.bound(block.region);
-        if bound && graph.order().contains(block.index) {
-            let streamed = progress.stream.is_streamed(block.index);
-            self.set_positions(block, streamed, true);
-            progress.resident[block.index as usize] = true;
-            *self.tracked_mut(block) = Tracked::Predicted;
+        let global = progress.global(graph, block);
+        if let Some(global) = global.filter(|&global| graph.order().contains(global)) {
+            let streamed = progress.stream.is_streamed(global);
+            self.set_positions(block, global, streamed, true);
+            progress.resident[global as usize] = true;
+            *self.tracked_mut(block) = Tracked::Predicted(global);
         } else {
-            let rank = if bound {
-                graph.block_rank(block.index)
-            } else {
-                0.0
-            };
+            let rank = global.map_or(0.0, |global| graph.block_rank(global));
             // Non-negative floats order like their bit patterns.
             let key = (rank.max(0.0).to_bits(), self.arrivals);
             self.arrivals += 1;
@@ -693,15 +749,13 @@ impl EvictionPolicy for GraphEviction {
             // A speculative read only displaces a block needed later than itself; an
             // unpredicted incoming block displaces nothing predicted.
             let order = prediction.graph.order();
-            let incoming_distance = progress
-                .bound(incoming.region)
-                .then(|| order.next_use(incoming.index, cursor))
-                .flatten()?;
+            let incoming = progress.global(&prediction.graph, incoming)?;
+            let incoming_distance = order.next_use(incoming, cursor)?;
             // A block a little behind the cursor is one a lagging thread has yet to
             // read (the cursor follows whichever thread faulted last): needed now, not
             // a pass from now.
             let lagging = order
-                .next_position(incoming.index, cursor.saturating_sub(guard))
+                .next_position(incoming, cursor.saturating_sub(guard))
                 .is_some_and(|position| {
                     order.distance(position, cursor) <= guard && position <= cursor
                 });

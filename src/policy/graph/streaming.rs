@@ -25,7 +25,7 @@
 //! a latency-sized guess: reads are issued in the order they are needed, a few at a
 //! time (`STREAM_DEVICE_BYTES`), so the next one needed arrives first.
 
-use crate::graph::{BlockLayout, CyclicOrder};
+use crate::graph::{BlockLengths, CyclicOrder};
 
 /// Smallest run of consecutive blocks (in the order) that streams together: a read the
 /// device serves at full speed alone (2 MiB at queue depth 1 ran at 4.1 GB/s here, the
@@ -86,7 +86,7 @@ impl StreamPlan {
 /// fit the budget.
 pub fn plan_streaming(
     order: &CyclicOrder,
-    layout: &BlockLayout,
+    layout: &impl BlockLengths,
     budget: u64,
     lag_guard: u32,
 ) -> StreamPlan {
@@ -107,8 +107,8 @@ pub fn plan_streaming(
     if total <= budget || blocks.is_empty() {
         return plan;
     }
-    let chunk_blocks = (STREAM_CHUNK / layout.block_size).max(1) as usize;
-    let chunk_bytes = chunk_blocks as u64 * layout.block_size;
+    let chunk_blocks = (STREAM_CHUNK / layout.block_size()).max(1) as usize;
+    let chunk_bytes = chunk_blocks as u64 * layout.block_size();
     let must = total - budget;
     if must > total / 3 {
         // Below two thirds of the model the reads dominate the token (4:1 at two
@@ -122,7 +122,7 @@ pub fn plan_streaming(
     // that far apart, so the window reaches that much further past the cursor (which
     // follows whichever thread faulted last), and as much behind it stays resident for
     // the thread behind.
-    let step_share = (lag_guard as u64 * layout.block_size).saturating_mul(must) / total;
+    let step_share = (lag_guard as u64 * layout.block_size()).saturating_mul(must) / total;
     let window_bytes = WINDOW_CHUNKS * chunk_bytes + step_share;
     let target = (must + window_bytes + step_share + chunk_bytes).min(total);
 
@@ -147,6 +147,7 @@ pub fn plan_streaming(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::graph::BlockLayout;
 
     const MIB: u64 = 1 << 20;
 
