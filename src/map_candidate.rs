@@ -29,6 +29,10 @@ pub struct MapRequest {
 pub struct FileFacts<'a> {
     pub is_regular: bool,
     pub size: u64,
+    /// Bytes of the model the file holds: `size`, or all the parts of the split GGUF
+    /// it belongs to (`model::split::model_len`). A part below the minimum size of a
+    /// model above it (the last part often is) is served with the rest.
+    pub model_len: u64,
     /// The file's path as the kernel reports it.
     pub path: &'a [u8],
 }
@@ -68,7 +72,7 @@ impl PassReason {
             PassReason::UnknownFile => "the descriptor cannot be inspected",
             PassReason::NotRegularFile => "not a regular file",
             PassReason::NameNotMatched => "file name matches no pattern",
-            PassReason::TooSmall => "file smaller than the minimum size",
+            PassReason::TooSmall => "model smaller than the minimum size",
             PassReason::OffsetPastEnd => "offset at or past the end of the file",
         }
     }
@@ -125,7 +129,7 @@ pub fn screen_file(
     if !config.matches(file.path) {
         return Err(PassReason::NameNotMatched);
     }
-    if file.size < config.min_size {
+    if file.model_len < config.min_size {
         return Err(PassReason::TooSmall);
     }
     if request.offset as u64 >= file.size {
@@ -155,6 +159,7 @@ mod tests {
         FileFacts {
             is_regular: true,
             size: 100 << 20,
+            model_len: 100 << 20,
             path: b"/models/m.gguf",
         }
     }
@@ -265,9 +270,19 @@ mod tests {
         );
         let small = FileFacts {
             size: 1 << 20,
+            model_len: 1 << 20,
             ..model_file()
         };
         assert_eq!(decide(model_request(), small), Err(PassReason::TooSmall));
+        let small_part_of_a_large_model = FileFacts {
+            size: 1 << 20,
+            ..model_file()
+        };
+        let request = MapRequest {
+            len: 1 << 20,
+            ..model_request()
+        };
+        assert_eq!(decide(request, small_part_of_a_large_model), Ok(()));
         let past_end = MapRequest {
             offset: 100 << 20,
             ..model_request()

