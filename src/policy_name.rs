@@ -7,7 +7,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 use crate::graph::store::{self, Loaded};
-use crate::graph::{BlockLayout, ModelGraph};
+use crate::graph::{BlockLayout, ModelGraph, PartTensors};
 use crate::model::split::split_parts;
 use crate::model::ModelFile;
 use crate::policy::graph::GraphPrediction;
@@ -160,7 +160,10 @@ fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
     let single = || ModelGraph::from_tensors(&model.tensors, layout);
     match split_parts(model) {
         Ok(None) => (single(), "tensor table".to_string()),
-        Ok(Some(parts)) => match ModelGraph::from_parts(&parts, layout.block_size) {
+        Ok(Some(parts)) => match ModelGraph::from_parts(
+            &parts.iter().map(PartTensors::from).collect::<Vec<_>>(),
+            layout.block_size,
+        ) {
             Ok(graph) => (
                 graph,
                 format!("tensor tables of {} split files", parts.len()),

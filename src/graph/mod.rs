@@ -20,7 +20,7 @@ pub mod rank;
 pub mod store;
 
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use petgraph::graph::{DiGraph, NodeIndex};
 use thiserror::Error;
@@ -101,6 +101,25 @@ pub struct GraphPart {
     pub file_offset: u64,
     pub data_len: u64,
     pub first_block: u32,
+}
+
+/// One file of a model stored in several, as `ModelGraph::from_parts` takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct PartTensors<'a> {
+    pub path: &'a Path,
+    pub file_len: u64,
+    /// Its tensor table, with the file's own byte ranges.
+    pub tensors: &'a [TensorInfo],
+}
+
+impl<'a> From<&'a ModelFile> for PartTensors<'a> {
+    fn from(file: &'a ModelFile) -> Self {
+        Self {
+            path: &file.path,
+            file_len: file.file_len,
+            tensors: &file.tensors,
+        }
+    }
 }
 
 /// A model's dependency graph over the blocks of one region, or of one region per file
@@ -230,7 +249,7 @@ impl ModelGraph {
     /// `block_size`: the blocks of each file follow the previous file's, and one order
     /// runs through them all. The nodes' file ranges are offsets in the files laid end to
     /// end, each from a block boundary.
-    pub fn from_parts(parts: &[ModelFile], block_size: u64) -> Result<Self, GraphError> {
+    pub fn from_parts(parts: &[PartTensors<'_>], block_size: u64) -> Result<Self, GraphError> {
         if block_size == 0 {
             return Err(GraphError::ZeroBlockSize);
         }
@@ -249,7 +268,7 @@ impl ModelGraph {
                 ..tensor.clone()
             }));
             graph_parts.push(GraphPart {
-                path: Some(file.path.clone()),
+                path: Some(file.path.to_path_buf()),
                 file_offset: 0,
                 data_len: file.file_len,
                 first_block: first,

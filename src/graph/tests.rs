@@ -1,3 +1,5 @@
+use std::path::Path;
+
 use super::*;
 
 /// Lays tensors out back to back, each start aligned to 32 bytes as GGUF does.
@@ -291,4 +293,94 @@ fn the_guard_at_a_position_reaches_back_to_the_start_of_its_step() {
     // Without steps, the graph-wide guard everywhere.
     let learned = ModelGraph::from_pass(layout, &[0, 1, 2, 3]).with_lag_guard(2);
     assert_eq!(learned.lag_guard_at(3), 2);
+}
+
+/// A llama's tensor table cut in two files after tensor `cut`, each file's ranges its
+/// own (from offset `header`, as a GGUF part's data follows its header).
+fn two_parts(cut: usize, header: u64) -> (Vec<TensorInfo>, Vec<TensorInfo>) {
+    let names = llama_names(4, false);
+    let shift = |tensors: Vec<TensorInfo>| -> Vec<TensorInfo> {
+        tensors
+            .into_iter()
+            .map(|t| TensorInfo {
+                file_range: t.file_range.start + header..t.file_range.end + header,
+                ..t
+            })
+            .collect()
+    };
+    (
+        shift(table_of(&names[..cut])),
+        shift(table_of(&names[cut..])),
+    )
+}
+
+#[test]
+fn a_split_model_is_one_order_over_its_parts_laid_end_to_end() {
+    let (first, second) = two_parts(20, 1000);
+    let (first_len, second_len) = (end_of(&first) + 100, end_of(&second));
+    let parts = [
+        PartTensors {
+            path: Path::new("/m-00001-of-00002.gguf"),
+            file_len: first_len,
+            tensors: &first,
+        },
+        PartTensors {
+            path: Path::new("/m-00002-of-00002.gguf"),
+            file_len: second_len,
+            tensors: &second,
+        },
+    ];
+    let graph = ModelGraph::from_parts(&parts, 4096).unwrap();
+    let first_blocks = first_len.div_ceil(4096) as u32;
+    assert_eq!(graph.parts().len(), 2);
+    assert_eq!(graph.parts()[1].first_block, first_blocks);
+    assert_eq!(graph.part_of(first_blocks - 1), Some(0));
+    assert_eq!(graph.part_of(first_blocks), Some(1));
+    assert_eq!(graph.part_of(graph.layout().block_count()), None);
+    // Exact lengths: the first part's last block is as short as the file leaves it.
+    assert_eq!(graph.block_len(first_blocks - 1), first_len % 4096);
+    assert_eq!(graph.block_len(first_blocks), 4096);
+    assert_eq!(
+        (0..graph.layout().block_count())
+            .map(|b| graph.block_len(b))
+            .sum::<u64>(),
+        first_len + second_len
+    );
+    // The same order as the whole model's: tensor after tensor through both parts.
+    let whole = table_of(&llama_names(4, false));
+    let unsplit =
+        ModelGraph::from_tensors(&whole, BlockLayout::new(0, end_of(&whole), 4096).unwrap());
+    // Tensor by tensor, read off the blocks only one tensor covers (norms share theirs).
+    let tensor_order = |graph: &ModelGraph| -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for &block in graph.order().sequence() {
+            let owners: Vec<&str> = graph
+                .graph()
+                .raw_nodes()
+                .iter()
+                .filter(|n| n.weight.blocks.contains(&block))
+                .filter_map(|n| match &n.weight.label {
+                    NodeLabel::Extent { tensor, .. } => Some(tensor.as_str()),
+                    NodeLabel::Block => None,
+                })
+                .collect();
+            if let [tensor] = owners[..] {
+                if names.last().map(String::as_str) != Some(tensor) {
+                    names.push(tensor.to_string());
+                }
+            }
+        }
+        names
+    };
+    let split_order = tensor_order(&graph);
+    assert_eq!(split_order.len(), 4 * 7 + 1, "{split_order:?}");
+    assert_eq!(split_order, tensor_order(&unsplit));
+    // A tensor of the second part sits on the second part's blocks.
+    let last = graph
+        .graph()
+        .raw_nodes()
+        .iter()
+        .find(|n| matches!(&n.weight.label, NodeLabel::Extent { tensor, .. } if tensor == "output.weight"))
+        .unwrap();
+    assert!(last.weight.blocks.start >= first_blocks, "{last:?}");
 }

@@ -362,3 +362,91 @@ fn a_fault_a_little_behind_the_last_is_no_progress_not_a_pass() {
     // Far behind is taken as far ahead (most of a pass), as before.
     assert_eq!(progress_steps(&order, 800, 100), 300);
 }
+
+/// A model in two files of 8 blocks each (one tensor each, run in file order), and the
+/// policies bound to region 0 for the first file and region 1 for the second; region 2
+/// has the second file's geometry under another name.
+fn split_policies() -> (GraphPrefetch, GraphEviction) {
+    use crate::graph::PartTensors;
+    use crate::model::TensorInfo;
+    let tensor = |name: &str| TensorInfo {
+        name: name.to_string(),
+        dtype: "F32".to_string(),
+        shape: vec![8 * BLOCK / 4],
+        file_range: 0..8 * BLOCK,
+    };
+    let (first, second) = (
+        [tensor("blk.0.ffn_down.weight")],
+        [tensor("blk.1.ffn_down.weight")],
+    );
+    let parts = [
+        PartTensors {
+            path: Path::new("/m-00001-of-00002.gguf"),
+            file_len: 8 * BLOCK,
+            tensors: &first,
+        },
+        PartTensors {
+            path: Path::new("/m-00002-of-00002.gguf"),
+            file_len: 8 * BLOCK,
+            tensors: &second,
+        },
+    ];
+    let graph = Arc::new(ModelGraph::from_parts(&parts, BLOCK).unwrap());
+    let (mut prefetch, mut eviction) = graph_policies(graph);
+    for (id, path) in [
+        (0, "/m-00001-of-00002.gguf"),
+        (1, "/m-00002-of-00002.gguf"),
+        (2, "/other.gguf"),
+    ] {
+        let info = RegionInfo {
+            id: RegionId(id),
+            path: Path::new(path),
+            file_offset: 0,
+            data_len: 8 * BLOCK,
+            block_size: BLOCK,
+            block_count: 8,
+            budget: u64::MAX,
+        };
+        prefetch.region_added(&info);
+        eviction.region_added(&info);
+    }
+    (prefetch, eviction)
+}
+
+#[test]
+fn a_split_model_is_followed_across_its_files() {
+    let (mut prefetch, mut eviction) = split_policies();
+    // Near the end of the first file the plan reaches into the second, in its region's
+    // own block numbers.
+    let mut out = Vec::new();
+    prefetch.plan(&fault(6, 1_000), &mut out);
+    let requested: Vec<BlockRef> = out.iter().map(|request| request.block).collect();
+    assert!(
+        requested.contains(&BlockRef::new(RegionId(1), 0)),
+        "{requested:?}"
+    );
+    assert!(
+        requested
+            .iter()
+            .all(|block| block.region != RegionId(2) && block.index < 8),
+        "{requested:?}"
+    );
+    // With the program at the first file's start, the second file's last block is the
+    // one used furthest ahead; the look-alike region's blocks are not the model's and
+    // go first.
+    let (_, mut eviction_only) = split_policies();
+    for index in 0..4 {
+        eviction_only.inserted(BlockRef::new(RegionId(1), index));
+    }
+    eviction_only.touched(&fault(0, 0));
+    assert_eq!(
+        eviction_only.victim(b(1), ReadKind::Demand),
+        Some(BlockRef::new(RegionId(1), 3))
+    );
+    eviction.inserted(BlockRef::new(RegionId(1), 0));
+    eviction.inserted(BlockRef::new(RegionId(2), 0));
+    assert_eq!(
+        eviction.victim(b(1), ReadKind::Demand),
+        Some(BlockRef::new(RegionId(2), 0))
+    );
+}
