@@ -8,15 +8,16 @@ use clap::Args;
 use hyperoffload::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
-use hyperoffload::graph::{BlockLayout, ModelGraph};
-use hyperoffload::model::ModelFile;
+use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
+use hyperoffload::model::split::split_parts;
+use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::size::format_size;
 
 use super::size_arg;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// A GGUF or safetensors file.
+    /// A GGUF or safetensors file (any part of a split GGUF: the whole model is shown).
     model: PathBuf,
     /// Block size the graph is built for (the pager's block size).
     #[arg(long, value_parser = size_arg, default_value = "64K")]
@@ -34,26 +35,59 @@ pub struct InspectArgs {
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let model = ModelFile::open(&args.model)?;
-    let layout = BlockLayout::new(0, model.file_len, args.block)?;
-    let graph = ModelGraph::from_tensors(&model.tensors, layout);
+    // The model's files: this one, or every part of the split model it belongs to.
+    let files = split_parts(&model)?.unwrap_or_else(|| vec![model.clone()]);
+    let split = files.len() > 1;
+    let graph = if split {
+        ModelGraph::from_parts(
+            &files.iter().map(PartTensors::from).collect::<Vec<_>>(),
+            args.block,
+        )?
+    } else {
+        ModelGraph::from_tensors(
+            &model.tensors,
+            BlockLayout::new(0, model.file_len, args.block)?,
+        )
+    };
+    let layout = *graph.layout();
+    // Each tensor with the part (1-based) holding it.
+    let tensors: Vec<(usize, &TensorInfo)> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(part, file)| file.tensors.iter().map(move |tensor| (part + 1, tensor)))
+        .collect();
+    let all_tensors: Vec<TensorInfo> = tensors.iter().map(|(_, t)| (*t).clone()).collect();
+    let file_len: u64 = files.iter().map(|file| file.file_len).sum();
     if args.dot {
         print!("{}", to_dot(&graph));
         return Ok(());
     }
-    let weights: u64 = model
-        .tensors
+    let weights: u64 = all_tensors
         .iter()
         .map(|t| t.file_range.end - t.file_range.start)
         .sum();
+    let holder = if split {
+        format!(
+            "a model split in {} files of {} in all",
+            files.len(),
+            format_size(file_len)
+        )
+    } else {
+        format!("a {} file", format_size(file_len))
+    };
     println!(
-        "{}: {} tensors, {} of weights in a {} file, graph of {} nodes ({:?})",
+        "{}: {} tensors, {} of weights in {holder}, graph of {} nodes ({:?})",
         args.model.display(),
-        model.tensors.len(),
+        all_tensors.len(),
         format_size(weights),
-        format_size(model.file_len),
         graph.graph().node_count(),
         graph.source()
     );
+    if split {
+        for file in &files {
+            println!("  {} ({})", file.path.display(), format_size(file.file_len));
+        }
+    }
     println!(
         "eviction spares up to {} behind the latest fault (back to the start of its step; the largest step, which threads share)",
         format_size(graph.lag_guard() as u64 * layout.block_size)
@@ -62,35 +96,40 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         println!("\n## tensors (file order)\n");
         println!("| name | type | shape | offset | size |");
         println!("|---|---|---|---|---|");
-        for tensor in &model.tensors {
+        for (part, tensor) in &tensors {
+            let offset = tensor.file_range.start;
+            let place = if split {
+                format!("{offset} in part {part}")
+            } else {
+                offset.to_string()
+            };
             println!(
-                "| {} | {} | {:?} | {} | {} |",
+                "| {} | {} | {:?} | {place} | {} |",
                 tensor.name,
                 tensor.dtype,
                 tensor.shape,
-                tensor.file_range.start,
-                format_size(tensor.file_range.end - tensor.file_range.start)
+                format_size(tensor.file_range.end - offset)
             );
         }
     }
     println!("\n## bytes per layer\n");
     println!("| layer | tensors | size |");
     println!("|---|---|---|");
-    for (layer, (bytes, count)) in bytes_per_layer(&model.tensors) {
+    for (layer, (bytes, count)) in bytes_per_layer(&all_tensors) {
         let name = layer.map_or_else(|| "outside layers".to_string(), |l| l.to_string());
         println!("| {name} | {count} | {} |", format_size(bytes));
     }
     println!("\n## bytes per kind\n");
     println!("| kind | tensors | size | types |");
     println!("|---|---|---|---|");
-    for (kind, (bytes, count, types)) in bytes_per_kind(&model.tensors) {
+    for (kind, (bytes, count, types)) in bytes_per_kind(&all_tensors) {
         println!(
             "| {kind} | {count} | {} | {} |",
             format_size(bytes),
             types.join(", ")
         );
     }
-    let order = predicted_order(&model.tensors);
+    let order = predicted_order(&all_tensors);
     println!(
         "\n## predicted execution order (one token, {} steps)\n",
         order.len()
