@@ -346,4 +346,33 @@ fn a_split_model_is_one_model_to_the_pager() {
         split_read as f64 <= whole_read as f64 * 1.15,
         "the split model read {split_read} bytes, the whole one {whole_read}"
     );
+
+    // The analysis tools take any part for the whole model.
+    let tool = |args: &[&str], model: &Path| {
+        let output = Command::new(LAUNCHER)
+            .args(args)
+            .arg(model)
+            .output()
+            .unwrap();
+        assert_success(&output, &args.join(" "));
+        stdout(&output)
+    };
+    let inspected = tool(&["inspect"], &parts[1]);
+    assert!(
+        inspected.contains("split in 3 files") && inspected.contains("output_norm.weight"),
+        "{inspected}"
+    );
+    let simulated = |model: &Path| -> u64 {
+        let args = [
+            "simulate", "--budget", "50%", "--policy", "graph", "--json", "--model",
+        ];
+        let json: serde_json::Value = serde_json::from_str(&tool(&args, model)).unwrap();
+        json["report"]["bytes_read"].as_u64().unwrap()
+    };
+    let (split_sim, whole_sim) = (simulated(&parts[1]), simulated(&model));
+    eprintln!("simulated: split {split_sim}, whole {whole_sim}");
+    assert!(
+        split_sim.abs_diff(whole_sim) as f64 <= 0.05 * whole_sim as f64,
+        "simulated reads: split {split_sim}, whole {whole_sim}"
+    );
 }

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 
-use hyperoffload::graph::{BlockLayout, ModelGraph, Transitions};
+use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors, Transitions};
+use hyperoffload::model::split::split_parts;
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::{format_size, parse_size};
@@ -21,7 +22,8 @@ pub struct SimulateArgs {
         required_unless_present_any = ["synthetic_llama", "model"]
     )]
     trace: Option<PathBuf>,
-    /// A model file (GGUF or safetensors): its predicted order, repeated for --tokens.
+    /// A model file (GGUF or safetensors; any part of a split GGUF stands for them
+    /// all): its predicted order, repeated for --tokens.
     #[arg(long, conflicts_with = "synthetic_llama")]
     model: Option<PathBuf>,
     /// A synthetic llama-shaped model: `LAYERS:TENSOR_BYTES` (TENSOR_BYTES is the size of
@@ -52,14 +54,27 @@ pub struct SimulateArgs {
 }
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    // The model's bytes, where the workload's layout is not them (a split model).
+    let mut model_len = None;
     let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
         (Some(path), _) => (read_trace(path, args.tokens)?, None),
         (None, None) if args.model.is_some() => {
             let path = args.model.as_ref().expect("checked");
             let model = hyperoffload::model::ModelFile::open(path)?;
             let block = parse_size(&args.block)?;
-            let layout = BlockLayout::new(0, model.file_len, block)?;
-            let graph = ModelGraph::from_tensors(&model.tensors, layout);
+            let graph = match split_parts(&model)? {
+                // All the parts, replayed as one region: the files end to end, each
+                // from a block boundary (a part's short last block counts whole).
+                Some(parts) => {
+                    model_len = Some(parts.iter().map(|part| part.file_len).sum());
+                    let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
+                    ModelGraph::from_parts(&tables, block)?.into_one_region()
+                }
+                None => {
+                    let layout = BlockLayout::new(0, model.file_len, block)?;
+                    ModelGraph::from_tensors(&model.tensors, layout)
+                }
+            };
             (
                 Workload::cyclic(&graph, args.tokens.unwrap_or(16)),
                 Some(graph),
@@ -79,7 +94,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             bail!("give --trace FILE, --model FILE or --synthetic-llama LAYERS:TENSOR_BYTES")
         }
     };
-    let model = workload.layout.data_len;
+    let model = model_len.unwrap_or(workload.layout.data_len);
     let budget = super::budget_bytes(&args.budget, model)?;
 
     let (workload, graph) = match args.learn {

@@ -398,6 +398,19 @@ impl ModelGraph {
         &self.layout
     }
 
+    /// The graph with its parts forgotten: one region of the parts laid end to end,
+    /// each from a block boundary (a part's short last block counts whole), for
+    /// replaying a split model as one access sequence (`simulate`).
+    pub fn into_one_region(mut self) -> Self {
+        self.parts = vec![GraphPart {
+            path: None,
+            file_offset: self.layout.file_offset,
+            data_len: self.layout.data_len,
+            first_block: 0,
+        }];
+        self
+    }
+
     /// The files the graph's blocks come from, in block order.
     pub fn parts(&self) -> &[GraphPart] {
         &self.parts
