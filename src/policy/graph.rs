@@ -155,11 +155,14 @@ impl Progress {
         (graph.part_of(global) == Some(part)).then_some(global)
     }
 
-    /// The block of a bound region that presents the graph's block `global`; `None`
-    /// when no region presents its part.
-    fn local(&self, graph: &ModelGraph, global: u32) -> Option<BlockRef> {
+    /// The block of a bound region that presents the graph's block `global`: of region
+    /// `preferred` if it presents that part (a file mapped twice is read into the
+    /// mapping the program is using), else of the first that does; `None` when none.
+    fn local(&self, graph: &ModelGraph, global: u32, preferred: RegionId) -> Option<BlockRef> {
         let part = graph.part_of(global)?;
-        let &(region, _) = self.regions.iter().find(|&&(_, p)| p == part)?;
+        let presents = |&&(r, p): &&(RegionId, usize)| p == part && r == preferred;
+        let &(region, _) = (self.regions.iter().find(presents))
+            .or_else(|| self.regions.iter().find(|&&(_, p)| p == part))?;
         Some(BlockRef::new(
             region,
             global - graph.parts()[part].first_block,
@@ -376,7 +379,7 @@ impl PrefetchPolicy for GraphPrefetch {
                 continue;
             }
             // A part of the model no region presents (not mapped yet, or any more).
-            let Some(block_ref) = progress.local(graph, block) else {
+            let Some(block_ref) = progress.local(graph, block, fault.block.region) else {
                 continue;
             };
             self.target[block as usize] = target;

@@ -450,3 +450,31 @@ fn a_split_model_is_followed_across_its_files() {
         Some(BlockRef::new(RegionId(2), 0))
     );
 }
+
+#[test]
+fn a_model_mapped_twice_is_read_into_the_mapping_that_faulted() {
+    let pass: Vec<u32> = (0..16).collect();
+    let (mut prefetch, _) = policies(&pass, 16);
+    let second = RegionInfo {
+        id: RegionId(1),
+        path: Path::new("/model"),
+        file_offset: 0,
+        data_len: 16 * BLOCK,
+        block_size: BLOCK,
+        block_count: 16,
+        budget: u64::MAX,
+    };
+    prefetch.region_added(&second);
+    let mut out = Vec::new();
+    let in_second = FaultEvent {
+        block: BlockRef::new(RegionId(1), 2),
+        ..fault(2, 1_000)
+    };
+    prefetch.plan(&in_second, &mut out);
+    assert!(!out.is_empty());
+    assert!(
+        out.iter()
+            .all(|request| request.block.region == RegionId(1)),
+        "{out:?}"
+    );
+}
