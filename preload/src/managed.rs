@@ -11,7 +11,7 @@ use std::cell::Cell;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -33,6 +33,21 @@ pub const PAGE: usize = 4096;
 pub struct ManagedRegion {
     region: Region,
     file: usize,
+    /// Bytes of the process's read-ahead allowance (see `Shim::bounded_prefetch`) this
+    /// region's MAP_POPULATE and WILLNEED took, given back when it goes.
+    read_ahead: AtomicU64,
+    allowance: Arc<AtomicU64>,
+}
+
+impl Drop for ManagedRegion {
+    fn drop(&mut self) {
+        let taken = *self.read_ahead.get_mut();
+        let _ = self
+            .allowance
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(taken))
+            });
+    }
 }
 
 /// A file the shim has managed at least one mapping of.
@@ -55,6 +70,9 @@ pub struct Shim {
     registry: Mutex<Registry<Arc<ManagedRegion>>>,
     /// Managed mappings alive: lets hooks skip the registry while there are none.
     mapped: AtomicUsize,
+    /// Bytes the live regions' MAP_POPULATE and WILLNEED read ahead (see
+    /// `bounded_prefetch`).
+    read_ahead: Arc<AtomicU64>,
     layout: Mutex<()>,
     files: Mutex<Vec<ManagedFile>>,
     trace: Mutex<Vec<String>>,
@@ -116,6 +134,7 @@ impl Shim {
             pager: Mutex::new(PagerSlot::NotYet),
             registry: Mutex::new(Registry::default()),
             mapped: AtomicUsize::new(0),
+            read_ahead: Arc::new(AtomicU64::new(0)),
             layout: Mutex::new(()),
             files: Mutex::new(Vec::new()),
             trace: Mutex::new(Vec::new()),
@@ -339,7 +358,12 @@ impl Shim {
         let base = region.as_ptr() as usize;
         let map_len = region.map_len();
         let file = self.file_index(&path, size, &stat);
-        let managed = Arc::new(ManagedRegion { region, file });
+        let managed = Arc::new(ManagedRegion {
+            region,
+            file,
+            read_ahead: AtomicU64::new(0),
+            allowance: Arc::clone(&self.read_ahead),
+        });
         lock(&self.registry).insert(base, map_len, managed.clone());
         self.mapped.fetch_add(1, Ordering::AcqRel);
         self.verbose(|| {
@@ -356,7 +380,7 @@ impl Shim {
                 "len": request.len, "flags": request.flags})
         });
         if request.flags & libc::MAP_POPULATE != 0 {
-            self.bounded_prefetch(&managed.region, 0..map_len as u64);
+            self.bounded_prefetch(&managed, 0..map_len as u64);
         }
         Some(base)
     }
@@ -397,13 +421,27 @@ impl Shim {
             .any(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
     }
 
-    /// Reads ahead at most half the budget from the start of `range`: MAP_POPULATE and
-    /// WILLNEED over a model larger than the budget must not read it all (it would only
-    /// evict itself).
-    fn bounded_prefetch(&self, region: &Region, range: std::ops::Range<u64>) {
-        let cap = region.pager().budget() / 2;
-        let end = range.end.min(range.start.saturating_add(cap));
-        let _ = region.prefetch(range.start..end);
+    /// Reads ahead from the start of `range`, so that the live regions' MAP_POPULATE and
+    /// WILLNEED read at most half the budget between them: over a model larger than the
+    /// budget they must not read it all (it would only evict itself). Between them: a
+    /// split model is a mapping per file, each populated; half the budget each read a
+    /// 3 GiB llama in four files whole at load under 90 % of it, 0.28 GB more than the
+    /// same model in one file (tg2, 4.18-4.20 against 3.90-3.93 GB).
+    fn bounded_prefetch(&self, managed: &ManagedRegion, range: std::ops::Range<u64>) {
+        let cap = managed.region.pager().budget() / 2;
+        let wanted = range.end.saturating_sub(range.start);
+        let mut granted = 0;
+        let _ = self
+            .read_ahead
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                granted = wanted.min(cap.saturating_sub(used));
+                Some(used + granted)
+            });
+        if granted == 0 {
+            return;
+        }
+        managed.read_ahead.fetch_add(granted, Ordering::AcqRel);
+        let _ = managed.region.prefetch(range.start..range.start + granted);
     }
 
     fn pieces(&self, addr: usize, len: usize) -> Option<Vec<Piece<Arc<ManagedRegion>>>> {
@@ -493,7 +531,7 @@ impl Shim {
                         serde_json::json!({"op": "advise", "file": value.file,
                             "start": relative.start, "end": relative.end, "advice": advice})
                     });
-                    self.advise_managed(&value.region, relative, advice, posix)
+                    self.advise_managed(&value, relative, advice, posix)
                 }
                 Piece::Kernel(range) => {
                     // SAFETY: the program's own advice on memory the shim does not manage.
@@ -512,15 +550,16 @@ impl Shim {
 
     fn advise_managed(
         &self,
-        region: &Region,
+        managed: &ManagedRegion,
         range: std::ops::Range<u64>,
         advice: c_int,
         posix: bool,
     ) -> Errno {
+        let region = &managed.region;
         let hint = |hint| region.advise(range.clone(), hint).map_err(|_| libc::EINVAL);
         match advice {
             libc::MADV_WILLNEED => {
-                self.bounded_prefetch(region, range);
+                self.bounded_prefetch(managed, range);
                 Ok(())
             }
             libc::MADV_DONTNEED if posix => Ok(()),
