@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod chrome_trace;
 pub mod figures;
 pub mod kernel_events;
+pub mod model_files;
 pub mod model_summary;
 pub mod plots;
 pub mod proc_maps;
