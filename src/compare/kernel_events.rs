@@ -46,11 +46,11 @@ pub fn model_faults(
                 {
                     faults.push(previous);
                 }
-                if let Some(file_offset) = ranges.iter().find_map(|r| r.file_offset_of(*address)) {
+                if let Some(offset) = ranges.iter().find_map(|r| r.model_offset_of(*address)) {
                     let sample = FaultSample {
                         t_ns: since(event.t_ns),
                         tid: event.tid,
-                        file_offset: file_offset & !4095,
+                        file_offset: offset & !4095,
                         latency_ns: None,
                     };
                     open.insert(event.tid, Open::Running(sample));
@@ -238,7 +238,7 @@ mod tests {
     const MAP: MappedRange = MappedRange {
         start: 0x10000,
         end: 0x20000,
-        file_offset: 0x1000,
+        model_offset: 0x1000,
     };
 
     #[test]

@@ -31,7 +31,7 @@ use thiserror::Error;
 
 use record::{RunRecord, Side};
 use report::{Report, ReportHeader, METHOD};
-use runner::{run_once, ModelTarget, RunError, RunSpec};
+use runner::{run_once, ModelTarget, ModelTargetError, RunError, RunSpec};
 
 #[derive(Debug, Error)]
 pub enum CompareError {
@@ -41,7 +41,7 @@ pub enum CompareError {
     Model {
         path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: ModelTargetError,
     },
     #[error("{side} run {index}: {source}")]
     Run {
@@ -95,6 +95,7 @@ pub fn compare(
         path: model_path.clone(),
         source,
     })?;
+    let files = &model.files;
     std::fs::create_dir_all(&config.out_dir).map_err(|source| CompareError::Output {
         path: config.out_dir.clone(),
         source,
@@ -129,10 +130,24 @@ pub fn compare(
                 .iter()
                 .map(|a| a.to_string_lossy().into_owned())
                 .collect(),
-            model: model.path.display().to_string(),
-            model_bytes: model.len,
+            model: files.first().path.display().to_string(),
+            model_parts: if files.is_split() {
+                files
+                    .parts()
+                    .iter()
+                    .map(|part| part.path.display().to_string())
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            model_bytes: files.total_len(),
             budget_bytes: config.budget_bytes,
-            device: model.device.to_string(),
+            device: model
+                .devices
+                .iter()
+                .map(|device| device.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             runs_per_side: config.runs,
             cold: runs.iter().all(|r| r.cold),
             cgroup_version: cgroup::memory_hierarchy()

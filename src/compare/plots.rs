@@ -143,10 +143,22 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
         }),
         ..Default::default()
     };
+    // A split model's faults are on one axis, its parts end to end (`model_files`).
+    let (map_title, map_axis) = if report.header.model_parts.len() > 1 {
+        (
+            "Faults on the model: offset in its files laid end to end, against time",
+            "offset in the model's files (MiB)",
+        )
+    } else {
+        (
+            "Faults on the model: file offset against time",
+            "file offset (MiB)",
+        )
+    };
     let map = Chart {
-        title: "Faults on the model: file offset against time".into(),
+        title: map_title.into(),
         x_label: "time (s)".into(),
-        y_label: "file offset (MiB)".into(),
+        y_label: map_axis.into(),
         series: per_side(report, |side, run| {
             vec![Series {
                 name: side.name().into(),

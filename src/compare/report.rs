@@ -61,15 +61,36 @@ pub fn failed_runs(runs: &[RunRecord]) -> Vec<String> {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReportHeader {
     pub command: Vec<String>,
+    /// The model's file; its first part for a split model.
     pub model: String,
+    /// Every part of a split model, in order; empty for a model in one file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_parts: Vec<String>,
+    /// Bytes of the model: of all its parts for a split model.
     pub model_bytes: u64,
     pub budget_bytes: u64,
+    /// The disks holding the model's files (`major:minor`, comma-separated).
     pub device: String,
     pub runs_per_side: usize,
     /// Every run started with a dropped page cache.
     pub cold: bool,
     pub cgroup_version: String,
     pub kernel: String,
+}
+
+impl ReportHeader {
+    /// `Model `m.gguf` (92.0 MiB)`, or for a split model
+    /// `Model `m-00001-of-00003.gguf` split in 3 files (92.0 MiB in all)`.
+    fn model_phrase(&self) -> String {
+        match self.model_parts.len() {
+            0 | 1 => format!("Model `{}` ({})", self.model, format_size(self.model_bytes)),
+            parts => format!(
+                "Model `{}` split in {parts} files ({} in all)",
+                self.model,
+                format_size(self.model_bytes)
+            ),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -248,9 +269,8 @@ impl Report {
         let _ = writeln!(md, "`{}`\n", h.command.join(" "));
         let _ = writeln!(
             md,
-            "Model `{}` ({}), budget {} ({:.0}% of the model), {} run(s) per side, alternating; device {}, cgroup {}, kernel {}.\n",
-            h.model,
-            format_size(h.model_bytes),
+            "{}, budget {} ({:.0}% of the model), {} run(s) per side, alternating; device {}, cgroup {}, kernel {}.\n",
+            h.model_phrase(),
             format_size(h.budget_bytes),
             h.budget_bytes as f64 * 100.0 / h.model_bytes.max(1) as f64,
             h.runs_per_side,
@@ -422,5 +442,36 @@ mod tests {
             ]
         );
         assert!(failed_runs(&runs[..1]).is_empty());
+    }
+
+    #[test]
+    fn a_split_model_is_named_with_its_parts_and_total_size() {
+        let mut header = ReportHeader {
+            command: vec!["llama-bench".into()],
+            model: "/m/model.gguf".into(),
+            model_parts: Vec::new(),
+            model_bytes: 3 << 20,
+            budget_bytes: 3 << 19,
+            device: "8:0".into(),
+            runs_per_side: 1,
+            cold: true,
+            cgroup_version: "V2".into(),
+            kernel: "6.18".into(),
+        };
+        assert_eq!(header.model_phrase(), "Model `/m/model.gguf` (3.00 MiB)");
+        let json = serde_json::to_string(&header).unwrap();
+        assert!(!json.contains("model_parts"), "{json}");
+
+        header.model = "/m/s-00001-of-00003.gguf".into();
+        header.model_parts = (1..=3)
+            .map(|no| format!("/m/s-{no:05}-of-00003.gguf"))
+            .collect();
+        assert_eq!(
+            header.model_phrase(),
+            "Model `/m/s-00001-of-00003.gguf` split in 3 files (3.00 MiB in all)"
+        );
+        let back: ReportHeader =
+            serde_json::from_str(&serde_json::to_string(&header).unwrap()).unwrap();
+        assert_eq!(back.model_parts.len(), 3);
     }
 }

@@ -21,6 +21,7 @@ use super::figures::{
     LATENCY_EDGES_US,
 };
 use super::kernel_events::{model_faults, program_reads};
+use super::model_files::ModelFiles;
 use super::program_output::ProgramFigures;
 use super::record::{
     FaultFigures, IoFigures, MemoryFigures, RunRecord, RunSeries, Side, TracingFigures,
@@ -29,6 +30,8 @@ use super::sampler::Sampler;
 use super::samples::FaultSample;
 use super::trace_event::{lost_events, parse_line, DeviceNumber, EventKind, TraceEvent};
 use super::tracefs::{TraceInstance, TracefsError};
+use crate::model::split::{split_parts, SplitError};
+use crate::model::ModelFile;
 use crate::policy::FaultOutcome;
 use crate::trace::{TraceError, TraceReader};
 
@@ -60,42 +63,94 @@ fn io_error(what: impl Into<String>) -> impl FnOnce(io::Error) -> RunError {
     move |source| RunError::Io { what, source }
 }
 
-/// The model file the program pages, and the block device it lives on.
+/// Why the model's files could not be found.
+#[derive(Debug, Error)]
+pub enum ModelTargetError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Boxed: a split error is large, and every compare result would carry its size.
+    #[error(transparent)]
+    Split(Box<SplitError>),
+}
+
+/// The model the program pages (one file, or every part of a split GGUF), and the block
+/// devices its files live on.
 #[derive(Debug, Clone)]
 pub struct ModelTarget {
-    pub path: PathBuf,
-    pub len: u64,
-    /// The whole disk holding the file: block requests name the disk, not the
-    /// partition.
-    pub device: DeviceNumber,
+    pub files: ModelFiles,
+    /// The whole disks holding the files, each once, in the order of the parts: block
+    /// requests name the disk, not the partition. Parts on different disks are all
+    /// traced, and the program's reads from any of them are the model's.
+    pub devices: Vec<DeviceNumber>,
 }
 
 impl ModelTarget {
-    pub fn find(path: &Path) -> io::Result<ModelTarget> {
-        let path = path.canonicalize()?;
-        let metadata = std::fs::metadata(&path)?;
-        let dev = metadata.dev();
-        let mut device = DeviceNumber {
-            major: libc::major(dev),
-            minor: libc::minor(dev),
+    /// The model `path` is (or is a part of), with canonical paths, as the program's
+    /// `/proc/PID/maps` names its files. A file that is no model this program reads
+    /// (as `model_len` has it) is a model of one file.
+    pub fn find(path: &Path) -> Result<ModelTarget, ModelTargetError> {
+        let io_error = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ModelTargetError::Io { path, source }
         };
-        // A partition's sysfs directory has a `partition` file and sits in its disk's.
-        let sys = PathBuf::from(format!("/sys/dev/block/{device}"));
-        if sys.join("partition").exists() {
-            if let Ok(parent) = std::fs::read_to_string(sys.join("../dev")) {
-                if let Some((major, minor)) = parent.trim().split_once(':') {
-                    if let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) {
-                        device = DeviceNumber { major, minor };
-                    }
+        let path = path.canonicalize().map_err(io_error(path))?;
+        let parts = match ModelFile::open(&path) {
+            Ok(model) => split_parts(&model).map_err(|e| ModelTargetError::Split(Box::new(e)))?,
+            Err(_) => None,
+        };
+        let paths = match parts {
+            Some(parts) => parts.into_iter().map(|part| part.path).collect(),
+            None => vec![path],
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        let mut devices = Vec::new();
+        for path in paths {
+            let path = path.canonicalize().map_err(io_error(&path))?;
+            let metadata = std::fs::metadata(&path).map_err(io_error(&path))?;
+            let device = disk_of(metadata.dev());
+            if !devices.contains(&device) {
+                devices.push(device);
+            }
+            files.push((path, metadata.len()));
+        }
+        Ok(ModelTarget {
+            files: ModelFiles::new(files).expect("a model has at least one file"),
+            devices,
+        })
+    }
+}
+
+/// The whole disk holding the filesystem of `st_dev`.
+fn disk_of(dev: u64) -> DeviceNumber {
+    let mut device = DeviceNumber {
+        major: libc::major(dev),
+        minor: libc::minor(dev),
+    };
+    // A partition's sysfs directory has a `partition` file and sits in its disk's.
+    let sys = PathBuf::from(format!("/sys/dev/block/{device}"));
+    if sys.join("partition").exists() {
+        if let Ok(parent) = std::fs::read_to_string(sys.join("../dev")) {
+            if let Some((major, minor)) = parent.trim().split_once(':') {
+                if let (Ok(major), Ok(minor)) = (major.parse(), minor.parse()) {
+                    device = DeviceNumber { major, minor };
                 }
             }
         }
-        Ok(ModelTarget {
-            path,
-            len: metadata.len(),
-            device,
-        })
     }
+    device
+}
+
+/// The tracefs event filter for block events on any of `devices`.
+fn device_filter(devices: &[DeviceNumber]) -> String {
+    devices
+        .iter()
+        .map(|device| format!("dev == {}", device.kernel_dev_t()))
+        .collect::<Vec<_>>()
+        .join(" || ")
 }
 
 /// What to run and where to put what it leaves.
@@ -175,7 +230,13 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
     let out = |name: &str| spec.out_dir.join(name);
     let dropped = crate::device::drop_page_cache();
-    let model_cached_bytes = cached_bytes(&spec.model.path).unwrap_or(0);
+    let model_cached_bytes: u64 = spec
+        .model
+        .files
+        .parts()
+        .iter()
+        .map(|part| cached_bytes(&part.path).unwrap_or(0))
+        .sum();
     let cold = dropped && model_cached_bytes == 0;
 
     let unique = format!("hyperoffload-{}-{tag}", std::process::id());
@@ -183,7 +244,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let cgroup = MemoryCgroup::create(&unique, limit)?;
 
     // The program's own events: followed from the child into its threads and children.
-    let dev_filter = format!("dev == {}", spec.model.device.kernel_dev_t());
+    let dev_filter = device_filter(&spec.model.devices);
     let program_trace = TraceInstance::create(&format!("{unique}-proc"))?;
     program_trace.set_buffer_kb(TRACE_BUFFER_KB)?;
     program_trace.write("options/event-fork", "1")?;
@@ -292,7 +353,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
         Sampler::start(
             cgroup_dir,
             usage,
-            spec.model.path.clone(),
+            spec.model.files.clone(),
             origin,
             SAMPLE_INTERVAL,
         )
@@ -333,12 +394,18 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let program_events = read_events(&out(&program_events_file), &mut tracing)?;
     let device_events = read_events(&out(&device_events_file), &mut tracing)?;
 
-    let reads = program_reads(
-        &device_events,
-        child.id(),
-        spec.model.device,
-        origin_mono_ns,
-    );
+    let mut reads = Vec::new();
+    for &device in &spec.model.devices {
+        reads.extend(program_reads(
+            &device_events,
+            child.id(),
+            device,
+            origin_mono_ns,
+        ));
+    }
+    if spec.model.devices.len() > 1 {
+        reads.sort_by_key(|read| read.issue_ns);
+    }
     let (faults, pager_stats, model_peak) = match spec.side {
         Side::Kernel => {
             let faults = model_faults(&program_events, &sampled.model_ranges, origin_mono_ns);
@@ -350,10 +417,20 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             (faults, None, model_peak)
         }
         Side::Pager => {
-            let faults = read_pager_faults(&out(&pager_trace_file))?;
             let stats: Option<serde_json::Value> = std::fs::read_to_string(out(&stats_file))
                 .ok()
                 .and_then(|text| serde_json::from_str(&text).ok());
+            // A single file's regions are all at 0 on its axis: nothing to look up.
+            let region_starts = if spec.model.files.is_split() {
+                let events = std::fs::read_to_string(out(&events_path_of(&pager_trace_file)))
+                    .unwrap_or_default();
+                spec.model
+                    .files
+                    .region_starts(&events, &stats_files(stats.as_ref()))
+            } else {
+                Vec::new()
+            };
+            let faults = read_pager_faults(&out(&pager_trace_file), &region_starts)?;
             let peak = stats
                 .as_ref()
                 .and_then(|s| s.get("peak_resident_bytes")?.as_u64());
@@ -428,6 +505,20 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     })
 }
 
+/// The `files` of the pager's stats (each `{"path", "size"}`), in order, made canonical
+/// like the model's.
+fn stats_files(stats: Option<&serde_json::Value>) -> Vec<PathBuf> {
+    let files = stats
+        .and_then(|stats| stats.get("files")?.as_array())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    files
+        .iter()
+        .map(|file| PathBuf::from(file["path"].as_str().unwrap_or_default()))
+        .map(|path| path.canonicalize().unwrap_or(path))
+        .collect()
+}
+
 /// Every file a pager run writes in the output directory, given its `--stats` and
 /// `--trace` names: the shim puts its own events beside the trace
 /// (`<trace>.events.jsonl`).
@@ -435,8 +526,13 @@ fn pager_outputs(stats_file: &str, trace_file: &str) -> [String; 3] {
     [
         stats_file.to_string(),
         trace_file.to_string(),
-        format!("{trace_file}.events.jsonl"),
+        events_path_of(trace_file),
     ]
+}
+
+/// The shim's event log beside the trace `trace_file` (`trace::events_path`).
+fn events_path_of(trace_file: &str) -> String {
+    format!("{trace_file}.events.jsonl")
 }
 
 /// The parsed events of a captured trace file, in time order. Events the comparison
@@ -470,7 +566,15 @@ fn read_events(path: &Path, tracing: &mut TracingFigures) -> Result<Vec<TraceEve
 /// The pager's fault trace as fault samples: faults that waited for a read (`missing`,
 /// `in_flight`) carry their latency; faults served from memory do not, like the
 /// kernel's faults that never blocked. A missing file gives no faults.
-pub fn read_pager_faults(path: &Path) -> Result<Vec<FaultSample>, RunError> {
+///
+/// The trace records a region and an offset in its file, not the file: a fault is put
+/// on the model axis (`model_files`) at its region's start there, `region_starts` by
+/// region id. A region it does not know (none for a single file; a file that is not
+/// the model's) keeps the fault's file offset.
+pub fn read_pager_faults(
+    path: &Path,
+    region_starts: &[Option<u64>],
+) -> Result<Vec<FaultSample>, RunError> {
     let Ok(file) = File::open(path) else {
         return Ok(Vec::new());
     };
@@ -481,12 +585,94 @@ pub fn read_pager_faults(path: &Path) -> Result<Vec<FaultSample>, RunError> {
             record.outcome,
             FaultOutcome::Missing | FaultOutcome::InFlight
         );
+        let start = usize::try_from(record.region)
+            .ok()
+            .and_then(|region| *region_starts.get(region)?)
+            .unwrap_or(0);
         faults.push(FaultSample {
             t_ns: record.t_ns,
             tid: record.tid,
-            file_offset: record.file_offset,
+            file_offset: start + record.file_offset,
             latency_ns: waited.then_some(record.latency_ns),
         });
     }
     Ok(faults)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_events_of_every_disk_of_the_model_are_traced() {
+        let vda = DeviceNumber {
+            major: 254,
+            minor: 0,
+        };
+        let sdb = DeviceNumber {
+            major: 8,
+            minor: 16,
+        };
+        assert_eq!(device_filter(&[vda]), "dev == 266338304");
+        assert_eq!(
+            device_filter(&[vda, sdb]),
+            "dev == 266338304 || dev == 8388624"
+        );
+    }
+
+    #[test]
+    fn stats_files_are_read_in_order() {
+        let stats = serde_json::json!({"files": [
+            {"path": "/nonexistent/a-00001-of-00002.gguf", "size": 1},
+            {"path": "/nonexistent/a-00002-of-00002.gguf", "size": 2},
+        ]});
+        assert_eq!(
+            stats_files(Some(&stats)),
+            [
+                PathBuf::from("/nonexistent/a-00001-of-00002.gguf"),
+                PathBuf::from("/nonexistent/a-00002-of-00002.gguf")
+            ]
+        );
+        assert!(stats_files(None).is_empty());
+    }
+
+    #[test]
+    fn pager_faults_go_to_their_regions_part() {
+        let path = std::env::temp_dir().join(format!("runner-faults-{}.csv", std::process::id()));
+        let record = |region: u32, file_offset: u64| crate::trace::TraceRecord {
+            t_ns: 1000,
+            tid: 7,
+            region,
+            file_offset,
+            block: (file_offset / 65536) as u32,
+            block_size: 65536,
+            outcome: FaultOutcome::Missing,
+            latency_ns: 500,
+        };
+        let mut writer = crate::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
+        for r in [
+            record(0, 65536),
+            record(1, 0),
+            record(2, 131_072),
+            record(3, 0),
+        ] {
+            writer.write(&r).unwrap();
+        }
+        std::fs::write(&path, writer.into_inner().unwrap()).unwrap();
+        let offsets = |starts: &[Option<u64>]| -> Vec<u64> {
+            read_pager_faults(&path, starts)
+                .unwrap()
+                .iter()
+                .map(|f| f.file_offset)
+                .collect()
+        };
+        // One file: the file offsets, as before.
+        assert_eq!(offsets(&[]), [65536, 0, 131_072, 0]);
+        // Region 1 is the third part, region 2 the second; region 3 is unknown.
+        assert_eq!(
+            offsets(&[Some(0), Some(81_920), Some(40_960)]),
+            [65536, 81_920, 172_032, 0]
+        );
+        std::fs::remove_file(&path).unwrap();
+    }
 }

@@ -1,6 +1,6 @@
 //! A thread that samples a run's memory every few milliseconds: its cgroup's usage, the
-//! resident set of the processes in it, and where (and how much of) the model is
-//! mapped.
+//! resident set of the processes in it, and where (and how much of) the model's files
+//! are mapped.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::model_files::ModelFiles;
 use super::proc_maps::{merge_ranges, model_ranges, model_rss_bytes, vm_rss_bytes};
 use super::samples::{MappedRange, MemorySample};
 
@@ -29,7 +30,7 @@ impl Sampler {
     pub fn start(
         cgroup_dir: PathBuf,
         usage: impl Fn() -> Option<u64> + Send + 'static,
-        model: PathBuf,
+        model: ModelFiles,
         origin: Instant,
         interval: Duration,
     ) -> Sampler {

@@ -9,7 +9,8 @@ pub struct FaultSample {
     /// Since the run started.
     pub t_ns: u64,
     pub tid: u32,
-    /// Offset in the model file of the faulting page (kernel side) or block (pager side).
+    /// Offset in the model of the faulting page (kernel side) or block (pager side): in
+    /// its file, on the model axis of `model_files` for a split model.
     pub file_offset: u64,
     /// Time until the faulting thread ran again; None when it was not measured (a kernel
     /// fault that never blocked: its latency is below what the tracepoints can show).
@@ -38,20 +39,21 @@ pub struct MemorySample {
     pub model_rss_bytes: Option<u64>,
 }
 
-/// An address range of the program that maps part of the model file.
+/// An address range of the program that maps part of one of the model's files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MappedRange {
     pub start: u64,
     pub end: u64,
-    /// File offset of `start`.
-    pub file_offset: u64,
+    /// Offset of `start` on the model axis (`model_files`): the file offset for a model
+    /// in one file.
+    pub model_offset: u64,
 }
 
 impl MappedRange {
-    /// The file offset of `address` when it lies in the range.
-    pub fn file_offset_of(&self, address: u64) -> Option<u64> {
+    /// The model offset of `address` when it lies in the range.
+    pub fn model_offset_of(&self, address: u64) -> Option<u64> {
         (self.start..self.end)
             .contains(&address)
-            .then(|| self.file_offset + (address - self.start))
+            .then(|| self.model_offset + (address - self.start))
     }
 }
