@@ -10,12 +10,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use hyperoffload::compare::report::failed_runs;
 use hyperoffload::compare::{compare, find_model_argument, CompareConfig};
+use hyperoffload::model::split::model_len;
 use hyperoffload::size::format_size;
 
 #[derive(clap::Args)]
 pub struct CompareArgs {
-    /// RAM for the model: a size (`48M`) or a share of the model file (`50%`). The
-    /// kernel side's cgroup gets the same limit, page cache included.
+    /// RAM for the model: a size (`48M`) or a share of the model (`50%`; of all its
+    /// files for a split GGUF). The kernel side's cgroup gets the same limit, page
+    /// cache included.
     #[arg(long)]
     budget: String,
     /// Runs per side.
@@ -24,8 +26,8 @@ pub struct CompareArgs {
     /// Where report.md, report.json, the plots and the raw traces go.
     #[arg(long, default_value = "compare-out")]
     out: PathBuf,
-    /// The model file the program maps (default: the first *.gguf / *.safetensors
-    /// argument).
+    /// The model file the program maps, or any part of a split GGUF (default: the
+    /// first *.gguf / *.safetensors argument).
     #[arg(long)]
     model: Option<PathBuf>,
     /// The program and its arguments.
@@ -59,9 +61,8 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
             "no *.gguf or *.safetensors file among the program's arguments: give --model",
         )?,
     };
-    let model_len = std::fs::metadata(&model)
-        .with_context(|| model.display().to_string())?
-        .len();
+    // All the parts of a split model, as the shim resolves a share for the pager side.
+    let model_len = model_len(&model).with_context(|| model.display().to_string())?;
     let budget = super::budget_bytes(&args.budget, model_len)?;
     if euid() != 0 {
         eprintln!("warning: not root: the page cache cannot be dropped, so the comparison is not cold (the report says so); cgroups and tracefs will likely fail too");
