@@ -86,19 +86,35 @@ impl ModelFiles {
     /// Where each of the shim's regions starts on the model axis, by region id; None
     /// for a region of a file that is not one of the model's. `events` is the shim's
     /// event log (`<trace>.events.jsonl`), `files` the `files` of its stats, in order.
-    /// Region ids count from 0 in the order the shim maps, and it logs a `map` event
-    /// for each mapping it takes, under the same lock, naming its file by index into
-    /// `files`: the n-th `map` event is region n.
+    /// The shim logs a `map` event for each mapping it takes, naming its file by index
+    /// into `files` and its region by id; logs from before the id was recorded are read
+    /// as region ids count, from 0 in the order the shim maps (the n-th `map` event is
+    /// region n).
     pub fn region_starts(&self, events: &str, files: &[PathBuf]) -> Vec<Option<u64>> {
-        events
+        let mut starts: Vec<Option<u64>> = Vec::new();
+        let maps = events
             .lines()
             .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|event| event["op"] == "map")
-            .map(|event| {
-                let file = files.get(usize::try_from(event["file"].as_u64()?).ok()?)?;
-                Some(self.part(file)?.start)
-            })
-            .collect()
+            .filter(|event| event["op"] == "map");
+        for (nth, event) in maps.enumerate() {
+            let region = event["region"]
+                .as_u64()
+                .map_or(Some(nth), |id| usize::try_from(id).ok());
+            // Region ids count up from 0: a garbled one is skipped, not allocated for.
+            let Some(region) = region.filter(|&id| id < 1 << 20) else {
+                continue;
+            };
+            let start = usize::try_from(event["file"].as_u64().unwrap_or(u64::MAX))
+                .ok()
+                .and_then(|file| files.get(file))
+                .and_then(|file| self.part(file))
+                .map(|part| part.start);
+            if starts.len() <= region {
+                starts.resize(region + 1, None);
+            }
+            starts[region] = start;
+        }
+        starts
     }
 }
 
@@ -162,6 +178,17 @@ not json
         assert_eq!(
             model.region_starts(events, &files),
             [Some(0), Some(20_480), Some(12_288), None, None]
+        );
+        // With the ids recorded, a region id the log skips (a mapping that failed
+        // after taking one) does not shift the rest.
+        let events = r#"{"op":"map","file":0,"region":0,"offset":0,"len":10000,"flags":1}
+{"op":"map","file":2,"region":2,"offset":0,"len":8192,"flags":1}
+{"op":"map","file":1,"region":3,"offset":0,"len":5,"flags":1}
+{"op":"map","file":1,"region":99999999999,"offset":0,"len":5,"flags":1}
+"#;
+        assert_eq!(
+            model.region_starts(events, &files),
+            [Some(0), None, Some(12_288), Some(20_480)]
         );
     }
 }
