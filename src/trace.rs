@@ -29,6 +29,21 @@ pub fn events_path(trace: &std::path::Path) -> std::path::PathBuf {
     name.into()
 }
 
+/// The file each region presents, by region id, from the shim's event log
+/// (`events_path`): its `map` events name the region and the file's path. A log from
+/// before they did names none.
+pub fn region_files(events: &str) -> std::collections::HashMap<u32, std::path::PathBuf> {
+    events
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|event| event["op"] == "map")
+        .filter_map(|event| {
+            let region = u32::try_from(event["region"].as_u64()?).ok()?;
+            Some((region, event["path"].as_str()?.into()))
+        })
+        .collect()
+}
+
 /// One fault.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct TraceRecord {
@@ -239,6 +254,20 @@ impl<R: BufRead> Iterator for TraceReader<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_event_log_names_each_region_s_file() {
+        let events = r#"{"op":"map","file":0,"region":0,"path":"/m/a-00001-of-00002.gguf","offset":0}
+{"op":"unmap","file":0,"start":0,"end":4096}
+{"op":"map","file":1,"region":2,"path":"/m/a-00002-of-00002.gguf","offset":0}
+{"op":"map","file":1,"offset":0}
+not json
+"#;
+        let files = region_files(events);
+        assert_eq!(files.len(), 2);
+        assert_eq!(files[&0], std::path::Path::new("/m/a-00001-of-00002.gguf"));
+        assert_eq!(files[&2], std::path::Path::new("/m/a-00002-of-00002.gguf"));
+    }
 
     #[test]
     fn the_events_file_is_named_after_the_whole_trace_name() {

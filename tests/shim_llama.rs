@@ -377,6 +377,36 @@ fn a_split_model_is_one_model_to_the_pager() {
         "to the first token the split model read {split_first} bytes, the whole one {whole_first}"
     );
 
+    // A trace names every part's faults by that part's own tensors.
+    let trace = dir.path("trace.json");
+    let output = Command::new(LAUNCHER)
+        .args(["trace", "--budget", "50%", "--out"])
+        .arg(&trace)
+        .arg("--")
+        .arg(&completion)
+        .args(completion_args(&parts[0]))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&output, "trace");
+    let named = std::fs::read_to_string(dir.path("trace.tensors.csv")).unwrap();
+    let last_part: Vec<String> = hyperoffload::model::ModelFile::open(&parts[2])
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|tensor| tensor.name)
+        .collect();
+    let named_in_last_part = named
+        .lines()
+        .filter_map(|line| line.rsplit(',').next())
+        .filter(|name| last_part.iter().any(|t| t == name))
+        .count();
+    assert!(
+        named_in_last_part > 0,
+        "no fault named by a tensor of the third part: {}",
+        named.lines().take(5).collect::<Vec<_>>().join("\n")
+    );
+
     // The analysis tools take any part for the whole model.
     let tool = |args: &[&str], model: &Path| {
         let output = Command::new(LAUNCHER)

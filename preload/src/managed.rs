@@ -377,7 +377,8 @@ impl Shim {
         });
         self.record(|| {
             serde_json::json!({"op": "map", "file": file, "region": managed.region.id().0,
-                "offset": offset, "len": request.len, "flags": request.flags})
+                "path": path.to_string_lossy(), "offset": offset, "len": request.len,
+                "flags": request.flags})
         });
         if request.flags & libc::MAP_POPULATE != 0 {
             self.bounded_prefetch(&managed, 0..map_len as u64);

@@ -2,6 +2,7 @@
 //! and the block-access CSV that `simulate` replays. The exit status is the program's
 //! (see `exit_status`), after the trace is written.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::BufReader;
 use std::os::unix::fs::MetadataExt;
@@ -11,9 +12,10 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{bail, Context};
 use serde_json::json;
 
-use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv};
+use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv, RegionTensors};
 use hyperoffload::compare::find_model_argument;
-use hyperoffload::trace::{events_path, TraceReader};
+use hyperoffload::model::{ModelFile, TensorInfo};
+use hyperoffload::trace::{events_path, region_files, TraceReader};
 
 use super::{child, exit_status};
 
@@ -132,7 +134,7 @@ fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
         .map(|(k, v)| (k.clone(), json!(v)))
         .collect();
     let records = reader.collect::<Result<Vec<_>, _>>()?;
-    let tensors = match &args.model {
+    let model_tensors = match &args.model {
         // Asked for: its tensors or an error.
         Some(asked) => Some(super::model_tensors(asked)?),
         // Guessed from the program's arguments: a file the pager served, but maybe of no
@@ -155,9 +157,34 @@ fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
         .iter()
         .map(|a| a.to_string_lossy())
         .collect::<Vec<_>>());
-    let trace = chrome_trace(&records, tensors.as_deref(), metadata);
+    // Each region's faults named by its own file's tensors, as the shim's events say
+    // which file each region presents (a split model's parts, a second model); the
+    // model argument names the first region's where they do not.
+    let events = events_path(args.from.as_deref().unwrap_or(csv));
+    let region_files = std::fs::read_to_string(&events)
+        .map(|text| region_files(&text))
+        .unwrap_or_default();
+    // Each file's table read once (None: no model format with tensors).
+    let mut tables: HashMap<&Path, Option<Vec<TensorInfo>>> = HashMap::new();
+    for path in region_files.values() {
+        tables
+            .entry(path)
+            .or_insert_with(|| ModelFile::open(path).ok().map(|model| model.tensors));
+    }
+    let mut names = RegionTensors::default();
+    for (region, path) in &region_files {
+        if let Some(Some(tensors)) = tables.get(path.as_path()) {
+            names.insert(*region, tensors);
+        }
+    }
+    if let Some(tensors) = &model_tensors {
+        if args.model.is_some() || !region_files.contains_key(&0) {
+            names.insert(0, tensors);
+        }
+    }
+    let trace = chrome_trace(&records, &names, metadata);
     write(&outputs.json, &serde_json::to_string(&trace)?)?;
-    write(&outputs.tensors, &named_csv(&records, tensors.as_deref()))?;
+    write(&outputs.tensors, &named_csv(&records, &names))?;
     eprintln!(
         "{} faults: {} (open in ui.perfetto.dev), {} (simulate --trace)",
         records.len(),

@@ -12,6 +12,8 @@
 //! `ts` and `dur` are microseconds; `cat` is the outcome (`missing`: a demand read,
 //! `in_flight`: a read already under way, `staged`, `resident`).
 
+use std::collections::HashMap;
+
 use serde_json::{json, Value};
 
 use crate::model::TensorInfo;
@@ -48,18 +50,36 @@ impl<'a> TensorLocator<'a> {
     }
 }
 
-/// The region the tensor table describes: the first file the pager mapped (region ids
-/// count from 0), which the trace's `file` metadata names. Faults in other regions are
-/// in other files, whose tensors the trace does not say: they stay unnamed rather than
-/// take the first file's names.
-const NAMED_REGION: u32 = 0;
+/// Tensor tables by the region whose faults they name. A region's faults are named by
+/// its own file's tensors; a region with no table (a file of no known format, or one
+/// the trace does not say) has its faults named by block, never by another file's.
+#[derive(Default)]
+pub struct RegionTensors<'a> {
+    by_region: HashMap<u32, TensorLocator<'a>>,
+}
 
-/// The tensor a fault hit, if its region is the one the table describes.
-fn tensor_of<'a>(locator: Option<&TensorLocator<'a>>, r: &TraceRecord) -> Option<&'a TensorInfo> {
-    if r.region != NAMED_REGION {
-        return None;
+impl<'a> RegionTensors<'a> {
+    /// `tensors` name region 0's faults: the first file the pager mapped (region ids
+    /// count from 0), all a trace without the shim's map events says.
+    pub fn first_region(tensors: Option<&'a [TensorInfo]>) -> Self {
+        let mut names = Self::default();
+        if let Some(tensors) = tensors {
+            names.insert(0, tensors);
+        }
+        names
     }
-    locator?.at(r.file_offset, r.block_size)
+
+    /// `tensors` name region `region`'s faults.
+    pub fn insert(&mut self, region: u32, tensors: &'a [TensorInfo]) {
+        self.by_region.insert(region, TensorLocator::new(tensors));
+    }
+
+    /// The tensor a fault hit, if its region has a table.
+    fn of(&self, r: &TraceRecord) -> Option<&'a TensorInfo> {
+        self.by_region
+            .get(&r.region)?
+            .at(r.file_offset, r.block_size)
+    }
 }
 
 pub fn outcome_name(outcome: FaultOutcome) -> &'static str {
@@ -71,18 +91,12 @@ pub fn outcome_name(outcome: FaultOutcome) -> &'static str {
     }
 }
 
-/// The trace document. `tensors` are the first mapped file's (region 0); `metadata`
-/// goes to `otherData`.
-pub fn chrome_trace(
-    records: &[TraceRecord],
-    tensors: Option<&[TensorInfo]>,
-    metadata: Value,
-) -> Value {
-    let locator = tensors.map(TensorLocator::new);
+/// The trace document, faults named by `names`; `metadata` goes to `otherData`.
+pub fn chrome_trace(records: &[TraceRecord], names: &RegionTensors<'_>, metadata: Value) -> Value {
     let events: Vec<Value> = records
         .iter()
         .map(|r| {
-            let tensor = tensor_of(locator.as_ref(), r);
+            let tensor = names.of(r);
             let name = tensor.map_or_else(|| format!("block {}", r.block), |t| t.name.clone());
             json!({
                 "name": name,
@@ -111,13 +125,12 @@ pub fn chrome_trace(
     })
 }
 
-/// The CSV next to the JSON: the trace's columns plus the tensor name (region 0's
-/// faults only, as in [`chrome_trace`]).
-pub fn named_csv(records: &[TraceRecord], tensors: Option<&[TensorInfo]>) -> String {
-    let locator = tensors.map(TensorLocator::new);
+/// The CSV next to the JSON: the trace's columns plus the tensor name (as in
+/// [`chrome_trace`]).
+pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
     let mut csv = format!("{},tensor\n", crate::trace::HEADER);
     for r in records {
-        let tensor = tensor_of(locator.as_ref(), r).map_or("", |t| t.name.as_str());
+        let tensor = names.of(r).map_or("", |t| t.name.as_str());
         csv.push_str(&format!(
             "{},{},{},{},{},{},{},{},{}\n",
             r.t_ns,
@@ -183,7 +196,8 @@ mod tests {
             record(0, FaultOutcome::Missing),
             record(5, FaultOutcome::Resident),
         ];
-        let trace = chrome_trace(&records, Some(&tensors), json!({"model": "m"}));
+        let names = RegionTensors::first_region(Some(&tensors));
+        let trace = chrome_trace(&records, &names, json!({"model": "m"}));
         let text = serde_json::to_string(&trace).unwrap();
         let trace: Value = serde_json::from_str(&text).unwrap();
         let events = trace["traceEvents"].as_array().unwrap();
@@ -199,7 +213,7 @@ mod tests {
         assert_eq!(events[1]["name"], "block 5");
         assert_eq!(trace["otherData"]["model"], "m");
 
-        let csv = named_csv(&records, Some(&tensors));
+        let csv = named_csv(&records, &names);
         assert!(csv.starts_with(
             "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,tensor\n"
         ));
@@ -215,14 +229,21 @@ mod tests {
             ..record(0, FaultOutcome::Missing)
         };
         let records = [record(0, FaultOutcome::Missing), second_file];
-        let trace = chrome_trace(&records, Some(&tensors), json!({}));
+        let names = RegionTensors::first_region(Some(&tensors));
+        let trace = chrome_trace(&records, &names, json!({}));
         let events = trace["traceEvents"].as_array().unwrap();
         assert_eq!(events[0]["name"], "blk.0.attn_q.weight");
         assert_eq!(events[1]["name"], "block 0");
         assert_eq!(events[1]["args"]["tensor"], Value::Null);
-        let csv = named_csv(&records, Some(&tensors));
+        let csv = named_csv(&records, &names);
         let lines: Vec<&str> = csv.lines().collect();
         assert!(lines[1].ends_with(",blk.0.attn_q.weight"), "{csv}");
         assert!(lines[2].ends_with(",missing,25000,"), "{csv}");
+        // With the second file's table, its faults take its own names.
+        let second = [tensor("blk.9.ffn_up.weight", 0, 8192)];
+        let mut names = RegionTensors::first_region(Some(&tensors));
+        names.insert(1, &second);
+        let trace = chrome_trace(&records, &names, json!({}));
+        assert_eq!(trace["traceEvents"][1]["name"], "blk.9.ffn_up.weight");
     }
 }
