@@ -33,14 +33,16 @@ pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
 #[command(trailing_var_arg = true)]
 pub struct RunArgs {
     /// RAM for the model's pages: a size (48M, 2G) or a percentage of the size of the
-    /// first model file the program maps (50%). Default: half the physical RAM.
+    /// model of the first file the program maps (50%): that file, or every part of the
+    /// split GGUF it belongs to. Default: half the physical RAM.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
     /// for several. Default: *.gguf and *.safetensors.
     #[arg(long = "match", value_name = "GLOB")]
     patterns: Vec<String>,
-    /// Smaller files are left to the kernel.
+    /// Smaller files are left to the kernel (a part of a split GGUF counts the whole
+    /// model's size).
     #[arg(long, value_parser = super::size_arg, default_value = "64M")]
     min_size: u64,
     /// Prefetch and eviction policy.
