@@ -22,5 +22,6 @@ mod env_scrub;
 mod exit_report;
 mod managed;
 mod raw;
+mod read_ahead;
 mod registry;
 mod state;

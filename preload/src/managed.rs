@@ -25,6 +25,7 @@ use hyperoffload::{MapOptions, Pager, Region};
 use libc::c_int;
 
 use crate::raw;
+use crate::read_ahead;
 use crate::registry::{Piece, Registry};
 
 pub const PAGE: usize = 4096;
@@ -33,15 +34,24 @@ pub const PAGE: usize = 4096;
 pub struct ManagedRegion {
     region: Region,
     file: usize,
-    /// Bytes of the process's read-ahead allowance (see `Shim::bounded_prefetch`) this
-    /// region's MAP_POPULATE and WILLNEED took, given back when it goes.
-    read_ahead: AtomicU64,
+    /// The loading hints granted this region (see `read_ahead`): how far, and what they
+    /// took of the process's allowance, given back when the region goes.
+    read_ahead: Mutex<RegionReadAhead>,
     allowance: Arc<AtomicU64>,
+}
+
+#[derive(Default)]
+struct RegionReadAhead {
+    granted_end: u64,
+    charged: u64,
 }
 
 impl Drop for ManagedRegion {
     fn drop(&mut self) {
-        let taken = *self.read_ahead.get_mut();
+        let taken = self
+            .read_ahead
+            .get_mut()
+            .map_or(0, |read_ahead| read_ahead.charged);
         let _ = self
             .allowance
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
@@ -282,11 +292,11 @@ impl Shim {
         let is_regular = stat.st_mode & libc::S_IFMT == libc::S_IFREG;
         // The model's size (all its files for a split GGUF) sets a percentage budget,
         // and a small file that is part of a large model is served with the rest. It
-        // takes reading the file's header: only for the first file, or a small one the
-        // patterns match.
+        // takes reading the file's header: only for a file the patterns match, the
+        // first or a small one.
         let starting = matches!(&*lock(&self.pager), PagerSlot::NotYet);
-        let small_match = size < self.config.min_size && self.config.matches(path);
-        let model_len = if is_regular && (starting || small_match) {
+        let wanted = starting || size < self.config.min_size;
+        let model_len = if is_regular && wanted && self.config.matches(path) {
             self.model_len(Path::new(OsStr::from_bytes(path)), size)
         } else {
             size
@@ -361,7 +371,7 @@ impl Shim {
         let managed = Arc::new(ManagedRegion {
             region,
             file,
-            read_ahead: AtomicU64::new(0),
+            read_ahead: Mutex::default(),
             allowance: Arc::clone(&self.read_ahead),
         });
         lock(&self.registry).insert(base, map_len, managed.clone());
@@ -422,27 +432,32 @@ impl Shim {
             .any(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
     }
 
-    /// Reads ahead from the start of `range`, so that the live regions' MAP_POPULATE and
-    /// WILLNEED read at most half the budget between them: over a model larger than the
-    /// budget they must not read it all (it would only evict itself). Between them: a
-    /// split model is a mapping per file, each populated; half the budget each read a
-    /// 3 GiB llama in four files whole at load under 90 % of it, 0.28 GB more than the
-    /// same model in one file (tg2, 4.18-4.20 against 3.90-3.93 GB).
+    /// Reads ahead what `read_ahead::grant` allows of a MAP_POPULATE or WILLNEED over
+    /// `range`: at most half the budget, loading's hints of all live regions together.
     fn bounded_prefetch(&self, managed: &ManagedRegion, range: std::ops::Range<u64>) {
         let cap = managed.region.pager().budget() / 2;
-        let wanted = range.end.saturating_sub(range.start);
-        let mut granted = 0;
+        let mapping_len = managed.region.len() as u64;
+        let mut state = lock(&managed.read_ahead);
+        let mut grant = None;
         let _ = self
             .read_ahead
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                granted = wanted.min(cap.saturating_sub(used));
-                Some(used + granted)
+                let left = cap.saturating_sub(used);
+                let chosen =
+                    read_ahead::grant(range.clone(), mapping_len, state.granted_end, left, cap);
+                let charged = chosen.charged;
+                grant = Some(chosen);
+                Some(used + charged)
             });
-        if granted == 0 {
+        let Some(grant) = grant.filter(|grant| !grant.read.is_empty()) else {
             return;
+        };
+        if grant.charged > 0 {
+            state.charged += grant.charged;
+            state.granted_end = state.granted_end.max(grant.read.end);
         }
-        managed.read_ahead.fetch_add(granted, Ordering::AcqRel);
-        let _ = managed.region.prefetch(range.start..range.start + granted);
+        drop(state);
+        let _ = managed.region.prefetch(grant.read);
     }
 
     fn pieces(&self, addr: usize, len: usize) -> Option<Vec<Piece<Arc<ManagedRegion>>>> {
