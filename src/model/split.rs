@@ -18,15 +18,18 @@ use super::{ModelError, ModelFile, ModelFormat};
 pub const SPLIT_NO: &str = "split.no";
 pub const SPLIT_COUNT: &str = "split.count";
 
+/// Most parts a split model's names can number (`-%05d-of-%05d`).
+pub const MAX_PARTS: u64 = 99_999;
+
 /// Why the parts of a split model could not be gathered.
 #[derive(Debug, Error)]
 pub enum SplitError {
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error(
-        "{}: part {no} of a {count}-part split model, but its name does not end in \
+        "{}: part {} of a {count}-part split model, but its name does not end in \
          `{expected}`, so its other parts cannot be found",
-        path.display()
+        path.display(), no + 1
     )]
     UnexpectedName {
         path: PathBuf,
@@ -36,6 +39,11 @@ pub enum SplitError {
     },
     #[error("{}: `split.no` is {no}, not below `split.count` {count}", path.display())]
     BadNumber { path: PathBuf, no: u64, count: u64 },
+    #[error(
+        "{}: `split.count` is {count}; llama.cpp names at most {MAX_PARTS} parts",
+        path.display()
+    )]
+    TooManyParts { path: PathBuf, count: u64 },
     #[error(
         "{}: part {} of the split model {} is missing ({source})",
         path.display(), no + 1, first.display()
@@ -94,6 +102,12 @@ pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitErr
         return Ok(None);
     }
     let path = &model.path;
+    if count > MAX_PARTS {
+        return Err(SplitError::TooManyParts {
+            path: path.clone(),
+            count,
+        });
+    }
     if no >= count {
         return Err(SplitError::BadNumber {
             path: path.clone(),
@@ -115,7 +129,7 @@ pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitErr
     // at a boundary between characters (as `strip_suffix` on valid encoded bytes does).
     let prefix = Path::new(unsafe { std::ffi::OsStr::from_encoded_bytes_unchecked(prefix) });
     let first = part_path(prefix, 0, count);
-    let mut parts = Vec::with_capacity(count as usize);
+    let mut parts = Vec::new();
     for part in 0..count {
         if part == no {
             parts.push(model.clone());
@@ -277,7 +291,22 @@ mod tests {
         let error = split_parts(&ModelFile::open(&renamed).unwrap())
             .unwrap_err()
             .to_string();
-        assert!(error.contains("-00001-of-00002.gguf"), "{error}");
+        assert!(
+            error.contains("part 1 of a 2-part") && error.contains("-00001-of-00002.gguf"),
+            "{error}"
+        );
+        let huge = dir.join("h-00001-of-100000.gguf");
+        write_part(&huge, Some((0, 0)));
+        let mut model = ModelFile::open(&huge).unwrap();
+        if let ModelFormat::Gguf(gguf) = &mut model.format {
+            for (key, value) in gguf.metadata.iter_mut() {
+                if key == SPLIT_COUNT {
+                    *value = GgufValue::U64(u64::MAX);
+                }
+            }
+        }
+        let error = split_parts(&model).unwrap_err().to_string();
+        assert!(error.contains("at most 99999 parts"), "{error}");
         let bad = dir.join("b-00005-of-00002.gguf");
         write_part(&bad, Some((4, 2)));
         let error = split_parts(&ModelFile::open(&bad).unwrap())
