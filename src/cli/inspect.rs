@@ -9,7 +9,6 @@ use hyperoffload::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
-use hyperoffload::model::split::split_parts;
 use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::size::format_size;
 
@@ -36,7 +35,7 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let model = ModelFile::open(&args.model)?;
     // The model's files: this one, or every part of the split model it belongs to.
-    let files = split_parts(&model)?.unwrap_or_else(|| vec![model.clone()]);
+    let files = super::split_parts_or_warn(&model).unwrap_or_else(|| vec![model.clone()]);
     let split = files.len() > 1;
     let graph = if split {
         ModelGraph::from_parts(

@@ -69,6 +69,18 @@ pub(crate) fn size_arg(text: &str) -> Result<u64, String> {
     hyperoffload::size::parse_size(text).map_err(|error| error.to_string())
 }
 
+/// Every part of the split GGUF `model` is part of; None for a whole model, or when the
+/// parts cannot be gathered, which a warning says (the file is then taken alone, as the
+/// shim takes it).
+pub(crate) fn split_parts_or_warn(
+    model: &hyperoffload::model::ModelFile,
+) -> Option<Vec<hyperoffload::model::ModelFile>> {
+    hyperoffload::model::split::split_parts(model)
+        .inspect_err(|error| eprintln!("warning: {error}; this file is taken alone"))
+        .ok()
+        .flatten()
+}
+
 /// The tensor table of a model file, for naming faults by tensor.
 pub(crate) fn model_tensors(
     model: &std::path::Path,

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors, Transitions};
-use hyperoffload::model::split::split_parts;
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::{format_size, parse_size};
@@ -62,7 +61,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             let path = args.model.as_ref().expect("checked");
             let model = hyperoffload::model::ModelFile::open(path)?;
             let block = parse_size(&args.block)?;
-            let graph = match split_parts(&model)? {
+            let graph = match super::split_parts_or_warn(&model) {
                 // All the parts, replayed as one region: the files end to end, each
                 // from a block boundary (a part's short last block counts whole).
                 Some(parts) => {

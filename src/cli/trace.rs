@@ -36,8 +36,9 @@ pub struct TraceArgs {
     /// JSON or the tensor-named CSV, which would overwrite it.
     #[arg(long, conflicts_with = "program")]
     from: Option<PathBuf>,
-    /// The model file, for tensor names (default: the program's *.gguf/*.safetensors
-    /// argument).
+    /// The model file whose tensors name the first mapped file's faults where the
+    /// shim's events do not say which file that was (a trace recorded before they did;
+    /// default: the program's *.gguf/*.safetensors argument).
     #[arg(long)]
     model: Option<PathBuf>,
     /// The program and its arguments.
@@ -178,7 +179,7 @@ fn convert(args: &TraceArgs, outputs: &Outputs) -> anyhow::Result<()> {
         }
     }
     if let Some(tensors) = &model_tensors {
-        if args.model.is_some() || !region_files.contains_key(&0) {
+        if !region_files.contains_key(&0) {
             names.insert(0, tensors);
         }
     }

@@ -97,14 +97,16 @@ impl ModelTarget {
             let path = path.to_path_buf();
             move |source| ModelTargetError::Io { path, source }
         };
-        let path = path.canonicalize().map_err(io_error(path))?;
-        let parts = match ModelFile::open(&path) {
+        // Parts are found by the name given: a part reached through a symlink (a
+        // Hugging Face cache's snapshot) resolves to a blob named by its hash.
+        let resolved = path.canonicalize().map_err(io_error(path))?;
+        let parts = match ModelFile::open(path) {
             Ok(model) => split_parts(&model).map_err(|e| ModelTargetError::Split(Box::new(e)))?,
             Err(_) => None,
         };
         let paths = match parts {
             Some(parts) => parts.into_iter().map(|part| part.path).collect(),
-            None => vec![path],
+            None => vec![resolved],
         };
         let mut files = Vec::with_capacity(paths.len());
         let mut devices = Vec::new();
