@@ -122,6 +122,26 @@ fn completion_args(model: &Path) -> Vec<String> {
     .collect()
 }
 
+/// `completion ARGS` under `hyperoffload run [EXTRA] --budget BUDGET --stats STATS`.
+fn under_pager(
+    extra: &[&str],
+    budget: &str,
+    stats: &Path,
+    completion: &Path,
+    args: &[String],
+) -> std::process::Output {
+    launcher()
+        .args(extra)
+        .args(["--budget", budget, "--stats"])
+        .arg(stats)
+        .arg("--")
+        .arg(completion)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn llama_completion_generates_the_same_text_under_the_pager() {
     let Some((bin, model)) = llama_and_model() else {
@@ -164,16 +184,7 @@ fn llama_completion_generates_the_same_text_under_the_pager() {
     ] {
         let stats = dir.path(&format!("stats-{budget}-{}.json", extra.len()));
         let started = std::time::Instant::now();
-        let output = launcher()
-            .args(extra)
-            .args(["--budget", budget, "--stats"])
-            .arg(&stats)
-            .arg("--")
-            .arg(&completion)
-            .args(&args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let output = under_pager(extra, budget, &stats, &completion, &args);
         assert_success(&output, budget);
         assert_eq!(stdout(&output), expected, "budget {budget}: different text");
         let json = read_stats(&stats);
@@ -311,15 +322,7 @@ fn a_split_model_is_one_model_to_the_pager() {
 
     let run = |model: &Path, name: &str| {
         let stats = dir.path(&format!("stats-{name}.json"));
-        let output = launcher()
-            .args(["--budget", "50%", "--stats"])
-            .arg(&stats)
-            .arg("--")
-            .arg(&completion)
-            .args(completion_args(model))
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let output = under_pager(&[], "50%", &stats, &completion, &completion_args(model));
         assert_success(&output, name);
         assert_eq!(stdout(&output), expected, "{name}: different text");
         read_stats(&stats)
@@ -355,15 +358,7 @@ fn a_split_model_is_one_model_to_the_pager() {
         let mut args = completion_args(model);
         let at = args.iter().position(|arg| arg == "-n").unwrap();
         args[at + 1] = "1".to_string();
-        let output = launcher()
-            .args(["--budget", "50%", "--stats"])
-            .arg(&stats)
-            .arg("--")
-            .arg(&completion)
-            .args(&args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let output = under_pager(&[], "50%", &stats, &completion, &args);
         assert_success(&output, name);
         read_stats(&stats)["bytes_read"].as_u64().unwrap()
     };
