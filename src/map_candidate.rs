@@ -33,7 +33,9 @@ pub struct FileFacts<'a> {
     /// it belongs to (`model::split::model_len`). A part below the minimum size of a
     /// model above it (the last part often is) is served with the rest.
     pub model_len: u64,
-    /// The file's path as the kernel reports it.
+    /// The file's path as the kernel reports it, or the program's name for it where
+    /// that does not match the patterns and an argument of the program's leads to it
+    /// through symlinks.
     pub path: &'a [u8],
 }
 

@@ -430,4 +430,21 @@ fn a_split_model_is_one_model_to_the_pager() {
         split_sim.abs_diff(whole_sim) as f64 <= 0.05 * whole_sim as f64,
         "simulated reads: split {split_sim}, whole {whole_sim}"
     );
+
+    // Laid out as a Hugging Face cache snapshot: each part a symlink to a blob named by
+    // its hash. The shim sees the blobs' names; the program's -m argument names the
+    // first part, and the rest are found from it.
+    std::fs::create_dir_all(dir.path("blobs")).unwrap();
+    std::fs::create_dir_all(dir.path("snapshot")).unwrap();
+    for (no, part) in parts.iter().enumerate() {
+        let blob = dir.path(&format!("blobs/3f2a9c{no}e"));
+        std::fs::rename(part, &blob).unwrap();
+        let name = part.file_name().unwrap();
+        std::os::unix::fs::symlink(&blob, dir.path("snapshot").join(name)).unwrap();
+    }
+    let linked = dir.path("snapshot").join(parts[0].file_name().unwrap());
+    let json = run(&linked, "snapshot");
+    let policy = json["config"]["policy_in_use"].as_str().unwrap();
+    assert!(policy.contains("3 split files"), "{policy}");
+    assert_eq!(json["budget_bytes"].as_u64(), Some(parts_len / 2), "{json}");
 }

@@ -20,6 +20,7 @@
 mod api;
 mod env_scrub;
 mod exit_report;
+mod given_name;
 mod managed;
 mod raw;
 mod read_ahead;

@@ -24,6 +24,7 @@ use hyperoffload::size::format_size;
 use hyperoffload::{MapOptions, Pager, Region};
 use libc::c_int;
 
+use crate::given_name::name_given;
 use crate::raw;
 use crate::read_ahead;
 use crate::registry::{Piece, Registry};
@@ -296,8 +297,23 @@ impl Shim {
         // first or a small one.
         let starting = matches!(&*lock(&self.pager), PagerSlot::NotYet);
         let wanted = starting || size < self.config.min_size;
-        let model_len = if is_regular && wanted && self.config.matches(path) {
-            self.model_len(Path::new(OsStr::from_bytes(path)), size)
+        // The name the patterns and a split model's parts go by: the program's, where it
+        // reached the file through symlinks (a Hugging Face cache links each file to a
+        // blob named by its hash; see `given_name`), else the kernel's.
+        let fd_path = Path::new(OsStr::from_bytes(path));
+        let kernel_name_matches = self.config.matches(path);
+        let name = if is_regular && (wanted || !kernel_name_matches) {
+            self.model_name(fd_path)
+        } else {
+            fd_path.to_path_buf()
+        };
+        let matched = if kernel_name_matches {
+            path
+        } else {
+            name.as_os_str().as_bytes()
+        };
+        let model_len = if is_regular && wanted && self.config.matches(matched) {
+            self.model_len(&name, size)
         } else {
             size
         };
@@ -305,7 +321,7 @@ impl Shim {
             is_regular,
             size,
             model_len,
-            path,
+            path: matched,
         };
         if let Err(reason) = screen_file(request, &facts, &self.config) {
             self.verbose(|| {
@@ -338,7 +354,7 @@ impl Shim {
         let data_len = (request.len as u64).min(size - offset);
         // The first file's model sets the budget, and the budget the block size.
         let hint = ModelHint {
-            path: &path,
+            path: &name,
             file_offset: offset,
             data_len,
             block_size: match &*lock(&self.pager) {
@@ -415,6 +431,15 @@ impl Shim {
 
     /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
     /// file's) when its split siblings cannot be gathered, with a warning.
+    /// The program's name for the mapped file `path`, where one of its arguments leads
+    /// there through symlinks, else `path`.
+    fn model_name(&self, path: &Path) -> PathBuf {
+        std::fs::read("/proc/self/cmdline")
+            .ok()
+            .and_then(|cmdline| name_given(&cmdline, path, |arg| std::fs::canonicalize(arg).ok()))
+            .unwrap_or_else(|| path.to_path_buf())
+    }
+
     fn model_len(&self, path: &Path, size: u64) -> u64 {
         model_len(path).unwrap_or_else(|error| {
             self.say(&format!("{error}; this file is taken for the whole model"));
