@@ -4,7 +4,7 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`) or `N%` of the size of the first file the shim manages | half the physical RAM |
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF) | half the physical RAM |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
