@@ -158,8 +158,17 @@ fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
 /// Parts that cannot be gathered leave the graph to this file's table, and say why.
 fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
     let single = || ModelGraph::from_tensors(&model.tensors, layout);
+    // The parts' graph binds regions presenting whole files (as llama.cpp maps them).
+    let whole_file = layout.file_offset == 0 && layout.data_len == model.file_len;
     match split_parts(model) {
         Ok(None) => (single(), "tensor table".to_string()),
+        Ok(Some(_)) if !whole_file => (
+            single(),
+            format!(
+                "tensor table of this split file, mapped in part ({} bytes from offset {})",
+                layout.data_len, layout.file_offset
+            ),
+        ),
         Ok(Some(parts)) => match ModelGraph::from_parts(
             &parts.iter().map(PartTensors::from).collect::<Vec<_>>(),
             layout.block_size,
@@ -260,6 +269,37 @@ mod tests {
         let pair = policies_by_name("graph", Some(&hint)).unwrap();
         assert!(pair.description.contains(LEARNED), "{}", pair.description);
         assert!(pair.learn.is_none(), "the learned graph would be replaced");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_split_part_mapped_whole_gets_the_parts_graph_and_in_part_its_own() {
+        use crate::model::split::{part_path, write_test_part};
+        let dir = std::env::temp_dir().join(format!("policy-split-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for no in 0..2 {
+            write_test_part(&part_path(&dir.join("m"), no, 2), Some((no as u16, 2)));
+        }
+        let first = part_path(&dir.join("m"), 0, 2);
+        let len = std::fs::metadata(&first).unwrap().len();
+        let hint = |file_offset: u64, data_len: u64| ModelHint {
+            path: &first,
+            file_offset,
+            data_len,
+            block_size: 4096,
+        };
+        let whole = policies_by_name("graph", Some(&hint(0, len))).unwrap();
+        assert!(
+            whole.description.contains("2 split files"),
+            "{}",
+            whole.description
+        );
+        let in_part = policies_by_name("graph", Some(&hint(0, len - 32))).unwrap();
+        assert!(
+            in_part.description.contains("mapped in part"),
+            "{}",
+            in_part.description
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

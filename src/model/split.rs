@@ -175,32 +175,35 @@ pub fn model_len(path: &Path) -> Result<u64, SplitError> {
     }
 }
 
+/// For tests: writes a GGUF of one tensor (`blk.N.attn_q.weight`, N the part number)
+/// with the given split keys (`None`: none).
+#[cfg(test)]
+pub(crate) fn write_test_part(path: &Path, split: Option<(u16, u16)>) {
+    use crate::model::ggml_type::GgmlType;
+    use crate::model::gguf::{GgufValue, GgufWriter, NewTensor};
+    let mut metadata = vec![(
+        "general.architecture".to_string(),
+        GgufValue::string("llama"),
+    )];
+    if let Some((no, count)) = split {
+        metadata.push((SPLIT_NO.to_string(), GgufValue::U16(no)));
+        metadata.push((SPLIT_COUNT.to_string(), GgufValue::U16(count)));
+    }
+    let tensors = vec![NewTensor {
+        name: format!("blk.{}.attn_q.weight", split.map_or(0, |s| s.0)),
+        dims: vec![256],
+        ggml_type: GgmlType::F32,
+    }];
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = GgufWriter::new(file, &metadata, tensors, 32).unwrap();
+    writer.write_data(&[0u8; 1024]).unwrap();
+    writer.finish().unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ggml_type::GgmlType;
-    use crate::model::gguf::{GgufValue, GgufWriter, NewTensor};
-
-    /// Writes a one-tensor GGUF part with the given split keys (`None`: none).
-    fn write_part(path: &Path, split: Option<(u16, u16)>) {
-        let mut metadata = vec![(
-            "general.architecture".to_string(),
-            GgufValue::string("llama"),
-        )];
-        if let Some((no, count)) = split {
-            metadata.push((SPLIT_NO.to_string(), GgufValue::U16(no)));
-            metadata.push((SPLIT_COUNT.to_string(), GgufValue::U16(count)));
-        }
-        let tensors = vec![NewTensor {
-            name: format!("blk.{}.attn_q.weight", split.map_or(0, |s| s.0)),
-            dims: vec![256],
-            ggml_type: GgmlType::F32,
-        }];
-        let file = std::fs::File::create(path).unwrap();
-        let mut writer = GgufWriter::new(file, &metadata, tensors, 32).unwrap();
-        writer.write_data(&[0u8; 1024]).unwrap();
-        writer.finish().unwrap();
-    }
+    use crate::model::gguf::GgufValue;
 
     fn dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("split-{name}-{}", std::process::id()));
@@ -213,7 +216,7 @@ mod tests {
     fn any_part_finds_all_parts_in_order() {
         let dir = dir("all");
         for no in 0..3 {
-            write_part(&part_path(&dir.join("m"), no, 3), Some((no as u16, 3)));
+            write_test_part(&part_path(&dir.join("m"), no, 3), Some((no as u16, 3)));
         }
         for no in 0..3 {
             let model = ModelFile::open(part_path(&dir.join("m"), no, 3)).unwrap();
@@ -245,12 +248,12 @@ mod tests {
     fn a_whole_model_is_no_split() {
         let dir = dir("whole");
         let path = dir.join("m.gguf");
-        write_part(&path, None);
+        write_test_part(&path, None);
         assert!(split_parts(&ModelFile::open(&path).unwrap())
             .unwrap()
             .is_none());
         let single = dir.join("s-00001-of-00001.gguf");
-        write_part(&single, Some((0, 1)));
+        write_test_part(&single, Some((0, 1)));
         assert!(split_parts(&ModelFile::open(&single).unwrap())
             .unwrap()
             .is_none());
@@ -265,8 +268,8 @@ mod tests {
     fn a_missing_or_wrong_part_is_named() {
         let dir = dir("missing");
         let prefix = dir.join("m");
-        write_part(&part_path(&prefix, 0, 3), Some((0, 3)));
-        write_part(&part_path(&prefix, 2, 3), Some((2, 3)));
+        write_test_part(&part_path(&prefix, 0, 3), Some((0, 3)));
+        write_test_part(&part_path(&prefix, 2, 3), Some((2, 3)));
         let first = ModelFile::open(part_path(&prefix, 0, 3)).unwrap();
         let error = split_parts(&first).unwrap_err().to_string();
         assert!(
@@ -274,7 +277,7 @@ mod tests {
             "{error}"
         );
         // A part 2 that says it is part 3.
-        write_part(&part_path(&prefix, 1, 3), Some((2, 3)));
+        write_test_part(&part_path(&prefix, 1, 3), Some((2, 3)));
         let error = split_parts(&first).unwrap_err().to_string();
         assert!(
             error.contains("expected part 2 of 3") && error.contains("says part 3 of 3"),
@@ -287,7 +290,7 @@ mod tests {
     fn a_renamed_part_or_a_bad_number_is_refused() {
         let dir = dir("renamed");
         let renamed = dir.join("model.gguf");
-        write_part(&renamed, Some((0, 2)));
+        write_test_part(&renamed, Some((0, 2)));
         let error = split_parts(&ModelFile::open(&renamed).unwrap())
             .unwrap_err()
             .to_string();
@@ -296,7 +299,7 @@ mod tests {
             "{error}"
         );
         let huge = dir.join("h-00001-of-100000.gguf");
-        write_part(&huge, Some((0, 0)));
+        write_test_part(&huge, Some((0, 0)));
         let mut model = ModelFile::open(&huge).unwrap();
         if let ModelFormat::Gguf(gguf) = &mut model.format {
             for (key, value) in gguf.metadata.iter_mut() {
@@ -308,7 +311,7 @@ mod tests {
         let error = split_parts(&model).unwrap_err().to_string();
         assert!(error.contains("at most 99999 parts"), "{error}");
         let bad = dir.join("b-00005-of-00002.gguf");
-        write_part(&bad, Some((4, 2)));
+        write_test_part(&bad, Some((4, 2)));
         let error = split_parts(&ModelFile::open(&bad).unwrap())
             .unwrap_err()
             .to_string();
