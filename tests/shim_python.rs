@@ -153,3 +153,78 @@ fn python_clients_see_the_same_bytes_under_the_shim() {
         eprintln!("{name}: same checksum; {json}");
     }
 }
+
+/// Three Hugging Face shards of a llama-named model (2 layers each).
+const MAKE_SHARDS: &str = r#"
+import sys, numpy as np
+from safetensors.numpy import save_file
+rng = np.random.default_rng(11)
+for shard in range(3):
+    tensors = {}
+    for layer in range(2 * shard, 2 * shard + 2):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+            tensors[f"model.layers.{layer}.{name}.weight"] = rng.standard_normal((256, 512), dtype=np.float32)
+    save_file(tensors, f"{sys.argv[1]}/model-{shard + 1:05d}-of-00003.safetensors")
+"#;
+
+/// Every tensor of every shard, in shard order: a checksum.
+const READ_SHARDS: &str = r#"
+import sys, hashlib
+from safetensors import safe_open
+h = hashlib.sha256()
+for shard in range(3):
+    with safe_open(f"{sys.argv[1]}/model-{shard + 1:05d}-of-00003.safetensors", framework="np") as f:
+        for name in sorted(f.keys()):
+            h.update(name.encode()); h.update(f.get_tensor(name).tobytes())
+print("shards", h.hexdigest())
+"#;
+
+/// A model in Hugging Face safetensors shards is one model to the shim: a percentage
+/// budget is of all the shards, one predicted order runs through them (before: half of
+/// the first shard, and a graph of its tensors only).
+#[test]
+fn safetensors_shards_are_one_model_under_the_shim() {
+    let check = python3()
+        .args(["-c", "import numpy, safetensors"])
+        .output()
+        .expect("python3");
+    if !check.status.success() {
+        let why = "python3 with numpy and safetensors is needed: run tools/setup.sh";
+        if skip_allowed() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        panic!("{why}");
+    }
+    let dir = TempDir::new("shim-python-shards");
+    run_plain(MAKE_SHARDS, &[&dir.0]);
+    let expected = run_plain(READ_SHARDS, &[&dir.0]);
+    let stats = dir.path("stats.json");
+    let output = launcher()
+        .args(["--budget", "50%", "--min-size", "1M", "--stats"])
+        .arg(&stats)
+        .arg("--")
+        .arg(python())
+        .arg("-c")
+        .arg(READ_SHARDS)
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    assert_success(&output, "python under the shim");
+    assert_eq!(stdout(&output), expected);
+    let json = read_stats(&stats);
+    let total: u64 = (1..=3)
+        .map(|n| {
+            let shard = dir.path(&format!("model-{n:05}-of-00003.safetensors"));
+            std::fs::metadata(shard).unwrap().len()
+        })
+        .sum();
+    assert_eq!(json["budget_bytes"].as_u64(), Some(total / 2), "{json}");
+    assert_eq!(json["files"].as_array().map(Vec::len), Some(3), "{json}");
+    let policy = json["config"]["policy_in_use"].as_str().unwrap();
+    assert!(policy.contains("3 split files"), "{policy}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= total / 2,
+        "{json}"
+    );
+}

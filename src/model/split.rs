@@ -7,6 +7,10 @@
 //! Each part is a GGUF file of its own with `split.no` (0-based) and `split.count` in its
 //! metadata, and its own tensor table: the tensors whose data it holds. The names follow
 //! llama.cpp's `llama_split_path`: `{prefix}-{no + 1:05}-of-{count:05}.gguf`.
+//!
+//! Hugging Face shards safetensors models the same way, by name only:
+//! `model-00001-of-00003.safetensors` and its siblings, each with its own header (the
+//! index beside them maps tensors to shards, which the headers already say).
 
 use std::path::{Path, PathBuf};
 
@@ -68,26 +72,54 @@ pub enum SplitError {
     },
 }
 
-/// Where a GGUF file stands in a split model: part `no` (0-based) of `count`.
+/// Where a model file stands in a split model: part `no` (0-based) of `count`. A GGUF
+/// part says so in its metadata; a safetensors shard only in its name, as Hugging Face
+/// names them (`model-00001-of-00003.safetensors`, beside an index that lists them).
 fn split_position(model: &ModelFile) -> Option<(u64, u64)> {
-    let ModelFormat::Gguf(gguf) = &model.format else {
-        return None;
+    match &model.format {
+        ModelFormat::Gguf(gguf) => {
+            let count = gguf.get_u64(SPLIT_COUNT)?;
+            let no = gguf.get_u64(SPLIT_NO).unwrap_or(0);
+            Some((no, count))
+        }
+        ModelFormat::Safetensors(_) => shard_position(model.path.file_name()?.to_str()?),
+    }
+}
+
+/// Part `no` (0-based) of `count` from a name ending in `-NNNNN-of-MMMMM.safetensors`.
+fn shard_position(name: &str) -> Option<(u64, u64)> {
+    let stem = name.strip_suffix(".safetensors")?;
+    let tail = stem.get(stem.len().checked_sub(15)?..)?;
+    let (number, count) = tail.strip_prefix('-')?.split_once("-of-")?;
+    let digits = |text: &str| {
+        (text.len() == 5 && text.bytes().all(|b| b.is_ascii_digit())).then(|| text.parse().ok())?
     };
-    let count = gguf.get_u64(SPLIT_COUNT)?;
-    let no = gguf.get_u64(SPLIT_NO).unwrap_or(0);
-    Some((no, count))
+    let (number, count): (u64, u64) = (digits(number)?, digits(count)?);
+    Some((number.checked_sub(1)?, count))
+}
+
+/// The file extension of `model`'s format, as its parts are named.
+fn extension(model: &ModelFile) -> &'static str {
+    match model.format {
+        ModelFormat::Gguf(_) => "gguf",
+        ModelFormat::Safetensors(_) => "safetensors",
+    }
 }
 
 /// The file name suffix of part `no` (0-based) of `count`.
-fn part_suffix(no: u64, count: u64) -> String {
-    format!("-{:05}-of-{:05}.gguf", no + 1, count)
+fn part_suffix(no: u64, count: u64, extension: &str) -> String {
+    format!("-{:05}-of-{:05}.{extension}", no + 1, count)
 }
 
-/// The path of part `no` (0-based) of `count` of the split model whose parts are named
+/// The path of part `no` (0-based) of `count` of the split GGUF whose parts are named
 /// from `prefix` (the path of any part without its suffix).
 pub fn part_path(prefix: &Path, no: u64, count: u64) -> PathBuf {
+    named_part(prefix, no, count, "gguf")
+}
+
+fn named_part(prefix: &Path, no: u64, count: u64, extension: &str) -> PathBuf {
     let mut path = prefix.as_os_str().to_os_string();
-    path.push(part_suffix(no, count));
+    path.push(part_suffix(no, count, extension));
     PathBuf::from(path)
 }
 
@@ -115,7 +147,8 @@ pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitErr
             count,
         });
     }
-    let suffix = part_suffix(no, count);
+    let extension = extension(model);
+    let suffix = part_suffix(no, count, extension);
     let text = path.as_os_str().as_encoded_bytes();
     let Some(prefix) = text.strip_suffix(suffix.as_bytes()) else {
         return Err(SplitError::UnexpectedName {
@@ -128,14 +161,14 @@ pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitErr
     // SAFETY: `prefix` is `text` less an ASCII suffix, so it splits the encoded bytes
     // at a boundary between characters (as `strip_suffix` on valid encoded bytes does).
     let prefix = Path::new(unsafe { std::ffi::OsStr::from_encoded_bytes_unchecked(prefix) });
-    let first = part_path(prefix, 0, count);
+    let first = named_part(prefix, 0, count, extension);
     let mut parts = Vec::new();
     for part in 0..count {
         if part == no {
             parts.push(model.clone());
             continue;
         }
-        let part_path = part_path(prefix, part, count);
+        let part_path = named_part(prefix, part, count, extension);
         if let Err(source) = std::fs::metadata(&part_path) {
             return Err(SplitError::MissingPart {
                 path: part_path,
@@ -145,7 +178,7 @@ pub fn split_parts(model: &ModelFile) -> Result<Option<Vec<ModelFile>>, SplitErr
             });
         }
         let sibling = ModelFile::open(&part_path)?;
-        let found = split_position(&sibling);
+        let found = split_position(&sibling).filter(|_| self::extension(&sibling) == extension);
         if found != Some((part, count)) {
             return Err(SplitError::WrongPart {
                 path: part_path,
@@ -241,6 +274,66 @@ mod tests {
             model_len(&part_path(&dir.join("m"), 1, 3)).unwrap(),
             3 * one
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Writes a safetensors file of F32 tensors of `floats` elements each.
+    fn write_safetensors(path: &Path, tensors: &[(&str, usize)]) {
+        let mut header = serde_json::Map::new();
+        let mut at = 0;
+        for &(name, floats) in tensors {
+            header.insert(
+                name.to_string(),
+                serde_json::json!({"dtype": "F32", "shape": [floats],
+                    "data_offsets": [at, at + 4 * floats]}),
+            );
+            at += 4 * floats;
+        }
+        let header = serde_json::Value::Object(header).to_string();
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + at, 0);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn hugging_face_shards_are_found_by_name() {
+        let dir = dir("shards");
+        let layer = |n: u32| -> Vec<(String, usize)> {
+            ["self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"]
+                .iter()
+                .map(|t| (format!("model.layers.{n}.{t}.weight"), 1024))
+                .collect()
+        };
+        for (no, layers) in [(1, 0..2), (2, 2..4), (3, 4..6)] {
+            let names: Vec<(String, usize)> = layers.flat_map(layer).collect();
+            let refs: Vec<(&str, usize)> = names.iter().map(|(n, f)| (n.as_str(), *f)).collect();
+            write_safetensors(
+                &dir.join(format!("model-{no:05}-of-00003.safetensors")),
+                &refs,
+            );
+        }
+        let second = ModelFile::open(dir.join("model-00002-of-00003.safetensors")).unwrap();
+        let parts = split_parts(&second).unwrap().expect("three shards");
+        assert_eq!(parts.len(), 3);
+        assert!(parts[2].path.ends_with("model-00003-of-00003.safetensors"));
+        let total: u64 = parts.iter().map(|p| p.file_len).sum();
+        assert_eq!(model_len(&second.path).unwrap(), total);
+        // One order through all shards, layer after layer.
+        let tables: Vec<crate::graph::PartTensors> =
+            parts.iter().map(crate::graph::PartTensors::from).collect();
+        let graph = crate::graph::ModelGraph::from_parts(&tables, 4096).unwrap();
+        let first_of_last = graph.parts()[2].first_block;
+        let sequence = graph.order().sequence();
+        assert!(sequence.iter().any(|&b| b >= first_of_last), "{sequence:?}");
+        assert!(sequence.windows(2).all(|w| w[0] <= w[1]), "{sequence:?}");
+        // A lone shard, or a name that is no shard's, is no split model.
+        write_safetensors(&dir.join("model.safetensors"), &[("a", 4)]);
+        let lone = ModelFile::open(dir.join("model.safetensors")).unwrap();
+        assert!(split_parts(&lone).unwrap().is_none());
+        std::fs::remove_file(dir.join("model-00003-of-00003.safetensors")).unwrap();
+        let error = split_parts(&second).unwrap_err().to_string();
+        assert!(error.contains("part 3"), "{error}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
