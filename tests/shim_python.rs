@@ -77,6 +77,24 @@ fn python() -> PathBuf {
     PathBuf::from(stdout(&output).trim())
 }
 
+/// Whether python3 has numpy and safetensors; without them the test fails saying how
+/// to get them, unless HYPEROFFLOAD_ALLOW_SKIP=1 (then false, after saying why).
+fn python_clients_or_skip() -> bool {
+    let check = python3()
+        .args(["-c", "import numpy, safetensors"])
+        .output()
+        .expect("python3");
+    if check.status.success() {
+        return true;
+    }
+    let why = "python3 with numpy and safetensors is needed: run tools/setup.sh";
+    if skip_allowed() {
+        eprintln!("skipped: {why}");
+        return false;
+    }
+    panic!("{why}");
+}
+
 fn run_plain(script: &str, args: &[&Path]) -> String {
     let output = Command::new(python())
         .arg("-c")
@@ -113,17 +131,8 @@ fn run_shimmed(script: &str, file: &Path, stats: &Path) -> String {
 
 #[test]
 fn python_clients_see_the_same_bytes_under_the_shim() {
-    let check = python3()
-        .args(["-c", "import numpy, safetensors"])
-        .output()
-        .expect("python3");
-    if !check.status.success() {
-        let why = "python3 with numpy and safetensors is needed: run tools/setup.sh";
-        if skip_allowed() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        panic!("{why}");
+    if !python_clients_or_skip() {
+        return;
     }
     let dir = TempDir::new("shim-python");
     let tensors = dir.path("model.safetensors");
@@ -184,17 +193,8 @@ print("shards", h.hexdigest())
 /// the first shard, and a graph of its tensors only).
 #[test]
 fn safetensors_shards_are_one_model_under_the_shim() {
-    let check = python3()
-        .args(["-c", "import numpy, safetensors"])
-        .output()
-        .expect("python3");
-    if !check.status.success() {
-        let why = "python3 with numpy and safetensors is needed: run tools/setup.sh";
-        if skip_allowed() {
-            eprintln!("skipped: {why}");
-            return;
-        }
-        panic!("{why}");
+    if !python_clients_or_skip() {
+        return;
     }
     let dir = TempDir::new("shim-python-shards");
     run_plain(MAKE_SHARDS, &[&dir.0]);
