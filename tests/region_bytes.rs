@@ -290,9 +290,7 @@ fn io_uring_workers() -> usize {
 #[test]
 fn zero_copy_first_reads_are_issued_by_io_uring_workers() {
     let test = "zero_copy_first_reads_are_issued_by_io_uring_workers";
-    if !is_child() {
-        let status = run_child(test, &[], Duration::from_secs(120));
-        assert!(status.success(), "{test} failed in its child: {status}");
+    if !in_child_process(test, Duration::from_secs(120)) {
         return;
     }
     let dir = TempDir::new("first-reads");

@@ -291,9 +291,7 @@ fn use_up_mappings_but(spare: u64) {
 #[test]
 fn a_zero_copy_region_the_process_has_no_mappings_for_is_refused_up_front() {
     let test = "a_zero_copy_region_the_process_has_no_mappings_for_is_refused_up_front";
-    if !is_child() {
-        let status = run_child(test, &[], Duration::from_secs(120));
-        assert!(status.success(), "{test} failed in its child: {status}");
+    if !in_child_process(test, Duration::from_secs(120)) {
         return;
     }
     let dir = TempDir::new("map-count");

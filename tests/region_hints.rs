@@ -397,9 +397,7 @@ fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
 #[test]
 fn a_forked_child_gets_answers_not_hangs_and_leaves_the_parents_region_alone() {
     let test = "a_forked_child_gets_answers_not_hangs_and_leaves_the_parents_region_alone";
-    if !is_child() {
-        let status = run_child(test, &[], Duration::from_secs(60));
-        assert!(status.success(), "{test} failed in its child: {status}");
+    if !in_child_process(test, Duration::from_secs(60)) {
         return;
     }
     let dir = TempDir::new("forked-library");

@@ -42,9 +42,7 @@ fn load_u64(address: *const u8) -> u64 {
 #[test]
 fn a_load_straddling_two_blocks_completes() {
     let test = "a_load_straddling_two_blocks_completes";
-    if !is_child() {
-        let status = run_child(test, &[], Duration::from_secs(60));
-        assert!(status.success(), "{test} failed in its child: {status}");
+    if !in_child_process(test, Duration::from_secs(60)) {
         return;
     }
     let dir = TempDir::new("straddle");

@@ -156,6 +156,18 @@ pub fn run_child(test: &str, env: &[(&str, String)], limit: Duration) -> std::pr
     }
 }
 
+/// For a test whose body runs in a child process of its own: in the test's own process,
+/// runs `test` as a child (see `run_child`), checks that it passed, and returns false;
+/// in that child, returns true (run the body).
+pub fn in_child_process(test: &str, limit: Duration) -> bool {
+    if is_child() {
+        return true;
+    }
+    let status = run_child(test, &[], limit);
+    assert!(status.success(), "{test} failed in its child: {status}");
+    false
+}
+
 pub fn is_child() -> bool {
     std::env::var("HYPEROFFLOAD_CHILD").as_deref() == Ok("1")
 }
