@@ -157,35 +157,26 @@ fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
 /// for a part of a split GGUF, of all the parts' tables (each file presented whole).
 /// Parts that cannot be gathered leave the graph to this file's table, and say why.
 fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
-    let single = || ModelGraph::from_tensors(&model.tensors, layout);
-    // The parts' graph binds regions presenting whole files (as llama.cpp maps them).
-    let whole_file = layout.file_offset == 0 && layout.data_len == model.file_len;
-    match split_parts(model) {
-        Ok(None) => (single(), "tensor table".to_string()),
-        Ok(Some(_)) if !whole_file => (
-            single(),
-            format!(
+    let alone = |why: String| (ModelGraph::from_tensors(&model.tensors, layout), why);
+    let parts = match split_parts(model) {
+        Ok(None) => return alone("tensor table".to_string()),
+        // The parts' graph binds regions presenting whole files (as llama.cpp maps them).
+        Ok(Some(_)) if layout.file_offset != 0 || layout.data_len != model.file_len => {
+            return alone(format!(
                 "tensor table of this split file, mapped in part ({} bytes from offset {})",
                 layout.data_len, layout.file_offset
-            ),
+            ))
+        }
+        Ok(Some(parts)) => parts,
+        Err(error) => return alone(format!("tensor table of this split file: {error}")),
+    };
+    let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
+    match ModelGraph::from_parts(&tables, layout.block_size) {
+        Ok(graph) => (
+            graph,
+            format!("tensor tables of {} split files", parts.len()),
         ),
-        Ok(Some(parts)) => match ModelGraph::from_parts(
-            &parts.iter().map(PartTensors::from).collect::<Vec<_>>(),
-            layout.block_size,
-        ) {
-            Ok(graph) => (
-                graph,
-                format!("tensor tables of {} split files", parts.len()),
-            ),
-            Err(error) => (
-                single(),
-                format!("tensor table of this split file: {error}"),
-            ),
-        },
-        Err(error) => (
-            single(),
-            format!("tensor table of this split file: {error}"),
-        ),
+        Err(error) => alone(format!("tensor table of this split file: {error}")),
     }
 }
 

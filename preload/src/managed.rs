@@ -307,12 +307,13 @@ impl Shim {
         } else {
             fd_path.to_path_buf()
         };
-        let matched = if kernel_name_matches {
-            path
+        let (matched, name_matches) = if kernel_name_matches {
+            (path, true)
         } else {
-            name.as_os_str().as_bytes()
+            let given = name.as_os_str().as_bytes();
+            (given, given != path && self.config.matches(given))
         };
-        let model_len = if is_regular && wanted && self.config.matches(matched) {
+        let model_len = if is_regular && wanted && name_matches {
             self.model_len(&name, size)
         } else {
             size

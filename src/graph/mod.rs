@@ -103,6 +103,18 @@ pub struct GraphPart {
     pub first_block: u32,
 }
 
+impl GraphPart {
+    /// The one part of a graph over one region of geometry `layout`.
+    fn whole(layout: &BlockLayout) -> Vec<GraphPart> {
+        vec![GraphPart {
+            path: None,
+            file_offset: layout.file_offset,
+            data_len: layout.data_len,
+            first_block: 0,
+        }]
+    }
+}
+
 /// One file of a model stored in several, as `ModelGraph::from_parts` takes it.
 #[derive(Debug, Clone, Copy)]
 pub struct PartTensors<'a> {
@@ -345,12 +357,7 @@ impl ModelGraph {
         }
         Self {
             layout,
-            parts: vec![GraphPart {
-                path: None,
-                file_offset: layout.file_offset,
-                data_len: layout.data_len,
-                first_block: 0,
-            }],
+            parts: GraphPart::whole(&layout),
             source,
             graph,
             node_rank,
@@ -402,12 +409,7 @@ impl ModelGraph {
     /// each from a block boundary (a part's short last block counts whole), for
     /// replaying a split model as one access sequence (`simulate`).
     pub fn into_one_region(mut self) -> Self {
-        self.parts = vec![GraphPart {
-            path: None,
-            file_offset: self.layout.file_offset,
-            data_len: self.layout.data_len,
-            first_block: 0,
-        }];
+        self.parts = GraphPart::whole(&self.layout);
         self
     }
 
