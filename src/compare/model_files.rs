@@ -17,6 +17,7 @@
 //!              | part 0 |pad| part 1     |pad| part 2 |
 //! ```
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Parts start at a multiple of this on the model axis: the page, the unit kernel
@@ -83,38 +84,14 @@ impl ModelFiles {
         self.parts.iter().find(|part| part.path == path)
     }
 
-    /// Where each of the shim's regions starts on the model axis, by region id; None
-    /// for a region of a file that is not one of the model's. `events` is the shim's
-    /// event log (`<trace>.events.jsonl`), `files` the `files` of its stats, in order.
-    /// The shim logs a `map` event for each mapping it takes, naming its file by index
-    /// into `files` and its region by id; logs from before the id was recorded are read
-    /// as region ids count, from 0 in the order the shim maps (the n-th `map` event is
-    /// region n).
-    pub fn region_starts(&self, events: &str, files: &[PathBuf]) -> Vec<Option<u64>> {
-        let mut starts: Vec<Option<u64>> = Vec::new();
-        let maps = events
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|event| event["op"] == "map");
-        for (nth, event) in maps.enumerate() {
-            let region = event["region"]
-                .as_u64()
-                .map_or(Some(nth), |id| usize::try_from(id).ok());
-            // Region ids count up from 0: a garbled one is skipped, not allocated for.
-            let Some(region) = region.filter(|&id| id < 1 << 20) else {
-                continue;
-            };
-            let start = usize::try_from(event["file"].as_u64().unwrap_or(u64::MAX))
-                .ok()
-                .and_then(|file| files.get(file))
-                .and_then(|file| self.part(file))
-                .map(|part| part.start);
-            if starts.len() <= region {
-                starts.resize(region + 1, None);
-            }
-            starts[region] = start;
-        }
-        starts
+    /// Where each of the shim's regions of the model's files starts on the model axis,
+    /// by region id, from the shim's event log (`<trace>.events.jsonl`, whose `map`
+    /// events name each region's file: `trace::region_files`).
+    pub fn region_starts(&self, events: &str) -> HashMap<u32, u64> {
+        crate::trace::region_files(events)
+            .into_iter()
+            .filter_map(|(region, path)| Some((region, self.part(&path)?.start)))
+            .collect()
     }
 }
 
@@ -161,34 +138,17 @@ mod tests {
     #[test]
     fn regions_find_their_part_through_the_shims_map_events() {
         let model = three();
-        let files = vec![
-            PathBuf::from("/m/s-00001-of-00003.gguf"),
-            PathBuf::from("/m/s-00003-of-00003.gguf"),
-            PathBuf::from("/m/s-00002-of-00003.gguf"),
-            PathBuf::from("/m/not-the-model.gguf"),
-        ];
-        let events = r#"{"op":"map","file":0,"offset":0,"len":10000,"flags":1,"t_ms":1.0}
+        // A region id the log skips (a mapping that failed after taking one) does not
+        // shift the rest; a file that is not the model's has no place.
+        let events = r#"{"op":"map","file":0,"region":0,"path":"/m/s-00001-of-00003.gguf","offset":0}
 {"op":"hint","advice":3,"t_ms":1.5}
-{"op":"map","file":1,"offset":0,"len":5,"flags":1,"t_ms":2.0}
-{"op":"map","file":2,"offset":0,"len":8192,"flags":1,"t_ms":3.0}
-{"op":"map","file":3,"offset":0,"len":4096,"flags":1,"t_ms":4.0}
+{"op":"map","file":2,"region":2,"path":"/m/s-00002-of-00003.gguf","offset":0}
+{"op":"map","file":1,"region":3,"path":"/m/s-00003-of-00003.gguf","offset":0}
 not json
-{"op":"map","file":9,"offset":0,"len":4096,"flags":1,"t_ms":5.0}
+{"op":"map","file":3,"region":4,"path":"/m/not-the-model.gguf","offset":0}
 "#;
-        assert_eq!(
-            model.region_starts(events, &files),
-            [Some(0), Some(20_480), Some(12_288), None, None]
-        );
-        // With the ids recorded, a region id the log skips (a mapping that failed
-        // after taking one) does not shift the rest.
-        let events = r#"{"op":"map","file":0,"region":0,"offset":0,"len":10000,"flags":1}
-{"op":"map","file":2,"region":2,"offset":0,"len":8192,"flags":1}
-{"op":"map","file":1,"region":3,"offset":0,"len":5,"flags":1}
-{"op":"map","file":1,"region":99999999999,"offset":0,"len":5,"flags":1}
-"#;
-        assert_eq!(
-            model.region_starts(events, &files),
-            [Some(0), None, Some(12_288), Some(20_480)]
-        );
+        let starts = model.region_starts(events);
+        assert_eq!(starts.len(), 3);
+        assert_eq!((starts[&0], starts[&2], starts[&3]), (0, 12_288, 20_480));
     }
 }

@@ -2,6 +2,7 @@
 //! cgroup, two tracefs instances (the program's own events; the model device's block
 //! requests), memory sampling, and the figures reduced from them.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader};
@@ -426,11 +427,9 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             let region_starts = if spec.model.files.is_split() {
                 let events = std::fs::read_to_string(out(&events_path_of(&pager_trace_file)))
                     .unwrap_or_default();
-                spec.model
-                    .files
-                    .region_starts(&events, &stats_files(stats.as_ref()))
+                spec.model.files.region_starts(&events)
             } else {
-                Vec::new()
+                HashMap::new()
             };
             let faults = read_pager_faults(&out(&pager_trace_file), &region_starts)?;
             let peak = stats
@@ -507,20 +506,6 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     })
 }
 
-/// The `files` of the pager's stats (each `{"path", "size"}`), in order, made canonical
-/// like the model's.
-fn stats_files(stats: Option<&serde_json::Value>) -> Vec<PathBuf> {
-    let files = stats
-        .and_then(|stats| stats.get("files")?.as_array())
-        .map(Vec::as_slice)
-        .unwrap_or_default();
-    files
-        .iter()
-        .map(|file| PathBuf::from(file["path"].as_str().unwrap_or_default()))
-        .map(|path| path.canonicalize().unwrap_or(path))
-        .collect()
-}
-
 /// Every file a pager run writes in the output directory, given its `--stats` and
 /// `--trace` names: the shim puts its own events beside the trace
 /// (`<trace>.events.jsonl`).
@@ -575,7 +560,7 @@ fn read_events(path: &Path, tracing: &mut TracingFigures) -> Result<Vec<TraceEve
 /// the model's) keeps the fault's file offset.
 pub fn read_pager_faults(
     path: &Path,
-    region_starts: &[Option<u64>],
+    region_starts: &HashMap<u32, u64>,
 ) -> Result<Vec<FaultSample>, RunError> {
     let Ok(file) = File::open(path) else {
         return Ok(Vec::new());
@@ -587,10 +572,7 @@ pub fn read_pager_faults(
             record.outcome,
             FaultOutcome::Missing | FaultOutcome::InFlight
         );
-        let start = usize::try_from(record.region)
-            .ok()
-            .and_then(|region| *region_starts.get(region)?)
-            .unwrap_or(0);
+        let start = region_starts.get(&record.region).copied().unwrap_or(0);
         faults.push(FaultSample {
             t_ns: record.t_ns,
             tid: record.tid,
@@ -623,22 +605,6 @@ mod tests {
     }
 
     #[test]
-    fn stats_files_are_read_in_order() {
-        let stats = serde_json::json!({"files": [
-            {"path": "/nonexistent/a-00001-of-00002.gguf", "size": 1},
-            {"path": "/nonexistent/a-00002-of-00002.gguf", "size": 2},
-        ]});
-        assert_eq!(
-            stats_files(Some(&stats)),
-            [
-                PathBuf::from("/nonexistent/a-00001-of-00002.gguf"),
-                PathBuf::from("/nonexistent/a-00002-of-00002.gguf")
-            ]
-        );
-        assert!(stats_files(None).is_empty());
-    }
-
-    #[test]
     fn pager_faults_go_to_their_regions_part() {
         let path = std::env::temp_dir().join(format!("runner-faults-{}.csv", std::process::id()));
         let record = |region: u32, file_offset: u64| crate::trace::TraceRecord {
@@ -661,7 +627,7 @@ mod tests {
             writer.write(&r).unwrap();
         }
         std::fs::write(&path, writer.into_inner().unwrap()).unwrap();
-        let offsets = |starts: &[Option<u64>]| -> Vec<u64> {
+        let offsets = |starts: &HashMap<u32, u64>| -> Vec<u64> {
             read_pager_faults(&path, starts)
                 .unwrap()
                 .iter()
@@ -669,10 +635,10 @@ mod tests {
                 .collect()
         };
         // One file: the file offsets, as before.
-        assert_eq!(offsets(&[]), [65536, 0, 131_072, 0]);
+        assert_eq!(offsets(&HashMap::new()), [65536, 0, 131_072, 0]);
         // Region 1 is the third part, region 2 the second; region 3 is unknown.
         assert_eq!(
-            offsets(&[Some(0), Some(81_920), Some(40_960)]),
+            offsets(&HashMap::from([(0, 0), (1, 81_920), (2, 40_960)])),
             [65536, 81_920, 172_032, 0]
         );
         std::fs::remove_file(&path).unwrap();
