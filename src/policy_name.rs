@@ -157,6 +157,11 @@ fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
 /// for a part of a split GGUF, of all the parts' tables (each file presented whole).
 /// Parts that cannot be gathered leave the graph to this file's table, and say why.
 fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
+    let (graph, source) = table_graph_of_parts(model, layout);
+    (graph.with_experts_used(model.experts_used()), source)
+}
+
+fn table_graph_of_parts(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
     let alone = |why: String| (ModelGraph::from_tensors(&model.tensors, layout), why);
     let parts = match split_parts(model) {
         Ok(None) => return alone("tensor table".to_string()),

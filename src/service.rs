@@ -543,6 +543,7 @@ impl FaultService {
             }
             Location::Block(index) => index,
         };
+        let block_start = index as u64 * region.layout.block_size;
         let block = BlockRef::new(id, index);
         if region.blocks[index as usize] == BlockState::Unmapped {
             // The program is unmapping it: the service has been told, the kernel's
@@ -649,6 +650,7 @@ impl FaultService {
             block,
             time_ns: now,
             outcome,
+            offset_in_block: Some((offset - block_start) as u32),
         };
         self.eviction.touched(&event);
         let mut plan = std::mem::take(&mut self.plan);

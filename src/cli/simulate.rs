@@ -150,6 +150,7 @@ fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
     let reader = TraceReader::new(BufReader::new(file))?;
     let size: Option<u64> = reader.metadata_value("size").and_then(|s| s.parse().ok());
     let mut accesses = Vec::new();
+    let mut offsets = Vec::new();
     let mut region = None;
     let mut block_size = 0;
     for record in reader {
@@ -159,6 +160,9 @@ fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
         }
         block_size = record.block_size;
         accesses.push(record.block);
+        // Regions map their file from offset 0 here (the trace's block numbers count
+        // from the file's start).
+        offsets.push((record.file_offset % record.block_size.max(1)) as u32);
     }
     if accesses.is_empty() || block_size == 0 {
         bail!("{}: no faults in the trace", path.display());
@@ -176,6 +180,7 @@ fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
         layout,
         accesses,
         token_starts,
+        offsets,
     })
 }
 

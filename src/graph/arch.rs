@@ -80,6 +80,18 @@ const HF_LAYER_NAMES: &[(&str, &str)] = &[
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
     ("mlp.down_proj", "ffn_down"),
+    // Mixture of experts: the router, merged experts, shared experts.
+    ("mlp.gate", "ffn_gate_inp"),
+    ("block_sparse_moe.gate", "ffn_gate_inp"),
+    ("mlp.experts.gate_up_proj", "ffn_gate_exps"),
+    ("mlp.experts.down_proj", "ffn_down_exps"),
+    ("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),
+    ("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_expert.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_expert.down_proj", "ffn_down_shexp"),
+    ("mlp.shared_experts.gate_proj", "ffn_gate_shexp"),
+    ("mlp.shared_experts.up_proj", "ffn_up_shexp"),
+    ("mlp.shared_experts.down_proj", "ffn_down_shexp"),
 ];
 
 /// Global tensors, where the token's pass reads them.
@@ -146,7 +158,9 @@ fn hf_role(base: &str) -> Role {
                 let gguf = HF_LAYER_NAMES
                     .iter()
                     .find(|(hf, _)| *hf == tensor)
-                    .map_or("", |(_, gguf)| gguf);
+                    .map(|(_, gguf)| *gguf)
+                    .or_else(|| hf_single_expert(tensor).map(|(_, kind)| kind))
+                    .unwrap_or("");
                 return Role::Layer(layer, layer_rank(gguf));
             }
         }
@@ -231,15 +245,85 @@ pub fn execution_order(tensors: &[TensorInfo]) -> ExecutionOrder {
     }
 }
 
-/// Experts in a mixture-of-experts tensor (`ffn_*_exps`), read from the last dimension
-/// of its shape (GGUF lists dimensions innermost first: `[n_embd, n_ff, n_expert]`).
+/// Experts in a tensor that merges them (GGUF `ffn_*_exps`, Hugging Face
+/// `mlp.experts.gate_up_proj`), read from the outermost dimension of its shape: the
+/// expert index varies slowest, so expert `e` is the `e`-th contiguous share of the
+/// bytes. (`TensorInfo::shape` is outermost first; GGUF itself lists `[n_embd, n_ff,
+/// n_expert]`, innermost first.)
 pub fn expert_count(tensor: &TensorInfo) -> Option<u32> {
     let (base, _) = split_suffix(&tensor.name);
-    if !base.ends_with("_exps") || tensor.shape.len() != 3 {
+    let merged = base.ends_with("_exps") || hf_merged_experts(base);
+    if !merged || tensor.shape.len() != 3 {
         return None;
     }
-    let count = *tensor.shape.last()?;
+    let count = *tensor.shape.first()?;
     (count > 1 && count <= u32::MAX as u64).then_some(count as u32)
+}
+
+/// Whether a Hugging Face name is a merged expert tensor (`mlp.experts.gate_up_proj`,
+/// as gpt-oss stores its experts).
+fn hf_merged_experts(base: &str) -> bool {
+    base.split_once(".experts.")
+        .is_some_and(|(_, rest)| !rest.contains('.'))
+}
+
+/// The expert of a Hugging Face per-expert tensor and the GGUF name of its kind:
+/// `layers.N.mlp.experts.E.gate_proj` (Qwen-MoE, OLMoE, DeepSeek) or
+/// `layers.N.block_sparse_moe.experts.E.w1` (Mixtral).
+fn hf_single_expert(base: &str) -> Option<(u32, &'static str)> {
+    let (_, rest) = base.split_once(".experts.")?;
+    let (expert, kind) = rest.split_once('.')?;
+    let expert = expert.parse().ok()?;
+    let kind = match kind {
+        "gate_proj" | "w1" => "ffn_gate_exps",
+        "up_proj" | "w3" => "ffn_up_exps",
+        "down_proj" | "w2" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((expert, kind))
+}
+
+/// The layer a tensor belongs to, in either naming scheme.
+fn layer_of(base: &str) -> Option<u32> {
+    let rest = base
+        .strip_prefix("blk.")
+        .or_else(|| base.strip_prefix("model.layers."))
+        .or_else(|| base.strip_prefix("layers."))?;
+    rest.split_once('.')?.0.parse().ok()
+}
+
+/// The routed experts' shares of one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertShares {
+    pub layer: u32,
+    /// (expert, byte range of its share), by expert.
+    pub shares: Vec<(u32, std::ops::Range<u64>)>,
+}
+
+/// The experts' slices of a mixture-of-experts tensor: its layer, and per expert the
+/// byte range that expert's share occupies. `None` for a tensor every token reads whole
+/// (dense, shared experts, the router), and for one whose bytes do not split evenly.
+pub fn expert_slices(tensor: &TensorInfo) -> Option<ExpertShares> {
+    let (base, _) = split_suffix(&tensor.name);
+    let layer = layer_of(base)?;
+    if let Some((expert, _)) = hf_single_expert(base) {
+        let shares = vec![(expert, tensor.file_range.clone())];
+        return Some(ExpertShares { layer, shares });
+    }
+    let count = expert_count(tensor)?;
+    let range = &tensor.file_range;
+    let len = range.end.checked_sub(range.start)?;
+    if len % count as u64 != 0 {
+        return None;
+    }
+    let share = len / count as u64;
+    let shares = (0..count)
+        .map(|expert| {
+            let start = range.start + expert as u64 * share;
+            (expert, start..start + share)
+        })
+        .collect();
+    Some(ExpertShares { layer, shares })
 }
 
 #[cfg(test)]
@@ -344,12 +428,19 @@ mod tests {
                 "blk.0.ffn_down_shexp.weight",
             ]
         );
+        // Outermost first, as `TensorInfo` has it: GGUF's [n_embd, n_ff, n_expert].
         let exps = TensorInfo {
-            shape: vec![64, 128, 8],
+            shape: vec![8, 128, 64],
+            file_range: 0..8 * 1024,
             ..tensors[1].clone()
         };
         assert_eq!(expert_count(&exps), Some(8));
         assert_eq!(expert_count(&tensors[2]), None);
+        let slices = expert_slices(&exps).unwrap();
+        assert_eq!(slices.layer, 0);
+        assert_eq!(slices.shares.len(), 8);
+        assert_eq!(slices.shares[3], (3, 3 * 1024..4 * 1024));
+        assert!(expert_slices(&tensors[2]).is_none());
     }
 
     #[test]
@@ -375,6 +466,35 @@ mod tests {
                 "lm_head.weight",
             ]
         );
+    }
+
+    #[test]
+    fn hugging_face_experts_run_after_their_router() {
+        let tensors = table(&[
+            "model.layers.0.mlp.experts.1.down_proj.weight",
+            "model.layers.0.mlp.experts.0.gate_proj.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.0.up_proj.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.1.block_sparse_moe.experts.7.w2.weight",
+        ]);
+        let order = execution_order(&tensors);
+        assert_eq!(
+            names(&tensors, &order),
+            [
+                "model.layers.0.post_attention_layernorm.weight",
+                "model.layers.0.mlp.gate.weight",
+                "model.layers.0.mlp.experts.0.gate_proj.weight",
+                "model.layers.0.mlp.experts.0.up_proj.weight",
+                "model.layers.0.mlp.experts.1.down_proj.weight",
+                "model.layers.1.block_sparse_moe.experts.7.w2.weight",
+            ]
+        );
+        let slices = expert_slices(&tensors[5]).unwrap();
+        assert_eq!(slices.layer, 1);
+        assert_eq!(slices.shares, vec![(7, tensors[5].file_range.clone())]);
+        assert!(expert_slices(&tensors[2]).is_none());
+        assert!(expert_slices(&tensors[4]).is_none());
     }
 
     #[test]

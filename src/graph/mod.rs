@@ -13,6 +13,7 @@
 //! saves and loads learned graphs beside the model file.
 
 pub mod arch;
+pub mod experts;
 mod layout;
 pub mod learn;
 mod order;
@@ -26,6 +27,7 @@ use petgraph::graph::{DiGraph, NodeIndex};
 use thiserror::Error;
 
 pub use arch::{Architecture, ExecutionOrder};
+pub use experts::{ExpertGroup, ExpertMap, ExpertSlice};
 pub use layout::{BlockLayout, BlockLengths};
 pub use learn::Transitions;
 pub use order::CyclicOrder;
@@ -153,6 +155,8 @@ pub struct ModelGraph {
     /// Per position of the order: where the piece of work it belongs to (a step, or one
     /// expert's matrix) starts. Empty for a learned graph. See `lag_guard_at`.
     unit_start: Vec<u32>,
+    /// The routed experts, outside the order.
+    experts: ExpertMap,
 }
 
 impl ModelGraph {
@@ -176,9 +180,11 @@ impl ModelGraph {
                 .map(|group| group.into_iter().map(|n| graph.add_node(n)).collect())
                 .filter(|group: &Vec<NodeIndex>| !group.is_empty())
                 .collect();
+            let sparse = arch::expert_slices(tensor);
             Step {
-                experts: groups.len() > 1,
+                experts: groups.len() > 1 || sparse.is_some(),
                 groups,
+                sparse,
             }
         };
         let steps: Vec<Step> = exec
@@ -191,6 +197,7 @@ impl ModelGraph {
         let rows = exec.rows_only.map(&mut step_of).map(|step| Step {
             groups: step.groups.into_iter().flatten().map(|n| vec![n]).collect(),
             experts: false,
+            sparse: None,
         });
 
         let mut edges: Vec<(NodeIndex, NodeIndex, f64)> = Vec::new();
@@ -214,27 +221,51 @@ impl ModelGraph {
         }
 
         // The pieces of work threads share, in execution order, as runs of blocks: a
-        // step, or for experts one expert's matrix (a token runs each chosen expert's
-        // matrix whole). The pass is their blocks in turn.
-        let units: Vec<Vec<u32>> = steps
-            .iter()
-            .flat_map(|step| -> Vec<Vec<NodeIndex>> {
-                if step.experts {
-                    step.groups.clone()
-                } else {
-                    vec![step.groups.iter().flatten().copied().collect()]
-                }
-            })
-            .map(|nodes| {
+        // step, or one expert's matrix of a tensor split by experts that every token
+        // reads whole. The pass is their blocks in turn. The experts a router chooses
+        // among are not part of it: which of them a token reads is not known ahead
+        // (`ExpertMap`); each of their slices is anchored at the unit that follows.
+        let mut units: Vec<Vec<u32>> = Vec::new();
+        let mut sparse_slices: Vec<ExpertSlice> = Vec::new();
+        for step in &steps {
+            if let Some(shares) = &step.sparse {
+                sparse_slices.extend(shares.shares.iter().map(|(expert, range)| ExpertSlice {
+                    layer: shares.layer,
+                    expert: *expert,
+                    file_range: range.clone(),
+                    anchor: units.len() as u32,
+                }));
+                continue;
+            }
+            let blocks_of = |nodes: &[NodeIndex]| -> Vec<u32> {
                 nodes
                     .iter()
                     .flat_map(|&node| graph[node].blocks.clone())
                     .collect()
-            })
-            .collect();
+            };
+            if step.experts {
+                units.extend(step.groups.iter().map(|group| blocks_of(group)));
+            } else {
+                let nodes: Vec<NodeIndex> = step.groups.iter().flatten().copied().collect();
+                units.push(blocks_of(&nodes));
+            }
+        }
         let order =
             CyclicOrder::from_sequence(units.iter().flatten().copied(), layout.block_count());
         let unit_start = unit_starts(&order, &units);
+        let mut experts = ExpertMap::new(&sparse_slices, &layout);
+        // Anchor: the first position of the unit after the experts (round the cycle).
+        experts.remap_anchors(|unit| {
+            let first = units
+                .iter()
+                .cycle()
+                .skip(unit as usize)
+                .take(units.len())
+                .find_map(|blocks| blocks.first().copied());
+            first
+                .and_then(|block| order.positions(block).first().copied())
+                .unwrap_or(0)
+        });
         // The largest piece of work. Extents of one tensor may share their boundary
         // blocks: a unit's span, not its length.
         let lag_guard = units
@@ -246,14 +277,16 @@ impl ModelGraph {
             })
             .max()
             .unwrap_or(0);
-        Self::finish(
+        let mut model = Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
             graph,
             order,
             lag_guard,
             unit_start,
-        )
+        );
+        model.experts = experts;
+        model
     }
 
     /// Builds the graph of a model stored in several files (a split GGUF, see
@@ -365,7 +398,20 @@ impl ModelGraph {
             order,
             lag_guard,
             unit_start,
+            experts: ExpertMap::default(),
         }
+    }
+
+    /// Sets how many experts a token runs per layer (the model's `expert_used_count`),
+    /// which the policies start from before they have learned the experts' popularity.
+    pub fn with_experts_used(mut self, used: Option<u32>) -> Self {
+        self.experts = std::mem::take(&mut self.experts).with_used_per_token(used);
+        self
+    }
+
+    /// The experts a router chooses among, by block: none for a dense model.
+    pub fn experts(&self) -> &ExpertMap {
+        &self.experts
     }
 
     /// The most positions behind the program's latest fault that a thread may still be
@@ -493,6 +539,8 @@ impl BlockLengths for ModelGraph {
 struct Step {
     groups: Vec<Vec<NodeIndex>>,
     experts: bool,
+    /// For routed experts: the layer and each expert's byte range (`arch::expert_slices`).
+    sparse: Option<arch::ExpertShares>,
 }
 
 /// Per position of `order`: the position where its unit (a run of blocks, in the

@@ -198,7 +198,8 @@ fn experts_are_split_and_rank_below_the_dense_path() {
         ("blk.0.ffn_up_shexp.weight", 4096),
     ]);
     for t in tensors.iter_mut().filter(|t| t.name.contains("_exps")) {
-        t.shape = vec![32, 32, 8];
+        // Outermost first: GGUF's [n_embd, n_ff, n_expert] reversed.
+        t.shape = vec![8, 32, 32];
     }
     let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
@@ -224,8 +225,23 @@ fn experts_are_split_and_rank_below_the_dense_path() {
         .map(|n| n.index())
         .collect();
     assert_eq!(next, vec![2 + 8 + 3]);
-    // Every expert is predicted (which ones run is unknown), in file order of the exps.
-    assert_eq!(graph.order().len(), layout.block_count());
+    // Which experts run is not known ahead: the order is the dense path alone, and the
+    // experts are groups of one slice per expert tensor, anchored where the shared
+    // expert (the next dense step) starts.
+    let dense: Vec<u32> = graph.order().sequence().to_vec();
+    let shexp_block = tensors[5].file_range.start as u32 / 4096;
+    assert_eq!(dense, vec![0, 1, shexp_block]);
+    let experts = graph.experts();
+    assert_eq!(experts.groups().len(), 8);
+    let e3 = experts.group(3);
+    assert_eq!((e3.layer, e3.expert), (0, 3));
+    assert_eq!(
+        e3.slices,
+        vec![2 + 3..2 + 4, 2 + 8 + 3..2 + 8 + 4, 2 + 16 + 3..2 + 16 + 4]
+    );
+    assert_eq!(e3.anchor, 2);
+    assert_eq!(experts.groups_of(2 + 8 + 3), &[3]);
+    assert_eq!(experts.groups_of(0), &[] as &[u32]);
     let router_rank = graph.node_ranks()[1];
     assert!(graph.node_ranks()[gate_e3.index()] < router_rank / 4.0);
 }

@@ -89,6 +89,17 @@ impl ModelFile {
         })
     }
 
+    /// How many experts a token runs per layer, for a mixture-of-experts model whose
+    /// metadata says (GGUF `{arch}.expert_used_count`); `None` otherwise.
+    pub fn experts_used(&self) -> Option<u32> {
+        let ModelFormat::Gguf(gguf) = &self.format else {
+            return None;
+        };
+        let arch = gguf.architecture()?;
+        let used = gguf.get_u64(&format!("{arch}.expert_used_count"))?;
+        u32::try_from(used).ok().filter(|&used| used > 0)
+    }
+
     fn open_inner(path: &Path) -> Result<ModelFile, ModelErrorKind> {
         let mut file = File::open(path)?;
         let file_len = file.metadata()?.len();

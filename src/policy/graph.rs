@@ -22,6 +22,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use self::expert_use::ExpertUse;
 use self::streaming::{plan_streaming, StreamPlan};
 use super::per_block::PerBlock;
 use super::position_set::PositionSet;
@@ -31,6 +32,7 @@ use super::{
 };
 use crate::graph::{BlockLayout, CyclicOrder, ModelGraph};
 
+mod expert_use;
 pub mod streaming;
 
 /// The prediction both graph policies follow, and the progress along it.
@@ -53,20 +55,23 @@ struct Progress {
     lag_seen: u32,
     /// Which blocks stream each pass when the model does not fit the budget.
     stream: StreamPlan,
+    /// How often a token uses each routed expert (nothing for a dense model).
+    experts: ExpertUse,
 }
 
 impl GraphPrediction {
     pub fn new(graph: Arc<ModelGraph>) -> Arc<Self> {
         let blocks = graph.layout().block_count() as usize;
         Arc::new(Self {
-            graph,
             progress: Mutex::new(Progress {
                 regions: Vec::new(),
                 cursor: 0,
                 resident: vec![false; blocks],
                 lag_seen: 0,
                 stream: StreamPlan::default(),
+                experts: ExpertUse::new(graph.experts()),
             }),
+            graph,
         })
     }
 
@@ -170,16 +175,84 @@ impl Progress {
     }
 
     /// Moves the cursor to the fault's block (see `locate`) and returns the new
-    /// position; `None` when the block is not predicted.
-    fn advance(&mut self, graph: &ModelGraph, block: BlockRef) -> Option<u32> {
-        let global = self.global(graph, block)?;
+    /// position; `None` when the block is not predicted. A fault in a routed expert
+    /// counts the expert as used (`ExpertUse`) and puts the program where its layer's
+    /// experts run.
+    fn advance(&mut self, graph: &ModelGraph, fault: &FaultEvent) -> Option<u32> {
+        let global = self.global(graph, fault.block)?;
         let order = graph.order();
+        if let Some(groups) = self.experts_in_use(graph, global, fault.offset_in_block) {
+            for &group in &groups {
+                self.experts.used(group);
+            }
+            let anchor = graph.experts().group(*groups.first()?).anchor;
+            let anchor_block = *order.sequence().get(anchor as usize)?;
+            // A lagging thread's expert fault says nothing of the lag within a step.
+            let (position, _) = locate(order, self.cursor, anchor_block)?;
+            self.cursor = position;
+            return Some(position);
+        }
         let (position, lag) = locate(order, self.cursor, global)?;
         if let Some(behind) = lag {
             self.lag_seen = self.lag_seen.max(behind);
         }
         self.cursor = position;
         Some(position)
+    }
+
+    /// For a block of routed experts (outside the order), the experts a fault at
+    /// `offset` in it shows in use; `None` for any other block.
+    fn experts_in_use(
+        &self,
+        graph: &ModelGraph,
+        global: u32,
+        offset: Option<u32>,
+    ) -> Option<Vec<u32>> {
+        if !is_routed_expert(graph, global) {
+            return None;
+        }
+        let groups = graph
+            .experts()
+            .groups_in_use(global, offset, graph.layout().block_size);
+        (!groups.is_empty()).then_some(groups)
+    }
+
+    /// The chance a token reads the routed-expert block `global`, and where in the pass
+    /// its layer's experts run.
+    fn expert_block_use(&self, graph: &ModelGraph, global: u32) -> (f64, u32) {
+        let experts = graph.experts();
+        let groups = experts.groups_of(global);
+        let probability = self.experts.block_probability(groups);
+        let anchor = groups
+            .iter()
+            .map(|&group| experts.group(group).anchor)
+            .min_by_key(|&anchor| graph.order().distance(self.cursor, anchor))
+            .unwrap_or(0);
+        (probability, anchor)
+    }
+
+    /// How many positions ahead the routed-expert block `global` is expected to be
+    /// used next: to its layer, then `1/p - 1` passes more (`p` its use per token), as
+    /// the expected wait of a block used with probability `p` each pass.
+    fn expected_next_use(&self, graph: &ModelGraph, global: u32) -> f64 {
+        let groups = graph.experts().groups_of(global);
+        if groups.iter().any(|&group| self.experts.reading_now(group)) {
+            return 0.0;
+        }
+        let (probability, anchor) = self.expert_block_use(graph, global);
+        let order = graph.order();
+        let to_layer = if order.is_empty() {
+            0.0
+        } else {
+            order.distance(
+                self.cursor.min(order.len() - 1),
+                anchor.min(order.len() - 1),
+            ) as f64
+        };
+        if probability <= 0.0 {
+            return f64::INFINITY;
+        }
+        to_layer + order.len().max(1) as f64 * (1.0 / probability - 1.0)
     }
 
     /// Positions behind the cursor that a lagging thread may still be reading: back to
@@ -330,7 +403,25 @@ impl PrefetchPolicy for GraphPrefetch {
         let order = graph.order();
         let layout = graph.layout();
         let mut progress = prediction.lock();
-        let Some(position) = progress.advance(graph, fault.block) else {
+        // A routed expert in use: the rest of its slices (gate, up, down) follow at once.
+        let global = progress.global(graph, fault.block);
+        let in_use =
+            global.and_then(|global| progress.experts_in_use(graph, global, fault.offset_in_block));
+        if let (Some(global), Some(groups)) = (global, &in_use) {
+            let experts = graph.experts();
+            let mut wanted: Vec<u32> = groups
+                .iter()
+                .flat_map(|&group| experts.group(group).blocks())
+                .filter(|&block| block != global && !progress.resident[block as usize])
+                .collect();
+            wanted.dedup();
+            for block in wanted {
+                if let Some(block_ref) = progress.local(graph, block, fault.block.region) {
+                    out.push(PrefetchRequest::eager(block_ref));
+                }
+            }
+        }
+        let Some(position) = progress.advance(graph, fault) else {
             return;
         };
         if let Some((last_position, last_ns)) = self.last {
@@ -435,6 +526,12 @@ fn lag_behind(order: &CyclicOrder, from: u32, to: u32) -> Option<u32> {
     (backward > 0 && backward < forward && backward <= order.len() / 16).then_some(backward)
 }
 
+/// Whether the graph's block `global` holds only routed experts: outside the order
+/// (a block shared with a tensor every token reads is in it) and in some expert group.
+fn is_routed_expert(graph: &ModelGraph, global: u32) -> bool {
+    !graph.order().contains(global) && !graph.experts().groups_of(global).is_empty()
+}
+
 fn prev_power_of_two(n: u64) -> u64 {
     1 << (63 - n.max(1).leading_zeros())
 }
@@ -459,6 +556,11 @@ pub struct GraphEviction {
     tracked: PerBlock<Tracked>,
     /// The keys of tracked unpredicted blocks in `unpredicted`.
     unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
+    /// Routed-expert blocks by (use probability bits, arrival): the least used first.
+    /// Keys are as of insertion and refreshed when a block comes up for eviction.
+    experts: BTreeSet<(u64, u64, BlockRef)>,
+    /// The keys of tracked expert blocks in `experts`.
+    expert_keys: HashMap<BlockRef, (u64, u64)>,
     tracked_count: usize,
     arrivals: u64,
 }
@@ -469,6 +571,8 @@ enum Tracked {
     No,
     /// With the block's number in the graph (its part's first block plus its index).
     Predicted(u32),
+    /// A block of routed experts, with its number in the graph.
+    Expert(u32),
     Unpredicted,
 }
 
@@ -489,6 +593,8 @@ impl GraphEviction {
             unpredicted: BTreeSet::new(),
             tracked: PerBlock::default(),
             unpredicted_keys: HashMap::new(),
+            experts: BTreeSet::new(),
+            expert_keys: HashMap::new(),
             tracked_count: 0,
             arrivals: 0,
         }
@@ -545,6 +651,18 @@ impl GraphEviction {
                 }
                 self.tracked_count -= 1;
             }
+            Tracked::Expert(global) => {
+                if let Some((key, arrival)) = self.expert_keys.remove(&block) {
+                    self.experts.remove(&(key, arrival, block));
+                }
+                for &group in self.prediction.graph.experts().groups_of(global) {
+                    progress.experts.block_changed(group, false);
+                }
+                if let Some(slot) = progress.resident.get_mut(global as usize) {
+                    *slot = false;
+                }
+                self.tracked_count -= 1;
+            }
             Tracked::Unpredicted => {
                 if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
                     self.unpredicted.remove(&(rank, arrival, block));
@@ -573,6 +691,61 @@ impl GraphEviction {
         let any = || furthest_in(&self.prediction.graph, &self.positions, cursor, guard);
         let (block, _, distance) = streamed.or_else(any)?;
         Some((block, distance))
+    }
+
+    /// The tracked routed-expert block least likely to be used, with how far ahead it
+    /// is expected to be used (`Progress::expected_next_use`). Keys were the block's use
+    /// probability when it was keyed; one that has gone up since (its expert was used
+    /// again) is keyed anew and the next looked at.
+    fn coldest_expert(&mut self, progress: &Progress) -> Option<(BlockRef, f64)> {
+        let graph = Arc::clone(&self.prediction.graph);
+        let mut rekeyed = 0;
+        let mut from = None;
+        let mut best: Option<(BlockRef, f64)> = None;
+        let mut considered = 0;
+        loop {
+            let next = match from {
+                None => self.experts.first(),
+                Some(after) => self
+                    .experts
+                    .range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
+                    .next(),
+            };
+            let Some(&(key, arrival, block)) = next else {
+                break;
+            };
+            let Tracked::Expert(global) = *self.tracked_mut(block) else {
+                break;
+            };
+            let groups = graph.experts().groups_of(global);
+            let now = progress.experts.block_probability(groups).to_bits();
+            if now > key && rekeyed < 64 {
+                rekeyed += 1;
+                self.experts.remove(&(key, arrival, block));
+                self.experts.insert((now, arrival, block));
+                self.expert_keys.insert(block, (now, arrival));
+                continue;
+            }
+            from = Some((key, arrival, block));
+            // The expert being read now is needed until its layer is done: the next.
+            if groups
+                .iter()
+                .any(|&group| progress.experts.reading_now(group))
+            {
+                continue;
+            }
+            // Among the least used few, the one expected furthest ahead: of two experts
+            // about as popular, the one whose layer comes last.
+            let expected = progress.expected_next_use(&graph, global);
+            if best.is_none_or(|(_, furthest)| expected > furthest) {
+                best = Some((block, expected));
+            }
+            considered += 1;
+            if considered == EXPERT_CANDIDATES {
+                return best;
+            }
+        }
+        best
     }
 }
 
@@ -710,7 +883,23 @@ impl EvictionPolicy for GraphEviction {
         self.forget(block, &mut progress);
         let graph = &prediction.graph;
         let global = progress.global(graph, block);
-        if let Some(global) = global.filter(|&global| graph.order().contains(global)) {
+        if let Some(global) = global.filter(|&global| is_routed_expert(graph, global)) {
+            for &group in graph.experts().groups_of(global) {
+                progress.experts.block_changed(group, true);
+            }
+            progress.resident[global as usize] = true;
+            let key = (
+                progress
+                    .experts
+                    .block_probability(graph.experts().groups_of(global))
+                    .to_bits(),
+                self.arrivals,
+            );
+            self.arrivals += 1;
+            self.experts.insert((key.0, key.1, block));
+            self.expert_keys.insert(block, key);
+            *self.tracked_mut(block) = Tracked::Expert(global);
+        } else if let Some(global) = global.filter(|&global| graph.order().contains(global)) {
             let streamed = progress.stream.is_streamed(global);
             self.set_positions(block, global, streamed, true);
             progress.resident[global as usize] = true;
@@ -735,7 +924,7 @@ impl EvictionPolicy for GraphEviction {
 
     fn touched(&mut self, fault: &FaultEvent) {
         let prediction = Arc::clone(&self.prediction);
-        prediction.lock().advance(&prediction.graph, fault.block);
+        prediction.lock().advance(&prediction.graph, fault);
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
@@ -747,12 +936,42 @@ impl EvictionPolicy for GraphEviction {
         }
         let cursor = progress.cursor;
         let guard = progress.lag_guard(&prediction.graph);
-        let (block, distance) = self.furthest(cursor, guard)?;
+        // Belady on expectations: the dense block used furthest ahead, or the expert
+        // block expected to be used furthest ahead, whichever is further.
+        let dense = self.furthest(cursor, guard);
+        let expert = self.coldest_expert(&progress);
+        let (block, distance) = match (dense, expert) {
+            (Some((dense, distance)), Some((_, expected))) if expected < distance as f64 => {
+                (dense, distance as f64)
+            }
+            (_, Some(expert)) => expert,
+            (Some((dense, distance)), None) => (dense, distance as f64),
+            (None, None) => return None,
+        };
         if kind == ReadKind::Prefetch {
             // A speculative read only displaces a block needed later than itself; an
             // unpredicted incoming block displaces nothing predicted.
             let order = prediction.graph.order();
             let incoming = progress.global(&prediction.graph, incoming)?;
+            if is_routed_expert(&prediction.graph, incoming) {
+                // The rest of an expert just used is needed now; any other expert when
+                // expected.
+                let experts = prediction.graph.experts();
+                let needed_now = experts
+                    .groups_of(incoming)
+                    .iter()
+                    .any(|&group| progress.experts.used_now(group));
+                let incoming_distance = if needed_now {
+                    0.0
+                } else {
+                    progress.expected_next_use(&prediction.graph, incoming)
+                };
+                if distance <= incoming_distance {
+                    return None;
+                }
+                self.forget(block, &mut progress);
+                return Some(block);
+            }
             let incoming_distance = order.next_use(incoming, cursor)?;
             // A block a little behind the cursor is one a lagging thread has yet to
             // read (the cursor follows whichever thread faulted last): needed now, not
@@ -763,7 +982,7 @@ impl EvictionPolicy for GraphEviction {
                     order.distance(position, cursor) <= guard && position <= cursor
                 });
             let incoming_distance = if lagging { 0 } else { incoming_distance };
-            if distance <= incoming_distance {
+            if distance <= incoming_distance as f64 {
                 return None;
             }
         }
@@ -771,6 +990,10 @@ impl EvictionPolicy for GraphEviction {
         Some(block)
     }
 }
+
+/// How many of the least used expert blocks eviction weighs by when they are next
+/// expected to be used.
+const EXPERT_CANDIDATES: u32 = 32;
 
 /// Both graph policies over one shared prediction.
 pub fn graph_policies(graph: Arc<ModelGraph>) -> (GraphPrefetch, GraphEviction) {

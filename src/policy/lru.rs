@@ -157,6 +157,7 @@ mod tests {
             block: b(index),
             time_ns: 0,
             outcome: FaultOutcome::Resident,
+            offset_in_block: None,
         }
     }
 

@@ -138,6 +138,9 @@ pub struct FaultEvent {
     /// Monotonic time of the fault in nanoseconds since the pager started.
     pub time_ns: u64,
     pub outcome: FaultOutcome,
+    /// Where in the block the faulting byte lies, when known: which of the pieces of a
+    /// block shared by several (an expert's slice and its neighbour's) is in use.
+    pub offset_in_block: Option<u32>,
 }
 
 /// Program hints about how a range will be accessed (`madvise`).

@@ -202,6 +202,7 @@ mod tests {
             block: BlockRef::new(RegionId(0), index),
             time_ns,
             outcome: FaultOutcome::Missing,
+            offset_in_block: None,
         }
     }
 

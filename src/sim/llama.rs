@@ -225,6 +225,7 @@ impl LlamaShape {
             layout,
             accesses,
             token_starts,
+            offsets: Vec::new(),
         }
     }
 }

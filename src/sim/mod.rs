@@ -16,6 +16,7 @@
 
 mod belady;
 pub mod llama;
+pub mod moe;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -47,6 +48,9 @@ pub struct Workload {
     pub accesses: Vec<u32>,
     /// Index of each token's first access, ascending; empty when unknown.
     pub token_starts: Vec<usize>,
+    /// Per access, where in its block the first byte touched lies (as the pager's
+    /// faults tell the policies); empty when unknown.
+    pub offsets: Vec<u32>,
 }
 
 impl Workload {
@@ -65,6 +69,7 @@ impl Workload {
             layout: *graph.layout(),
             accesses,
             token_starts,
+            offsets: Vec::new(),
         }
     }
 
@@ -80,6 +85,10 @@ impl Workload {
         Workload {
             layout: self.layout,
             accesses: self.accesses[start..end].to_vec(),
+            offsets: self
+                .offsets
+                .get(start..end)
+                .map_or(Vec::new(), <[u32]>::to_vec),
             token_starts: self.token_starts
                 [range.start.min(self.token_starts.len())..range.end.min(self.token_starts.len())]
                 .iter()
@@ -213,6 +222,7 @@ pub fn replay(
             continue;
         }
         let block = BlockRef::new(region, index);
+        let offset_in_block = workload.offsets.get(i).copied();
         now_ns += layout.block_len(index) as f64 / timing.consume_bytes_per_s * 1e9;
         let state = replay.states[index as usize];
         let outcome = match state {
@@ -222,6 +232,7 @@ pub fn replay(
                         block,
                         time_ns: now_ns as u64,
                         outcome: FaultOutcome::Resident,
+                        offset_in_block,
                     });
                 }
                 continue;
@@ -233,6 +244,7 @@ pub fn replay(
             block,
             time_ns: now_ns as u64,
             outcome,
+            offset_in_block,
         };
         eviction.touched(&fault);
         requests.clear();

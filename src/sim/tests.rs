@@ -14,6 +14,7 @@ fn cyclic(blocks: u32, tokens: u32) -> Workload {
         layout: BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap(),
         accesses,
         token_starts,
+        offsets: Vec::new(),
     }
 }
 
@@ -104,4 +105,52 @@ fn a_policy_naming_a_block_that_is_not_resident_is_caught() {
         Timing::default(),
     );
     assert_eq!(result, Err(SimError::VictimNotResident(7)));
+}
+
+/// Bytes per token (after the first) of `policy` replaying `workload` at `share` of the
+/// model, with the model's graph.
+fn moe_bytes_per_token(
+    shape: &moe::MoeShape,
+    workload: &Workload,
+    share: f64,
+    policy: SimPolicy,
+) -> f64 {
+    let graph = Arc::new(
+        ModelGraph::from_tensors(&shape.tensors(), workload.layout)
+            .with_experts_used(Some(shape.used)),
+    );
+    let budget = (workload.layout.data_len as f64 * share) as u64;
+    let report = simulate(
+        workload,
+        budget,
+        policy,
+        None,
+        Some(&graph),
+        Timing::default(),
+    )
+    .unwrap();
+    report.steady_bytes_per_token(None).unwrap()
+}
+
+#[test]
+fn on_mixture_of_experts_the_graph_policy_beats_lru_near_the_floor() {
+    for (name, shape) in [
+        ("coarse", moe::MoeShape::coarse()),
+        ("fine", moe::MoeShape::fine()),
+    ] {
+        let workload = shape.workload(1 << 20, 96, 11);
+        for share in [0.25, 0.5, 0.75] {
+            let graph = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Graph);
+            let lru = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Lru);
+            let belady = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Belady);
+            eprintln!(
+                "{name} at {share}: graph {:.1} MiB/token, lru {:.1}, belady {:.1}: {:.2}x the floor",
+                graph / 1048576.0,
+                lru / 1048576.0,
+                belady / 1048576.0,
+                graph / belady
+            );
+            assert!(graph <= lru, "{name} at {share}: graph {graph} > lru {lru}");
+        }
+    }
 }

@@ -51,6 +51,7 @@ fn fault(index: u32, time_ns: u64) -> FaultEvent {
         block: b(index),
         time_ns,
         outcome: FaultOutcome::Missing,
+        offset_in_block: None,
     }
 }
 
@@ -333,6 +334,7 @@ fn without_a_matching_region_the_policies_predict_nothing() {
             block: other,
             time_ns: 0,
             outcome: FaultOutcome::Missing,
+            offset_in_block: None,
         },
         &mut out,
     );
