@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
-use hyperoffload::model::synth::{self, f16_to_f32, TensorOrder};
+use hyperoffload::model::synth::{self, f16_to_f32, MoeSpec, SynthRequest, TensorOrder};
 
 const TARGET: u64 = 64 << 20;
 
@@ -185,4 +185,109 @@ fn a_weight_type_replaces_every_quantized_type_and_the_file_type() {
     let error =
         synth::plan_with_weight_type(&small, TARGET, TensorOrder::Exec, 1, Some(GgmlType::F32));
     assert!(error.is_err(), "an unquantized weight type is refused");
+}
+
+fn moe_request(target: u64, experts: u64, used: u64, ff_ratio: Option<f64>) -> SynthRequest {
+    SynthRequest {
+        target,
+        order: TensorOrder::File,
+        seed: 3,
+        weight_type: Some(GgmlType::Q8_0),
+        moe: Some(MoeSpec {
+            experts,
+            used,
+            ff_ratio,
+            skew: 2.0,
+        }),
+    }
+}
+
+#[test]
+fn a_mixture_of_experts_has_merged_expert_tensors_a_router_and_its_counts() {
+    let Some(small) = small() else { return };
+    let plan = synth::plan_request(&small, &moe_request(96 << 20, 8, 2, None)).unwrap();
+    let bytes = synth::write(&plan, Vec::new(), 3, |_| {}).unwrap();
+    let ratio = bytes.len() as f64 / (96u64 << 20) as f64;
+    assert!((0.9..=1.1).contains(&ratio), "size {}", bytes.len());
+    let model = GgufFile::parse(&bytes).unwrap();
+    let s = plan.shape;
+    assert_eq!(model.get_u64("llama.expert_count"), Some(8));
+    assert_eq!(model.get_u64("llama.expert_used_count"), Some(2));
+    assert_eq!(model.get_u64("llama.feed_forward_length"), Some(s.n_ff));
+    for i in 0..s.n_layer {
+        let dims = |role: &str| {
+            model
+                .tensor(&format!("blk.{i}.{role}"))
+                .map(|t| t.dims.clone())
+        };
+        assert_eq!(dims("ffn_gate.weight"), None, "no dense feed-forward left");
+        assert_eq!(dims("ffn_gate_inp.weight"), Some(vec![s.n_embd, 8]));
+        assert_eq!(
+            dims("ffn_gate_exps.weight"),
+            Some(vec![s.n_embd, s.n_ff, 8])
+        );
+        assert_eq!(dims("ffn_up_exps.weight"), Some(vec![s.n_embd, s.n_ff, 8]));
+        assert_eq!(
+            dims("ffn_down_exps.weight"),
+            Some(vec![s.n_ff, s.n_embd, 8])
+        );
+        let router = model
+            .tensor(&format!("blk.{i}.ffn_gate_inp.weight"))
+            .unwrap();
+        assert_eq!(router.ggml_type, GgmlType::F32);
+    }
+    // Each layer's router favours its own experts: the rows' spreads differ by about
+    // e^skew between the widest and the narrowest, in a different order per layer.
+    let mut widest = HashSet::new();
+    for i in 0..s.n_layer {
+        let router = model
+            .tensor(&format!("blk.{i}.ffn_gate_inp.weight"))
+            .unwrap();
+        let start = (model.data_offset + router.offset) as usize;
+        let floats: Vec<f32> = bytes[start..start + (s.n_embd * 8 * 4) as usize]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let spreads: Vec<f64> = floats
+            .chunks_exact(s.n_embd as usize)
+            .map(|row| {
+                (row.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / row.len() as f64).sqrt()
+            })
+            .collect();
+        let max = spreads.iter().cloned().fold(f64::MIN, f64::max);
+        let min = spreads.iter().cloned().fold(f64::MAX, f64::min);
+        let spread = (max / min).ln();
+        assert!(
+            (1.7..=2.3).contains(&spread),
+            "layer {i}: log spread {spread}"
+        );
+        widest.insert(spreads.iter().position(|&x| x == max).unwrap());
+    }
+    assert!(
+        s.n_layer < 3 || widest.len() > 1,
+        "every layer favours the same expert"
+    );
+}
+
+#[test]
+fn fine_grained_experts_are_narrow_and_bad_expert_counts_are_refused() {
+    let Some(small) = small() else { return };
+    let coarse = synth::plan_request(&small, &moe_request(1 << 30, 16, 2, None)).unwrap();
+    let fine = synth::plan_request(&small, &moe_request(1 << 30, 64, 8, Some(0.5))).unwrap();
+    // The feed-forward width is tuned within a factor of two of the asked ratio.
+    let ratio = |shape: &synth::LlamaShape| shape.n_ff as f64 / shape.n_embd as f64;
+    assert!(
+        (0.25..=1.0).contains(&ratio(&fine.shape)),
+        "{:?}",
+        fine.shape
+    );
+    assert!(ratio(&coarse.shape) > 1.3, "{:?}", coarse.shape);
+    assert_eq!(fine.shape.n_expert, 64);
+    assert_eq!(fine.shape.n_expert_used, 8);
+    for (experts, used) in [(1, 1), (8, 0), (8, 9), (100_000, 2)] {
+        let error = synth::plan_request(&small, &moe_request(1 << 30, experts, used, None))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("expert"), "{experts}/{used}: {error}");
+    }
 }

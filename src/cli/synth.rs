@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
-use hyperoffload::model::synth::{self, TensorOrder};
+use hyperoffload::model::synth::{self, MoeSpec, SynthRequest, TensorOrder};
 use hyperoffload::size::{format_size, parse_size};
 
 /// Write a llama model of about SIZE bytes shaped like a small one: more and wider
@@ -37,6 +37,22 @@ pub struct SynthArgs {
     /// Seed of the random weights (and of the shuffled order).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Make a mixture of experts: this many routed experts per layer in place of each
+    /// feed-forward network (llama.cpp's llama MoE layout, as Mixtral's).
+    #[arg(long)]
+    experts: Option<u64>,
+    /// Experts each token runs per layer (with --experts).
+    #[arg(long, requires = "experts", default_value_t = 2)]
+    experts_used: u64,
+    /// Each expert's feed-forward width over the embedding width (with --experts);
+    /// default the small model's ratio (coarse experts). Fine-grained MoE: 0.25-0.5
+    /// with 64 or more experts.
+    #[arg(long, requires = "experts")]
+    expert_ff_ratio: Option<f64>,
+    /// How unevenly the router spreads tokens over a layer's experts (with --experts):
+    /// 0 about evenly; each layer favours different experts.
+    #[arg(long, requires = "experts", default_value_t = 2.0)]
+    router_skew: f32,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -70,14 +86,20 @@ fn weight_type_arg(name: &str) -> Result<GgmlType, String> {
 pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     let small =
         GgufFile::open(&args.like).with_context(|| format!("reading {}", args.like.display()))?;
-    let plan = synth::plan_with_weight_type(
-        &small,
-        args.size,
-        args.order.into(),
-        args.seed,
-        args.weight_type,
-    )
-    .with_context(|| {
+    refuse_overwriting_input(&args)?;
+    let request = SynthRequest {
+        target: args.size,
+        order: args.order.into(),
+        seed: args.seed,
+        weight_type: args.weight_type,
+        moe: args.experts.map(|experts| MoeSpec {
+            experts,
+            used: args.experts_used,
+            ff_ratio: args.expert_ff_ratio,
+            skew: args.router_skew,
+        }),
+    };
+    let plan = synth::plan_request(&small, &request).with_context(|| {
         format!(
             "planning a {} model like {}",
             format_size(args.size),
@@ -96,6 +118,12 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         plan.tensors.len(),
         format_size(plan.file_len)
     );
+    if s.n_expert > 0 {
+        eprintln!(
+            "synth: {} experts per layer, {} used per token, expert feed-forward width {}",
+            s.n_expert, s.n_expert_used, s.n_ff
+        );
+    }
 
     let file =
         File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
@@ -123,5 +151,21 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         format_size(plan.file_len),
         start.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Writing the model over the small one it imitates would destroy the input while it
+/// is being read.
+fn refuse_overwriting_input(args: &SynthArgs) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(like), Ok(out)) = (std::fs::metadata(&args.like), std::fs::metadata(&args.out)) else {
+        return Ok(());
+    };
+    if like.dev() == out.dev() && like.ino() == out.ino() {
+        anyhow::bail!(
+            "--out {} is the --like model itself; choose another path",
+            args.out.display()
+        );
+    }
     Ok(())
 }

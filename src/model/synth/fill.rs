@@ -6,6 +6,7 @@
 //! block, so no per-block float work or extra random draws are needed.
 
 use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, RngCore};
 
 use crate::model::ggml_type::GgmlType;
@@ -17,6 +18,14 @@ pub enum Fill {
     Weight { std: f32 },
     /// Every element this value (norm weights: 1.0).
     Constant(f32),
+    /// A mixture of experts' router: one row of `row_len` elements per expert, each
+    /// row's elements of standard deviation `std` times the row's scale. The scales'
+    /// logs spread evenly over `[-skew/2, skew/2]` in a random order of the experts,
+    /// so a token's router logits (a row's dot product with the token's state) vary
+    /// more for some experts than for others, and top-k picks those more often: expert
+    /// popularity is skewed, differently in each layer (each router has its own seed).
+    /// Filled whole: the ranking spans every row.
+    Router { std: f32, skew: f32, row_len: u64 },
 }
 
 /// The f16 bit pattern nearest to `x` (round to nearest even); values below the
@@ -120,11 +129,33 @@ pub fn fill(ty: GgmlType, what: Fill, buf: &mut [u8], rng: &mut SmallRng) {
         (GgmlType::F64, Fill::Weight { std }) => {
             floats(buf, 8, std, rng, |x| f64::from(x).to_le_bytes().to_vec())
         }
+        (GgmlType::F32, Fill::Router { std, skew, row_len }) => {
+            router(buf, std, skew, row_len, rng)
+        }
         // Integer tensors hold indices or counts, not weights: zeros are valid.
         (GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64, _) => buf.fill(0),
         // A quantized "constant" (never produced by the planner) gets weight data.
         (_, Fill::Constant(_)) => quantized(ty, 0.02, buf, rng),
         (_, Fill::Weight { std }) => quantized(ty, std, buf, rng),
+        // Routers are planned as f32; any other type gets plain weights.
+        (_, Fill::Router { std, .. }) => fill(ty, Fill::Weight { std }, buf, rng),
+    }
+}
+
+/// See `Fill::Router`. `buf` holds whole f32 rows of `row_len` elements.
+fn router(buf: &mut [u8], std: f32, skew: f32, row_len: u64, rng: &mut SmallRng) {
+    let row_bytes = (row_len.max(1) * 4) as usize;
+    let rows = buf.len() / row_bytes;
+    let mut ranks: Vec<usize> = (0..rows).collect();
+    ranks.shuffle(rng);
+    for (row, &rank) in buf.chunks_exact_mut(row_bytes).zip(&ranks) {
+        let position = if rows > 1 {
+            rank as f32 / (rows - 1) as f32
+        } else {
+            0.5
+        };
+        let scale = (skew * (0.5 - position)).exp();
+        floats(row, 4, std * scale, rng, |x| x.to_le_bytes().to_vec());
     }
 }
 

@@ -13,7 +13,9 @@ use rand::SeedableRng;
 use thiserror::Error;
 
 pub use fill::{f16_to_f32, f32_to_f16, Fill};
-pub use plan::{plan, plan_with_weight_type, LlamaShape, SynthPlan};
+pub use plan::{
+    plan, plan_request, plan_with_weight_type, LlamaShape, MoeSpec, SynthPlan, SynthRequest,
+};
 
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufWriteError, GgufWriter};
@@ -92,6 +94,16 @@ pub fn write<W: Write>(
             .copied()
             .unwrap_or(Fill::Weight { std: 0.02 });
         let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &new.name));
+        if let Fill::Router { .. } = what {
+            // A router is small (n_embd x experts floats) and its rows share one
+            // random ranking: made whole, then written.
+            let mut data = vec![0u8; placed.size as usize];
+            fill::fill(new.ggml_type, what, &mut data, &mut rng);
+            writer.write_data(&data)?;
+            done += placed.size;
+            progress(done);
+            continue;
+        }
         // Whole blocks per chunk, so each chunk is valid data on its own.
         let block = new.ggml_type.type_size() as usize;
         let step = (CHUNK / block).max(1) * block;

@@ -22,6 +22,11 @@ pub struct LlamaShape {
     pub n_head_kv: u64,
     pub head_dim: u64,
     pub n_vocab: u64,
+    /// Routed experts per layer; 0 for a dense model. `n_ff` is then each expert's
+    /// feed-forward width, as llama.cpp reads it for a llama mixture of experts.
+    pub n_expert: u64,
+    /// Experts a token runs per layer (0 for a dense model).
+    pub n_expert_used: u64,
 }
 
 impl LlamaShape {
@@ -43,6 +48,13 @@ impl LlamaShape {
             "ffn_gate.weight" | "ffn_up.weight" => vec![self.n_embd, self.n_ff],
             "ffn_gate.bias" | "ffn_up.bias" => vec![self.n_ff],
             "ffn_down.weight" => vec![self.n_ff, self.n_embd],
+            "ffn_gate_inp.weight" if self.n_expert > 0 => vec![self.n_embd, self.n_expert],
+            "ffn_gate_exps.weight" | "ffn_up_exps.weight" if self.n_expert > 0 => {
+                vec![self.n_embd, self.n_ff, self.n_expert]
+            }
+            "ffn_down_exps.weight" if self.n_expert > 0 => {
+                vec![self.n_ff, self.n_embd, self.n_expert]
+            }
             _ => return None,
         })
     }
@@ -73,11 +85,15 @@ const EXEC_ORDER: &[&str] = &[
     "attn_output.weight",
     "attn_output.bias",
     "ffn_norm.weight",
+    "ffn_gate_inp.weight",
     "ffn_gate.weight",
+    "ffn_gate_exps.weight",
     "ffn_gate.bias",
     "ffn_up.weight",
+    "ffn_up_exps.weight",
     "ffn_up.bias",
     "ffn_down.weight",
+    "ffn_down_exps.weight",
     "ffn_down.bias",
 ];
 /// The tensors every llama layer has.
@@ -98,6 +114,74 @@ const GLOBAL_EXEC_ORDER: &[&str] = &[
     "output_norm.weight",
     "output.weight",
 ];
+
+/// A mixture of experts in place of each layer's feed-forward network, as llama.cpp
+/// runs it for the llama architecture (Mixtral's layout): a router `ffn_gate_inp` and
+/// the merged expert tensors `ffn_{gate,up,down}_exps`, expert index outermost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeSpec {
+    /// Routed experts per layer.
+    pub experts: u64,
+    /// Experts a token runs per layer.
+    pub used: u64,
+    /// Each expert's feed-forward width over the embedding width; `None` keeps the
+    /// small model's ratio (coarse experts, as Mixtral). Fine-grained models (OLMoE,
+    /// Qwen3-MoE) have many experts of a fraction of it (0.25-0.5).
+    pub ff_ratio: Option<f64>,
+    /// How unevenly the router spreads tokens over a layer's experts: the spread of
+    /// the log of its rows' scales (see `Fill::Router`). 0 gives every expert about the
+    /// same share.
+    pub skew: f32,
+}
+
+impl MoeSpec {
+    /// The most experts synth writes per layer (real models: 8-256).
+    pub const MAX_EXPERTS: u64 = 512;
+
+    fn check(&self) -> Result<(), SynthError> {
+        if self.experts < 2 || self.experts > Self::MAX_EXPERTS {
+            return Err(SynthError::Unsupported(format!(
+                "{} experts per layer: synth writes 2 to {}",
+                self.experts,
+                Self::MAX_EXPERTS
+            )));
+        }
+        if self.used == 0 || self.used > self.experts {
+            return Err(SynthError::Unsupported(format!(
+                "{} experts used per token of {}: must be 1 to {}",
+                self.used, self.experts, self.experts
+            )));
+        }
+        if let Some(ratio) = self
+            .ff_ratio
+            .filter(|r| !(r.is_finite() && *r > 0.0 && *r <= 16.0))
+        {
+            return Err(SynthError::Unsupported(format!(
+                "expert feed-forward ratio {ratio}: must be above 0 and at most 16"
+            )));
+        }
+        if !(self.skew.is_finite() && (0.0..=8.0).contains(&self.skew)) {
+            return Err(SynthError::Unsupported(format!(
+                "router skew {}: must be 0 to 8",
+                self.skew
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What to make: everything but the small model it is shaped like.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SynthRequest {
+    /// Approximate size of the file in bytes.
+    pub target: u64,
+    pub order: TensorOrder,
+    pub seed: u64,
+    /// The type of every quantized weight, in place of the small model's.
+    pub weight_type: Option<GgmlType>,
+    /// Experts in place of dense feed-forward networks.
+    pub moe: Option<MoeSpec>,
+}
 
 /// Everything needed to write the synthetic model.
 #[derive(Debug, Clone)]
@@ -149,7 +233,14 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
             .get_u64("llama.attention.key_length")
             .unwrap_or(n_embd / n_head.max(1)),
         n_vocab: embd.dims.get(1).copied().unwrap_or(0),
+        n_expert: 0,
+        n_expert_used: 0,
     };
+    if small.get_u64("llama.expert_count").is_some_and(|n| n > 0) {
+        return Err(SynthError::Unsupported(
+            "the model is already a mixture of experts; synth scales dense models".into(),
+        ));
+    }
     if shape.n_head == 0 || shape.n_head_kv == 0 || shape.n_head % shape.n_head_kv != 0 {
         return Err(SynthError::Unsupported(format!(
             "head counts {} / {} (kv)",
@@ -293,17 +384,18 @@ fn choose_shape(
     layer: &[Role],
     target: u64,
     alignment: u64,
+    ff_ratio: Option<f64>,
 ) -> Result<LlamaShape, SynthError> {
     // ne[0] of every tensor must be whole blocks of its type.
     let all_types = globals.iter().chain(layer).flat_map(|r| r.types.iter());
     let embd_block = all_types.clone().map(|t| t.block_size()).fold(1, lcm);
     let ff_block = layer
         .iter()
-        .filter(|r| r.name == "ffn_down.weight")
+        .filter(|r| r.name == "ffn_down.weight" || r.name == "ffn_down_exps.weight")
         .flat_map(|r| r.types.iter())
         .map(|t| t.block_size())
         .fold(embd_block, lcm);
-    let ff_ratio = small.n_ff as f64 / small.n_embd as f64;
+    let ff_ratio = ff_ratio.unwrap_or(small.n_ff as f64 / small.n_embd as f64);
 
     let mut best: Option<(f64, LlamaShape)> = None;
     let mut smallest: Option<u64> = None;
@@ -338,7 +430,15 @@ fn choose_shape(
             .round()
             .max(1.0) as u64;
         tune_ff(&mut shape, globals, layer, target, alignment, ff_block);
-        let want_layers = small.n_layer as f64 * (m as f64).sqrt();
+        // A mixture of experts holds more parameters per layer than a dense model of
+        // its depth: Mixtral 8x7B has the depth of the 7B. Depth follows the share of
+        // the experts a token runs.
+        let sparsity = if small.n_expert > 0 {
+            (small.n_expert as f64 / small.n_expert_used.max(1) as f64).sqrt()
+        } else {
+            1.0
+        };
+        let want_layers = small.n_layer as f64 * (m as f64).sqrt() / sparsity;
         let score = (shape.n_layer as f64 / want_layers).ln().abs();
         if best.as_ref().is_none_or(|(s, _)| score < *s) {
             best = Some((score, shape));
@@ -411,13 +511,17 @@ fn llama_file_type(ty: GgmlType) -> Option<u64> {
 }
 
 fn metadata(small: &GgufFile, shape: &LlamaShape, n_params: u64) -> Vec<(String, GgufValue)> {
-    let overrides: [(&str, u64); 5] = [
+    let mut overrides: Vec<(&str, u64)> = vec![
         ("llama.block_count", shape.n_layer),
         ("llama.embedding_length", shape.n_embd),
         ("llama.feed_forward_length", shape.n_ff),
         ("llama.attention.head_count", shape.n_head),
         ("llama.attention.head_count_kv", shape.n_head_kv),
     ];
+    if shape.n_expert > 0 {
+        overrides.push(("llama.expert_count", shape.n_expert));
+        overrides.push(("llama.expert_used_count", shape.n_expert_used));
+    }
     let mut out: Vec<(String, GgufValue)> = small
         .metadata
         .iter()
@@ -437,7 +541,7 @@ fn metadata(small: &GgufFile, shape: &LlamaShape, n_params: u64) -> Vec<(String,
             (key.clone(), new)
         })
         .collect();
-    for (key, v) in overrides {
+    for &(key, v) in &overrides {
         if small.get(key).is_none() {
             out.push((key.to_string(), GgufValue::U32(v as u32)));
         }
@@ -468,13 +572,23 @@ fn file_order(small: &GgufFile, tensors: &mut [NewTensor]) {
         (Some(ten), Some(two)) => ten < two,
         _ => false,
     };
+    // An expert tensor goes where its dense counterpart was, the router right after
+    // the feed-forward norm.
     let role_rank = |role: &str| {
-        small
+        let (dense, after) = match role {
+            "ffn_gate_inp.weight" => ("ffn_norm.weight", 1),
+            "ffn_gate_exps.weight" => ("ffn_gate.weight", 0),
+            "ffn_up_exps.weight" => ("ffn_up.weight", 0),
+            "ffn_down_exps.weight" => ("ffn_down.weight", 0),
+            other => (other, 0),
+        };
+        let rank = small
             .tensors
             .iter()
             .filter_map(|t| layer_of(&t.name).filter(|(i, _)| *i == 0).map(|(_, r)| r))
-            .position(|r| r == role)
-            .unwrap_or(usize::MAX)
+            .position(|r| r == dense)
+            .unwrap_or(usize::MAX / 2);
+        rank * 2 + after
     };
     tensors.sort_by_cached_key(|t| match layer_of(&t.name) {
         Some((i, role)) => {
@@ -512,7 +626,57 @@ pub fn plan_with_weight_type(
     seed: u64,
     weight_type: Option<GgmlType>,
 ) -> Result<SynthPlan, SynthError> {
-    let (small_shape, mut globals, mut layer) = small_model(small)?;
+    plan_request(
+        small,
+        &SynthRequest {
+            target,
+            order,
+            seed,
+            weight_type,
+            moe: None,
+        },
+    )
+}
+
+/// The dense feed-forward roles a mixture of experts replaces, and their replacements.
+const EXPERT_ROLES: &[(&str, &str)] = &[
+    ("ffn_gate.weight", "ffn_gate_exps.weight"),
+    ("ffn_up.weight", "ffn_up_exps.weight"),
+    ("ffn_down.weight", "ffn_down_exps.weight"),
+];
+
+/// Turns a dense layer's roles into a mixture of experts': the feed-forward weights
+/// become merged expert tensors of the same types, their biases go (llama.cpp's llama
+/// experts have none) and an f32 router joins, as converters write Mixtral's.
+fn expert_layer(layer: &mut Vec<Role>, n_layer: usize) {
+    layer.retain(|role| !role.name.starts_with("ffn_") || !role.name.ends_with(".bias"));
+    for role in layer.iter_mut() {
+        if let Some((_, expert)) = EXPERT_ROLES.iter().find(|(dense, _)| *dense == role.name) {
+            role.name = expert.to_string();
+        }
+    }
+    layer.push(Role {
+        name: "ffn_gate_inp.weight".into(),
+        types: vec![GgmlType::F32; n_layer],
+    });
+}
+
+/// Plans the model `request` describes, shaped like `small`.
+pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPlan, SynthError> {
+    let &SynthRequest {
+        target,
+        order,
+        seed,
+        weight_type,
+        moe,
+    } = request;
+    let (mut small_shape, mut globals, mut layer) = small_model(small)?;
+    if let Some(moe) = moe {
+        moe.check()?;
+        expert_layer(&mut layer, small_shape.n_layer as usize);
+        small_shape.n_expert = moe.experts;
+        small_shape.n_expert_used = moe.used;
+    }
     if let Some(weight_type) = weight_type {
         if !weight_type.is_quantized() || !fill::supported(weight_type) {
             return Err(SynthError::UnsupportedType(weight_type));
@@ -535,6 +699,7 @@ pub fn plan_with_weight_type(
         &layer,
         target.saturating_sub(header_guess),
         small.alignment,
+        moe.and_then(|moe| moe.ff_ratio),
     )?;
     let n_params = shape.n_params(&globals, &layer);
 
@@ -544,6 +709,12 @@ pub fn plan_with_weight_type(
         let dims = shape.dims(role).unwrap_or_default();
         let what = if role.contains("norm") || role.starts_with("rope_freqs") {
             Fill::Constant(1.0)
+        } else if role == "ffn_gate_inp.weight" {
+            Fill::Router {
+                std: 1.0 / (shape.n_embd.max(1) as f32).sqrt(),
+                skew: moe.map_or(0.0, |moe| moe.skew),
+                row_len: shape.n_embd,
+            }
         } else if role.ends_with(".bias") {
             Fill::Weight { std: 0.01 }
         } else {
