@@ -1,7 +1,8 @@
 //! End to end: unmodified llama.cpp (`llama-completion`) on SmolLM2-135M generates the
 //! same greedy text under `hyperoffload run` as without it, at budgets of about half and
 //! three quarters of the model, above the model, and below one layer, and the shim's
-//! stats show the pager served the model within the budget.
+//! stats show the pager served the model within the budget; and a synthetic mixture
+//! of experts likewise, the whole process within the budget.
 //!
 //! Weight repacking: the CPU backend can copy some quantization types (Q4_0, Q4_K,
 //! IQ4_NL...) into anonymous "repack" buffers at load, and inference would then not read
@@ -447,4 +448,110 @@ fn a_split_model_is_one_model_to_the_pager() {
     let policy = json["config"]["policy_in_use"].as_str().unwrap();
     assert!(policy.contains("3 split files"), "{policy}");
     assert_eq!(json["budget_bytes"].as_u64(), Some(parts_len / 2), "{json}");
+}
+
+/// Runs `command` inside a memory cgroup of its own, the model's pages dropped from the
+/// page cache first so that whatever of it the run caches is charged to the run; returns
+/// the output and the cgroup's peak (anonymous memory, shared memory and page cache).
+fn in_memory_cgroup(name: &str, model: &Path, mut command: Command) -> (std::process::Output, u64) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let file = std::fs::File::open(model).unwrap();
+    // SAFETY: a plain advice call on a descriptor this function owns.
+    let advised = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(advised, 0, "posix_fadvise");
+    let cgroup = hyperoffload::compare::cgroup::MemoryCgroup::create(
+        &format!("hyperoffload-test-{name}-{}", std::process::id()),
+        None,
+    )
+    .expect("a memory cgroup (tests run as root)");
+    let procs = cgroup.procs_file().unwrap();
+    let procs_fd = procs.as_raw_fd();
+    // SAFETY: the closure runs between fork and exec and only calls write(2), which is
+    // async-signal-safe, on a descriptor that stays open until spawn has returned.
+    unsafe {
+        command.pre_exec(move || {
+            // "0" moves the writing process itself.
+            if libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let output = command.stdin(Stdio::null()).output().unwrap();
+    drop(procs);
+    let peak = cgroup.peak_bytes().unwrap();
+    (output, peak)
+}
+
+/// Issue 19: a mixture of experts, as `hyperoffload synth --experts` makes it (16
+/// experts per layer, 2 used per token, a router that favours some in each layer), gives
+/// llama-completion's greedy text unchanged under the pager at a quarter of the model,
+/// every policy within its budget; and the whole process (memory cgroup peak, page cache
+/// included) stays within the budget plus llama.cpp's own buffers (the plain run's peak
+/// less the model it caches) plus 128 MiB.
+#[test]
+fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
+    let Some((bin, small)) = llama_and_model() else {
+        return;
+    };
+    let dir = TempDir::new("shim-llama-moe");
+    let model = dir.path("moe.gguf");
+    let synth = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .args(["synth", "--like"])
+        .arg(&small)
+        .args([
+            "--size",
+            "192M",
+            "--type",
+            "Q8_0",
+            "--experts",
+            "16",
+            "--experts-used",
+            "2",
+        ])
+        .arg("--out")
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&synth, "synth --experts");
+    let model_size = std::fs::metadata(&model).unwrap().len();
+    let completion = bin.join("llama-completion");
+    let args = completion_args(&model);
+    let mut plain = Command::new(&completion);
+    plain.args(&args);
+    let (plain, plain_peak) = in_memory_cgroup("plain", &model, plain);
+    assert_success(&plain, "plain llama-completion on the MoE");
+    let expected = stdout(&plain);
+    assert!(!expected.trim().is_empty(), "no text from the MoE");
+    let own_buffers = plain_peak.saturating_sub(model_size);
+    let budget = model_size / 4;
+    for policy in ["graph", "lru"] {
+        let stats = dir.path(&format!("stats-{policy}.json"));
+        let mut paged = launcher();
+        paged
+            .args(["--policy", policy, "--budget", "25%", "--stats"])
+            .arg(&stats)
+            .arg("--")
+            .arg(&completion)
+            .args(&args);
+        let (output, peak) = in_memory_cgroup(policy, &model, paged);
+        assert_success(&output, policy);
+        assert_eq!(stdout(&output), expected, "{policy}: different text");
+        let json = read_stats(&stats);
+        let resident = json["peak_resident_bytes"].as_u64().unwrap();
+        let bytes_read = json["bytes_read"].as_u64().unwrap();
+        eprintln!(
+            "MoE {policy} at 25 %: same text; read {bytes_read}, peak resident {resident}, \
+             process peak {peak} (plain {plain_peak}, model {model_size})"
+        );
+        assert!(json["faults"].as_u64().unwrap() > 0, "{json}");
+        assert!(resident <= json["budget_bytes"].as_u64().unwrap(), "{json}");
+        let limit = budget + own_buffers + (128 << 20);
+        assert!(
+            peak <= limit,
+            "{policy}: the process peaked at {peak} bytes, over budget {budget} + \
+             llama.cpp's {own_buffers} + 128 MiB"
+        );
+    }
 }
