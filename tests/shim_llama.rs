@@ -515,6 +515,17 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         .output()
         .unwrap();
     assert_success(&synth, "synth --experts");
+    let inspect = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .arg("inspect")
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&inspect, "inspect");
+    let shown = stdout(&inspect);
+    assert!(
+        shown.contains("## experts") && shown.contains("2 of them used per token (12.5 %)"),
+        "inspect shows no expert structure: {shown}"
+    );
     let model_size = std::fs::metadata(&model).unwrap().len();
     let completion = bin.join("llama-completion");
     let args = completion_args(&model);

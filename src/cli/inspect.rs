@@ -48,6 +48,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
             BlockLayout::new(0, model.file_len, args.block)?,
         )
     };
+    let graph = graph.with_experts_used(model.experts_used());
     let layout = *graph.layout();
     // Each tensor with the part (1-based) holding it.
     let tensors: Vec<(usize, &TensorInfo)> = files
@@ -128,6 +129,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
             types.join(", ")
         );
     }
+    print_experts(&graph, weights);
     let order = predicted_order(&all_tensors);
     println!(
         "\n## predicted execution order (one token, {} steps)\n",
@@ -143,4 +145,55 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         println!("| {name} | {rank:.5} | {} |", format_size(bytes));
     }
     Ok(())
+}
+
+/// The routed experts as the pager sees them: how many per layer and per token, the
+/// size of an expert's slices against the block, and the bytes one token reads: every
+/// tensor outside the experts plus the used share of them (the model's sparsity).
+fn print_experts(graph: &ModelGraph, weights: u64) {
+    let experts = graph.experts();
+    if experts.is_empty() {
+        return;
+    }
+    let groups = experts.groups();
+    let layers: std::collections::BTreeSet<u32> = groups.iter().map(|g| g.layer).collect();
+    let group_bytes =
+        |g: &hyperoffload::graph::ExpertGroup| g.bytes.iter().map(|r| r.end - r.start).sum::<u64>();
+    let expert_bytes: u64 = groups.iter().map(group_bytes).sum();
+    let slices: Vec<u64> = groups
+        .iter()
+        .flat_map(|g| g.bytes.iter().map(|r| r.end - r.start))
+        .collect();
+    let (smallest, largest) = (
+        slices.iter().copied().min().unwrap_or(0),
+        slices.iter().copied().max().unwrap_or(0),
+    );
+    let block = graph.layout().block_size;
+    let used = experts.prior_use();
+    let per_token = weights.saturating_sub(expert_bytes) as f64 + expert_bytes as f64 * used;
+    println!("\n## experts\n");
+    println!(
+        "{} experts in each of {} layers, {} of them used per token ({:.1} %): {} of routed \
+         experts ({:.1} % of the weights)",
+        experts.experts_per_layer(),
+        layers.len(),
+        match experts.used_per_token() {
+            Some(used) => used.to_string(),
+            None => "an unknown number".to_string(),
+        },
+        used * 100.0,
+        format_size(expert_bytes),
+        expert_bytes as f64 * 100.0 / weights.max(1) as f64
+    );
+    println!(
+        "an expert's slice is {} to {} ({:.2} to {:.2} blocks of {}); one token reads about {} \
+         ({:.1} % of the weights): the tensors every token reads and its experts",
+        format_size(smallest),
+        format_size(largest),
+        smallest as f64 / block as f64,
+        largest as f64 / block as f64,
+        format_size(block),
+        format_size(per_token as u64),
+        per_token * 100.0 / weights.max(1) as f64
+    );
 }

@@ -186,6 +186,11 @@ impl ExpertMap {
         }
     }
 
+    /// Experts a token runs per layer, from the model's metadata.
+    pub fn used_per_token(&self) -> Option<u32> {
+        self.used_per_token
+    }
+
     pub fn experts_per_layer(&self) -> u32 {
         self.experts_per_layer
     }
