@@ -112,6 +112,7 @@ pub fn chrome_trace(records: &[TraceRecord], names: &RegionTensors<'_>, metadata
                     "block_size": r.block_size,
                     "region": r.region,
                     "tensor": tensor.map(|t| t.name.as_str()),
+                    "expert": tensor.and_then(|t| expert_at(t, r.file_offset)),
                     "outcome": outcome_name(r.outcome),
                     "latency_us": r.latency_ns as f64 / 1000.0,
                 },
@@ -128,11 +129,15 @@ pub fn chrome_trace(records: &[TraceRecord], names: &RegionTensors<'_>, metadata
 /// The CSV next to the JSON: the trace's columns plus the tensor name (as in
 /// [`chrome_trace`]).
 pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
-    let mut csv = format!("{},tensor\n", crate::trace::HEADER);
+    let mut csv = format!("{},tensor,expert\n", crate::trace::HEADER);
     for r in records {
-        let tensor = names.of(r).map_or("", |t| t.name.as_str());
+        let hit = names.of(r);
+        let tensor = hit.map_or("", |t| t.name.as_str());
+        let expert = hit
+            .and_then(|t| expert_at(t, r.file_offset))
+            .map_or_else(String::new, |e| e.to_string());
         csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{}\n",
             r.t_ns,
             r.tid,
             r.region,
@@ -141,10 +146,26 @@ pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
             r.block_size,
             outcome_name(r.outcome),
             r.latency_ns,
-            tensor
+            tensor,
+            expert
         ));
     }
     csv
+}
+
+/// For a fault in a merged expert tensor (`ffn_*_exps`, or one expert's own tensor),
+/// the expert whose slice holds the faulting block's first byte within the tensor (a
+/// block that starts before the tensor counts from the tensor's start). The trace keeps
+/// blocks, not addresses: where slices are smaller than a block, this is the first of
+/// the experts the block holds.
+fn expert_at(tensor: &TensorInfo, block_start: u64) -> Option<u32> {
+    let at = block_start.max(tensor.file_range.start);
+    let shares = crate::graph::arch::expert_slices(tensor)?;
+    shares
+        .shares
+        .iter()
+        .find(|(_, range)| range.contains(&at))
+        .map(|(expert, _)| *expert)
 }
 
 #[cfg(test)]
@@ -215,10 +236,35 @@ mod tests {
 
         let csv = named_csv(&records, &names);
         assert!(csv.starts_with(
-            "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,tensor\n"
+            "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,tensor,expert\n"
         ));
-        assert!(csv.contains(",missing,25000,blk.0.attn_q.weight\n"));
-        assert!(csv.ends_with(",resident,25000,\n"));
+        assert!(csv.contains(",missing,25000,blk.0.attn_q.weight,\n"));
+        assert!(csv.ends_with(",resident,25000,,\n"));
+    }
+
+    #[test]
+    fn faults_in_merged_expert_tensors_name_their_expert() {
+        // Four experts of 8 KiB each in one merged tensor starting at 4096.
+        let mut exps = tensor("blk.3.ffn_up_exps.weight", 4096, 4096 + 4 * 8192);
+        exps.shape = vec![4, 16, 128];
+        let tensors = [tensor("blk.3.ffn_norm.weight", 0, 4096), exps];
+        let records: Vec<TraceRecord> = [0u32, 1, 3, 6, 8]
+            .iter()
+            .map(|&block| record(block, FaultOutcome::Missing))
+            .collect();
+        let names = RegionTensors::first_region(Some(&tensors));
+        let csv = named_csv(&records, &names);
+        let experts: Vec<&str> = csv
+            .lines()
+            .skip(1)
+            .map(|line| line.rsplit(',').next().unwrap())
+            .collect();
+        // Block 0 is the norm; block 1 (4096..8192) starts expert 0; block 3 (12288..)
+        // is in expert 1; block 6 (24576..) in expert 2; block 8 (32768..) in expert 3.
+        assert_eq!(experts, ["", "0", "1", "2", "3"], "{csv}");
+        let trace = chrome_trace(&records, &names, json!({}));
+        assert_eq!(trace["traceEvents"][2]["args"]["expert"], 1);
+        assert_eq!(trace["traceEvents"][0]["args"]["expert"], Value::Null);
     }
 
     #[test]
@@ -237,8 +283,8 @@ mod tests {
         assert_eq!(events[1]["args"]["tensor"], Value::Null);
         let csv = named_csv(&records, &names);
         let lines: Vec<&str> = csv.lines().collect();
-        assert!(lines[1].ends_with(",blk.0.attn_q.weight"), "{csv}");
-        assert!(lines[2].ends_with(",missing,25000,"), "{csv}");
+        assert!(lines[1].ends_with(",blk.0.attn_q.weight,"), "{csv}");
+        assert!(lines[2].ends_with(",missing,25000,,"), "{csv}");
         // With the second file's table, its faults take its own names.
         let second = [tensor("blk.9.ffn_up.weight", 0, 8192)];
         let mut names = RegionTensors::first_region(Some(&tensors));
