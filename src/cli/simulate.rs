@@ -1,7 +1,7 @@
 //! `hyperoffload simulate`: bytes read per token by a policy against the floor.
 
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -14,15 +14,19 @@ use hyperoffload::trace::TraceReader;
 
 #[derive(clap::Args)]
 pub struct SimulateArgs {
-    /// A recorded fault trace (see `src/trace.rs`).
+    /// A recorded fault trace (see `src/trace.rs`). With --model, replayed against the
+    /// graph the pager builds from that model's tensor table (its experts included), as
+    /// a run of the model under the pager would be; without, against a graph learned
+    /// from the trace.
     #[arg(
         long,
-        conflicts_with_all = ["synthetic_llama", "model"],
+        conflicts_with_all = ["synthetic_llama"],
         required_unless_present_any = ["synthetic_llama", "model"]
     )]
     trace: Option<PathBuf>,
     /// A model file (GGUF or safetensors; any part of a split GGUF stands for them
-    /// all): its predicted order, repeated for --tokens.
+    /// all): its predicted order, repeated for --tokens; with --trace, the model the
+    /// trace was recorded on (one file).
     #[arg(long, conflicts_with = "synthetic_llama")]
     model: Option<PathBuf>,
     /// A synthetic llama-shaped model: `LAYERS:TENSOR_BYTES` (TENSOR_BYTES is the size of
@@ -56,7 +60,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     // The model's bytes, where the workload's layout is not them (a split model).
     let mut model_len = None;
     let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
-        (Some(path), _) => (read_trace(path, args.tokens)?, None),
+        (Some(path), _) => {
+            let workload = read_trace(path, args.tokens)?;
+            let graph = match &args.model {
+                Some(model_path) => Some(trace_model_graph(model_path, &workload)?),
+                None => None,
+            };
+            (workload, graph)
+        }
         (None, None) if args.model.is_some() => {
             let path = args.model.as_ref().expect("checked");
             let model = hyperoffload::model::ModelFile::open(path)?;
@@ -130,6 +141,25 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         .then_some(workload.token_starts.len() as u64)
         .or(args.tokens.map(u64::from));
     print_report(&report, &floor, model, tokens, args.json)
+}
+
+/// The graph the pager would build for `path` mapped whole in blocks of the trace's
+/// size: its tensor table's order, and its experts with the model's used count.
+fn trace_model_graph(path: &Path, workload: &Workload) -> anyhow::Result<ModelGraph> {
+    let model = hyperoffload::model::ModelFile::open(path)?;
+    let block = workload.layout.block_size;
+    let recorded = workload.layout.data_len;
+    if recorded.div_ceil(block) > model.file_len.div_ceil(block) {
+        bail!(
+            "the trace reaches block {} but {} has only {} blocks of {}: recorded on another model?",
+            recorded.div_ceil(block) - 1,
+            path.display(),
+            model.file_len.div_ceil(block),
+            format_size(block)
+        );
+    }
+    let layout = BlockLayout::new(0, model.file_len, block)?;
+    Ok(ModelGraph::from_tensors(&model.tensors, layout).with_experts_used(model.experts_used()))
 }
 
 fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {
