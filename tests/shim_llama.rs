@@ -565,4 +565,55 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
              llama.cpp's {own_buffers} + 128 MiB"
         );
     }
+
+    // A demand trace of the same run replays against the graph the pager builds from
+    // the model (its experts bound: the graph prefetches an expert's other slices), and
+    // a trace is refused for a model it cannot have been recorded on.
+    let trace = dir.path("demand.csv");
+    let recording = launcher()
+        .args([
+            "--policy", "demand", "--block", "2M", "--budget", "16M", "--trace",
+        ])
+        .arg(&trace)
+        .arg("--")
+        .arg(&completion)
+        .args(&args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&recording, "recording a demand trace");
+    let simulate = |model: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+            .args(["simulate", "--trace"])
+            .arg(&trace)
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--tokens", "25", "--budget", "25%", "--policy", "graph", "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    let replay = simulate(&model);
+    assert_success(&replay, "simulate --trace --model");
+    let json: serde_json::Value = serde_json::from_slice(&replay.stdout).unwrap();
+    let report = &json["report"];
+    eprintln!(
+        "MoE demand trace replayed at 25 %: graph {} bytes ({} prefetched blocks), belady {}",
+        report["bytes_read"], report["prefetched_blocks"], json["belady_bytes_read"]
+    );
+    assert!(
+        report["prefetched_blocks"].as_u64().unwrap() > 0,
+        "the model's graph did not bind to the trace's region: {json}"
+    );
+    let wrong = simulate(&small);
+    assert!(
+        !wrong.status.success(),
+        "a trace of another model was replayed"
+    );
+    assert!(
+        stderr(&wrong).contains("recorded on another model"),
+        "{}",
+        stderr(&wrong)
+    );
 }

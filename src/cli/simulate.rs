@@ -198,7 +198,12 @@ fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
         bail!("{}: no faults in the trace", path.display());
     }
     let max_block = accesses.iter().copied().max().unwrap_or(0) as u64;
-    let data_len = size.unwrap_or(0).max((max_block + 1) * block_size);
+    // The file's own length where the trace says it (a model's last block is short,
+    // and a graph binds only a region of the model's exact length).
+    let data_len = match size {
+        Some(size) if size > max_block * block_size => size,
+        _ => (max_block + 1) * block_size,
+    };
     let layout = BlockLayout::new(0, data_len, block_size)?;
     let token_starts = match tokens {
         Some(n) if n > 0 => (0..n as usize)
