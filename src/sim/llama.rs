@@ -102,7 +102,7 @@ impl LlamaShape {
     /// final norm and the head. Data offsets are aligned to 32 bytes, so neighbours share
     /// blocks.
     pub fn tensors(&self) -> Vec<TensorInfo> {
-        let mut entries: Vec<(String, &'static str, Vec<u64>, u64)> = Vec::new();
+        let mut entries: Vec<TensorEntry> = Vec::new();
         let embd = Self::q8_0(self.vocab, self.n_embd);
         entries.push((
             "token_embd.weight".into(),
@@ -134,29 +134,12 @@ impl LlamaShape {
                 embd,
             ));
         }
-        let mut at = HEADER_BYTES.next_multiple_of(ALIGNMENT);
-        entries
-            .into_iter()
-            .map(|(name, dtype, shape, bytes)| {
-                let start = at.next_multiple_of(ALIGNMENT);
-                at = start + bytes;
-                TensorInfo {
-                    name,
-                    dtype: dtype.into(),
-                    shape,
-                    file_range: start..start + bytes,
-                }
-            })
-            .collect()
+        lay_out(entries)
     }
 
     /// Bytes of the whole file.
     pub fn file_len(&self) -> u64 {
-        self.tensors()
-            .iter()
-            .map(|t| t.file_range.end)
-            .max()
-            .unwrap_or(0)
+        file_end(&self.tensors())
     }
 
     /// The blocks a program generating `tokens` tokens accesses, through a region that
@@ -228,6 +211,33 @@ impl LlamaShape {
             offsets: Vec::new(),
         }
     }
+}
+
+/// A tensor to place: name, type name, shape (outermost first) and bytes.
+pub(super) type TensorEntry = (String, &'static str, Vec<u64>, u64);
+
+/// Places `entries` one after the other from the end of a GGUF-sized header, each at
+/// the next multiple of the GGUF alignment, as a converter writes them.
+pub(super) fn lay_out(entries: Vec<TensorEntry>) -> Vec<TensorInfo> {
+    let mut at = HEADER_BYTES.next_multiple_of(ALIGNMENT);
+    entries
+        .into_iter()
+        .map(|(name, dtype, shape, bytes)| {
+            let start = at.next_multiple_of(ALIGNMENT);
+            at = start + bytes;
+            TensorInfo {
+                name,
+                dtype: dtype.into(),
+                shape,
+                file_range: start..start + bytes,
+            }
+        })
+        .collect()
+}
+
+/// Where the last of `tensors` ends: the file's length.
+pub(super) fn file_end(tensors: &[TensorInfo]) -> u64 {
+    tensors.iter().map(|t| t.file_range.end).max().unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -14,12 +14,11 @@ use rand::{Rng, SeedableRng};
 use crate::graph::BlockLayout;
 use crate::model::TensorInfo;
 
+use super::llama::{file_end, lay_out, TensorEntry};
 use super::Workload;
 
 const Q8_0_BLOCK_ELEMENTS: u64 = 32;
 const Q8_0_BLOCK_BYTES: u64 = 34;
-const ALIGNMENT: u64 = 32;
-const HEADER_BYTES: u64 = 1_700_000;
 
 /// The dimensions of a mixture-of-experts llama.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -85,7 +84,7 @@ impl MoeShape {
     /// with their tensors alphabetically, final norm, head.
     pub fn tensors(&self) -> Vec<TensorInfo> {
         let embd = Self::q8_0(self.vocab, self.n_embd);
-        let mut entries: Vec<(String, &'static str, Vec<u64>, u64)> = vec![(
+        let mut entries: Vec<TensorEntry> = vec![(
             "token_embd.weight".into(),
             "Q8_0",
             vec![self.vocab, self.n_embd],
@@ -113,28 +112,11 @@ impl MoeShape {
             vec![self.vocab, self.n_embd],
             embd,
         ));
-        let mut at = HEADER_BYTES;
-        entries
-            .into_iter()
-            .map(|(name, dtype, shape, bytes)| {
-                let start = at.next_multiple_of(ALIGNMENT);
-                at = start + bytes;
-                TensorInfo {
-                    name,
-                    dtype: dtype.into(),
-                    shape,
-                    file_range: start..start + bytes,
-                }
-            })
-            .collect()
+        lay_out(entries)
     }
 
     pub fn file_len(&self) -> u64 {
-        self.tensors()
-            .iter()
-            .map(|t| t.file_range.end)
-            .max()
-            .unwrap_or(0)
+        file_end(&self.tensors())
     }
 
     /// Per layer, each expert's chance weight: a per-layer permutation of the ranks'
@@ -234,15 +216,9 @@ const LAYER_TENSORS: &[&str] = &[
     "ffn_down_exps",
 ];
 
-const DENSE_BEFORE_EXPERTS: &[&str] = &[
-    "attn_norm",
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_output",
-    "ffn_norm",
-    "ffn_gate_inp",
-];
+/// The tensors of a layer every token reads before its experts: all but the three
+/// merged expert tensors, which close `LAYER_TENSORS`.
+const DENSE_BEFORE_EXPERTS: &[&str] = LAYER_TENSORS.split_at(LAYER_TENSORS.len() - 3).0;
 
 /// `count` distinct experts drawn by weight, ascending (the order ggml runs them).
 fn choose(weights: &[f64], count: u32, rng: &mut SmallRng) -> Vec<u32> {
