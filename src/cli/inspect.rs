@@ -157,13 +157,11 @@ fn print_experts(graph: &ModelGraph, weights: u64) {
     }
     let groups = experts.groups();
     let layers: std::collections::BTreeSet<u32> = groups.iter().map(|g| g.layer).collect();
-    let group_bytes =
-        |g: &hyperoffload::graph::ExpertGroup| g.bytes.iter().map(|r| r.end - r.start).sum::<u64>();
-    let expert_bytes: u64 = groups.iter().map(group_bytes).sum();
     let slices: Vec<u64> = groups
         .iter()
         .flat_map(|g| g.bytes.iter().map(|r| r.end - r.start))
         .collect();
+    let expert_bytes: u64 = slices.iter().sum();
     let (smallest, largest) = (
         slices.iter().copied().min().unwrap_or(0),
         slices.iter().copied().max().unwrap_or(0),

@@ -22,8 +22,9 @@ use super::{child, exit_status};
 #[derive(clap::Args)]
 pub struct TraceArgs {
     /// The Chrome trace JSON to write; the pager's CSV goes next to it (`.csv`, the
-    /// format `simulate --trace` reads) with a copy naming each fault's tensor and, in a merged expert tensor, its expert (`.tensors.csv`). A
-    /// name ending in .csv is refused: the JSON would overwrite the CSV (`--out rec.json`
+    /// format `simulate --trace` reads) with a copy naming each fault's tensor and, in
+    /// a merged expert tensor, its expert (`.tensors.csv`). A name ending in .csv is
+    /// refused: the JSON would overwrite the CSV (`--out rec.json`
     /// writes rec.csv too). A recording replaces these files and the shim's events
     /// beside the CSV (`.csv.events.jsonl`) from an earlier run.
     #[arg(long, default_value = "trace.json")]

@@ -94,19 +94,14 @@ pub fn write<W: Write>(
             .copied()
             .unwrap_or(Fill::Weight { std: 0.02 });
         let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &new.name));
-        if let Fill::Router { .. } = what {
-            // A router is small (n_embd x experts floats) and its rows share one
-            // random ranking: made whole, then written.
-            let mut data = vec![0u8; placed.size as usize];
-            fill::fill(new.ggml_type, what, &mut data, &mut rng);
-            writer.write_data(&data)?;
-            done += placed.size;
-            progress(done);
-            continue;
-        }
-        // Whole blocks per chunk, so each chunk is valid data on its own.
+        // Whole blocks per chunk, so each chunk is valid data on its own. A router's
+        // rows share one random ranking, so it is made in one piece (it is small:
+        // n_embd x experts floats).
         let block = new.ggml_type.type_size() as usize;
-        let step = (CHUNK / block).max(1) * block;
+        let step = match what {
+            Fill::Router { .. } => (placed.size as usize).max(1),
+            _ => (CHUNK / block).max(1) * block,
+        };
         let mut left = placed.size;
         while left > 0 {
             let n = step.min(left as usize);

@@ -577,10 +577,13 @@ fn file_order(small: &GgufFile, tensors: &mut [NewTensor]) {
     let role_rank = |role: &str| {
         let (dense, after) = match role {
             "ffn_gate_inp.weight" => ("ffn_norm.weight", 1),
-            "ffn_gate_exps.weight" => ("ffn_gate.weight", 0),
-            "ffn_up_exps.weight" => ("ffn_up.weight", 0),
-            "ffn_down_exps.weight" => ("ffn_down.weight", 0),
-            other => (other, 0),
+            other => (
+                EXPERT_ROLES
+                    .iter()
+                    .find(|(_, expert)| *expert == other)
+                    .map_or(other, |(dense, _)| *dense),
+                0,
+            ),
         };
         let rank = small
             .tensors
