@@ -489,7 +489,11 @@ fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
             .require_features(FeatureFlags::from_bits_retain(features))
             .create()
     };
-    match build(FeatureFlags::THREAD_ID.bits() | uffd_ext::FEATURE_POISON | extra) {
+    let features = FeatureFlags::THREAD_ID.bits()
+        | uffd_ext::FEATURE_POISON
+        | uffd_ext::FEATURE_EXACT_ADDRESS
+        | extra;
+    match build(features) {
         Ok(uffd) => Ok(uffd),
         Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
             PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),

@@ -127,6 +127,10 @@ struct RegionEntry {
     holes: Vec<Range<u64>>,
     /// With zero copy: each block's frame (NO_FRAME if none), else empty.
     frames: Vec<u32>,
+    /// With zero copy: whether each resident block is watched (its pages dropped at the
+    /// eviction policy's request, its frame kept), else empty. Meaningful only while the
+    /// block is resident; cleared when it is installed.
+    watched: Vec<bool>,
     /// The program's protection of the region.
     prot: i32,
 }
@@ -153,7 +157,7 @@ impl RegionEntry {
 }
 
 impl RegionEntry {
-    fn info(&self, id: RegionId, budget: u64) -> RegionInfo<'_> {
+    fn info(&self, id: RegionId, budget: u64, watch_resident: bool) -> RegionInfo<'_> {
         RegionInfo {
             id,
             path: self.file.path(),
@@ -162,6 +166,7 @@ impl RegionEntry {
             block_size: self.layout.block_size,
             block_count: self.layout.block_count(),
             budget,
+            watch_resident,
         }
     }
 }
@@ -172,6 +177,8 @@ struct Waiter {
     t_ns: u64,
     tid: u32,
     outcome: FaultOutcome,
+    /// Where in the block the faulting page lies.
+    offset_in_block: u32,
 }
 
 /// Where each served fault is recorded: the latency histogram, and the trace when one
@@ -207,6 +214,7 @@ impl FaultLog {
                     block_size,
                     outcome: waiter.outcome,
                     latency_ns,
+                    offset_in_block: Some(waiter.offset_in_block),
                 });
             } else {
                 self.untraced += 1;
@@ -267,6 +275,8 @@ pub(crate) struct FaultService {
     fault_addrs: Vec<(usize, u32)>,
     plan: Vec<PrefetchRequest>,
     victims: Vec<BlockRef>,
+    /// Scratch: blocks the eviction policy asks to watch.
+    watch: Vec<BlockRef>,
     /// Scratch for `make_room`: victims the policy named that `recent` spares.
     spared: Vec<BlockRef>,
     /// Each thread's last two blocks, which eviction spares (see `recent_faults`).
@@ -359,6 +369,7 @@ impl FaultService {
             fault_addrs: Vec::new(),
             plan: Vec::new(),
             victims: Vec::new(),
+            watch: Vec::new(),
             spared: Vec::new(),
             recent: RecentFaults::default(),
             completions: Vec::new(),
@@ -577,17 +588,22 @@ impl FaultService {
         let Some(region) = self.regions.get_mut(&id) else {
             return Ok(());
         };
+        let offset_in_block = (offset - block_start) as u32;
         let waiter = |outcome| Waiter {
             t_ns: now,
             tid,
             outcome,
+            offset_in_block,
         };
+        let mut watch_fault = false;
         let outcome = match region.blocks[index as usize] {
             BlockState::Resident if self.store.is_some() => {
-                // The install raced with the fault, or the program dropped the pages of
-                // the frame's mapping (a minor fault): map the frame again.
+                // The install raced with the fault, the block is watched, or the program
+                // dropped the pages of the frame's mapping (a minor fault): map the frame
+                // again.
                 let store = self.store.as_ref().expect("checked");
                 map_frame(&self.uffd, store, region, index)?;
+                watch_fault = std::mem::take(&mut region.watched[index as usize]);
                 FaultOutcome::Resident
             }
             BlockState::Resident => {
@@ -633,6 +649,7 @@ impl FaultService {
         };
         match outcome {
             FaultOutcome::Missing => self.stats.demand_faults += 1,
+            _ if watch_fault => self.stats.watch_faults += 1,
             _ => self.stats.prefetch_hits += 1,
         }
         if outcome == FaultOutcome::Resident {
@@ -650,7 +667,7 @@ impl FaultService {
             block,
             time_ns: now,
             outcome,
-            offset_in_block: Some((offset - block_start) as u32),
+            offset_in_block: Some(offset_in_block),
         };
         self.eviction.touched(&event);
         let mut plan = std::mem::take(&mut self.plan);
@@ -660,6 +677,40 @@ impl FaultService {
             self.queue_prefetch(request);
         }
         self.plan = plan;
+        if self.store.is_some() {
+            let mut watch = std::mem::take(&mut self.watch);
+            watch.clear();
+            self.eviction.watch(&mut watch);
+            for &block in &watch {
+                self.watch_block(block)?;
+            }
+            self.watch = watch;
+        }
+        Ok(())
+    }
+
+    /// Drops the pages of a resident block and keeps its frame, so that the program's
+    /// next access is a minor fault the policies hear of (`EvictionPolicy::watch`).
+    fn watch_block(&mut self, block: BlockRef) -> Result<(), ServiceError> {
+        let Some(region) = self.regions.get_mut(&block.region) else {
+            return Ok(());
+        };
+        let index = block.index as usize;
+        let evictable =
+            region.blocks.get(index) == Some(&BlockState::Resident) && !region.pinned[index];
+        if !evictable || region.watched[index] {
+            debug_assert!(
+                evictable,
+                "eviction policy watched a non-evictable {block:?}"
+            );
+            return Ok(());
+        }
+        region.watched[index] = true;
+        self.stats.watched_blocks += 1;
+        let memory = region.layout.block_memory(block.index);
+        for part in region.mapped_parts(memory) {
+            discard_pages(part.start, part.end)?;
+        }
         Ok(())
     }
 
@@ -1380,6 +1431,9 @@ impl FaultService {
             // Pages of a block the program partly unmapped were skipped; the block is
             // still counted whole, which errs on the side of the budget.
             region.blocks[index as usize] = BlockState::Resident;
+            if let Some(watched) = region.watched.get_mut(index as usize) {
+                *watched = false;
+            }
             self.resident += bytes;
             if !region.pinned[index as usize] {
                 self.eviction.inserted(BlockRef::new(region_id, index));
@@ -1562,9 +1616,9 @@ impl FaultService {
                 reply,
             } => {
                 let blocks = layout.block_count() as usize;
-                let frames = match self.store {
-                    Some(_) => vec![NO_FRAME; blocks],
-                    None => Vec::new(),
+                let (frames, watched) = match self.store {
+                    Some(_) => (vec![NO_FRAME; blocks], vec![false; blocks]),
+                    None => (Vec::new(), Vec::new()),
                 };
                 let entry = RegionEntry {
                     base,
@@ -1577,11 +1631,12 @@ impl FaultService {
                     changed: false,
                     holes: Vec::new(),
                     frames,
+                    watched,
                     prot,
                     layout,
                 };
                 self.locator.insert(base, entry.layout.map_len as usize, id);
-                let info = entry.info(id, self.config.budget);
+                let info = entry.info(id, self.config.budget, self.store.is_some());
                 self.prefetch.region_added(&info);
                 self.eviction.region_added(&info);
                 self.regions.insert(id, entry);

@@ -74,8 +74,14 @@ pub struct Stats {
     /// Faults whose block had to be read on demand.
     pub demand_faults: u64,
     /// Faults that found their block already resident, in flight or staged: the read
-    /// had been started before the program needed it.
+    /// had been started before the program needed it (watch faults apart).
     pub prefetch_hits: u64,
+    /// Resident blocks the eviction policy asked to watch (see
+    /// `EvictionPolicy::watch`): their page-table entries were dropped, their bytes kept.
+    pub watched_blocks: u64,
+    /// Faults on watched blocks: a use of a resident block shown to the policy, served by
+    /// mapping its frame again without a read.
+    pub watch_faults: u64,
     /// Blocks installed from reads (demand and prefetch).
     pub blocks_read: u64,
     /// Blocks read because a prefetch policy asked for them.

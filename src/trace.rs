@@ -5,13 +5,16 @@
 //!
 //! ```text
 //! # file=/models/m.gguf size=536870912 block_size=65536
-//! t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns
-//! 1200,4711,0,0,0,65536,missing,25000
+//! t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,offset_in_block
+//! 1200,4711,0,0,0,65536,missing,25000,8192
 //! ```
 //!
 //! Lines starting with `#` before the header carry `key=value` metadata. `outcome` is
 //! one of `missing`, `in_flight`, `staged`, `resident` (the serde names of
-//! `FaultOutcome`). The reader streams; a malformed line is an error naming its number.
+//! `FaultOutcome`). `offset_in_block` is where in its block the faulting page lies: which
+//! of the experts sharing a block was in use. Traces from before it was recorded have
+//! the first eight columns only (`HEADER_V1`) and read back without offsets. The reader
+//! streams; a malformed line is an error naming its number.
 
 use std::io::{BufRead, Write};
 
@@ -19,7 +22,10 @@ use thiserror::Error;
 
 use crate::policy::FaultOutcome;
 
-pub const HEADER: &str = "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns";
+pub const HEADER: &str =
+    "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,offset_in_block";
+/// The header of traces written before faults kept their offset in the block.
+pub const HEADER_V1: &str = "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns";
 
 /// Where the shim writes its own events (JSON lines) beside a fault trace at `trace`:
 /// `<trace>.events.jsonl`. One definition, so whoever clears old traces finds it.
@@ -57,6 +63,17 @@ pub struct TraceRecord {
     pub outcome: FaultOutcome,
     /// Fault to wake-up.
     pub latency_ns: u64,
+    /// Where in the block the faulting page lies; `None` in a trace from before this
+    /// was recorded.
+    pub offset_in_block: Option<u32>,
+}
+
+impl TraceRecord {
+    /// The file offset of the faulting page (of the block's first byte where the trace
+    /// does not say).
+    pub fn fault_file_offset(&self) -> u64 {
+        self.file_offset + self.offset_in_block.map_or(0, u64::from)
+    }
 }
 
 #[derive(Debug, Error)]
@@ -69,8 +86,12 @@ pub enum TraceError {
     },
     #[error("trace line {line}: expected the header `{HEADER}`")]
     MissingHeader { line: u64 },
-    #[error("trace line {line}: expected 8 fields, found {found}")]
-    FieldCount { line: u64, found: usize },
+    #[error("trace line {line}: expected {expected} fields, found {found}")]
+    FieldCount {
+        line: u64,
+        expected: usize,
+        found: usize,
+    },
     #[error("trace line {line}: field `{field}`: `{value}` is not a valid value")]
     BadField {
         line: u64,
@@ -116,9 +137,10 @@ impl<W: Write> TraceWriter<W> {
     }
 
     pub fn write(&mut self, r: &TraceRecord) -> std::io::Result<()> {
+        // A record without an offset is written at the block's start.
         writeln!(
             self.out,
-            "{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{}",
             r.t_ns,
             r.tid,
             r.region,
@@ -126,7 +148,8 @@ impl<W: Write> TraceWriter<W> {
             r.block,
             r.block_size,
             outcome_name(r.outcome),
-            r.latency_ns
+            r.latency_ns,
+            r.offset_in_block.unwrap_or(0)
         )
     }
 
@@ -142,6 +165,8 @@ pub struct TraceReader<R: BufRead> {
     line: u64,
     metadata: Vec<(String, String)>,
     buffer: String,
+    /// Fields per record: 9, or 8 in a trace with `HEADER_V1`.
+    fields: usize,
 }
 
 impl<R: BufRead> TraceReader<R> {
@@ -152,6 +177,7 @@ impl<R: BufRead> TraceReader<R> {
             line: 0,
             metadata: Vec::new(),
             buffer: String::new(),
+            fields: 9,
         };
         loop {
             if !reader.next_line()? {
@@ -166,6 +192,9 @@ impl<R: BufRead> TraceReader<R> {
                     .metadata
                     .extend(pairs.map(|(k, v)| (k.to_string(), v.to_string())));
             } else if text == HEADER {
+                return Ok(reader);
+            } else if text == HEADER_V1 {
+                reader.fields = 8;
                 return Ok(reader);
             } else {
                 return Err(TraceError::MissingHeader { line: reader.line });
@@ -201,9 +230,10 @@ impl<R: BufRead> TraceReader<R> {
     fn parse(&self) -> Result<TraceRecord, TraceError> {
         let line = self.line;
         let fields: Vec<&str> = self.buffer.trim_end().split(',').collect();
-        if fields.len() != 8 {
+        if fields.len() != self.fields {
             return Err(TraceError::FieldCount {
                 line,
+                expected: self.fields,
                 found: fields.len(),
             });
         }
@@ -231,6 +261,10 @@ impl<R: BufRead> TraceReader<R> {
                 value: fields[6].to_string(),
             })?,
             latency_ns: number(line, "latency_ns", fields[7])?,
+            offset_in_block: fields
+                .get(8)
+                .map(|text| number(line, "offset_in_block", text))
+                .transpose()?,
         })
     }
 }
@@ -287,6 +321,7 @@ not json
             block_size: 65536,
             outcome,
             latency_ns: 25_000,
+            offset_in_block: Some(4096 * block),
         }
     }
 
@@ -337,12 +372,16 @@ not json
             TraceReader::new(&b"# a=b\nt_ns,tid\n"[..]),
             Err(TraceError::MissingHeader { line: 2 })
         ));
-        let text = format!("# x=1\n{HEADER}\n1,2,0,0,0,4096,missing,9\n\n1,2,0\n1,2,0,0,0,4096,gone,9\n1,2,0,0,-1,4096,missing,9\n");
+        let text = format!("# x=1\n{HEADER_V1}\n1,2,0,0,0,4096,missing,9\n\n1,2,0\n1,2,0,0,0,4096,gone,9\n1,2,0,0,-1,4096,missing,9\n");
         let results: Vec<_> = TraceReader::new(text.as_bytes()).unwrap().collect();
         assert!(results[0].is_ok());
         assert!(matches!(
             results[1],
-            Err(TraceError::FieldCount { line: 5, found: 3 })
+            Err(TraceError::FieldCount {
+                line: 5,
+                expected: 8,
+                found: 3
+            })
         ));
         assert!(matches!(
             &results[2],
@@ -361,5 +400,17 @@ not json
             })
         ));
         assert_eq!(results.len(), 4);
+        assert_eq!(results[0].as_ref().unwrap().offset_in_block, None);
+        let text = format!("{HEADER}\n1,2,0,0,0,4096,missing,9,512\n1,2,0,0,0,4096,missing,9\n");
+        let results: Vec<_> = TraceReader::new(text.as_bytes()).unwrap().collect();
+        assert_eq!(results[0].as_ref().unwrap().offset_in_block, Some(512));
+        assert!(matches!(
+            results[1],
+            Err(TraceError::FieldCount {
+                expected: 9,
+                found: 8,
+                ..
+            })
+        ));
     }
 }

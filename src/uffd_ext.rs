@@ -10,6 +10,11 @@ use nix::errno::Errno;
 /// `UFFD_FEATURE_POISON`: lets `UFFDIO_POISON` be used on the registered ranges.
 pub const FEATURE_POISON: u64 = 1 << 14;
 
+/// `UFFD_FEATURE_EXACT_ADDRESS` (Linux 5.18): fault events carry the faulting byte's
+/// address, not its page's. Where slices of two experts share a page, the byte says
+/// whose slice the program was reading.
+pub const FEATURE_EXACT_ADDRESS: u64 = 1 << 11;
+
 /// `UFFD_FEATURE_MINOR_SHMEM`: minor-fault mode (and UFFDIO_CONTINUE) on shmem ranges.
 pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 

@@ -191,8 +191,13 @@ fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
         block_size = record.block_size;
         accesses.push(record.block);
         // Regions map their file from offset 0 here (the trace's block numbers count
-        // from the file's start).
-        offsets.push((record.file_offset % record.block_size.max(1)) as u32);
+        // from the file's start). A trace from before faults kept their offset in the
+        // block says only the block.
+        offsets.push(
+            record
+                .offset_in_block
+                .unwrap_or((record.file_offset % record.block_size.max(1)) as u32),
+        );
     }
     if accesses.is_empty() || block_size == 0 {
         bail!("{}: no faults in the trace", path.display());

@@ -1,12 +1,14 @@
 //! The pager's fault trace as Chrome/Perfetto trace JSON (open in ui.perfetto.dev):
 //! one complete (`X`) event per fault, from the fault to the wake-up of its thread,
-//! named by the tensor at the faulting block when the tensor table is known.
+//! named by the tensor at the faulting page (at the faulting block's start in a trace
+//! from before faults kept their offset) when the tensor table is known.
 //!
 //! ```json
 //! {"traceEvents": [{"name": "blk.0.attn_q.weight", "cat": "missing", "ph": "X",
 //!   "ts": 1.2, "dur": 25.0, "pid": 1, "tid": 4711,
-//!   "args": {"file_offset": 0, "block": 0, "block_size": 65536, "region": 0,
-//!            "outcome": "missing", "latency_us": 25.0}}],
+//!   "args": {"file_offset": 0, "offset_in_block": 8192, "block": 0,
+//!            "block_size": 65536, "region": 0, "outcome": "missing",
+//!            "latency_us": 25.0}}],
 //!  "displayTimeUnit": "ns", "otherData": {...}}
 //! ```
 //! `ts` and `dur` are microseconds; `cat` is the outcome (`missing`: a demand read,
@@ -76,9 +78,14 @@ impl<'a> RegionTensors<'a> {
 
     /// The tensor a fault hit, if its region has a table.
     fn of(&self, r: &TraceRecord) -> Option<&'a TensorInfo> {
-        self.by_region
-            .get(&r.region)?
-            .at(r.file_offset, r.block_size)
+        let locator = self.by_region.get(&r.region)?;
+        match r.offset_in_block {
+            Some(_) => locator
+                .at(r.fault_file_offset(), 1)
+                // A page that starts in padding before a tensor.
+                .or_else(|| locator.at(r.fault_file_offset(), 4096)),
+            None => locator.at(r.file_offset, r.block_size),
+        }
     }
 }
 
@@ -108,11 +115,12 @@ pub fn chrome_trace(records: &[TraceRecord], names: &RegionTensors<'_>, metadata
                 "tid": r.tid,
                 "args": {
                     "file_offset": r.file_offset,
+                    "offset_in_block": r.offset_in_block,
                     "block": r.block,
                     "block_size": r.block_size,
                     "region": r.region,
                     "tensor": tensor.map(|t| t.name.as_str()),
-                    "expert": tensor.and_then(|t| expert_at(t, r.file_offset)),
+                    "expert": tensor.and_then(|t| expert_at(t, r.fault_file_offset())),
                     "outcome": outcome_name(r.outcome),
                     "latency_us": r.latency_ns as f64 / 1000.0,
                 },
@@ -134,10 +142,10 @@ pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
         let hit = names.of(r);
         let tensor = hit.map_or("", |t| t.name.as_str());
         let expert = hit
-            .and_then(|t| expert_at(t, r.file_offset))
+            .and_then(|t| expert_at(t, r.fault_file_offset()))
             .map_or_else(String::new, |e| e.to_string());
         csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{}\n",
             r.t_ns,
             r.tid,
             r.region,
@@ -146,6 +154,7 @@ pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
             r.block_size,
             outcome_name(r.outcome),
             r.latency_ns,
+            r.offset_in_block.unwrap_or(0),
             tensor,
             expert
         ));
@@ -154,12 +163,12 @@ pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
 }
 
 /// For a fault in a merged expert tensor (`ffn_*_exps`, or one expert's own tensor),
-/// the expert whose slice holds the faulting block's first byte within the tensor (a
-/// block that starts before the tensor counts from the tensor's start). The trace keeps
-/// blocks, not addresses: where slices are smaller than a block, this is the first of
-/// the experts the block holds.
-fn expert_at(tensor: &TensorInfo, block_start: u64) -> Option<u32> {
-    let at = block_start.max(tensor.file_range.start);
+/// the expert whose slice holds the faulting offset (one before the tensor counts from
+/// the tensor's start). In a trace from before faults kept their offset in the block,
+/// that is the block's start: where slices are smaller than a block, the first of the
+/// experts the block holds.
+fn expert_at(tensor: &TensorInfo, fault_offset: u64) -> Option<u32> {
+    let at = fault_offset.max(tensor.file_range.start);
     let shares = crate::graph::arch::expert_slices(tensor)?;
     shares
         .shares
@@ -191,6 +200,7 @@ mod tests {
             block_size: 4096,
             outcome,
             latency_ns: 25_000,
+            offset_in_block: None,
         }
     }
 
@@ -236,10 +246,10 @@ mod tests {
 
         let csv = named_csv(&records, &names);
         assert!(csv.starts_with(
-            "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,tensor,expert\n"
+            "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,offset_in_block,tensor,expert\n"
         ));
-        assert!(csv.contains(",missing,25000,blk.0.attn_q.weight,\n"));
-        assert!(csv.ends_with(",resident,25000,,\n"));
+        assert!(csv.contains(",missing,25000,0,blk.0.attn_q.weight,\n"));
+        assert!(csv.ends_with(",resident,25000,0,,\n"));
     }
 
     #[test]
@@ -284,7 +294,7 @@ mod tests {
         let csv = named_csv(&records, &names);
         let lines: Vec<&str> = csv.lines().collect();
         assert!(lines[1].ends_with(",blk.0.attn_q.weight,"), "{csv}");
-        assert!(lines[2].ends_with(",missing,25000,,"), "{csv}");
+        assert!(lines[2].ends_with(",missing,25000,0,,"), "{csv}");
         // With the second file's table, its faults take its own names.
         let second = [tensor("blk.9.ffn_up.weight", 0, 8192)];
         let mut names = RegionTensors::first_region(Some(&tensors));

@@ -616,6 +616,7 @@ mod tests {
             block_size: 65536,
             outcome: FaultOutcome::Missing,
             latency_ns: 500,
+            offset_in_block: Some(0),
         };
         let mut writer = crate::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
         for r in [

@@ -22,6 +22,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use self::expert_blocks::ExpertBlocks;
 use self::expert_use::ExpertUse;
 use self::streaming::{plan_streaming, StreamPlan};
 use super::per_block::PerBlock;
@@ -32,6 +33,7 @@ use super::{
 };
 use crate::graph::{BlockLayout, CyclicOrder, ModelGraph};
 
+mod expert_blocks;
 mod expert_use;
 pub mod streaming;
 
@@ -69,7 +71,7 @@ impl GraphPrediction {
                 resident: vec![false; blocks],
                 lag_seen: 0,
                 stream: StreamPlan::default(),
-                experts: ExpertUse::new(graph.experts()),
+                experts: ExpertUse::new(graph.experts(), |block| is_routed_expert(&graph, block)),
             }),
             graph,
         })
@@ -138,6 +140,24 @@ impl GraphPrediction {
     }
 }
 
+/// The block of one of `regions` that presents the graph's block `global`: of region
+/// `preferred` if it presents that part, else of the first that does.
+fn local_in(
+    regions: &[(RegionId, usize)],
+    graph: &ModelGraph,
+    global: u32,
+    preferred: Option<RegionId>,
+) -> Option<BlockRef> {
+    let part = graph.part_of(global)?;
+    let presents = |&&(r, p): &&(RegionId, usize)| p == part && Some(r) == preferred;
+    let &(region, _) =
+        (regions.iter().find(presents)).or_else(|| regions.iter().find(|&&(_, p)| p == part))?;
+    Some(BlockRef::new(
+        region,
+        global - graph.parts()[part].first_block,
+    ))
+}
+
 /// Whether two paths name the same file (the shim names a file as the kernel resolves
 /// its descriptor, a split model's parts are named from the first).
 fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
@@ -164,14 +184,7 @@ impl Progress {
     /// `preferred` if it presents that part (a file mapped twice is read into the
     /// mapping the program is using), else of the first that does; `None` when none.
     fn local(&self, graph: &ModelGraph, global: u32, preferred: RegionId) -> Option<BlockRef> {
-        let part = graph.part_of(global)?;
-        let presents = |&&(r, p): &&(RegionId, usize)| p == part && r == preferred;
-        let &(region, _) = (self.regions.iter().find(presents))
-            .or_else(|| self.regions.iter().find(|&&(_, p)| p == part))?;
-        Some(BlockRef::new(
-            region,
-            global - graph.parts()[part].first_block,
-        ))
+        local_in(&self.regions, graph, global, Some(preferred))
     }
 
     /// Moves the cursor to the fault's block (see `locate`) and returns the new
@@ -556,11 +569,8 @@ pub struct GraphEviction {
     tracked: PerBlock<Tracked>,
     /// The keys of tracked unpredicted blocks in `unpredicted`.
     unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
-    /// Routed-expert blocks by (use probability bits, arrival): the least used first.
-    /// Keys are as of insertion and refreshed when a block comes up for eviction.
-    experts: BTreeSet<(u64, u64, BlockRef)>,
-    /// The keys of tracked expert blocks in `experts`.
-    expert_keys: HashMap<BlockRef, (u64, u64)>,
+    /// Routed-expert blocks: ranked by expected use, watched to learn it.
+    experts: ExpertBlocks,
     tracked_count: usize,
     arrivals: u64,
 }
@@ -587,14 +597,13 @@ struct RegionPositions {
 impl GraphEviction {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
         Self {
+            experts: ExpertBlocks::new(&prediction.graph),
             prediction,
             positions: Vec::new(),
             streamed_positions: Vec::new(),
             unpredicted: BTreeSet::new(),
             tracked: PerBlock::default(),
             unpredicted_keys: HashMap::new(),
-            experts: BTreeSet::new(),
-            expert_keys: HashMap::new(),
             tracked_count: 0,
             arrivals: 0,
         }
@@ -652,12 +661,9 @@ impl GraphEviction {
                 self.tracked_count -= 1;
             }
             Tracked::Expert(global) => {
-                if let Some((key, arrival)) = self.expert_keys.remove(&block) {
-                    self.experts.remove(&(key, arrival, block));
-                }
-                for &group in self.prediction.graph.experts().groups_of(global) {
-                    progress.experts.block_changed(group, false);
-                }
+                let graph = &self.prediction.graph;
+                self.experts
+                    .remove(block, global, graph, &mut progress.experts);
                 if let Some(slot) = progress.resident.get_mut(global as usize) {
                     *slot = false;
                 }
@@ -691,61 +697,6 @@ impl GraphEviction {
         let any = || furthest_in(&self.prediction.graph, &self.positions, cursor, guard);
         let (block, _, distance) = streamed.or_else(any)?;
         Some((block, distance))
-    }
-
-    /// The tracked routed-expert block least likely to be used, with how far ahead it
-    /// is expected to be used (`Progress::expected_next_use`). Keys were the block's use
-    /// probability when it was keyed; one that has gone up since (its expert was used
-    /// again) is keyed anew and the next looked at.
-    fn coldest_expert(&mut self, progress: &Progress) -> Option<(BlockRef, f64)> {
-        let graph = Arc::clone(&self.prediction.graph);
-        let mut rekeyed = 0;
-        let mut from = None;
-        let mut best: Option<(BlockRef, f64)> = None;
-        let mut considered = 0;
-        loop {
-            let next = match from {
-                None => self.experts.first(),
-                Some(after) => self
-                    .experts
-                    .range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded))
-                    .next(),
-            };
-            let Some(&(key, arrival, block)) = next else {
-                break;
-            };
-            let Tracked::Expert(global) = *self.tracked_mut(block) else {
-                break;
-            };
-            let groups = graph.experts().groups_of(global);
-            let now = progress.experts.block_probability(groups).to_bits();
-            if now > key && rekeyed < 64 {
-                rekeyed += 1;
-                self.experts.remove(&(key, arrival, block));
-                self.experts.insert((now, arrival, block));
-                self.expert_keys.insert(block, (now, arrival));
-                continue;
-            }
-            from = Some((key, arrival, block));
-            // The expert being read now is needed until its layer is done: the next.
-            if groups
-                .iter()
-                .any(|&group| progress.experts.reading_now(group))
-            {
-                continue;
-            }
-            // Among the least used few, the one expected furthest ahead: of two experts
-            // about as popular, the one whose layer comes last.
-            let expected = progress.expected_next_use(&graph, global);
-            if best.is_none_or(|(_, furthest)| expected > furthest) {
-                best = Some((block, expected));
-            }
-            considered += 1;
-            if considered == EXPERT_CANDIDATES {
-                return best;
-            }
-        }
-        best
     }
 }
 
@@ -855,6 +806,13 @@ impl EvictionPolicy for GraphEviction {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
+        let graph = &self.prediction.graph;
+        if self.prediction.lock().bound(info.id) {
+            // Use counts matter only where experts get evicted.
+            self.experts.watching = info.watch_resident
+                && !graph.experts().is_empty()
+                && graph.layout().data_len > info.budget;
+        }
     }
 
     fn region_removed(&mut self, region: RegionId) {
@@ -884,20 +842,9 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let global = progress.global(graph, block);
         if let Some(global) = global.filter(|&global| is_routed_expert(graph, global)) {
-            for &group in graph.experts().groups_of(global) {
-                progress.experts.block_changed(group, true);
-            }
+            self.experts
+                .insert(block, global, graph, &mut progress.experts);
             progress.resident[global as usize] = true;
-            let key = (
-                progress
-                    .experts
-                    .block_probability(graph.experts().groups_of(global))
-                    .to_bits(),
-                self.arrivals,
-            );
-            self.arrivals += 1;
-            self.experts.insert((key.0, key.1, block));
-            self.expert_keys.insert(block, key);
             *self.tracked_mut(block) = Tracked::Expert(global);
         } else if let Some(global) = global.filter(|&global| graph.order().contains(global)) {
             let streamed = progress.stream.is_streamed(global);
@@ -924,7 +871,25 @@ impl EvictionPolicy for GraphEviction {
 
     fn touched(&mut self, fault: &FaultEvent) {
         let prediction = Arc::clone(&self.prediction);
-        prediction.lock().advance(&prediction.graph, fault);
+        let graph = &prediction.graph;
+        let mut progress = prediction.lock();
+        progress.advance(graph, fault);
+        if let Some(global) = progress.global(graph, fault.block) {
+            if is_routed_expert(graph, global) {
+                self.experts.fault(global, graph, &mut progress.experts);
+            }
+        }
+    }
+
+    fn watch(&mut self, out: &mut Vec<BlockRef>) {
+        let prediction = Arc::clone(&self.prediction);
+        let graph = &prediction.graph;
+        let mut progress = prediction.lock();
+        let Progress {
+            regions, experts, ..
+        } = &mut *progress;
+        let local = |global| local_in(regions, graph, global, None);
+        self.experts.watch(experts, local, out);
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
@@ -939,7 +904,7 @@ impl EvictionPolicy for GraphEviction {
         // Belady on expectations: the dense block used furthest ahead, or the expert
         // block expected to be used furthest ahead, whichever is further.
         let dense = self.furthest(cursor, guard);
-        let expert = self.coldest_expert(&progress);
+        let expert = self.experts.coldest(&prediction.graph, &progress);
         let (block, distance) = match (dense, expert) {
             (Some((dense, distance)), Some((_, expected))) if expected < distance as f64 => {
                 (dense, distance as f64)
@@ -990,10 +955,6 @@ impl EvictionPolicy for GraphEviction {
         Some(block)
     }
 }
-
-/// How many of the least used expert blocks eviction weighs by when they are next
-/// expected to be used.
-const EXPERT_CANDIDATES: u32 = 32;
 
 /// Both graph policies over one shared prediction.
 pub fn graph_policies(graph: Arc<ModelGraph>) -> (GraphPrefetch, GraphEviction) {

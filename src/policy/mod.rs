@@ -9,7 +9,11 @@
 //! that is resident never faults again, so there is no "access" signal for resident
 //! data. `EvictionPolicy::touched` is called on faults only (a demand fault, or a fault
 //! that found its block already in flight). An "LRU" built on that signal is really
-//! FIFO by first fault, as UMap's is.
+//! FIFO by first fault, as UMap's is. A policy that needs to know whether a resident
+//! block is still in use asks to `watch` it: with zero copy the pager drops the block's
+//! page-table entries and keeps its bytes, so the next access costs a minor fault (a
+//! round trip through the service, no read), much as the kernel's reclaim samples
+//! accessed bits.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -60,6 +64,10 @@ pub struct RegionInfo<'a> {
     /// The pager's budget, shared with its other regions: how far ahead it is worth
     /// reading before what was read is evicted unused.
     pub budget: u64,
+    /// Whether the pager honours `EvictionPolicy::watch` for this region: it can make
+    /// the next access to a resident block fault without reading the block again (with
+    /// zero copy: the block's page-table entries are dropped, its frame keeps the bytes).
+    pub watch_resident: bool,
 }
 
 impl RegionInfo<'_> {
@@ -203,6 +211,14 @@ pub trait EvictionPolicy: Send {
 
     /// A fault touched `block` (whatever its state).
     fn touched(&mut self, _fault: &FaultEvent) {}
+
+    /// Resident blocks whose next access the policy wants to hear of: each is appended
+    /// to `out`, and its next access is a fault with outcome `Resident` (then the block
+    /// is mapped again and watched no more). Called after every fault, once the
+    /// policies have heard of it; only where `RegionInfo::watch_resident` is set, and
+    /// only with blocks the policy tracks (resident and evictable). A watched block that
+    /// is evicted or dropped is watched no more.
+    fn watch(&mut self, _out: &mut Vec<BlockRef>) {}
 
     /// Chooses one tracked block to evict so that `incoming` can be read. The block is
     /// treated as removed once returned (the service does not call `removed` for it).

@@ -193,6 +193,7 @@ mod tests {
             block_size: 1 << 20,
             block_count: blocks,
             budget: u64::MAX,
+            watch_resident: false,
         });
         policy
     }

@@ -7,7 +7,9 @@
 //! `victim(.., Prefetch)` makes room for it; a block planned `Install::OnFault` is staged
 //! and its first access is a `Staged` fault the policies hear of. Accesses to resident
 //! blocks are silent, as in the pager, unless the policy is one of the every-access
-//! baselines (LRU, CLOCK, Belady), which are told of every access.
+//! baselines (LRU, CLOCK, Belady), which are told of every access, or the block is one
+//! the eviction policy asked to watch: its next access is a `Resident` fault, as with the
+//! launcher's zero-copy frames (see `EvictionPolicy::watch`).
 //!
 //! Time is simulated only to feed the policies' rate estimates: the program consumes
 //! blocks at a fixed rate and every read takes a fixed latency plus its transfer time.
@@ -15,6 +17,7 @@
 //! exact about bytes read, the figure this simulator is for.
 
 mod belady;
+mod frequency;
 pub mod llama;
 pub mod moe;
 
@@ -24,6 +27,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 pub use belady::BeladyEviction;
+pub use frequency::FrequencyEviction;
 
 use crate::graph::{BlockLayout, ModelGraph};
 use crate::policy::{
@@ -134,6 +138,8 @@ pub struct SimReport {
     pub prefetch_bytes: u64,
     /// Prefetched blocks evicted before any access.
     pub wasted_prefetch_blocks: u64,
+    /// Accesses to watched resident blocks: faults that read nothing.
+    pub watch_faults: u64,
     /// Bytes read during each token (empty without token boundaries).
     pub bytes_per_token: Vec<u64>,
 }
@@ -162,13 +168,15 @@ enum State {
 
 /// Replays `workload` against `budget_bytes` with the given policies. `every_access`
 /// tells the eviction policy of every access (the simulator-only mode of the LRU, CLOCK
-/// and Belady baselines), not just of faults.
+/// and Belady baselines), not just of faults. `watch_resident` honours the eviction
+/// policy's `watch` requests, as the pager does with zero copy.
 pub fn replay(
     workload: &Workload,
     budget_bytes: u64,
     prefetch: &mut dyn PrefetchPolicy,
     eviction: &mut dyn EvictionPolicy,
     every_access: bool,
+    watch_resident: bool,
     timing: Timing,
 ) -> Result<SimReport, SimError> {
     let layout = workload.layout;
@@ -181,6 +189,7 @@ pub fn replay(
         block_size: layout.block_size,
         block_count: layout.block_count(),
         budget: budget_bytes,
+        watch_resident,
     };
     prefetch.region_added(&info);
     eviction.region_added(&info);
@@ -190,6 +199,7 @@ pub fn replay(
         budget_bytes,
         timing,
         states: vec![State::Absent; layout.block_count() as usize],
+        watched: vec![false; layout.block_count() as usize],
         resident_bytes: 0,
         report: SimReport {
             policy: eviction.name().into(),
@@ -202,9 +212,11 @@ pub fn replay(
             prefetched_blocks: 0,
             prefetch_bytes: 0,
             wasted_prefetch_blocks: 0,
+            watch_faults: 0,
             bytes_per_token: Vec::new(),
         },
     };
+    let mut watch = Vec::new();
     let mut now_ns = 0f64;
     let mut requests = Vec::new();
     let mut next_token = 0;
@@ -225,7 +237,12 @@ pub fn replay(
         let offset_in_block = workload.offsets.get(i).copied();
         now_ns += layout.block_len(index) as f64 / timing.consume_bytes_per_s * 1e9;
         let state = replay.states[index as usize];
+        let watched = std::mem::take(&mut replay.watched[index as usize]);
         let outcome = match state {
+            State::Resident if watched => {
+                replay.report.watch_faults += 1;
+                FaultOutcome::Resident
+            }
             State::Resident => {
                 if every_access {
                     eviction.touched(&FaultEvent {
@@ -251,7 +268,8 @@ pub fn replay(
         prefetch.plan(&fault, &mut requests);
         match state {
             State::Staged => replay.states[index as usize] = State::Resident,
-            _ => {
+            State::Resident => {}
+            State::Absent => {
                 replay.make_room(eviction, block, ReadKind::Demand)?;
                 replay.read(prefetch, eviction, block, Install::Eager);
                 replay.report.demand_misses += 1;
@@ -271,6 +289,15 @@ pub fn replay(
             replay.report.prefetched_blocks += 1;
             replay.report.prefetch_bytes += layout.block_len(block.index);
         }
+        if watch_resident {
+            watch.clear();
+            eviction.watch(&mut watch);
+            for block in &watch {
+                if replay.states.get(block.index as usize) == Some(&State::Resident) {
+                    replay.watched[block.index as usize] = true;
+                }
+            }
+        }
     }
     if next_token > 0 {
         let read = replay.report.bytes_read - token_start_bytes;
@@ -284,6 +311,8 @@ struct Replay {
     budget_bytes: u64,
     timing: Timing,
     states: Vec<State>,
+    /// Per block: watched at the eviction policy's request (meaningful while resident).
+    watched: Vec<bool>,
     resident_bytes: u64,
     report: SimReport,
 }
@@ -311,6 +340,7 @@ impl Replay {
                 self.report.wasted_prefetch_blocks += 1;
             }
             *state = State::Absent;
+            self.watched[victim.index as usize] = false;
             self.resident_bytes -= self.layout.block_len(victim.index);
         }
         Ok(true)
@@ -348,6 +378,11 @@ pub enum SimPolicy {
     Fifo,
     /// The offline optimum, demand reads only: the floor.
     Belady,
+    /// Offline: evict the block the whole sequence uses least, demand reads only. The
+    /// floor for a policy that learns how often blocks are used but cannot foresee the
+    /// sequence (exact when accesses are drawn independently, as routed experts nearly
+    /// are).
+    Frequency,
 }
 
 impl SimPolicy {
@@ -358,6 +393,7 @@ impl SimPolicy {
             SimPolicy::Clock => "clock",
             SimPolicy::Fifo => "fifo",
             SimPolicy::Belady => "belady",
+            SimPolicy::Frequency => "frequency",
         }
     }
 }
@@ -391,13 +427,17 @@ pub fn simulate(
         SimPolicy::Clock => (Box::new(ClockEviction::default()), true),
         SimPolicy::Fifo => (Box::new(FifoEviction::default()), false),
         SimPolicy::Belady => (Box::new(BeladyEviction::new(&workload.accesses)), true),
+        SimPolicy::Frequency => (Box::new(FrequencyEviction::new(&workload.accesses)), true),
     };
+    // The pager's own policies are modelled as the launcher runs them: zero copy, so
+    // their watch requests are honoured.
     replay(
         workload,
         budget_bytes,
         prefetcher.as_mut(),
         evictor.as_mut(),
         every_access,
+        !every_access,
         timing,
     )
 }

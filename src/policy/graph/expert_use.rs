@@ -1,13 +1,16 @@
 //! How often each expert of a mixture-of-experts model is used, learned from faults.
 //!
-//! A pager hears of an access only when it faults: an expert whose blocks are all
-//! resident is used silently. Counting faults alone would therefore make the experts
-//! kept resident look unused, and evict exactly the popular ones. Instead an expert's
-//! use probability per token is estimated only over the tokens during which it could
-//! have been seen, those it spent not wholly resident (its *exposure*):
-//! `p = (misses + prior * weight) / (exposure + weight)`. For routing that does not
-//! depend on what is resident (the router never sees the pager), that is an unbiased
-//! estimate, and a resident expert keeps the estimate it had when it was read.
+//! A pager hears of an access only when it faults. An expert with a block missing faults
+//! when it is used; an expert wholly resident is used silently, unless the pager watches
+//! one of its blocks (`EvictionPolicy::watch`: its next access faults without a read).
+//! So an expert is *observable* while it is not wholly resident or while it is watched,
+//! and its use probability per token is estimated over the tokens it was observable in
+//! (its *exposure*): `p = (uses + prior * weight) / (exposure + weight)`. For routing
+//! that does not depend on what is resident (the router never sees the pager) that is an
+//! unbiased estimate whatever share of the tokens is observed. Without watching, a
+//! resident expert keeps the estimate it had when it was read, however rarely it is used
+//! since; with it, every resident expert watched from one token to the next is counted
+//! exactly.
 //!
 //! Tokens are counted by the layers of the expert faults: a fault in a lower layer than
 //! the previous one starts a new token. A token with no expert fault at all goes
@@ -19,29 +22,60 @@
 use crate::graph::ExpertMap;
 
 /// Tokens of prior belief: the prior counts as this many tokens of observation. A
-/// weak prior ranks an expert seen once in its first token (p = 0.42 with 2 tokens of
-/// 1/8) above the popular ones still being learned, and it keeps that rank while it
-/// stays resident, since a resident expert's use is unseen. Measured on a 3 GiB
-/// synthetic MoE (16 experts, 2 used), llama-bench tg10 - tg2, two alternating rounds:
-/// 16 tokens read 331-334 MiB per token at 25 % against 374-386 with 2, and 109
-/// against 141-143 at 50 %.
-const PRIOR_TOKENS: f64 = 16.0;
+/// weak prior ranks an expert seen once in its first token above the popular ones still
+/// being learned; a strong one takes long to leave. Measured on a 3 GiB synthetic MoE
+/// (16 experts, 2 used), llama-bench tg10 - tg2, two alternating rounds, before resident
+/// experts were watched: 16 tokens read 331-334 MiB per token at 25 % against 374-386
+/// with 2, and 109 against 141-143 at 50 %.
+fn prior_tokens() -> f64 {
+    std::env::var("PT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16.0)
+}
 /// When an expert's exposure reaches this many tokens, its counts are halved, so that
 /// popularity that drifts (another prompt, another topic) is followed.
 const HISTORY_TOKENS: f64 = 512.0;
 
 #[derive(Debug, Clone, Default)]
 struct GroupUse {
-    /// Tokens in which the expert was seen used while not wholly resident.
-    misses: f64,
-    /// Completed stretches of exposure, in tokens.
+    /// Tokens in which the expert was seen used.
+    uses: f64,
+    /// Tokens counted as observed, in closed stretches (see `exposed_until`).
     exposure: f64,
-    /// The token since which the expert has not been wholly resident, if it is not.
-    absent_since: Option<u64>,
+    /// Tokens before this one are counted in `exposure` where they were observed; none
+    /// at or after it is. Keeps a token from being counted twice.
+    exposed_until: u64,
+    /// The first token of the stretch the expert has been observable in, if it is.
+    observable_from: Option<u64>,
     /// Its distinct blocks not resident now.
     missing_blocks: u32,
+    /// A block of it is watched: its next use faults.
+    watched: bool,
     /// The token (plus one) of its latest counted use; 0: none.
     last_use: u64,
+}
+
+impl GroupUse {
+    fn observable(&self) -> bool {
+        self.missing_blocks > 0 || self.watched
+    }
+
+    /// Counts tokens `from..end` as observed (those not counted yet).
+    fn expose(&mut self, from: u64, end: u64) {
+        let start = from.max(self.exposed_until);
+        if end > start {
+            self.exposure += (end - start) as f64;
+            self.exposed_until = end;
+        }
+    }
+
+    fn forget_old_history(&mut self) {
+        if self.exposure >= HISTORY_TOKENS {
+            self.exposure /= 2.0;
+            self.uses /= 2.0;
+        }
+    }
 }
 
 /// Learned use probabilities of a model's experts.
@@ -55,18 +89,20 @@ pub struct ExpertUse {
 }
 
 impl ExpertUse {
-    /// Every expert starts not resident, at the prior.
-    pub fn new(map: &ExpertMap) -> Self {
+    /// Every expert starts not resident (observable), at the prior. `routed` tells the
+    /// blocks that hold routed experts only: a block an expert shares with a tensor every
+    /// token reads is resident or not with that tensor, and says nothing of the expert.
+    pub fn new(map: &ExpertMap, routed: impl Fn(u32) -> bool) -> Self {
         let groups = map
             .groups()
             .iter()
             .map(|group| {
-                let mut blocks: Vec<u32> = group.blocks().collect();
+                let mut blocks: Vec<u32> = group.blocks().filter(|&block| routed(block)).collect();
                 blocks.sort_unstable();
                 blocks.dedup();
                 GroupUse {
                     missing_blocks: blocks.len() as u32,
-                    absent_since: Some(0),
+                    observable_from: Some(0),
                     ..GroupUse::default()
                 }
             })
@@ -86,6 +122,15 @@ impl ExpertUse {
         self.token
     }
 
+    /// The layer of the latest expert fault: where the program is.
+    pub fn current_layer(&self) -> Option<u32> {
+        self.last_layer
+    }
+
+    pub fn layer(&self, group: u32) -> Option<u32> {
+        self.layers.get(group as usize).copied()
+    }
+
     /// A fault in a block of `group`: the expert is in use in the current token. Calling
     /// it again for the same fault, or for another block of the expert in the same
     /// token, counts nothing more.
@@ -101,11 +146,13 @@ impl ExpertUse {
         let use_ = &mut self.groups[group as usize];
         if use_.last_use != token + 1 {
             use_.last_use = token + 1;
-            use_.misses += 1.0;
-            // The token of the use counts as exposure whatever happens next.
-            if use_.absent_since.is_none() {
-                use_.exposure += 1.0;
+            use_.uses += 1.0;
+            // A token in which the use was seen was observed, whatever the state.
+            let in_stretch = use_.observable_from.is_some_and(|from| from <= token);
+            if !in_stretch {
+                use_.expose(token, token + 1);
             }
+            use_.forget_old_history();
         }
     }
 
@@ -122,31 +169,63 @@ impl ExpertUse {
         self.used_now(group) && self.layers.get(group as usize).copied() == self.last_layer
     }
 
+    /// Whether every block of `group` is resident.
+    pub fn wholly_resident(&self, group: u32) -> bool {
+        self.groups
+            .get(group as usize)
+            .is_some_and(|use_| use_.missing_blocks == 0)
+    }
+
+    /// Whether a block of `group` is watched.
+    pub fn watched(&self, group: u32) -> bool {
+        self.groups
+            .get(group as usize)
+            .is_some_and(|use_| use_.watched)
+    }
+
     /// One of `group`'s blocks became resident (`resident`) or stopped being resident.
     pub fn block_changed(&mut self, group: u32, resident: bool) {
+        // Read because a fault showed it in use (counted) or ahead of its use; either
+        // way the current token is as observed as it will be.
+        self.change(group, true, |use_| {
+            if resident {
+                use_.missing_blocks = use_.missing_blocks.saturating_sub(1);
+            } else {
+                use_.missing_blocks += 1;
+            }
+        });
+    }
+
+    /// A block of `group` is watched from now (`true`), or no longer (`false`).
+    /// `seen_through_now`: whether the current token is fully observed when the watch
+    /// ends: its fault showed this group in use, or its layer had passed. A watch taken
+    /// by another group's use of a block they share leaves this group's use in the rest
+    /// of the token unseen.
+    pub fn set_watched(&mut self, group: u32, watched: bool, seen_through_now: bool) {
+        self.change(group, seen_through_now, |use_| use_.watched = watched);
+    }
+
+    /// Applies `change` to `group` and opens or closes its stretch of observability.
+    /// A stretch opens from the next token: this one may have passed the layer. It
+    /// closes through the current token when `seen_through_now`, else before it.
+    fn change(&mut self, group: u32, seen_through_now: bool, change: impl FnOnce(&mut GroupUse)) {
         let token = self.token;
         let Some(use_) = self.groups.get_mut(group as usize) else {
             return;
         };
-        if resident {
-            use_.missing_blocks = use_.missing_blocks.saturating_sub(1);
-            if use_.missing_blocks == 0 {
-                if let Some(since) = use_.absent_since.take() {
-                    // Exposure through the current token.
-                    use_.exposure += (token + 1 - since) as f64;
+        let before = use_.observable();
+        change(use_);
+        match (before, use_.observable()) {
+            (false, true) => use_.observable_from = Some(token + 1),
+            (true, false) => {
+                if let Some(from) = use_.observable_from.take() {
+                    let end = if seen_through_now { token + 1 } else { token };
+                    use_.expose(from, end);
                 }
             }
-        } else {
-            use_.missing_blocks += 1;
-            if use_.absent_since.is_none() {
-                // From the next token: the current one was seen (resident) until now.
-                use_.absent_since = Some(token + 1);
-            }
+            _ => {}
         }
-        if use_.exposure >= HISTORY_TOKENS {
-            use_.exposure /= 2.0;
-            use_.misses /= 2.0;
-        }
+        use_.forget_old_history();
     }
 
     /// The estimated probability that a token uses `group`.
@@ -154,11 +233,12 @@ impl ExpertUse {
         let Some(use_) = self.groups.get(group as usize) else {
             return 0.0;
         };
-        let open = use_
-            .absent_since
-            .map_or(0.0, |since| self.token.saturating_sub(since) as f64);
-        let exposure = use_.exposure + open;
-        ((use_.misses + self.prior * PRIOR_TOKENS) / (exposure + PRIOR_TOKENS)).min(1.0)
+        // Completed tokens of the open stretch not yet counted.
+        let open = use_.observable_from.map_or(0, |from| {
+            self.token.saturating_sub(from.max(use_.exposed_until))
+        });
+        let exposure = use_.exposure + open as f64;
+        ((use_.uses + self.prior * prior_tokens()) / (exposure + prior_tokens())).min(1.0)
     }
 
     /// The probability that a token reads a block holding bytes of `groups`: that it
@@ -192,19 +272,20 @@ mod tests {
 
     #[test]
     fn starts_at_the_prior_and_counts_tokens_by_layer() {
-        let mut use_ = ExpertUse::new(&map());
+        let mut use_ = ExpertUse::new(&map(), |_| true);
         assert!((use_.probability(0) - 0.5).abs() < 1e-9);
         use_.used(0);
         use_.used(4);
         use_.used(4);
         assert_eq!(use_.tokens(), 0);
+        assert_eq!(use_.current_layer(), Some(1));
         use_.used(1);
         assert_eq!(use_.tokens(), 1);
     }
 
     #[test]
-    fn a_resident_expert_keeps_its_estimate_and_cold_ones_fall() {
-        let mut use_ = ExpertUse::new(&map());
+    fn a_resident_unwatched_expert_keeps_its_estimate_and_cold_ones_fall() {
+        let mut use_ = ExpertUse::new(&map(), |_| true);
         // Expert 0 is used in token 0, read, and kept resident. Then for 100 tokens
         // layer 0 uses expert 3 (never resident) and layer 1 expert 4.
         use_.used(0);
@@ -225,7 +306,7 @@ mod tests {
 
     #[test]
     fn evicted_experts_are_exposed_again_from_the_next_token() {
-        let mut use_ = ExpertUse::new(&map());
+        let mut use_ = ExpertUse::new(&map(), |_| true);
         use_.used(0);
         use_.block_changed(0, true);
         use_.block_changed(0, false);
@@ -238,5 +319,71 @@ mod tests {
         let p = use_.probability(0);
         assert!(p < 0.5 && p > 0.1, "{p}");
         assert!(use_.block_probability(&[0, 1]) > use_.probability(1));
+    }
+
+    /// One token: layer 0 uses expert 3 (never resident) and `kept`, layer 1 expert 4; a
+    /// watched expert whose use faults is watched again once the program has left its
+    /// layer, as the graph eviction policy does.
+    fn token(use_: &mut ExpertUse, kept: Option<u32>) {
+        use_.used(3);
+        if let Some(group) = kept {
+            use_.used(group);
+            if use_.watched(group) {
+                use_.set_watched(group, false, true);
+            }
+        }
+        use_.used(4);
+        if let Some(group) = kept {
+            if use_.wholly_resident(group) {
+                use_.set_watched(group, true, true);
+            }
+        }
+    }
+
+    #[test]
+    fn a_watched_resident_expert_is_counted_exactly() {
+        let mut use_ = ExpertUse::new(&map(), |_| true);
+        // Experts 0 and 1 are read and kept; both are watched.
+        for group in [0, 1] {
+            use_.used(group);
+            use_.block_changed(group, true);
+            use_.set_watched(group, true, true);
+        }
+        use_.used(4);
+        // 100 tokens: expert 0 used in every other one, expert 1 never.
+        for i in 0..100 {
+            token(&mut use_, (i % 2 == 0).then_some(0));
+        }
+        let (p0, p1) = (use_.probability(0), use_.probability(1));
+        assert!((p0 - 0.5).abs() < 0.08, "{p0}");
+        assert!(p1 < 0.15, "{p1}");
+    }
+
+    #[test]
+    fn a_watch_lost_to_a_neighbour_does_not_count_the_token_unused() {
+        let mut use_ = ExpertUse::new(&map(), |_| true);
+        for group in [0, 1] {
+            use_.used(group);
+            use_.block_changed(group, true);
+            use_.set_watched(group, true, true);
+        }
+        use_.used(4);
+        let before = use_.probability(1);
+        // For 50 tokens a block both share fires for expert 0: expert 1's watch goes
+        // before its use could be seen, and is taken again after the layer.
+        for _ in 0..50 {
+            use_.used(0);
+            use_.set_watched(0, false, true);
+            use_.set_watched(1, false, false);
+            use_.used(4);
+            use_.set_watched(0, true, true);
+            use_.set_watched(1, true, true);
+        }
+        assert!(
+            (use_.probability(1) - before).abs() < 0.05,
+            "unseen tokens moved the estimate: {before} -> {}",
+            use_.probability(1)
+        );
+        assert!(use_.probability(0) > 0.85, "{}", use_.probability(0));
     }
 }

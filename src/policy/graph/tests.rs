@@ -40,6 +40,7 @@ fn bound_policies(
         block_size: block,
         block_count: blocks,
         budget,
+        watch_resident: false,
     };
     prefetch.region_added(&info);
     eviction.region_added(&info);
@@ -408,6 +409,7 @@ fn split_policies() -> (GraphPrefetch, GraphEviction) {
             block_size: BLOCK,
             block_count: 8,
             budget: u64::MAX,
+            watch_resident: false,
         };
         prefetch.region_added(&info);
         eviction.region_added(&info);
@@ -465,6 +467,7 @@ fn a_model_mapped_twice_is_read_into_the_mapping_that_faulted() {
         block_size: BLOCK,
         block_count: 16,
         budget: u64::MAX,
+        watch_resident: false,
     };
     prefetch.region_added(&second);
     let mut out = Vec::new();
@@ -479,4 +482,145 @@ fn a_model_mapped_twice_is_read_into_the_mapping_that_faulted() {
             .all(|request| request.block.region == RegionId(1)),
         "{out:?}"
     );
+}
+
+/// A mixture of experts (`sim::moe`'s coarse shape: 8 layers of 16 experts) in 1 MiB
+/// blocks, bound to region 0 under half its size; watching honoured if `watch`.
+fn moe_policies(watch: bool) -> (Arc<ModelGraph>, GraphPrefetch, GraphEviction) {
+    let shape = crate::sim::moe::MoeShape::coarse();
+    let layout = BlockLayout::new(0, shape.file_len(), 1 << 20).unwrap();
+    let graph = Arc::new(
+        ModelGraph::from_tensors(&shape.tensors(), layout).with_experts_used(Some(shape.used)),
+    );
+    let (mut prefetch, mut eviction) = graph_policies(Arc::clone(&graph));
+    let info = RegionInfo {
+        id: RegionId(0),
+        path: Path::new("/model"),
+        file_offset: 0,
+        data_len: layout.data_len,
+        block_size: layout.block_size,
+        block_count: layout.block_count(),
+        budget: layout.data_len / 2,
+        watch_resident: watch,
+    };
+    prefetch.region_added(&info);
+    eviction.region_added(&info);
+    (graph, prefetch, eviction)
+}
+
+/// The group of `expert` in `layer`.
+fn group_of(graph: &ModelGraph, layer: u32, expert: u32) -> u32 {
+    let groups = graph.experts().groups();
+    groups
+        .iter()
+        .position(|g| g.layer == layer && g.expert == expert)
+        .unwrap() as u32
+}
+
+/// A fault at the first byte of `group`'s first slice.
+fn expert_fault(graph: &ModelGraph, group: u32, outcome: FaultOutcome) -> FaultEvent {
+    let at = graph.experts().group(group).bytes[0].start;
+    let block = graph.layout().block_size;
+    FaultEvent {
+        block: b((at / block) as u32),
+        time_ns: 0,
+        outcome,
+        offset_in_block: Some((at % block) as u32),
+    }
+}
+
+/// A fault at `block`, an expert's block the policy asked to watch.
+fn watch_fault(block: BlockRef) -> FaultEvent {
+    FaultEvent {
+        block,
+        time_ns: 0,
+        outcome: FaultOutcome::Resident,
+        offset_in_block: None,
+    }
+}
+
+fn distinct_blocks(graph: &ModelGraph, group: u32) -> Vec<u32> {
+    let mut blocks: Vec<u32> = graph.experts().group(group).blocks().collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    blocks
+}
+
+fn watched(eviction: &mut GraphEviction) -> Vec<BlockRef> {
+    let mut out = Vec::new();
+    eviction.watch(&mut out);
+    out
+}
+
+#[test]
+fn a_resident_expert_is_watched_once_the_program_has_left_its_layer() {
+    let (graph, _, mut eviction) = moe_policies(true);
+    let (a, later) = (group_of(&graph, 0, 0), group_of(&graph, 1, 3));
+    // Expert a of layer 0 faults and is read whole.
+    eviction.touched(&expert_fault(&graph, a, FaultOutcome::Missing));
+    for block in distinct_blocks(&graph, a) {
+        eviction.inserted(b(block));
+    }
+    assert!(watched(&mut eviction).is_empty(), "still in layer 0");
+    // The program reaches layer 1: a is watched, through one block that is its own.
+    eviction.touched(&expert_fault(&graph, later, FaultOutcome::Missing));
+    let first = watched(&mut eviction);
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(graph.experts().groups_of(first[0].index), [a]);
+    assert!(watched(&mut eviction).is_empty(), "watched once");
+    // Next token: a's use faults on its watched block; it is watched again only once
+    // the program has left layer 0 again.
+    eviction.touched(&watch_fault(first[0]));
+    assert!(watched(&mut eviction).is_empty());
+    eviction.touched(&expert_fault(&graph, later, FaultOutcome::Missing));
+    assert_eq!(watched(&mut eviction), first);
+
+    // A pager that cannot watch is never asked to.
+    let (graph, _, mut eviction) = moe_policies(false);
+    eviction.touched(&expert_fault(&graph, a, FaultOutcome::Missing));
+    for block in distinct_blocks(&graph, a) {
+        eviction.inserted(b(block));
+    }
+    eviction.touched(&expert_fault(&graph, later, FaultOutcome::Missing));
+    assert!(watched(&mut eviction).is_empty());
+}
+
+#[test]
+fn a_watched_expert_left_unused_goes_before_one_used_every_token() {
+    let (graph, _, mut eviction) = moe_policies(true);
+    let (used, unused) = (group_of(&graph, 0, 0), group_of(&graph, 0, 8));
+    let (other, elsewhere) = (group_of(&graph, 0, 15), group_of(&graph, 1, 3));
+    // Both read in the first token, as the router chose them.
+    for group in [used, unused] {
+        eviction.touched(&expert_fault(&graph, group, FaultOutcome::Missing));
+        for block in distinct_blocks(&graph, group) {
+            eviction.inserted(b(block));
+        }
+    }
+    eviction.touched(&expert_fault(&graph, elsewhere, FaultOutcome::Missing));
+    let mut sentinels = watched(&mut eviction);
+    assert_eq!(sentinels.len(), 2);
+    // 40 tokens: layer 0 runs `used` (resident: its watched block faults) and `other`
+    // (never resident), layer 1 runs `elsewhere`.
+    for _ in 0..40 {
+        let sentinel = *sentinels
+            .iter()
+            .find(|s| graph.experts().groups_of(s.index) == [used])
+            .unwrap();
+        eviction.touched(&watch_fault(sentinel));
+        eviction.touched(&expert_fault(&graph, other, FaultOutcome::Missing));
+        eviction.touched(&expert_fault(&graph, elsewhere, FaultOutcome::Missing));
+        sentinels.retain(|&s| s != sentinel);
+        sentinels.extend(watched(&mut eviction));
+    }
+    let incoming = b(distinct_blocks(&graph, other)[0]);
+    for _ in distinct_blocks(&graph, unused) {
+        let victim = eviction.victim(incoming, ReadKind::Demand).unwrap();
+        assert!(
+            graph.experts().groups_of(victim.index).contains(&unused)
+                && !graph.experts().groups_of(victim.index).contains(&used),
+            "evicted {victim:?} of {:?} before the unused expert",
+            graph.experts().groups_of(victim.index)
+        );
+    }
 }

@@ -1,0 +1,200 @@
+//! The routed-expert blocks the graph eviction policy holds: which goes first, and which
+//! are watched so that a resident expert's use is seen.
+//!
+//! An expert's blocks lie outside the predicted order (a token reads them only when the
+//! router picks the expert), so they are ranked by expectation: the block whose expert
+//! is expected to be used furthest ahead goes first (`Progress::expected_next_use`). That
+//! expectation is only as good as the use counts (`ExpertUse`), and a wholly resident
+//! expert is used without faulting. Where the pager can watch resident blocks, each
+//! wholly resident expert has one block watched (its *sentinel*: a block holding only
+//! its bytes where it has one), from the time the program has left the expert's layer
+//! until its next use, which then costs one fault without a read and is counted. The
+//! watch is taken again once the program has left the layer again, so every token of a
+//! resident expert is observed.
+
+use std::collections::HashMap;
+
+use super::expert_use::ExpertUse;
+use super::{is_routed_expert, Progress};
+use crate::graph::ModelGraph;
+use crate::policy::BlockRef;
+
+pub(super) struct ExpertBlocks {
+    /// Tracked (resident, evictable) expert blocks: the region's block and the graph's.
+    tracked: Vec<(BlockRef, u32)>,
+    /// Where each tracked block is in `tracked`.
+    slot: HashMap<BlockRef, usize>,
+    /// Per group: the block whose watch shows its use; `None` where the group has no
+    /// block of routed experts only (one it shares with a tensor every token reads).
+    sentinels: Vec<Option<u32>>,
+    /// Per block of the graph: watched now.
+    watched: Vec<bool>,
+    /// Wholly resident groups to watch once the program has left their layer.
+    pending: Vec<u32>,
+    is_pending: Vec<bool>,
+    /// Whether watches are asked for: the pager honours them, and the model does not
+    /// fit the budget (a model that fits never evicts, so use counts change nothing).
+    pub(super) watching: bool,
+}
+
+impl ExpertBlocks {
+    pub(super) fn new(graph: &ModelGraph) -> Self {
+        let experts = graph.experts();
+        let sentinels = experts
+            .groups()
+            .iter()
+            .enumerate()
+            .map(|(id, group)| {
+                let routed: Vec<u32> = group
+                    .blocks()
+                    .filter(|&block| is_routed_expert(graph, block))
+                    .collect();
+                let own = routed
+                    .iter()
+                    .copied()
+                    .find(|&block| experts.groups_of(block) == [id as u32]);
+                own.or_else(|| routed.first().copied())
+            })
+            .collect();
+        let groups = experts.groups().len();
+        Self {
+            tracked: Vec::new(),
+            slot: HashMap::new(),
+            sentinels,
+            watched: vec![false; graph.layout().block_count() as usize],
+            pending: Vec::new(),
+            is_pending: vec![false; groups],
+            watching: false,
+        }
+    }
+
+    /// `block` (the graph's `global`) became resident and evictable.
+    pub(super) fn insert(
+        &mut self,
+        block: BlockRef,
+        global: u32,
+        graph: &ModelGraph,
+        use_: &mut ExpertUse,
+    ) {
+        if self.slot.contains_key(&block) {
+            return;
+        }
+        self.slot.insert(block, self.tracked.len());
+        self.tracked.push((block, global));
+        for &group in graph.experts().groups_of(global) {
+            use_.block_changed(group, true);
+            if use_.wholly_resident(group) {
+                self.queue(group);
+            }
+        }
+    }
+
+    /// `block` is no longer resident or no longer evictable.
+    pub(super) fn remove(
+        &mut self,
+        block: BlockRef,
+        global: u32,
+        graph: &ModelGraph,
+        use_: &mut ExpertUse,
+    ) {
+        let Some(at) = self.slot.remove(&block) else {
+            return;
+        };
+        self.tracked.swap_remove(at);
+        if let Some(&(moved, _)) = self.tracked.get(at) {
+            self.slot.insert(moved, at);
+        }
+        let groups = graph.experts().groups_of(global);
+        for &group in groups {
+            use_.block_changed(group, false);
+        }
+        if std::mem::take(&mut self.watched[global as usize]) {
+            // Missing now: the group is observed through its missing block instead.
+            for &group in groups {
+                if self.sentinels[group as usize] == Some(global) {
+                    use_.set_watched(group, false, true);
+                }
+            }
+        }
+    }
+
+    /// A fault on the graph's block `global` (after `use_` counted the groups it shows
+    /// in use): a watched block is watched no more, and its groups are watched again
+    /// after their layer.
+    pub(super) fn fault(&mut self, global: u32, graph: &ModelGraph, use_: &mut ExpertUse) {
+        if !std::mem::take(&mut self.watched[global as usize]) {
+            return;
+        }
+        for &group in graph.experts().groups_of(global) {
+            if self.sentinels[group as usize] == Some(global) {
+                let seen = use_.used_now(group);
+                use_.set_watched(group, false, seen);
+                self.queue(group);
+            }
+        }
+    }
+
+    fn queue(&mut self, group: u32) {
+        if self.watching && !std::mem::replace(&mut self.is_pending[group as usize], true) {
+            self.pending.push(group);
+        }
+    }
+
+    /// Appends the blocks to watch now: the sentinels of the pending groups outside
+    /// the program's current layer, still wholly resident and tracked. `local` gives a
+    /// graph block's block in a bound region.
+    pub(super) fn watch(
+        &mut self,
+        use_: &mut ExpertUse,
+        local: impl Fn(u32) -> Option<BlockRef>,
+        out: &mut Vec<BlockRef>,
+    ) {
+        if !self.watching || self.pending.is_empty() {
+            return;
+        }
+        let current = use_.current_layer();
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.retain(|&group| {
+            if use_.layer(group) == current {
+                return true;
+            }
+            self.is_pending[group as usize] = false;
+            let Some(sentinel) = self.sentinels[group as usize] else {
+                return false;
+            };
+            if !use_.wholly_resident(group) || use_.watched(group) {
+                return false;
+            }
+            let Some(block) = local(sentinel).filter(|block| self.slot.contains_key(block)) else {
+                return false;
+            };
+            if !std::mem::replace(&mut self.watched[sentinel as usize], true) {
+                out.push(block);
+            }
+            use_.set_watched(group, true, true);
+            false
+        });
+        self.pending = pending;
+    }
+
+    /// The tracked expert block expected to be used furthest ahead, with that
+    /// expectation (`Progress::expected_next_use`); blocks of an expert the program is
+    /// reading now are kept.
+    pub(super) fn coldest(
+        &self,
+        graph: &ModelGraph,
+        progress: &Progress,
+    ) -> Option<(BlockRef, f64)> {
+        let mut best: Option<(BlockRef, f64)> = None;
+        for &(block, global) in &self.tracked {
+            let expected = progress.expected_next_use(graph, global);
+            if expected == 0.0 {
+                continue;
+            }
+            if best.is_none_or(|(_, furthest)| expected > furthest) {
+                best = Some((block, expected));
+            }
+        }
+        best
+    }
+}

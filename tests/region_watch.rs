@@ -1,0 +1,243 @@
+//! Watching resident blocks (`EvictionPolicy::watch`): with zero copy the pager drops a
+//! watched block's page-table entries and keeps its frame, so the program's next access
+//! is a fault the policy hears of, served without a read, with the file's bytes. Copying
+//! in, the pager cannot keep the bytes, and the policy is never asked.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use hyperoffload::policy::{
+    BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction, PrefetchKind, ReadKind,
+    RegionId, RegionInfo,
+};
+use hyperoffload::{MapOptions, Pager};
+
+/// What the test policy saw.
+#[derive(Default)]
+struct Seen {
+    /// `RegionInfo::watch_resident` of the last region added.
+    watch_resident: Option<bool>,
+    /// Watch faults: `Resident` faults on a block this policy watched.
+    watched_faults: u64,
+    /// Blocks handed to the pager to watch.
+    watches: u64,
+}
+
+/// FIFO eviction that watches every resident block but the one faulted on last (the
+/// program is using it), as the graph policy watches experts once the program has left
+/// their layer: a sequential pass over resident blocks faults once per block.
+struct WatchEverything {
+    fifo: FifoEviction,
+    to_watch: Vec<BlockRef>,
+    last_fault: Option<BlockRef>,
+    watched: std::collections::HashSet<BlockRef>,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl EvictionPolicy for WatchEverything {
+    fn name(&self) -> &'static str {
+        "watch-everything"
+    }
+
+    fn region_added(&mut self, info: &RegionInfo<'_>) {
+        self.seen.lock().unwrap().watch_resident = Some(info.watch_resident);
+    }
+
+    fn region_removed(&mut self, region: RegionId) {
+        self.fifo.region_removed(region);
+        self.to_watch.retain(|block| block.region != region);
+        self.watched.retain(|block| block.region != region);
+    }
+
+    fn inserted(&mut self, block: BlockRef) {
+        self.fifo.inserted(block);
+        self.to_watch.push(block);
+    }
+
+    fn removed(&mut self, block: BlockRef) {
+        self.fifo.removed(block);
+        self.to_watch.retain(|&b| b != block);
+        self.watched.remove(&block);
+    }
+
+    fn touched(&mut self, fault: &FaultEvent) {
+        self.last_fault = Some(fault.block);
+        if self.watched.remove(&fault.block) {
+            assert_eq!(fault.outcome, FaultOutcome::Resident, "{fault:?}");
+            self.seen.lock().unwrap().watched_faults += 1;
+            self.to_watch.push(fault.block);
+        }
+    }
+
+    fn watch(&mut self, out: &mut Vec<BlockRef>) {
+        let mut seen = self.seen.lock().unwrap();
+        let last_fault = self.last_fault;
+        let watched = &mut self.watched;
+        self.to_watch.retain(|&block| {
+            if Some(block) == last_fault {
+                return true;
+            }
+            if watched.insert(block) {
+                out.push(block);
+                seen.watches += 1;
+            }
+            false
+        });
+    }
+
+    fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
+        let victim = self.fifo.victim(incoming, kind)?;
+        self.to_watch.retain(|&b| b != victim);
+        self.watched.remove(&victim);
+        Some(victim)
+    }
+}
+
+fn pager(budget: u64, zero_copy: bool, seen: &Arc<Mutex<Seen>>) -> Option<Pager> {
+    let policy = WatchEverything {
+        fifo: FifoEviction::default(),
+        to_watch: Vec::new(),
+        last_fault: None,
+        watched: Default::default(),
+        seen: Arc::clone(seen),
+    };
+    pager_or_skip(
+        Pager::builder()
+            .budget(budget)
+            .block_size(2 << 20)
+            .zero_copy(zero_copy)
+            .prefetch(PrefetchKind::None.build())
+            .eviction(Box::new(policy)),
+    )
+}
+
+fn check_every_byte(bytes: &[u8]) {
+    for (offset, &byte) in bytes.iter().enumerate() {
+        if byte != pattern_byte(offset as u64) {
+            panic!(
+                "byte {offset}: {byte} instead of {}",
+                pattern_byte(offset as u64)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_watched_block_faults_once_and_is_served_without_a_read() {
+    let dir = TempDir::new("watch-fits");
+    let path = dir.path("model.bin");
+    let len = 24 << 20;
+    pattern_file(&path, len);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let Some(pager) = pager(64 << 20, true, &seen) else {
+        return;
+    };
+    assert!(
+        pager.stats().zero_copy,
+        "{:?}",
+        pager.stats().zero_copy_refused
+    );
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    check_every_byte(region.as_slice());
+    let first = pager.stats();
+    assert_eq!(seen.lock().unwrap().watch_resident, Some(true));
+    assert_eq!(first.bytes_read, len, "{}", first.to_json());
+    // Every block is resident and watched; each pass faults once per block, reads
+    // nothing, and sees the same bytes.
+    for pass in 1..=3u64 {
+        check_every_byte(region.as_slice());
+        let stats = pager.stats();
+        assert_eq!(
+            stats.bytes_read,
+            len,
+            "pass {pass} read: {}",
+            stats.to_json()
+        );
+        assert_eq!(
+            stats.watch_faults,
+            12 * pass,
+            "pass {pass}: {}",
+            stats.to_json()
+        );
+        assert!(stats.watched_blocks >= 12 * pass, "{}", stats.to_json());
+        // All but the last block used are watched again: their pages are gone.
+        let present = pages_present(region.as_ptr() as usize, region.map_len());
+        let block_pages = (2 << 20) / 4096;
+        let mapped: Vec<usize> = (0..12).filter(|&i| present[i * block_pages]).collect();
+        assert_eq!(mapped, [11], "after pass {pass}");
+    }
+    let policy_saw = seen.lock().unwrap().watched_faults;
+    assert_eq!(policy_saw, 36, "the policy heard of each watch fault");
+}
+
+#[test]
+fn watched_blocks_keep_the_file_s_bytes_under_eviction_with_threads() {
+    let dir = TempDir::new("watch-evicts");
+    let path = dir.path("model.bin");
+    let len = 64 << 20;
+    pattern_file(&path, len);
+    let budget = 16 << 20;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let Some(pager) = pager(budget, true, &seen) else {
+        return;
+    };
+    let region = Arc::new(pager.map_file(&path, MapOptions::default()).unwrap());
+    std::thread::scope(|scope| {
+        for thread in 0..4u64 {
+            let region = Arc::clone(&region);
+            scope.spawn(move || {
+                let bytes = region.as_slice();
+                // Each thread sweeps a quarter of the file forwards and back, twice:
+                // blocks are watched, used, evicted and read again.
+                let quarter = len / 4;
+                let (start, end) = (thread * quarter, (thread + 1) * quarter);
+                for _ in 0..2 {
+                    for page in (start..end).step_by(4096) {
+                        assert_eq!(bytes[page as usize], pattern_byte(page));
+                    }
+                    for page in (start / 4096..end / 4096).rev().map(|page| page * 4096) {
+                        assert_eq!(bytes[page as usize], pattern_byte(page));
+                    }
+                }
+            });
+        }
+    });
+    check_every_byte(region.as_slice());
+    let stats = pager.stats();
+    assert!(
+        stats.evictions > 0 && stats.watch_faults > 0,
+        "{}",
+        stats.to_json()
+    );
+    assert!(stats.peak_resident_bytes <= budget, "{}", stats.to_json());
+    assert!(
+        stats.peak_frame_memory_bytes <= budget,
+        "{}",
+        stats.to_json()
+    );
+}
+
+#[test]
+fn copying_in_the_pager_never_asks_to_watch() {
+    let dir = TempDir::new("watch-copy");
+    let path = dir.path("model.bin");
+    let len = 8 << 20;
+    pattern_file(&path, len);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let Some(pager) = pager(64 << 20, false, &seen) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    check_every_byte(region.as_slice());
+    check_every_byte(region.as_slice());
+    let stats = pager.stats();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.watch_resident, Some(false));
+    assert_eq!(
+        (seen.watches, stats.watched_blocks, stats.watch_faults),
+        (0, 0, 0)
+    );
+    assert_eq!(stats.bytes_read, len);
+}
