@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+use crate::graph::expert_store::{self, LoadedCounts};
 use crate::graph::store::{self, Loaded};
 use crate::graph::{BlockLayout, ModelGraph, PartTensors};
 use crate::model::split::split_parts;
@@ -25,6 +26,10 @@ pub struct PolicyPair {
     /// fault and call `graph::store::save` at the end. Never set for a run that has a
     /// graph (see `policies_by_name`).
     pub learn: Option<crate::graph::BlockLayout>,
+    /// The graph policies' shared prediction of a mixture of experts, already started
+    /// from counts an earlier run saved: save `expert_counts` at the end
+    /// (`graph::expert_store::save`) for the next run.
+    pub experts: Option<Arc<GraphPrediction>>,
 }
 
 /// The names accepted, the default first, with what each means.
@@ -81,16 +86,41 @@ pub fn policies_by_name(
             eviction: eviction.build(),
             description: name.to_string(),
             learn: None,
+            experts: None,
         });
     }
     match model.map(model_graph) {
         Some(Ok((graph, source))) => {
             let blocks = graph.layout().block_count();
+            let has_experts = !graph.experts().is_empty();
             let prediction = GraphPrediction::new(Arc::new(graph));
+            let mut description = format!("graph ({source}, {blocks} blocks)");
+            if has_experts {
+                // A model is used more than once: what an earlier run learned of its
+                // routing ranks the experts from the first token.
+                let path = model.map(|hint| hint.path);
+                match path.map(expert_store::load) {
+                    Some(Ok(LoadedCounts::Fresh { path, counts })) => {
+                        let matched = prediction.seed_expert_counts(&counts);
+                        description.push_str(&format!(
+                            "; use of {matched} experts from {}",
+                            path.display()
+                        ));
+                    }
+                    Some(Ok(LoadedCounts::Stale { path, reason })) => {
+                        description.push_str(&format!("; {} ignored: {reason}", path.display()))
+                    }
+                    Some(Err(error)) => {
+                        description.push_str(&format!("; saved expert use ignored: {error}"))
+                    }
+                    Some(Ok(LoadedCounts::Absent)) | None => {}
+                }
+            }
             Ok(PolicyPair {
                 prefetch: prefetch.build_with(Some(&prediction)),
                 eviction: eviction.build_with(Some(&prediction)),
-                description: format!("graph ({source}, {blocks} blocks)"),
+                experts: has_experts.then(|| Arc::clone(&prediction)),
+                description,
                 // A run with a graph learns nothing: it prefetches, so only mispredicted
                 // blocks fault, and the transitions among those few are no access order.
                 // Saving them would replace the recording with a poorer graph, and the
@@ -124,6 +154,7 @@ pub fn policies_by_name(
                 eviction: EvictionKind::Fifo.build(),
                 description: format!("{what} (graph unavailable: {why})"),
                 learn,
+                experts: None,
             })
         }
     }

@@ -494,7 +494,8 @@ fn in_memory_cgroup(name: &str, model: &Path, mut command: Command) -> (std::pro
 /// llama-completion's greedy text unchanged under the pager at a quarter of the model,
 /// every policy within its budget; and the whole process (memory cgroup peak, page cache
 /// included) stays within the budget plus llama.cpp's own buffers (the plain run's peak
-/// less the model it caches) plus 128 MiB.
+/// less the model it caches) plus 128 MiB. The graph policy watches resident experts to
+/// count their use, saves the counts beside the model, and the next run starts from them.
 #[test]
 fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     let Some((bin, small)) = llama_and_model() else {
@@ -542,8 +543,9 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     assert!(!expected.trim().is_empty(), "no text from the MoE");
     let own_buffers = plain_peak.saturating_sub(model_size);
     let budget = model_size / 4;
-    for policy in ["graph", "lru"] {
-        let stats = dir.path(&format!("stats-{policy}.json"));
+    let counts = dir.path("moe.gguf.hyperoffload-experts");
+    for (label, policy) in [("graph", "graph"), ("lru", "lru"), ("graph-warm", "graph")] {
+        let stats = dir.path(&format!("stats-{label}.json"));
         let mut paged = launcher();
         paged
             .args(["--policy", policy, "--budget", "25%", "--stats"])
@@ -551,14 +553,33 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
             .arg("--")
             .arg(&completion)
             .args(&args);
-        let (output, peak) = in_memory_cgroup(policy, &model, paged);
-        assert_success(&output, policy);
-        assert_eq!(stdout(&output), expected, "{policy}: different text");
+        let (output, peak) = in_memory_cgroup(label, &model, paged);
+        assert_success(&output, label);
+        assert_eq!(stdout(&output), expected, "{label}: different text");
         let json = read_stats(&stats);
+        let in_use = json["config"]["policy_in_use"].as_str().unwrap_or_default();
+        match label {
+            "graph" => {
+                assert!(
+                    json["watch_faults"].as_u64().unwrap() > 0,
+                    "resident experts were not watched: {json}"
+                );
+                assert!(!in_use.contains("experts from"), "{in_use}");
+                let saved = std::fs::read_to_string(&counts).unwrap_or_default();
+                let (_, saved) = hyperoffload::graph::expert_store::decode(&saved, &counts)
+                    .expect("the run saved its expert counts beside the model");
+                assert!(saved.experts.len() >= 16, "{saved:?}");
+            }
+            "graph-warm" => assert!(
+                in_use.contains("experts from") && in_use.contains("hyperoffload-experts"),
+                "the second run did not start from the saved counts: {in_use}"
+            ),
+            _ => {}
+        }
         let resident = json["peak_resident_bytes"].as_u64().unwrap();
         let bytes_read = json["bytes_read"].as_u64().unwrap();
         eprintln!(
-            "MoE {policy} at 25 %: same text; read {bytes_read}, peak resident {resident}, \
+            "MoE {label} at 25 %: same text; read {bytes_read}, peak resident {resident}, \
              process peak {peak} (plain {plain_peak}, model {model_size})"
         );
         assert!(json["faults"].as_u64().unwrap() > 0, "{json}");
@@ -566,7 +587,7 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         let limit = budget + own_buffers + (128 << 20);
         assert!(
             peak <= limit,
-            "{policy}: the process peaked at {peak} bytes, over budget {budget} + \
+            "{label}: the process peaked at {peak} bytes, over budget {budget} + \
              llama.cpp's {own_buffers} + 128 MiB"
         );
     }

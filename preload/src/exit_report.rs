@@ -1,5 +1,6 @@
 //! The stats JSON (and the optional fault trace, with the shim's own events beside it)
-//! written when the program exits: from an
+//! written when the program exits, with what was learned for the next run (a graph, or
+//! how often a mixture of experts' experts ran): from an
 //! atexit handler registered when the pager starts. Regions are not dropped at exit
 //! (other threads may still be reading them); only the files are written.
 //!
@@ -16,8 +17,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use hyperoffload::graph::store;
 use hyperoffload::graph::Transitions;
+use hyperoffload::graph::{expert_store, store};
+use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::trace::{events_path, TraceWriter};
 
 use crate::{managed::Reentry, state};
@@ -94,6 +96,9 @@ extern "C" fn write_at_exit() {
             Err(error) => shim.say(&format!("cannot save the learned graph: {error}")),
         }
     }
+    if let Some((model, prediction)) = shim.expert_learning() {
+        save_expert_counts(shim, &model, &prediction);
+    }
     if let Some(path) = &config.trace_path {
         let files = shim.files();
         let mut metadata: Vec<(&str, String)> = vec![
@@ -117,6 +122,33 @@ extern "C" fn write_at_exit() {
         let mut lines = shim.take_trace().join("\n");
         lines.push('\n');
         write_new(shim, &events_path(path), config.inherit, lines.as_bytes());
+    }
+}
+
+/// Saves what this run learned of the model's routing for the next run, once it has
+/// followed a few tokens.
+fn save_expert_counts(shim: &crate::managed::Shim, model: &Path, prediction: &GraphPrediction) {
+    const MIN_TOKENS: u64 = 2;
+    if prediction.expert_tokens() < MIN_TOKENS {
+        return;
+    }
+    let Some(counts) = prediction.expert_counts() else {
+        return;
+    };
+    match expert_store::save(model, &counts) {
+        Ok(saved) => {
+            if shim.config.verbose {
+                shim.say(&format!(
+                    "saved the use of {} experts over {} tokens to {} for the next run",
+                    counts.experts.len(),
+                    prediction.expert_tokens(),
+                    saved.display()
+                ));
+            }
+        }
+        Err(error) => shim.say(&format!(
+            "cannot save what was learned of the experts: {error}"
+        )),
     }
 }
 

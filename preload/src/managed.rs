@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
 use hyperoffload::model::split::model_len;
+use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy::AccessHint;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
 use hyperoffload::shim_config::ShimConfig;
@@ -91,6 +92,9 @@ pub struct Shim {
     policy_in_use: Mutex<String>,
     /// The model whose graph this run learns, and the layout to save it for.
     learning: Mutex<Option<(PathBuf, hyperoffload::graph::BlockLayout)>>,
+    /// A mixture of experts' model, and the prediction whose expert counts are saved
+    /// for its next run.
+    experts: Mutex<Option<(PathBuf, Arc<GraphPrediction>)>>,
     start: Instant,
     warned_mremap: AtomicBool,
     warned_advice: AtomicBool,
@@ -151,6 +155,7 @@ impl Shim {
             trace: Mutex::new(Vec::new()),
             policy_in_use: Mutex::new(String::new()),
             learning: Mutex::new(None),
+            experts: Mutex::new(None),
             start: Instant::now(),
             warned_mremap: AtomicBool::new(false),
             warned_advice: AtomicBool::new(false),
@@ -215,6 +220,11 @@ impl Shim {
         lock(&self.learning).clone()
     }
 
+    /// The mixture of experts this run learns the routing of, if it is one.
+    pub fn expert_learning(&self) -> Option<(PathBuf, Arc<GraphPrediction>)> {
+        lock(&self.experts).clone()
+    }
+
     pub fn take_trace(&self) -> Vec<String> {
         std::mem::take(&mut *lock(&self.trace))
     }
@@ -244,17 +254,19 @@ impl Shim {
                 if self.config.trace_path.is_some() || policies.learn.is_some() {
                     builder = builder.trace(TRACE_LIMIT);
                 }
-                let learn = policies.learn;
+                let (learn, experts) = (policies.learn, policies.experts);
                 builder
                     .build()
-                    .map(|pager| (pager, policies.description, learn))
+                    .map(|pager| (pager, policies.description, learn, experts))
                     .map_err(|error| error.to_string())
             });
         match built {
-            Ok((pager, policy, learn)) => {
+            Ok((pager, policy, learn, experts)) => {
                 *slot = PagerSlot::Running(pager.clone());
                 *lock(&self.policy_in_use) = policy.clone();
                 *lock(&self.learning) = learn.map(|layout| (first.path.to_path_buf(), layout));
+                *lock(&self.experts) =
+                    experts.map(|prediction| (first.path.to_path_buf(), prediction));
                 crate::exit_report::register();
                 self.verbose(|| {
                     format!(

@@ -10,9 +10,11 @@
 //! edges, [`rank`]).
 //!
 //! Everything here is pure computation over block indices, except [`store`], which
-//! saves and loads learned graphs beside the model file.
+//! saves and loads learned graphs beside the model file, and [`expert_store`], which
+//! does the same for how often a mixture of experts' experts run.
 
 pub mod arch;
+pub mod expert_store;
 pub mod experts;
 mod layout;
 pub mod learn;

@@ -28,10 +28,14 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: not a hyperoffload graph file: {reason}")]
+    #[error("{path}: not a hyperoffload file of what was learned: {reason}")]
     Malformed { path: PathBuf, reason: String },
-    #[error("{path}: graph file version {found}, this build reads version {VERSION}")]
-    UnsupportedVersion { path: PathBuf, found: u32 },
+    #[error("{path}: file version {found}, this build reads version {supported}")]
+    UnsupportedVersion {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
 }
 
 /// Identifies the exact model file a graph was learned from.
@@ -155,6 +159,7 @@ pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
         return Err(StoreError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: found.min(u32::MAX as u64) as u32,
+            supported: VERSION,
         });
     }
     let body: FileBody = serde_json::from_value(value).map_err(|e| malformed(e.to_string()))?;
@@ -204,21 +209,35 @@ pub fn save(
         transitions: transitions.clone(),
     };
     let path = graph_path(model);
+    write_atomically(&path, encode(&saved).as_bytes())?;
+    Ok(path)
+}
+
+/// Writes `contents` to `path` through a temporary file renamed over it: a reader sees
+/// the old file or the new one, never part of one.
+pub(crate) fn write_atomically(path: &Path, contents: &[u8]) -> Result<(), StoreError> {
     let mut temp_name = path.as_os_str().to_owned();
-    temp_name.push(".tmp");
+    temp_name.push(format!(".tmp{}", std::process::id()));
     let temp = PathBuf::from(temp_name);
     let io = |source| StoreError::Io {
         path: temp.clone(),
         source,
     };
     let mut file = File::create(&temp).map_err(io)?;
-    file.write_all(encode(&saved).as_bytes()).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    std::fs::rename(&temp, &path).map_err(|source| StoreError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    Ok(path)
+    let written = file
+        .write_all(contents)
+        .and_then(|()| file.sync_all())
+        .map_err(io)
+        .and_then(|()| {
+            std::fs::rename(&temp, path).map_err(|source| StoreError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written
 }
 
 /// Loads the graph saved beside `model`, if there is one and it was learned from this

@@ -31,6 +31,7 @@ use super::{
     BlockRef, EvictionPolicy, FaultEvent, PrefetchPolicy, PrefetchRequest, ReadKind, RegionId,
     RegionInfo,
 };
+use crate::graph::expert_store::{ExpertCount, ExpertCounts};
 use crate::graph::{BlockLayout, CyclicOrder, ModelGraph};
 
 mod expert_blocks;
@@ -128,6 +129,56 @@ impl GraphPrediction {
                 );
             }
         }
+    }
+
+    /// What was learned of how often each expert runs, for the next run of the model
+    /// (`graph::expert_store`); `None` for a model without routed experts.
+    pub fn expert_counts(&self) -> Option<ExpertCounts> {
+        let experts = self.graph.experts();
+        if experts.is_empty() {
+            return None;
+        }
+        let progress = self.lock();
+        let counts = progress
+            .experts
+            .counts()
+            .filter(|&(_, _, tokens)| tokens > 0.0);
+        Some(ExpertCounts {
+            experts: counts
+                .map(|(group, uses, tokens)| {
+                    let group = experts.group(group);
+                    ExpertCount {
+                        layer: group.layer,
+                        expert: group.expert,
+                        uses: uses.min(tokens),
+                        tokens,
+                    }
+                })
+                .collect(),
+        })
+    }
+
+    /// Tokens the expert counts have followed in this run (0 for a dense model).
+    pub fn expert_tokens(&self) -> u64 {
+        self.lock().experts.tokens()
+    }
+
+    /// Starts the expert use estimates from an earlier run's counts; returns how many of
+    /// the model's experts they matched.
+    pub fn seed_expert_counts(&self, counts: &ExpertCounts) -> usize {
+        let groups: HashMap<(u32, u32), u32> = (self.graph.experts().groups().iter())
+            .enumerate()
+            .map(|(id, group)| ((group.layer, group.expert), id as u32))
+            .collect();
+        let mut progress = self.lock();
+        let mut matched = 0;
+        for count in &counts.experts {
+            if let Some(&group) = groups.get(&(count.layer, count.expert)) {
+                progress.experts.seed(group, count.uses, count.tokens);
+                matched += 1;
+            }
+        }
+        matched
     }
 
     /// The streamed set chosen for the bound model (empty until a region binds).

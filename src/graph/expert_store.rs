@@ -1,0 +1,257 @@
+//! What a run learned of a mixture of experts' routing (how often a token uses each
+//! expert), saved for the next run of the same model so that it starts warm: beside
+//! the model (`<model>.hyperoffload-experts`), or, where the model's directory cannot
+//! be written, under `${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/learned/`.
+//!
+//! Small JSON: a format name and version, the key of the model file (as for learned
+//! graphs, see [`store`](super::store)), and per expert (layer, expert) the tokens in
+//! which it was seen used and the tokens it was observed over. A file whose key does
+//! not match the model is stale: reported, not used. A file that does not parse is an
+//! error, never a panic.
+
+use std::path::{Path, PathBuf};
+
+use super::store::{write_atomically, ModelKey, StoreError};
+
+const FORMAT: &str = "hyperoffload-experts";
+const VERSION: u32 = 1;
+const SUFFIX: &str = ".hyperoffload-experts";
+
+/// How often one expert was seen used.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertCount {
+    pub layer: u32,
+    pub expert: u32,
+    /// Tokens in which it was seen used.
+    pub uses: f64,
+    /// Tokens over which its use was observed (`uses` at most).
+    pub tokens: f64,
+}
+
+/// What was learned of a model's experts.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertCounts {
+    pub experts: Vec<ExpertCount>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct FileBody {
+    format: String,
+    version: u32,
+    model: ModelKey,
+    experts: Vec<ExpertCount>,
+}
+
+/// The result of looking for saved counts.
+#[derive(Debug)]
+pub enum LoadedCounts {
+    Fresh {
+        path: PathBuf,
+        counts: ExpertCounts,
+    },
+    /// Counts learned from another version of the model: ignored.
+    Stale {
+        path: PathBuf,
+        reason: String,
+    },
+    Absent,
+}
+
+/// Where counts for `model` are saved beside it.
+pub fn beside(model: &Path) -> PathBuf {
+    let mut name = model.as_os_str().to_owned();
+    name.push(SUFFIX);
+    PathBuf::from(name)
+}
+
+/// Where counts for `model` go when its directory cannot be written: named by the
+/// model's file name and key, so two models of one name do not share counts.
+pub fn in_cache(model: &Path, key: &ModelKey) -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
+    let name = model.file_name()?.to_string_lossy();
+    Some(
+        base.join("hyperoffload")
+            .join("learned")
+            .join(format!("{name}-{}{SUFFIX}", key.head_hash)),
+    )
+}
+
+pub fn encode(key: &ModelKey, counts: &ExpertCounts) -> String {
+    let body = FileBody {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: key.clone(),
+        experts: counts.experts.clone(),
+    };
+    // Plain numbers and strings: serialising cannot fail.
+    serde_json::to_string(&body).unwrap_or_default()
+}
+
+/// Parses a counts file's text; `path` only names it in errors.
+pub fn decode(text: &str, path: &Path) -> Result<(ModelKey, ExpertCounts), StoreError> {
+    let malformed = |reason: String| StoreError::Malformed {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+        return Err(malformed(format!("no \"format\": \"{FORMAT}\"")));
+    }
+    let found = value
+        .get("version")
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| malformed("no version".into()))?;
+    if found != VERSION as u64 {
+        return Err(StoreError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: found.min(u32::MAX as u64) as u32,
+            supported: VERSION,
+        });
+    }
+    let body: FileBody = serde_json::from_value(value).map_err(|e| malformed(e.to_string()))?;
+    for count in &body.experts {
+        let sane = count.uses.is_finite()
+            && count.tokens.is_finite()
+            && count.uses >= 0.0
+            && count.uses <= count.tokens;
+        if !sane {
+            return Err(malformed(format!(
+                "layer {} expert {}: {} uses in {} tokens",
+                count.layer, count.expert, count.uses, count.tokens
+            )));
+        }
+    }
+    Ok((
+        body.model,
+        ExpertCounts {
+            experts: body.experts,
+        },
+    ))
+}
+
+/// Saves `counts` for `model`: beside it, else in the cache directory. Returns where.
+pub fn save(model: &Path, counts: &ExpertCounts) -> Result<PathBuf, StoreError> {
+    let key = ModelKey::of_file(model)?;
+    let text = encode(&key, counts);
+    let path = beside(model);
+    let beside_error = match write_atomically(&path, text.as_bytes()) {
+        Ok(()) => return Ok(path),
+        Err(error) => error,
+    };
+    let Some(cached) = in_cache(model, &key) else {
+        return Err(beside_error);
+    };
+    if let Some(dir) = cached.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    write_atomically(&cached, text.as_bytes())?;
+    Ok(cached)
+}
+
+/// Loads the counts saved for `model` (beside it first), if they were learned from this
+/// very file.
+pub fn load(model: &Path) -> Result<LoadedCounts, StoreError> {
+    let key = ModelKey::of_file(model)?;
+    let candidates = [Some(beside(model)), in_cache(model, &key)];
+    for path in candidates.into_iter().flatten() {
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(source) => return Err(StoreError::Io { path, source }),
+        };
+        let (saved, counts) = decode(&text, &path)?;
+        if saved != key {
+            let reason = if saved.size != key.size {
+                format!(
+                    "learned from a {}-byte model, this one has {} bytes",
+                    saved.size, key.size
+                )
+            } else {
+                "the model changed since".to_string()
+            };
+            return Ok(LoadedCounts::Stale { path, reason });
+        }
+        return Ok(LoadedCounts::Fresh { path, counts });
+    }
+    Ok(LoadedCounts::Absent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "hyperoffload-expert-store-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn counts() -> ExpertCounts {
+        ExpertCounts {
+            experts: vec![
+                ExpertCount {
+                    layer: 0,
+                    expert: 3,
+                    uses: 12.0,
+                    tokens: 40.0,
+                },
+                ExpertCount {
+                    layer: 1,
+                    expert: 0,
+                    uses: 0.5,
+                    tokens: 7.25,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn saved_beside_the_model_and_loaded_while_it_is_unchanged() {
+        let dir = temp_dir("beside");
+        let model = dir.join("m.gguf");
+        std::fs::write(&model, vec![7u8; 5000]).unwrap();
+        assert!(matches!(load(&model).unwrap(), LoadedCounts::Absent));
+        let path = save(&model, &counts()).unwrap();
+        assert_eq!(path, dir.join("m.gguf.hyperoffload-experts"));
+        match load(&model).unwrap() {
+            LoadedCounts::Fresh { counts: loaded, .. } => assert_eq!(loaded, counts()),
+            other => panic!("{other:?}"),
+        }
+        std::fs::write(&model, vec![7u8; 6000]).unwrap();
+        match load(&model).unwrap() {
+            LoadedCounts::Stale { reason, .. } => assert!(reason.contains("5000"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn malformed_files_are_errors_naming_the_problem() {
+        let path = Path::new("x.hyperoffload-experts");
+        for (text, expected) in [
+            ("{", "not a hyperoffload"),
+            (r#"{"format":"other","version":1}"#, "format"),
+            (
+                r#"{"format":"hyperoffload-experts","version":9}"#,
+                "version 9",
+            ),
+            (
+                r#"{"format":"hyperoffload-experts","version":1,"model":{"size":1,"mtime_ns":1,"head_hash":"0"},"experts":[{"layer":0,"expert":1,"uses":5,"tokens":2}]}"#,
+                "5 uses in 2 tokens",
+            ),
+        ] {
+            let error = decode(text, path).unwrap_err().to_string();
+            assert!(error.contains(expected), "{text}: {error}");
+        }
+    }
+}
