@@ -1,7 +1,11 @@
 //! `hyperoffload bench`: the headline benchmark. llama-bench decode (tg) on one model at
 //! several budgets, under the kernel's paging (memory cgroup at the budget) and under
-//! the pager, with the floor each budget allows: token time >= max(compute time,
-//! (M - B) / device bandwidth), M - B bytes read per token, and the simulated optimum.
+//! the pager, with the floor each budget allows: token time >= max(compute time, floor
+//! bytes / device bandwidth). For a dense model the floor is M - B bytes read per token
+//! (and the simulated optimum on the predicted order beside it); for a mixture of
+//! experts, whose tokens read only the experts the router picks, it is Belady's policy
+//! replayed on a demand trace of the program (and the frequency floor beside it: the
+//! best a policy can do that learns how often experts run, not the sequence).
 //! Writes `results.md` (and one `compare` report per budget) to `--out`.
 
 use std::ffi::OsString;
@@ -17,9 +21,9 @@ use hyperoffload::compare::program_output::ProgramFigures;
 use hyperoffload::compare::record::{RunRecord, Side};
 use hyperoffload::compare::{compare, CompareConfig};
 use hyperoffload::device::{drop_page_cache, read_rate, sequential_read_rate};
-use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::graph::{expert_store, BlockLayout, ModelGraph};
 use hyperoffload::model::ModelFile;
-use hyperoffload::sim::{simulate, SimPolicy, Timing, Workload};
+use hyperoffload::sim::{simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::format_size;
 
 #[derive(Args, Debug)]
@@ -286,9 +290,9 @@ impl DecodeShare {
 }
 
 impl Row {
-    /// (M - B) / `device_bps`: the reads' part of the floor, for a model of `model_len`.
-    fn read_floor_s(&self, model_len: u64) -> f64 {
-        model_len.saturating_sub(self.budget) as f64 / self.device_bps
+    /// Floor bytes per token / `device_bps`: the reads' part of the floor.
+    fn read_floor_s(&self) -> f64 {
+        self.floor_bytes_per_token / self.device_bps
     }
 }
 
@@ -298,6 +302,11 @@ struct Row {
     kernel_tps: Option<f64>,
     pager_tps: Option<f64>,
     pager_bytes_per_token: f64,
+    /// Bytes a token must read: M - B for a dense model, Belady's on the demand trace
+    /// for a mixture of experts.
+    floor_bytes_per_token: f64,
+    /// Beside the floor: the simulated optimum on the predicted order (dense), the
+    /// frequency floor on the demand trace (mixture of experts).
     optimum_bytes_per_token: Option<f64>,
     /// The device's limit measured beside this budget's decode runs (the upper median of
     /// three measurements before them and three after).
@@ -370,11 +379,36 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         decode_share.during_bps / 1e6
     );
 
-    // The optimum for each budget, from the model's predicted order.
+    // The optimum for each budget, from the model's predicted order; for a mixture of
+    // experts, from a demand trace of the program.
     let block = hyperoffload::pager::DEFAULT_BLOCK_SIZE.max(64 << 10);
     let layout = BlockLayout::new(0, model_len, block)?;
     let graph = ModelGraph::from_tensors(&model.tensors, layout);
-    let workload = Workload::cyclic(&graph, 6);
+    let experts = graph.experts().groups().len();
+    let floors = if experts > 0 {
+        // Every pager run saves what it learned of the experts for the next: the first
+        // run of this bench starts cold, as a first run of the model does.
+        forget_expert_counts(&args.model);
+        let trace = record_demand_trace(&args)?;
+        eprintln!(
+            "bench: mixture of experts ({experts} experts in all): floors from {}",
+            trace.display()
+        );
+        let workload = super::simulate::read_trace(&trace, None)?;
+        let graph = super::simulate::trace_model_graph(&args.model, &workload)?;
+        let workload = workload.with_tokens_from_order(graph.order());
+        let passes = workload.token_starts.len();
+        if passes < 3 + args.tokens as usize {
+            bail!(
+                "{}: {passes} passes over the model found, {} needed",
+                trace.display(),
+                3 + args.tokens
+            );
+        }
+        Floors::Trace(workload)
+    } else {
+        Floors::Dense(Workload::cyclic(&graph, 6))
+    };
 
     // Ctrl-C or SIGTERM ends the run in progress; the cgroup and trace instances are
     // removed on the way out.
@@ -433,16 +467,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let first = &first_token.runs;
         let runs = &report.runs;
         let tps = |side| side_median(runs, side, |r| r.program.bench_tokens_per_s("tg"));
-        let optimum = simulate(
-            &workload,
-            budget,
-            SimPolicy::Belady,
-            None,
-            None,
-            Timing::default(),
-        )
-        .ok()
-        .and_then(|report| report.steady_bytes_per_token(Some(6)));
+        let (floor_bytes_per_token, optimum) = floors.per_token(model_len, budget, args.tokens);
         let pager_bytes_per_token = pager_bytes_per_token(&args, budget, &dir)?;
         rows.push(Row {
             share,
@@ -450,6 +475,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             kernel_tps: tps(Side::Kernel),
             pager_tps: tps(Side::Pager),
             pager_bytes_per_token,
+            floor_bytes_per_token,
             optimum_bytes_per_token: optimum,
             device_bps: budget_device_bps,
             kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
@@ -479,7 +505,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let compute_s = 1.0 / warm_tps.max(resident_tps);
     let markdown = results_markdown(
         &args,
-        model_len,
+        Measured {
+            len: model_len,
+            sparse: matches!(floors, Floors::Trace(_)),
+        },
         device_bps,
         &decode_share,
         warm_tps,
@@ -492,9 +521,95 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where each budget's floor comes from.
+enum Floors {
+    /// A dense model: every token reads the whole model, in the predicted order.
+    Dense(Workload),
+    /// A mixture of experts: a demand trace of the program, 2 MiB blocks.
+    Trace(Workload),
+}
+
+impl Floors {
+    /// (floor, optimum beside it) in bytes per token at `budget`; over the tokens the
+    /// pager's bytes are measured on (`pager_bytes_per_token`) for a trace.
+    fn per_token(&self, model_len: u64, budget: u64, tokens: u32) -> (f64, Option<f64>) {
+        let replay = |workload: &Workload, policy| {
+            simulate(workload, budget, policy, None, None, Timing::default()).ok()
+        };
+        match self {
+            Floors::Dense(workload) => (
+                model_len.saturating_sub(budget) as f64,
+                replay(workload, SimPolicy::Belady)
+                    .and_then(|report| report.steady_bytes_per_token(Some(6))),
+            ),
+            Floors::Trace(workload) => {
+                // The trace's passes: llama-bench's warm-up, then its tokens. The pager's
+                // bytes are those of tokens 3 to 2 + `tokens` of a cold run.
+                let window = |report: SimReport| {
+                    let bytes = report.bytes_per_token.get(3..3 + tokens as usize)?;
+                    Some(bytes.iter().sum::<u64>() as f64 / tokens as f64)
+                };
+                (
+                    replay(workload, SimPolicy::Belady)
+                        .and_then(window)
+                        .unwrap_or(0.0),
+                    replay(workload, SimPolicy::Frequency).and_then(window),
+                )
+            }
+        }
+    }
+}
+
+/// Removes the expert counts an earlier run saved for `model` (beside it or in the
+/// cache), so that this bench's first pager run starts cold.
+fn forget_expert_counts(model: &Path) {
+    let _ = std::fs::remove_file(expert_store::beside(model));
+    if let Some(cached) = hyperoffload::graph::store::ModelKey::of_file(model)
+        .ok()
+        .and_then(|key| expert_store::in_cache(model, &key))
+    {
+        let _ = std::fs::remove_file(cached);
+    }
+}
+
+/// Records every block llama-bench reads, in order: demand paging with 2 MiB blocks
+/// under a budget of a few blocks, so each block a token uses faults (the trace the
+/// floors are replayed on).
+fn record_demand_trace(args: &BenchArgs) -> anyhow::Result<PathBuf> {
+    let trace = args.out.join("demand-trace.csv");
+    let _ = std::fs::remove_file(&trace);
+    let _ = std::fs::remove_file(hyperoffload::trace::events_path(&trace));
+    drop_page_cache();
+    let status = Command::new(std::env::current_exe()?)
+        .args([
+            "run", "-q", "--policy", "demand", "--block", "2M", "--budget", "16M",
+        ])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--")
+        // Two tokens before those measured, then a few after: Belady's choices at the
+        // measured tokens' end look ahead.
+        .args(llama_bench_command(args, args.tokens + 2 + 4))
+        .stdout(Stdio::null())
+        .status()
+        .context("recording a demand trace")?;
+    if !status.success() {
+        bail!("llama-bench under demand paging failed ({status})");
+    }
+    Ok(trace)
+}
+
+/// The model benchmarked: its length, and whether it is a mixture of experts (whose
+/// floors come from a demand trace).
+#[derive(Clone, Copy)]
+struct Measured {
+    len: u64,
+    sparse: bool,
+}
+
 fn results_markdown(
     args: &BenchArgs,
-    model_len: u64,
+    model: Measured,
     device_bps: f64,
     decode_share: &DecodeShare,
     warm_tps: f64,
@@ -528,7 +643,7 @@ fn results_markdown(
          cgroup limited to the budget (page cache included); pager: `hyperoffload run \
          --budget` with the default policies.\n",
         args.model.display(),
-        mib(model_len as f64),
+        mib(model.len as f64),
         args.tokens,
         args.threads,
         args.runs,
@@ -539,10 +654,15 @@ fn results_markdown(
         warm_tps,
         compute_s,
     );
+    let (floor_column, optimum_column) = if model.sparse {
+        ("Belady on the trace (MiB)", "frequency floor (MiB)")
+    } else {
+        ("M - B (MiB)", "optimum (sim, MiB)")
+    };
     let _ = writeln!(
         out,
         "| budget | kernel tok/s | pager tok/s | pager/kernel | pager token time / floor | \
-         device MB/s | token time / floor beside decode | pager bytes/token (MiB) | M - B (MiB) | optimum (sim, MiB) | read MB/s kernel / pager | \
+         device MB/s | token time / floor beside decode | pager bytes/token (MiB) | {floor_column} | {optimum_column} | read MB/s kernel / pager | \
          fault p50 us kernel / pager | fault p99 us kernel / pager |"
     );
     let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
@@ -562,11 +682,11 @@ fn results_markdown(
             opt(row.kernel_tps, 2),
             opt(row.pager_tps, 2),
             speedup,
-            to_floor(row.read_floor_s(model_len)),
+            to_floor(row.read_floor_s()),
             row.device_bps / 1e6,
-            to_floor(row.read_floor_s(model_len) / decode_share.fraction()),
+            to_floor(row.read_floor_s() / decode_share.fraction()),
             mib(row.pager_bytes_per_token),
-            mib(model_len.saturating_sub(row.budget) as f64),
+            mib(row.floor_bytes_per_token),
             opt(row.optimum_bytes_per_token.map(mib), 1),
             opt(row.kernel_read_mb_s, 0),
             opt(row.pager_read_mb_s, 0),
@@ -576,15 +696,34 @@ fn results_markdown(
             opt(row.pager_p99_us, 0),
         );
     }
+    let floor = if model.sparse {
+        format!(
+            "Floor: token time >= max(compute, floor bytes / device MB/s), where a mixture of \
+             experts' floor bytes are Belady's policy replayed on a demand trace of the \
+             program (llama-bench tg{} under `hyperoffload run --policy demand --block 2M \
+             --budget 16M`: every block each token uses; `hyperoffload simulate --trace \
+             demand-trace.csv --model M --policy belady`), over the tokens the pager's bytes \
+             are measured on (tokens 3 to {}). Frequency floor: the block the whole trace uses \
+             least is evicted first (`--policy frequency`): the best a policy can do that \
+             learns how often each expert runs but cannot foresee the router. Each pager run \
+             saves what it learned of the experts beside the model and the next starts from \
+             it: the bench removes the saved counts first, so its first pager run starts cold.",
+            args.tokens + 6,
+            args.tokens + 2
+        )
+    } else {
+        "Floor: token time >= max(compute, (M - B) / device MB/s). Optimum: Belady's policy \
+         replayed on the model's predicted order (`hyperoffload simulate --model --policy \
+         belady`)."
+            .to_string()
+    };
     let _ = writeln!(
         out,
-        "\nFloor: token time >= max(compute, (M - B) / device MB/s); beside decode, the device \
-         rate scaled by what it gives beside a decode (the bound were every read made while \
-         the program computes; the target is the floor). Pager bytes per token: \
-         two cold pager runs generating 2 and 2 + {} tokens, the difference divided by {} \
-         (loading and warm-up cancel out). Optimum: Belady's policy replayed on the model's \
-         predicted order (`hyperoffload simulate --model --policy belady`). Per-budget \
-         reports with plots: `budget-*/report.md`.",
+        "\n{floor} Beside decode: the device rate scaled by what it gives beside a decode (the \
+         bound were every read made while the program computes; the target is the floor). \
+         Pager bytes per token: two cold pager runs generating 2 and 2 + {} tokens, the \
+         difference divided by {} (loading and warm-up cancel out). Per-budget reports with \
+         plots: `budget-*/report.md`.",
         args.tokens, args.tokens
     );
     let _ = writeln!(
@@ -633,6 +772,7 @@ mod tests {
             kernel_tps: Some(0.5),
             pager_tps,
             pager_bytes_per_token: 1e9,
+            floor_bytes_per_token: 700_000_000.0,
             optimum_bytes_per_token: None,
             device_bps: 3.5e9,
             kernel_read_mb_s: None,
@@ -645,6 +785,13 @@ mod tests {
             pager_first_token_s: None,
             kernel_first_token_bytes: None,
             pager_first_token_bytes: None,
+        }
+    }
+
+    fn dense() -> Measured {
+        Measured {
+            len: MODEL,
+            sparse: false,
         }
     }
 
@@ -669,7 +816,7 @@ mod tests {
         // Token 0.25 s, floor max(0.1, 0.2): 1.25; beside decode the reads' floor is
         // 0.2 / 0.8 = 0.25: 1.00.
         let rows = [row(50.0, Some(4.0)), row(90.0, None)];
-        let markdown = results_markdown(&args(), MODEL, 3.6e9, &share, 10.0, 0.1, &rows);
+        let markdown = results_markdown(&args(), dense(), 3.6e9, &share, 10.0, 0.1, &rows);
         let table: Vec<&str> = markdown
             .lines()
             .skip_while(|line| !line.starts_with("| budget | kernel tok/s"))
@@ -686,6 +833,40 @@ mod tests {
         let missing: Vec<&str> = table[3].split('|').map(str::trim).collect();
         assert_eq!(&missing[5..8], ["–", "3500", "–"], "{}", table[3]);
         assert!(markdown.contains("2800 MB/s against 3500 alone just before (80 %)"));
+    }
+
+    #[test]
+    fn a_mixture_of_experts_is_held_to_the_trace_s_floors() {
+        let share = DecodeShare {
+            alone_bps: 3.5e9,
+            during_bps: 3.5e9,
+        };
+        let mut moe = row(50.0, Some(4.0));
+        // 35 MB a token at 3.5 GB/s: 0.01 s, below compute (0.1 s): 0.25 / 0.1.
+        moe.floor_bytes_per_token = 35e6;
+        let markdown = results_markdown(
+            &args(),
+            Measured {
+                len: MODEL,
+                sparse: true,
+            },
+            3.5e9,
+            &share,
+            10.0,
+            0.1,
+            &[moe],
+        );
+        assert!(
+            markdown.contains("| Belady on the trace (MiB) | frequency floor (MiB) |"),
+            "{markdown}"
+        );
+        assert!(
+            markdown.contains("demand trace of the program"),
+            "{markdown}"
+        );
+        let line = markdown.lines().find(|l| l.starts_with("| 50%")).unwrap();
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        assert_eq!((cells[5], cells[9]), ("2.50", "33.4"), "{line}");
     }
 
     fn run_record(side: Side, exit_code: i32, waited_p50_us: Option<f64>) -> RunRecord {

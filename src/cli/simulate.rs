@@ -33,7 +33,9 @@ pub struct SimulateArgs {
     /// one layer's attn_q; `30:1.4M` is about 520 MB), or `default`.
     #[arg(long)]
     synthetic_llama: Option<String>,
-    /// Tokens to generate (synthetic), or tokens the trace holds (to report per token).
+    /// Tokens to generate (synthetic), or tokens the trace holds (to report per token;
+    /// with --model the trace's tokens are found where the program starts the model's
+    /// pass again, and this is not needed).
     #[arg(long)]
     tokens: Option<u32>,
     /// Resident budget: a size (`128M`) or a share of the model (`50%`).
@@ -62,11 +64,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
         (Some(path), _) => {
             let workload = read_trace(path, args.tokens)?;
-            let graph = match &args.model {
-                Some(model_path) => Some(trace_model_graph(model_path, &workload)?),
-                None => None,
-            };
-            (workload, graph)
+            match &args.model {
+                Some(model_path) => {
+                    let graph = trace_model_graph(model_path, &workload)?;
+                    (workload.with_tokens_from_order(graph.order()), Some(graph))
+                }
+                None => (workload, None),
+            }
         }
         (None, None) if args.model.is_some() => {
             let path = args.model.as_ref().expect("checked");
@@ -145,7 +149,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
 
 /// The graph the pager would build for `path` mapped whole in blocks of the trace's
 /// size: its tensor table's order, and its experts with the model's used count.
-fn trace_model_graph(path: &Path, workload: &Workload) -> anyhow::Result<ModelGraph> {
+pub(super) fn trace_model_graph(path: &Path, workload: &Workload) -> anyhow::Result<ModelGraph> {
     let model = hyperoffload::model::ModelFile::open(path)?;
     let block = workload.layout.block_size;
     let recorded = workload.layout.data_len;
@@ -175,7 +179,7 @@ fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {
 
 /// The faults of the trace's first region as an access sequence. Token boundaries are
 /// unknown; with `tokens`, the trace is cut into that many equal parts.
-fn read_trace(path: &PathBuf, tokens: Option<u32>) -> anyhow::Result<Workload> {
+pub(super) fn read_trace(path: &Path, tokens: Option<u32>) -> anyhow::Result<Workload> {
     let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
     let reader = TraceReader::new(BufReader::new(file))?;
     let size: Option<u64> = reader.metadata_value("size").and_then(|s| s.parse().ok());

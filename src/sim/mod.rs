@@ -77,6 +77,42 @@ impl Workload {
         }
     }
 
+    /// Token boundaries found in the accesses themselves: the program follows `order`
+    /// through the tensors every token reads, and a token starts where it goes round
+    /// to the order's start again. Exact for a demand trace, in which every block a
+    /// token uses faults. An access a little behind the previous one (a thread lagging
+    /// behind another in the same tensor) is no new token; a block used at several
+    /// places is placed at its next use. Accesses outside the order (routed experts,
+    /// embedding rows) go with the token they fall in.
+    pub fn with_tokens_from_order(mut self, order: &crate::graph::CyclicOrder) -> Self {
+        let lag = order.len() / 16;
+        let mut at: Option<u32> = None;
+        self.token_starts.clear();
+        for (i, &block) in self.accesses.iter().enumerate() {
+            let Some(cursor) = at else {
+                if let Some(&first) = order.positions(block).first() {
+                    self.token_starts.push(i);
+                    at = Some(first);
+                }
+                continue;
+            };
+            let (Some(ahead), Some(behind)) = (
+                order.next_position(block, cursor),
+                order.prev_position(block, cursor),
+            ) else {
+                continue;
+            };
+            if order.distance(behind, cursor) <= lag && behind <= cursor {
+                continue;
+            }
+            if ahead < cursor {
+                self.token_starts.push(i);
+            }
+            at = Some(ahead);
+        }
+        self
+    }
+
     /// The tokens `range` of this workload (needs token boundaries).
     pub fn tokens(&self, range: std::ops::Range<usize>) -> Workload {
         let bound = |token: usize| {

@@ -164,3 +164,22 @@ fn on_mixture_of_experts_the_graph_policy_beats_lru_near_the_frequency_floor() {
         }
     }
 }
+
+#[test]
+fn token_boundaries_are_found_where_the_pass_starts_again() {
+    let shape = moe::MoeShape::coarse();
+    let workload = shape.workload(1 << 20, 12, 3);
+    let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout)
+        .with_experts_used(Some(shape.used));
+    let found = Workload {
+        token_starts: Vec::new(),
+        ..workload.clone()
+    }
+    .with_tokens_from_order(graph.order());
+    assert_eq!(found.token_starts.len(), 12);
+    // Each token starts at its embedding row, which is not in the order; the found
+    // boundary is the first block of the order after it.
+    for (known, found) in workload.token_starts.iter().zip(&found.token_starts) {
+        assert!(found >= known && found - known <= 2, "{known} vs {found}");
+    }
+}
