@@ -592,6 +592,37 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         );
     }
 
+    // What the runs learned, drawn: one cell per expert of every layer.
+    let heat_map = dir.path("experts.svg");
+    let drawn = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .arg("inspect")
+        .arg(&model)
+        .arg("--heat-map")
+        .arg(&heat_map)
+        .output()
+        .unwrap();
+    assert_success(&drawn, "inspect --heat-map");
+    assert!(stdout(&drawn).contains("## expert use"), "{}", stdout(&drawn));
+    let svg = std::fs::read_to_string(&heat_map).unwrap();
+    let groups = hyperoffload::graph::expert_store::decode(
+        &std::fs::read_to_string(&counts).unwrap(),
+        &counts,
+    )
+    .unwrap()
+    .1
+    .experts
+    .len();
+    assert_eq!(svg.matches("<title>").count(), groups, "{svg}");
+    let dense = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .arg("inspect")
+        .arg(&small)
+        .arg("--heat-map")
+        .arg(dir.path("dense.svg"))
+        .output()
+        .unwrap();
+    assert!(!dense.status.success());
+    assert!(stderr(&dense).contains("no routed experts"), "{}", stderr(&dense));
+
     // A demand trace of the same run replays against the graph the pager builds from
     // the model (its experts bound: the graph prefetches an expert's other slices), and
     // a trace is refused for a model it cannot have been recorded on.

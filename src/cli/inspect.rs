@@ -2,14 +2,19 @@
 //! tensor table, sizes per layer and per kind, the predicted execution order, the most
 //! central nodes, and the graph for Graphviz.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use anyhow::{bail, Context};
 use clap::Args;
+use hyperoffload::compare::heat_map::expert_heat_map;
 use hyperoffload::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
+use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
+use hyperoffload::policy::graph::expert_counts_from_faults;
 use hyperoffload::size::format_size;
 
 use super::size_arg;
@@ -30,6 +35,15 @@ pub struct InspectArgs {
     /// Also list every tensor.
     #[arg(long)]
     tensors: bool,
+    /// For a mixture of experts: write an SVG heat map of how often each expert runs
+    /// (layers by experts) to this file, from what earlier runs of the model learned
+    /// (saved beside it), or from `--trace`.
+    #[arg(long)]
+    heat_map: Option<PathBuf>,
+    /// A demand trace of the model (`hyperoffload run --policy demand --trace`, one file)
+    /// to count expert use from, instead of what earlier runs saved.
+    #[arg(long, requires = "heat_map")]
+    trace: Option<PathBuf>,
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
@@ -130,6 +144,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         );
     }
     print_experts(&graph, weights);
+    if let Some(out) = &args.heat_map {
+        write_heat_map(&args, &graph, out)?;
+    }
     let order = predicted_order(&all_tensors);
     println!(
         "\n## predicted execution order (one token, {} steps)\n",
@@ -145,6 +162,74 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         println!("| {name} | {rank:.5} | {} |", format_size(bytes));
     }
     Ok(())
+}
+
+/// Writes the heat map of expert use to `out`, and prints per layer the experts used most.
+fn write_heat_map(args: &InspectArgs, graph: &ModelGraph, out: &Path) -> anyhow::Result<()> {
+    if graph.experts().is_empty() {
+        bail!(
+            "{} has no routed experts: no heat map to draw",
+            args.model.display()
+        );
+    }
+    let (counts, source) = match &args.trace {
+        Some(trace) => (expert_counts_of_trace(trace, &args.model)?, trace.clone()),
+        None => match expert_store::load(&args.model)? {
+            LoadedCounts::Fresh { path, counts } => (counts, path),
+            LoadedCounts::Stale { path, reason } => {
+                bail!(
+                    "{} is for another model ({reason}); give --trace",
+                    path.display()
+                )
+            }
+            LoadedCounts::Absent => bail!(
+                "nothing is known yet of how often {}'s experts run: run it under the pager \
+                 once (the graph policy saves what it learns), or give --trace",
+                args.model.display()
+            ),
+        },
+    };
+    let title = format!(
+        "{}: share of tokens using each expert ({})",
+        args.model
+            .file_name()
+            .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
+        source.display()
+    );
+    std::fs::write(out, expert_heat_map(&title, &counts))
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("\n## expert use ({})\n", source.display());
+    println!("| layer | tokens | most used experts (share of tokens) |");
+    println!("|---|---|---|");
+    let mut by_layer: std::collections::BTreeMap<u32, Vec<&ExpertCount>> = Default::default();
+    for count in &counts.experts {
+        by_layer.entry(count.layer).or_default().push(count);
+    }
+    for (layer, mut experts) in by_layer {
+        let share = |c: &ExpertCount| c.uses / c.tokens.max(f64::MIN_POSITIVE);
+        experts.sort_by(|a, b| share(b).total_cmp(&share(a)));
+        let tokens = experts.iter().map(|c| c.tokens).fold(0.0, f64::max);
+        let top: Vec<String> = experts
+            .iter()
+            .take(4)
+            .map(|c| format!("{} ({:.0} %)", c.expert, share(c) * 100.0))
+            .collect();
+        println!("| {layer} | {tokens:.0} | {} |", top.join(", "));
+    }
+    println!("\nheat map: {}", out.display());
+    Ok(())
+}
+
+/// Expert use counted from a demand trace recorded on `model`.
+fn expert_counts_of_trace(trace: &Path, model: &Path) -> anyhow::Result<ExpertCounts> {
+    let workload = super::simulate::read_trace(trace, None)?;
+    let graph = Arc::new(super::simulate::trace_model_graph(model, &workload)?);
+    let faults = workload
+        .accesses
+        .iter()
+        .copied()
+        .zip(workload.offsets.iter().map(|&offset| Some(offset)));
+    expert_counts_from_faults(&graph, faults).context("the model has no routed experts")
 }
 
 /// The routed experts as the pager sees them: how many per layer and per token, the

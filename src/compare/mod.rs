@@ -8,6 +8,7 @@
 pub mod cgroup;
 pub mod chrome_trace;
 pub mod figures;
+pub mod heat_map;
 pub mod kernel_events;
 pub mod model_files;
 pub mod model_summary;

@@ -1007,6 +1007,30 @@ impl EvictionPolicy for GraphEviction {
     }
 }
 
+/// How often each expert ran in a demand trace: `faults` are the blocks (and offsets in
+/// them) a program faulted on, in order, through one region presenting the whole model
+/// of `graph` (as `hyperoffload run --policy demand` records them: every block a token
+/// uses faults). Counted as the graph policy counts them, tokens told apart by the
+/// layers of the expert faults. `None` for a model without routed experts.
+pub fn expert_counts_from_faults(
+    graph: &Arc<ModelGraph>,
+    faults: impl IntoIterator<Item = (u32, Option<u32>)>,
+) -> Option<ExpertCounts> {
+    let prediction = GraphPrediction::new(Arc::clone(graph));
+    {
+        let mut progress = prediction.lock();
+        for (block, offset) in faults {
+            for group in progress
+                .experts_in_use(graph, block, offset)
+                .unwrap_or_default()
+            {
+                progress.experts.used(group);
+            }
+        }
+    }
+    prediction.expert_counts()
+}
+
 /// Both graph policies over one shared prediction.
 pub fn graph_policies(graph: Arc<ModelGraph>) -> (GraphPrefetch, GraphEviction) {
     let prediction = GraphPrediction::new(graph);
