@@ -134,12 +134,14 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Share of faults whose read had already been started.
+    /// Share of the faults that needed data (all but watch faults) whose read had
+    /// already been started.
     pub fn hit_rate(&self) -> f64 {
-        if self.faults == 0 {
+        let data_faults = self.faults.saturating_sub(self.watch_faults);
+        if data_faults == 0 {
             0.0
         } else {
-            self.prefetch_hits as f64 / self.faults as f64
+            self.prefetch_hits as f64 / data_faults as f64
         }
     }
 

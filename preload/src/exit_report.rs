@@ -6,6 +6,7 @@
 //!
 //! The JSON holds the pager's `Stats` fields, plus `files` (path, size of every managed
 //! file), `config` (the budget as given and in bytes, policy, patterns, minimum size),
+//! `pager_heap_bytes` and `pager_heap_peak_bytes` (the pager's own heap, see `heap`),
 //! `pid` and `managed_mappings` (still mapped at exit).
 //!
 //! Files are created with O_EXCL|O_NOFOLLOW, mode 0600: never clobbered, never through a
@@ -66,6 +67,9 @@ extern "C" fn write_at_exit() {
             "patterns": config.patterns,
             "min_size": config.min_size,
         });
+        // The pager's own heap beside the budget's frames (see `heap`).
+        json["pager_heap_bytes"] = crate::heap::in_use().into();
+        json["pager_heap_peak_bytes"] = crate::heap::peak().into();
         // SAFETY: getpid has no memory effects.
         json["pid"] = unsafe { libc::getpid() }.into();
         json["managed_mappings"] = shim.managed_count().into();

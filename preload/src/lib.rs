@@ -21,8 +21,13 @@ mod api;
 mod env_scrub;
 mod exit_report;
 mod given_name;
+mod heap;
 mod managed;
 mod raw;
 mod read_ahead;
 mod registry;
 mod state;
+
+/// Counts the heap this library's Rust code holds: the pager's own memory (see `heap`).
+#[global_allocator]
+static ALLOCATOR: heap::CountingAllocator = heap::CountingAllocator;

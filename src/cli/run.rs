@@ -418,10 +418,18 @@ fn summary(json: &str) -> String {
     let number = |key: &str| stats[key].as_f64().unwrap_or(0.0);
     let bytes_read = number("bytes_read");
     let faults = number("faults");
-    let hit_rate = if faults > 0.0 {
-        100.0 * number("prefetch_hits") / faults
+    // Faults on watched blocks needed no data: not counted for or against read-ahead.
+    let watch_faults = number("watch_faults");
+    let data_faults = faults - watch_faults;
+    let hit_rate = if data_faults > 0.0 {
+        100.0 * number("prefetch_hits") / data_faults
     } else {
         0.0
+    };
+    let watched = if watch_faults > 0.0 {
+        format!(", {} on watched blocks", watch_faults as u64)
+    } else {
+        String::new()
     };
     let elapsed = number("elapsed_s");
     let rate = if elapsed > 0.0 {
@@ -430,15 +438,18 @@ fn summary(json: &str) -> String {
         0.0
     };
     format!(
-        "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read ahead); \
-         peak resident {} of a {} budget; {}/s average read rate over {:.2} s",
+        "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read \
+         ahead{}); peak resident {} of a {} budget, the pager's own heap {} at most; {}/s average read \
+         rate over {:.2} s",
         format_size(bytes_read as u64),
         number("read_requests") as u64,
         faults as u64,
         number("demand_faults") as u64,
         hit_rate,
+        watched,
         format_size(number("peak_resident_bytes") as u64),
         format_size(number("budget_bytes") as u64),
+        format_size(number("pager_heap_peak_bytes") as u64),
         format_size(rate as u64),
         elapsed
     )
