@@ -242,11 +242,22 @@ fn warm_tokens_per_s(args: &BenchArgs) -> anyhow::Result<f64> {
 }
 
 /// Bytes the pager reads per generated token at `budget`: two cold runs that differ
-/// only in the number of tokens, so loading and warm-up cancel out.
+/// only in the number of tokens, so loading and warm-up cancel out. Both start from the
+/// same saved expert counts (a mixture of experts' runs save what they learned for the
+/// next): a first run that had learned less would read more in the tokens both make.
 fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::Result<f64> {
     let launcher = std::env::current_exe()?;
+    let counts = expert_store::beside(&args.model);
+    let saved = std::fs::read(&counts).ok();
     let mut read = Vec::new();
     for (i, tokens) in [2, 2 + args.tokens].into_iter().enumerate() {
+        match &saved {
+            Some(bytes) => std::fs::write(&counts, bytes)
+                .with_context(|| format!("restoring {}", counts.display()))?,
+            None => {
+                let _ = std::fs::remove_file(&counts);
+            }
+        }
         drop_page_cache();
         let stats = dir.join(format!("pager-{tokens}-tokens-{i}.json"));
         let _ = std::fs::remove_file(&stats);

@@ -79,36 +79,37 @@ impl Workload {
 
     /// Token boundaries found in the accesses themselves: the program follows `order`
     /// through the tensors every token reads, and a token starts where it goes round
-    /// to the order's start again. Exact for a demand trace, in which every block a
-    /// token uses faults. An access a little behind the previous one (a thread lagging
-    /// behind another in the same tensor) is no new token; a block used at several
-    /// places is placed at its next use. Accesses outside the order (routed experts,
-    /// embedding rows) go with the token they fall in.
+    /// from the order's second half to its first. Exact for a demand trace, in which
+    /// every block a token uses faults. Other moves by half the order or more, and moves
+    /// back, are no progress: a block used at places far apart (where the file puts
+    /// tensors of distant layers side by side, or an embedding row read at a token's
+    /// start from the tensor that is also the output, at the order's end), or a thread
+    /// lagging behind another. Accesses outside the order (routed experts) go with the
+    /// token they fall in; those before the first pass starts, with none.
     pub fn with_tokens_from_order(mut self, order: &crate::graph::CyclicOrder) -> Self {
-        let lag = order.len() / 16;
+        let half = order.len() / 2;
         let mut at: Option<u32> = None;
         self.token_starts.clear();
         for (i, &block) in self.accesses.iter().enumerate() {
-            let Some(cursor) = at else {
-                if let Some(&first) = order.positions(block).first() {
+            let Some(position) = order.next_position(block, at.unwrap_or(0)) else {
+                continue;
+            };
+            match at {
+                // The first pass starts in the order's first half.
+                None if position < half => {
                     self.token_starts.push(i);
-                    at = Some(first);
+                    at = Some(position);
                 }
-                continue;
-            };
-            let (Some(ahead), Some(behind)) = (
-                order.next_position(block, cursor),
-                order.prev_position(block, cursor),
-            ) else {
-                continue;
-            };
-            if order.distance(behind, cursor) <= lag && behind <= cursor {
-                continue;
+                None => {}
+                Some(cursor) if cursor >= half && position + half <= cursor => {
+                    self.token_starts.push(i);
+                    at = Some(position);
+                }
+                Some(cursor) if position > cursor && position - cursor < half => {
+                    at = Some(position)
+                }
+                Some(_) => {}
             }
-            if ahead < cursor {
-                self.token_starts.push(i);
-            }
-            at = Some(ahead);
         }
         self
     }
