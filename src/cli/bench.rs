@@ -409,11 +409,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let graph = super::simulate::trace_model_graph(&args.model, &workload)?;
         let workload = workload.with_tokens_from_order(graph.order());
         let passes = workload.token_starts.len();
-        if passes < 3 + args.tokens as usize {
+        if passes < (args.tokens + TRACE_EXTRA_TOKENS) as usize {
             bail!(
-                "{}: {passes} passes over the model found, {} needed",
+                "{}: {passes} passes over the model found, {} expected",
                 trace.display(),
-                3 + args.tokens
+                args.tokens + TRACE_EXTRA_TOKENS + 1
             );
         }
         Floors::Trace(workload)
@@ -554,22 +554,33 @@ impl Floors {
                     .and_then(|report| report.steady_bytes_per_token(Some(6))),
             ),
             Floors::Trace(workload) => {
-                // The trace's passes: llama-bench's warm-up, then its tokens. The pager's
-                // bytes are those of tokens 3 to 2 + `tokens` of a cold run.
-                let window = |report: SimReport| {
-                    let bytes = report.bytes_per_token.get(3..3 + tokens as usize)?;
-                    Some(bytes.iter().sum::<u64>() as f64 / tokens as f64)
+                // Steady state: the trace replayed twice, the bytes of its second copy,
+                // in which every expert used has been seen (a first use is a read no
+                // policy avoids, and the pager may make it while loading). Per pass of
+                // the program: llama-bench's warm-up and its tokens.
+                let twice = workload.repeated(2);
+                let copy = workload.token_starts.len();
+                let passes = f64::from(tokens + TRACE_EXTRA_TOKENS + 1);
+                let second_copy = |report: SimReport| {
+                    let bytes = report.bytes_per_token_from(copy)?;
+                    // Boundaries found may count one pass more or less than the
+                    // program made: per pass made.
+                    let found = (report.bytes_per_token.len() - copy) as f64;
+                    Some(bytes * found / passes)
                 };
                 (
-                    replay(workload, SimPolicy::Belady)
-                        .and_then(window)
+                    replay(&twice, SimPolicy::Belady)
+                        .and_then(second_copy)
                         .unwrap_or(0.0),
-                    replay(workload, SimPolicy::Frequency).and_then(window),
+                    replay(&twice, SimPolicy::Frequency).and_then(second_copy),
                 )
             }
         }
     }
 }
+
+/// Tokens the demand trace generates beyond those the pager's bytes are measured on.
+const TRACE_EXTRA_TOKENS: u32 = 6;
 
 /// Removes the expert counts an earlier run saved for `model` (beside it or in the
 /// cache), so that this bench's first pager run starts cold.
@@ -598,9 +609,7 @@ fn record_demand_trace(args: &BenchArgs) -> anyhow::Result<PathBuf> {
         .arg("--trace")
         .arg(&trace)
         .arg("--")
-        // Two tokens before those measured, then a few after: Belady's choices at the
-        // measured tokens' end look ahead.
-        .args(llama_bench_command(args, args.tokens + 2 + 4))
+        .args(llama_bench_command(args, args.tokens + TRACE_EXTRA_TOKENS))
         .stdout(Stdio::null())
         .status()
         .context("recording a demand trace")?;
@@ -713,13 +722,15 @@ fn results_markdown(
              experts' floor bytes are Belady's policy replayed on a demand trace of the \
              program (llama-bench tg{} under `hyperoffload run --policy demand --block 2M \
              --budget 16M`: every block each token uses; `hyperoffload simulate --trace \
-             demand-trace.csv --model M --policy belady`), over the tokens the pager's bytes \
-             are measured on (tokens 3 to {}). Frequency floor: the block the whole trace uses \
+             demand-trace.csv --model M --policy belady`), in steady state: the trace replayed \
+             twice, per pass of its second copy, when every expert used has been read once \
+             (the pager's bytes, tokens 3 to {} of a cold run, still hold some first uses). \
+             Frequency floor: the block the whole trace uses \
              least is evicted first (`--policy frequency`): the best a policy can do that \
              learns how often each expert runs but cannot foresee the router. Each pager run \
              saves what it learned of the experts beside the model and the next starts from \
              it: the bench removes the saved counts first, so its first pager run starts cold.",
-            args.tokens + 6,
+            args.tokens + TRACE_EXTRA_TOKENS,
             args.tokens + 2
         )
     } else {

@@ -38,6 +38,11 @@ pub struct SimulateArgs {
     /// pass again, and this is not needed).
     #[arg(long)]
     tokens: Option<u32>,
+    /// Replays the sequence this many times over and reports bytes per token over the
+    /// last copy: the steady state, in which every block used has been read once (for a
+    /// trace of a few tokens of a mixture of experts, most of whose reads are first uses).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    repeat: u32,
     /// Resident budget: a size (`128M`) or a share of the model (`50%`).
     #[arg(long)]
     budget: String,
@@ -132,6 +137,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     };
     let graph = Arc::new(graph);
     let timing = Timing::default();
+    // Per token from the last copy's first token (after the first: it starts cold).
+    let copy_tokens = workload.token_starts.len();
+    let copies = args.repeat as usize;
+    let first_token = if copies > 1 {
+        (copies - 1) * copy_tokens
+    } else {
+        1
+    };
+    let workload = workload.repeated(copies);
     let report = simulate(
         &workload,
         budget,
@@ -141,10 +155,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         timing,
     )?;
     let floor = simulate(&workload, budget, SimPolicy::Belady, None, None, timing)?;
-    let tokens = (!workload.token_starts.is_empty())
-        .then_some(workload.token_starts.len() as u64)
-        .or(args.tokens.map(u64::from));
-    print_report(&report, &floor, model, tokens, args.json)
+    let per_token = |report: &SimReport| match workload.token_starts.is_empty() {
+        false => report.bytes_per_token_from(first_token),
+        true => {
+            report.steady_bytes_per_token(args.tokens.map(|t| u64::from(t) * args.repeat as u64))
+        }
+    };
+    let per_token = (per_token(&report), per_token(&floor));
+    print_report(&report, &floor, model, per_token, copies, args.json)
 }
 
 /// The graph the pager would build for `path` mapped whole in blocks of the trace's
@@ -228,16 +246,16 @@ pub(super) fn read_trace(path: &Path, tokens: Option<u32>) -> anyhow::Result<Wor
     })
 }
 
+/// `per_token`: bytes per token of the report and of the floor, in steady state.
 fn print_report(
     report: &SimReport,
     floor: &SimReport,
     model: u64,
-    tokens: Option<u64>,
+    (per_token, floor_per_token): (Option<f64>, Option<f64>),
+    copies: usize,
     json: bool,
 ) -> anyhow::Result<()> {
     let ratio = report.bytes_read as f64 / floor.bytes_read.max(1) as f64;
-    let per_token = report.steady_bytes_per_token(tokens);
-    let floor_per_token = floor.steady_bytes_per_token(tokens);
     if json {
         let value = serde_json::json!({
             "model_bytes": model,
@@ -267,7 +285,12 @@ fn print_report(
     );
     if let (Some(ours), Some(best)) = (per_token, floor_per_token) {
         println!(
-            "per token after the first: {} ({:.1}% of the model); belady {}",
+            "per token {}: {} ({:.1}% of the model); belady {}",
+            if copies > 1 {
+                "over the last copy"
+            } else {
+                "after the first"
+            },
             format_size(ours as u64),
             ours * 100.0 / model as f64,
             format_size(best as u64)

@@ -114,6 +114,25 @@ impl Workload {
         self
     }
 
+    /// This workload `copies` times over, one after the other (token boundaries too):
+    /// replayed, the copies after the first show the steady state, every block used
+    /// having been seen before (no first-use reads).
+    pub fn repeated(&self, copies: usize) -> Workload {
+        let len = self.accesses.len();
+        Workload {
+            layout: self.layout,
+            accesses: self.accesses.repeat(copies),
+            offsets: self.offsets.repeat(copies),
+            token_starts: (0..copies)
+                .flat_map(|copy| {
+                    self.token_starts
+                        .iter()
+                        .map(move |start| start + copy * len)
+                })
+                .collect(),
+        }
+    }
+
     /// The tokens `range` of this workload (needs token boundaries).
     pub fn tokens(&self, range: std::ops::Range<usize>) -> Workload {
         let bound = |token: usize| {
@@ -182,6 +201,15 @@ pub struct SimReport {
 }
 
 impl SimReport {
+    /// Mean bytes read per token from token `first` on (`None` if there are none).
+    pub fn bytes_per_token_from(&self, first: usize) -> Option<f64> {
+        let tokens = self
+            .bytes_per_token
+            .get(first..)
+            .filter(|t| !t.is_empty())?;
+        Some(tokens.iter().sum::<u64>() as f64 / tokens.len() as f64)
+    }
+
     /// Mean bytes read per token after the first (which starts cold), or over all
     /// `tokens` when boundaries are unknown.
     pub fn steady_bytes_per_token(&self, tokens: Option<u64>) -> Option<f64> {

@@ -183,3 +183,17 @@ fn token_boundaries_are_found_where_the_pass_starts_again() {
         assert!(found >= known && found - known <= 2, "{known} vs {found}");
     }
 }
+
+#[test]
+fn a_repeated_workload_repeats_its_tokens_too() {
+    let workload = Workload {
+        layout: BlockLayout::new(0, 4 * BLOCK, BLOCK).unwrap(),
+        accesses: vec![0, 1, 2, 0, 3],
+        token_starts: vec![0, 3],
+        offsets: vec![0, 1, 2, 3, 4],
+    };
+    let twice = workload.repeated(2);
+    assert_eq!(twice.accesses, [0, 1, 2, 0, 3, 0, 1, 2, 0, 3]);
+    assert_eq!(twice.offsets, [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]);
+    assert_eq!(twice.token_starts, [0, 3, 5, 8]);
+}
