@@ -12,7 +12,7 @@ use hyperoffload::policy::{
     BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction, PrefetchKind, ReadKind,
     RegionId, RegionInfo,
 };
-use hyperoffload::{MapOptions, Pager};
+use hyperoffload::{MapOptions, Pager, Region};
 
 /// What the test policy saw.
 #[derive(Default)]
@@ -113,6 +113,29 @@ fn pager(budget: u64, zero_copy: bool, seen: &Arc<Mutex<Seen>>) -> Option<Pager>
     )
 }
 
+/// A file of `len` pattern bytes in a new directory, and a pager with the watching
+/// policy over it; `None` where the test may skip.
+fn setup(
+    name: &str,
+    len: u64,
+    budget: u64,
+    zero_copy: bool,
+) -> Option<(TempDir, Region, Pager, Arc<Mutex<Seen>>)> {
+    let dir = TempDir::new(name);
+    let path = dir.path("model.bin");
+    pattern_file(&path, len);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let pager = pager(budget, zero_copy, &seen)?;
+    assert_eq!(
+        pager.stats().zero_copy,
+        zero_copy,
+        "{:?}",
+        pager.stats().zero_copy_refused
+    );
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    Some((dir, region, pager, seen))
+}
+
 fn check_every_byte(bytes: &[u8]) {
     for (offset, &byte) in bytes.iter().enumerate() {
         if byte != pattern_byte(offset as u64) {
@@ -126,20 +149,10 @@ fn check_every_byte(bytes: &[u8]) {
 
 #[test]
 fn a_watched_block_faults_once_and_is_served_without_a_read() {
-    let dir = TempDir::new("watch-fits");
-    let path = dir.path("model.bin");
     let len = 24 << 20;
-    pattern_file(&path, len);
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let Some(pager) = pager(64 << 20, true, &seen) else {
+    let Some((_dir, region, pager, seen)) = setup("watch-fits", len, 64 << 20, true) else {
         return;
     };
-    assert!(
-        pager.stats().zero_copy,
-        "{:?}",
-        pager.stats().zero_copy_refused
-    );
-    let region = pager.map_file(&path, MapOptions::default()).unwrap();
     check_every_byte(region.as_slice());
     let first = pager.stats();
     assert_eq!(seen.lock().unwrap().watch_resident, Some(true));
@@ -174,16 +187,11 @@ fn a_watched_block_faults_once_and_is_served_without_a_read() {
 
 #[test]
 fn watched_blocks_keep_the_file_s_bytes_under_eviction_with_threads() {
-    let dir = TempDir::new("watch-evicts");
-    let path = dir.path("model.bin");
-    let len = 64 << 20;
-    pattern_file(&path, len);
-    let budget = 16 << 20;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let Some(pager) = pager(budget, true, &seen) else {
+    let (len, budget) = (64 << 20, 16 << 20);
+    let Some((_dir, region, pager, _)) = setup("watch-evicts", len, budget, true) else {
         return;
     };
-    let region = Arc::new(pager.map_file(&path, MapOptions::default()).unwrap());
+    let region = Arc::new(region);
     std::thread::scope(|scope| {
         for thread in 0..4u64 {
             let region = Arc::clone(&region);
@@ -221,15 +229,10 @@ fn watched_blocks_keep_the_file_s_bytes_under_eviction_with_threads() {
 
 #[test]
 fn copying_in_the_pager_never_asks_to_watch() {
-    let dir = TempDir::new("watch-copy");
-    let path = dir.path("model.bin");
     let len = 8 << 20;
-    pattern_file(&path, len);
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let Some(pager) = pager(64 << 20, false, &seen) else {
+    let Some((_dir, region, pager, seen)) = setup("watch-copy", len, 64 << 20, false) else {
         return;
     };
-    let region = pager.map_file(&path, MapOptions::default()).unwrap();
     check_every_byte(region.as_slice());
     check_every_byte(region.as_slice());
     let stats = pager.stats();

@@ -602,7 +602,11 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         .output()
         .unwrap();
     assert_success(&drawn, "inspect --heat-map");
-    assert!(stdout(&drawn).contains("## expert use"), "{}", stdout(&drawn));
+    assert!(
+        stdout(&drawn).contains("## expert use"),
+        "{}",
+        stdout(&drawn)
+    );
     let svg = std::fs::read_to_string(&heat_map).unwrap();
     let groups = hyperoffload::graph::expert_store::decode(
         &std::fs::read_to_string(&counts).unwrap(),
@@ -621,7 +625,11 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         .output()
         .unwrap();
     assert!(!dense.status.success());
-    assert!(stderr(&dense).contains("no routed experts"), "{}", stderr(&dense));
+    assert!(
+        stderr(&dense).contains("no routed experts"),
+        "{}",
+        stderr(&dense)
+    );
 
     // A demand trace of the same run replays against the graph the pager builds from
     // the model (its experts bound: the graph prefetches an expert's other slices), and

@@ -4,6 +4,7 @@
 
 use std::fmt::Write;
 
+use super::svg::{escape, open_document};
 use crate::graph::expert_store::ExpertCounts;
 
 const CELL: f64 = 14.0;
@@ -29,11 +30,7 @@ pub fn expert_heat_map(title: &str, counts: &ExpertCounts) -> String {
     let width = LEFT + experts as f64 * CELL + 20.0;
     let height = TOP + layers as f64 * CELL + LEGEND;
     let mut svg = String::new();
-    let _ = writeln!(
-        svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">"#
-    );
-    let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    open_document(&mut svg, width, height, 11);
     let _ = writeln!(
         svg,
         r#"<text x="{}" y="20" font-size="14">{}</text>"#,
@@ -97,12 +94,6 @@ fn shade(share: f64) -> String {
         channel(48.0),
         channel(107.0)
     )
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 #[cfg(test)]

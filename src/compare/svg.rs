@@ -40,7 +40,17 @@ const RIGHT: f64 = 20.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 60.0;
 
-fn escape(text: &str) -> String {
+/// The opening of an SVG document of `width` x `height` on a white background.
+pub(crate) fn open_document(out: &mut String, width: f64, height: f64, font_size: u32) {
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="{font_size}">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+}
+
+/// `text` with the characters SVG's text must not hold raw escaped.
+pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
@@ -128,11 +138,7 @@ impl Chart {
         let py = |y: f64| TOP + plot_h - (y - y_min) / (y_max - y_min) * plot_h;
 
         let mut svg = String::new();
-        let _ = writeln!(
-            svg,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
+        open_document(&mut svg, WIDTH, HEIGHT, 12);
         let _ = writeln!(
             svg,
             r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,

@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::store::{write_atomically, ModelKey, StoreError};
+use super::store::{decode_versioned, write_atomically, ModelKey, StoreError};
 
 const FORMAT: &str = "hyperoffload-experts";
 const VERSION: u32 = 1;
@@ -92,37 +92,20 @@ pub fn encode(key: &ModelKey, counts: &ExpertCounts) -> String {
 
 /// Parses a counts file's text; `path` only names it in errors.
 pub fn decode(text: &str, path: &Path) -> Result<(ModelKey, ExpertCounts), StoreError> {
-    let malformed = |reason: String| StoreError::Malformed {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
-    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
-        return Err(malformed(format!("no \"format\": \"{FORMAT}\"")));
-    }
-    let found = value
-        .get("version")
-        .and_then(|v| v.as_u64())
-        .ok_or_else(|| malformed("no version".into()))?;
-    if found != VERSION as u64 {
-        return Err(StoreError::UnsupportedVersion {
-            path: path.to_path_buf(),
-            found: found.min(u32::MAX as u64) as u32,
-            supported: VERSION,
-        });
-    }
-    let body: FileBody = serde_json::from_value(value).map_err(|e| malformed(e.to_string()))?;
+    let body: FileBody = decode_versioned(text, path, FORMAT, VERSION)?;
     for count in &body.experts {
         let sane = count.uses.is_finite()
             && count.tokens.is_finite()
             && count.uses >= 0.0
             && count.uses <= count.tokens;
         if !sane {
-            return Err(malformed(format!(
-                "layer {} expert {}: {} uses in {} tokens",
-                count.layer, count.expert, count.uses, count.tokens
-            )));
+            return Err(StoreError::Malformed {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "layer {} expert {}: {} uses in {} tokens",
+                    count.layer, count.expert, count.uses, count.tokens
+                ),
+            });
         }
     }
     Ok((

@@ -140,29 +140,44 @@ pub fn encode(saved: &SavedGraph) -> String {
     serde_json::to_string(&body).unwrap_or_default()
 }
 
-/// Parses a graph file's text; `path` only names it in errors.
-pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
+/// Parses a file of what was learned, JSON whose `format` and `version` must be these;
+/// `path` only names it in errors.
+pub(crate) fn decode_versioned<T: serde::de::DeserializeOwned>(
+    text: &str,
+    path: &Path,
+    format: &str,
+    version: u32,
+) -> Result<T, StoreError> {
     let malformed = |reason: String| StoreError::Malformed {
         path: path.to_path_buf(),
         reason,
     };
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
-    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
-        return Err(malformed(format!("no \"format\": \"{FORMAT}\"")));
+    if value.get("format").and_then(|f| f.as_str()) != Some(format) {
+        return Err(malformed(format!("no \"format\": \"{format}\"")));
     }
     let found = value
         .get("version")
         .and_then(|v| v.as_u64())
         .ok_or_else(|| malformed("no version".into()))?;
-    if found != VERSION as u64 {
+    if found != u64::from(version) {
         return Err(StoreError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: found.min(u32::MAX as u64) as u32,
-            supported: VERSION,
+            supported: version,
         });
     }
-    let body: FileBody = serde_json::from_value(value).map_err(|e| malformed(e.to_string()))?;
+    serde_json::from_value(value).map_err(|e| malformed(e.to_string()))
+}
+
+/// Parses a graph file's text; `path` only names it in errors.
+pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
+    let malformed = |reason: String| StoreError::Malformed {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let body: FileBody = decode_versioned(text, path, FORMAT, VERSION)?;
     let layout = BlockLayout::new(
         body.layout.file_offset,
         body.layout.data_len,

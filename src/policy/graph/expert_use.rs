@@ -391,16 +391,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_watched_resident_expert_is_counted_exactly() {
+    /// Experts 0 and 1 of layer 0 used in token 0, read, kept and watched once the
+    /// program reached layer 1 (expert 4).
+    fn two_watched() -> ExpertUse {
         let mut use_ = ExpertUse::new(&map(), |_| true);
-        // Experts 0 and 1 are read and kept; both are watched.
         for group in [0, 1] {
             use_.used(group);
             use_.block_changed(group, true);
             use_.set_watched(group, true, true);
         }
         use_.used(4);
+        use_
+    }
+
+    #[test]
+    fn a_watched_resident_expert_is_counted_exactly() {
+        let mut use_ = two_watched();
         // 100 tokens: expert 0 used in every other one, expert 1 never.
         for i in 0..100 {
             token(&mut use_, (i % 2 == 0).then_some(0));
@@ -412,13 +418,7 @@ mod tests {
 
     #[test]
     fn a_watch_lost_to_a_neighbour_does_not_count_the_token_unused() {
-        let mut use_ = ExpertUse::new(&map(), |_| true);
-        for group in [0, 1] {
-            use_.used(group);
-            use_.block_changed(group, true);
-            use_.set_watched(group, true, true);
-        }
-        use_.used(4);
+        let mut use_ = two_watched();
         let before = use_.probability(1);
         // For 50 tokens a block both share fires for expert 0: expert 1's watch goes
         // before its use could be seen, and is taken again after the layer.
