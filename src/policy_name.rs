@@ -12,7 +12,9 @@ use crate::graph::{BlockLayout, ModelGraph, PartTensors};
 use crate::model::split::split_parts;
 use crate::model::ModelFile;
 use crate::policy::graph::GraphPrediction;
-use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
+use crate::policy::{
+    EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy, RecordingEviction,
+};
 
 /// A prefetch and an eviction policy chosen together, and what was chosen.
 pub struct PolicyPair {
@@ -142,16 +144,23 @@ pub fn policies_by_name(
             let learn = model.and_then(|hint| {
                 BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size).ok()
             });
-            let (prefetch, what) = match learn {
+            let (prefetch, eviction, what): (_, Box<dyn EvictionPolicy>, _) = match learn {
+                // Resident blocks are watched (with zero copy), so that every access is
+                // recorded, not only the misses.
                 Some(_) => (
                     PrefetchKind::None,
+                    Box::new(RecordingEviction::default()),
                     "demand paging, recording the access order to learn a graph",
                 ),
-                None => (PrefetchKind::Readahead, "readahead"),
+                None => (
+                    PrefetchKind::Readahead,
+                    EvictionKind::Fifo.build(),
+                    "readahead",
+                ),
             };
             Ok(PolicyPair {
                 prefetch: prefetch.build(),
-                eviction: EvictionKind::Fifo.build(),
+                eviction,
                 description: format!("{what} (graph unavailable: {why})"),
                 learn,
                 experts: None,

@@ -24,11 +24,13 @@ mod lru;
 mod per_block;
 mod position_set;
 mod readahead;
+mod recording;
 
 pub use fifo::FifoEviction;
 pub use graph::{graph_policies, GraphEviction, GraphPrediction, GraphPrefetch};
 pub use lru::{ClockEviction, LruEviction};
 pub use readahead::{NoPrefetch, SequentialReadahead};
+pub use recording::RecordingEviction;
 
 /// Identifies one region of a pager.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
