@@ -696,16 +696,13 @@ impl FaultService {
             return Ok(());
         };
         let index = block.index as usize;
-        let evictable =
-            region.blocks.get(index) == Some(&BlockState::Resident) && !region.pinned[index];
-        if !evictable || region.watched[index] {
-            debug_assert!(
-                evictable,
-                "eviction policy watched a non-evictable {block:?}"
-            );
+        if region.blocks.get(index) != Some(&BlockState::Resident) || region.pinned[index] {
+            debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
             return Ok(());
         }
-        region.watched[index] = true;
+        if std::mem::replace(&mut region.watched[index], true) {
+            return Ok(());
+        }
         self.stats.watched_blocks += 1;
         let memory = region.layout.block_memory(block.index);
         for part in region.mapped_parts(memory) {

@@ -5,11 +5,12 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use common::*;
 use hyperoffload::policy::{
-    BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction, PrefetchKind, ReadKind,
+    BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, PrefetchKind, ReadKind, RecordingEviction,
     RegionId, RegionInfo,
 };
 use hyperoffload::{MapOptions, Pager, Region};
@@ -25,82 +26,66 @@ struct Seen {
     watches: u64,
 }
 
-/// FIFO eviction that watches every resident block but the one faulted on last (the
-/// program is using it), as the graph policy watches experts once the program has left
-/// their layer: a sequential pass over resident blocks faults once per block.
-struct WatchEverything {
-    fifo: FifoEviction,
-    to_watch: Vec<BlockRef>,
-    last_fault: Option<BlockRef>,
-    watched: std::collections::HashSet<BlockRef>,
+/// The recording runs' eviction (FIFO, every resident block watched but the one faulted
+/// on last, so that a sequential pass over resident blocks faults once per block), with
+/// what the pager tells it and asks of it noted.
+struct Observed {
+    policy: RecordingEviction,
+    /// Blocks handed out to watch and not yet seen again.
+    watched: HashSet<BlockRef>,
     seen: Arc<Mutex<Seen>>,
 }
 
-impl EvictionPolicy for WatchEverything {
+impl EvictionPolicy for Observed {
     fn name(&self) -> &'static str {
-        "watch-everything"
+        "observed recording eviction"
     }
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.seen.lock().unwrap().watch_resident = Some(info.watch_resident);
+        self.policy.region_added(info);
     }
 
     fn region_removed(&mut self, region: RegionId) {
-        self.fifo.region_removed(region);
-        self.to_watch.retain(|block| block.region != region);
+        self.policy.region_removed(region);
         self.watched.retain(|block| block.region != region);
     }
 
     fn inserted(&mut self, block: BlockRef) {
-        self.fifo.inserted(block);
-        self.to_watch.push(block);
+        self.policy.inserted(block);
     }
 
     fn removed(&mut self, block: BlockRef) {
-        self.fifo.removed(block);
-        self.to_watch.retain(|&b| b != block);
+        self.policy.removed(block);
         self.watched.remove(&block);
     }
 
     fn touched(&mut self, fault: &FaultEvent) {
-        self.last_fault = Some(fault.block);
         if self.watched.remove(&fault.block) {
             assert_eq!(fault.outcome, FaultOutcome::Resident, "{fault:?}");
             self.seen.lock().unwrap().watched_faults += 1;
-            self.to_watch.push(fault.block);
         }
+        self.policy.touched(fault);
     }
 
     fn watch(&mut self, out: &mut Vec<BlockRef>) {
-        let mut seen = self.seen.lock().unwrap();
-        let last_fault = self.last_fault;
-        let watched = &mut self.watched;
-        self.to_watch.retain(|&block| {
-            if Some(block) == last_fault {
-                return true;
-            }
-            if watched.insert(block) {
-                out.push(block);
-                seen.watches += 1;
-            }
-            false
-        });
+        let from = out.len();
+        self.policy.watch(out);
+        self.watched.extend(&out[from..]);
+        self.seen.lock().unwrap().watches += (out.len() - from) as u64;
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
-        let victim = self.fifo.victim(incoming, kind)?;
-        self.to_watch.retain(|&b| b != victim);
+        let victim = self.policy.victim(incoming, kind)?;
         self.watched.remove(&victim);
         Some(victim)
     }
 }
 
 fn pager(budget: u64, zero_copy: bool, seen: &Arc<Mutex<Seen>>) -> Option<Pager> {
-    let policy = WatchEverything {
-        fifo: FifoEviction::default(),
-        to_watch: Vec::new(),
-        last_fault: None,
-        watched: Default::default(),
+    let policy = Observed {
+        policy: RecordingEviction::default(),
+        watched: HashSet::new(),
         seen: Arc::clone(seen),
     };
     pager_or_skip(

@@ -561,12 +561,10 @@ impl Floors {
                 let twice = workload.repeated(2);
                 let copy = workload.token_starts.len();
                 let passes = f64::from(tokens + TRACE_EXTRA_TOKENS + 1);
+                // Per pass the program made (the boundaries found may count one more).
                 let second_copy = |report: SimReport| {
-                    let bytes = report.bytes_per_token_from(copy)?;
-                    // Boundaries found may count one pass more or less than the
-                    // program made: per pass made.
-                    let found = (report.bytes_per_token.len() - copy) as f64;
-                    Some(bytes * found / passes)
+                    let bytes = report.bytes_per_token.get(copy..)?;
+                    Some(bytes.iter().sum::<u64>() as f64 / passes)
                 };
                 (
                     replay(&twice, SimPolicy::Belady)
