@@ -3,6 +3,7 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
+mod command;
 pub mod compare;
 pub mod device;
 mod event;
@@ -11,6 +12,7 @@ pub mod glob;
 pub mod graph;
 mod installer;
 pub mod layout;
+mod lock;
 pub mod map_candidate;
 pub mod map_count;
 pub mod model;

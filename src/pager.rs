@@ -11,27 +11,30 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use thiserror::Error;
 use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 
+use crate::command::{Command, PinRefused, Shared};
 use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
 use crate::installer::InstallPool;
 use crate::layout::RegionLayout;
+use crate::lock::lock;
 use crate::map_count;
 use crate::policy::{
     AccessHint, EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy, RegionId,
 };
 use crate::ring::RingError;
-use crate::service::{FaultService, ReadInjection, ServiceConfig, ServiceFaults};
+#[cfg(feature = "fault-injection")]
+use crate::service::InjectedFaults;
+use crate::service::{FaultService, ServiceConfig};
 use crate::shared_store::{FrameStore, HugeTmpfs, HUGE_PAGE};
 use crate::stats::Stats;
 use crate::trace::TraceRecord;
@@ -199,14 +202,14 @@ pub struct PagerBuilder {
     read_attempts: u32,
     prefetch: Box<dyn PrefetchPolicy>,
     eviction: Box<dyn EvictionPolicy>,
-    injection: Option<ReadInjection>,
     trace_limit: usize,
     demand_spin: std::time::Duration,
     demand_spin_min_reads: u32,
     install_threads: usize,
     thread_nice: i32,
     zero_copy: bool,
-    faults: ServiceFaults,
+    #[cfg(feature = "fault-injection")]
+    faults: InjectedFaults,
 }
 
 impl Default for PagerBuilder {
@@ -219,14 +222,14 @@ impl Default for PagerBuilder {
             read_attempts: 3,
             prefetch: PrefetchKind::Readahead.build(),
             eviction: EvictionKind::Fifo.build(),
-            injection: None,
             trace_limit: 0,
             demand_spin: DEFAULT_DEMAND_SPIN,
             demand_spin_min_reads: default_demand_spin_min_reads(),
             install_threads: DEFAULT_INSTALL_THREADS,
             thread_nice: DEFAULT_THREAD_NICE,
             zero_copy: false,
-            faults: ServiceFaults::default(),
+            #[cfg(feature = "fault-injection")]
+            faults: InjectedFaults::default(),
         }
     }
 }
@@ -270,16 +273,17 @@ impl PagerBuilder {
         self
     }
 
-    /// Makes reads of the given file byte range fail with `errno`, to test error paths
-    /// end to end (the read is issued; its result is replaced).
+    /// Test-only: reads of the given file byte range fail with `errno`, to test error
+    /// paths end to end (the read is issued; its result is replaced).
+    #[cfg(feature = "fault-injection")]
     pub fn inject_read_error(mut self, file_range: Range<u64>, errno: i32) -> Self {
-        self.injection = Some(ReadInjection { file_range, errno });
+        self.faults.read_error = Some((file_range, errno));
         self
     }
 
     /// Test-only: every read returns at most half of what it asked for (the rest is read
     /// again by the service's short-read continuation, as after a real short read).
-    #[doc(hidden)]
+    #[cfg(feature = "fault-injection")]
     pub fn inject_short_reads(mut self, on: bool) -> Self {
         self.faults.short_reads = on;
         self
@@ -287,14 +291,14 @@ impl PagerBuilder {
 
     /// Test-only: every read completion is handled `delay` late (the service thread
     /// sleeps), as if the device were that slow and served one read at a time.
-    #[doc(hidden)]
+    #[cfg(feature = "fault-injection")]
     pub fn inject_read_delay(mut self, delay: std::time::Duration) -> Self {
         self.faults.read_delay = delay;
         self
     }
 
     /// Test-only: the service thread panics on fault number `faults + 1`.
-    #[doc(hidden)]
+    #[cfg(feature = "fault-injection")]
     pub fn inject_service_panic_after(mut self, faults: u64) -> Self {
         self.faults.panic_after_faults = Some(faults);
         self
@@ -420,11 +424,7 @@ impl PagerBuilder {
         let max_read = if zero_copy { self.block_size } else { max_read };
         let uffd = Arc::new(uffd);
         let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
-        let shared = Arc::new(Shared {
-            commands: Mutex::new(VecDeque::new()),
-            wakeup,
-            stats: Mutex::new(Stats::default()),
-        });
+        let shared = Arc::new(Shared::new(wakeup));
         // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
         let install_threads = if zero_copy { 0 } else { self.install_threads };
         let installs = match install_threads {
@@ -442,12 +442,12 @@ impl PagerBuilder {
                 queue_depth: self.queue_depth,
                 read_attempts: self.read_attempts,
                 page_size: page,
-                injection: self.injection,
                 trace_limit: self.trace_limit,
                 demand_spin: self.demand_spin,
                 demand_spin_min_reads: self.demand_spin_min_reads,
                 thread_nice: self.thread_nice,
                 zero_copy_refused,
+                #[cfg(feature = "fault-injection")]
                 faults: self.faults,
             },
             uffd.clone(),
@@ -521,95 +521,6 @@ pub(crate) fn page_size() -> u64 {
         size as u64
     } else {
         4096
-    }
-}
-
-/// A request to the fault service, answered on `reply` when it has been carried out.
-pub(crate) enum Command {
-    AddRegion {
-        id: RegionId,
-        base: usize,
-        layout: RegionLayout,
-        file: BackingFile,
-        /// File offset of the region's first byte.
-        file_offset: u64,
-        /// The program's protection of the region (frames are mapped with it).
-        prot: i32,
-        reply: SyncSender<()>,
-    },
-    RemoveRegion {
-        id: RegionId,
-        reply: SyncSender<()>,
-    },
-    Prefetch {
-        id: RegionId,
-        range: Range<u64>,
-    },
-    Drop {
-        id: RegionId,
-        range: Range<u64>,
-        reply: SyncSender<()>,
-    },
-    Unmap {
-        id: RegionId,
-        range: Range<u64>,
-        reply: SyncSender<()>,
-    },
-    Pin {
-        id: RegionId,
-        range: Range<u64>,
-        reply: SyncSender<Result<(), HintError>>,
-    },
-    Unpin {
-        id: RegionId,
-        range: Range<u64>,
-    },
-    Hint {
-        id: RegionId,
-        range: Range<u64>,
-        hint: AccessHint,
-    },
-    Stats {
-        reply: SyncSender<Stats>,
-    },
-    /// Hands over the faults traced so far, and how many did not fit.
-    TakeTrace {
-        reply: SyncSender<(Vec<TraceRecord>, u64)>,
-    },
-    Shutdown,
-}
-
-impl Command {
-    /// Whether the command drops pages, lets go of a range or changes what may be
-    /// evicted: the service finishes every install in progress before carrying it out.
-    pub(crate) fn changes_residency(&self) -> bool {
-        matches!(
-            self,
-            Command::RemoveRegion { .. }
-                | Command::Drop { .. }
-                | Command::Unmap { .. }
-                | Command::Pin { .. }
-                | Command::Unpin { .. }
-        )
-    }
-}
-
-/// State shared between API threads and the service thread.
-pub(crate) struct Shared {
-    pub(crate) commands: Mutex<VecDeque<Command>>,
-    /// Written to wake the service when a command is queued.
-    pub(crate) wakeup: EventFd,
-    /// Last snapshot the service published, readable even after it stopped.
-    pub(crate) stats: Mutex<Stats>,
-}
-
-impl Shared {
-    fn send(&self, command: Command) {
-        self.commands
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push_back(command);
-        self.wakeup.signal();
     }
 }
 
@@ -691,14 +602,9 @@ impl Pager {
         }
         let (reply, answer) = sync_channel(1);
         self.inner.shared.send(Command::Stats { reply });
-        answer.recv().unwrap_or_else(|_| {
-            self.inner
-                .shared
-                .stats
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .clone()
-        })
+        answer
+            .recv()
+            .unwrap_or_else(|_| lock(&self.inner.shared.stats).clone())
     }
 
     /// The faults recorded since the last call, in fault order, and how many were not
@@ -900,11 +806,7 @@ impl Mapping {
 impl Mapping {
     /// The parts of the reservation still mapped, in address order.
     fn live_parts(&self) -> Vec<Range<usize>> {
-        let mut holes = self
-            .holes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone();
+        let mut holes = lock(&self.holes).clone();
         holes.sort_by_key(|hole| hole.start);
         let mut parts = Vec::new();
         let mut at = 0;
@@ -1068,7 +970,21 @@ impl Region {
             range,
             reply,
         });
-        answer.recv().map_err(|_| HintError::ServiceGone)?
+        match answer.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(PinRefused::UnknownRegion)) | Err(_) => Err(HintError::ServiceGone),
+            Ok(Err(PinRefused::ExceedsBudget {
+                requested,
+                total,
+                budget,
+                block,
+            })) => Err(HintError::PinExceedsBudget {
+                requested,
+                total,
+                budget,
+                block,
+            }),
+        }
     }
 
     pub fn unpin(&self, range: Range<u64>) -> Result<(), HintError> {
@@ -1122,11 +1038,7 @@ impl Region {
                 (range.end - range.start) as usize,
             )
         };
-        self.mapping
-            .holes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(range.start as usize..range.end as usize);
+        lock(&self.mapping.holes).push(range.start as usize..range.end as usize);
         Ok(())
     }
 

@@ -1,0 +1,136 @@
+//! The protocol between the API threads (`pager`) and the fault service (`service`):
+//! commands queued in `Shared` and answered on their reply channels, and the statistics
+//! the service publishes. Neither side's types appear here, so both depend on this
+//! module and not on each other.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::mpsc::SyncSender;
+use std::sync::Mutex;
+
+use crate::event::EventFd;
+use crate::file::BackingFile;
+use crate::layout::RegionLayout;
+use crate::lock::lock;
+use crate::policy::{AccessHint, RegionId};
+use crate::stats::Stats;
+use crate::trace::TraceRecord;
+
+/// Why the service refused to pin a range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PinRefused {
+    /// The region is gone (being removed).
+    UnknownRegion,
+    /// Pinning would leave less than one block of the budget for demand faults.
+    ExceedsBudget {
+        requested: u64,
+        total: u64,
+        budget: u64,
+        block: u64,
+    },
+}
+
+/// A request to the fault service, answered on `reply` when it has been carried out.
+pub(crate) enum Command {
+    AddRegion {
+        id: RegionId,
+        base: usize,
+        layout: RegionLayout,
+        file: BackingFile,
+        /// File offset of the region's first byte.
+        file_offset: u64,
+        /// The program's protection of the region (frames are mapped with it).
+        prot: i32,
+        reply: SyncSender<()>,
+    },
+    RemoveRegion {
+        id: RegionId,
+        reply: SyncSender<()>,
+    },
+    Prefetch {
+        id: RegionId,
+        range: Range<u64>,
+    },
+    Drop {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<()>,
+    },
+    Unmap {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<()>,
+    },
+    Pin {
+        id: RegionId,
+        range: Range<u64>,
+        reply: SyncSender<Result<(), PinRefused>>,
+    },
+    Unpin {
+        id: RegionId,
+        range: Range<u64>,
+    },
+    Hint {
+        id: RegionId,
+        range: Range<u64>,
+        hint: AccessHint,
+    },
+    Stats {
+        reply: SyncSender<Stats>,
+    },
+    /// Hands over the faults traced so far, and how many did not fit.
+    TakeTrace {
+        reply: SyncSender<(Vec<TraceRecord>, u64)>,
+    },
+    Shutdown,
+}
+
+impl Command {
+    /// Whether the command drops pages, lets go of a range or changes what may be
+    /// evicted: the service finishes every install in progress before carrying it out.
+    pub(crate) fn changes_residency(&self) -> bool {
+        matches!(
+            self,
+            Command::RemoveRegion { .. }
+                | Command::Drop { .. }
+                | Command::Unmap { .. }
+                | Command::Pin { .. }
+                | Command::Unpin { .. }
+        )
+    }
+}
+
+/// State shared between API threads and the service thread.
+pub(crate) struct Shared {
+    pub(crate) commands: Mutex<VecDeque<Command>>,
+    /// Written to wake the service when a command is queued.
+    pub(crate) wakeup: EventFd,
+    /// Last snapshot the service published, readable even after it stopped.
+    pub(crate) stats: Mutex<Stats>,
+}
+
+impl Shared {
+    pub(crate) fn new(wakeup: EventFd) -> Self {
+        Self {
+            commands: Mutex::new(VecDeque::new()),
+            wakeup,
+            stats: Mutex::new(Stats::default()),
+        }
+    }
+
+    /// Queues `command` and wakes the service (API side).
+    pub(crate) fn send(&self, command: Command) {
+        lock(&self.commands).push_back(command);
+        self.wakeup.signal();
+    }
+
+    /// The oldest command not yet carried out (service side).
+    pub(crate) fn next_command(&self) -> Option<Command> {
+        lock(&self.commands).pop_front()
+    }
+
+    /// Replaces the published statistics (service side).
+    pub(crate) fn publish(&self, stats: Stats) {
+        *lock(&self.stats) = stats;
+    }
+}

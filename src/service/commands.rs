@@ -1,0 +1,296 @@
+//! The API side's requests (`crate::command`), carried out between faults: regions come
+//! and go, ranges are prefetched, dropped, unmapped, pinned and hinted.
+
+use std::ops::Range;
+
+use super::block_state::{BlockEvent, BlockState};
+use super::pages::release_frame;
+use super::region::ServedRegion;
+use super::{FaultService, ServiceError};
+use crate::command::{Command, PinRefused};
+use crate::file::BackingFile;
+use crate::layout::RegionLayout;
+use crate::policy::{BlockRef, PrefetchRequest, RegionId};
+
+impl FaultService {
+    /// Carries out every queued command.
+    pub(super) fn drain_commands(&mut self) -> Result<(), ServiceError> {
+        self.shared.wakeup.drain();
+        while let Some(command) = self.shared.next_command() {
+            self.command(command)?;
+        }
+        Ok(())
+    }
+
+    fn command(&mut self, command: Command) -> Result<(), ServiceError> {
+        if command.changes_residency() {
+            // Nothing may be copied into a range this command drops or lets go of.
+            let ready = std::mem::take(&mut self.ready);
+            for slot in ready {
+                self.install_read(slot)?;
+            }
+            self.collect_installs(true)?;
+        }
+        match command {
+            Command::AddRegion {
+                id,
+                base,
+                layout,
+                file,
+                file_offset,
+                prot,
+                reply,
+            } => {
+                self.add_region(id, base, layout, file, file_offset, prot);
+                let _ = reply.send(());
+            }
+            Command::RemoveRegion { id, reply } => {
+                self.remove_region(id);
+                let _ = reply.send(());
+            }
+            Command::Prefetch { id, range } => {
+                for index in self.blocks_of(id, &range) {
+                    self.queue_prefetch(PrefetchRequest::eager(BlockRef::new(id, index)));
+                }
+            }
+            Command::Drop { id, range, reply } => {
+                self.drop_blocks(id, &range, BlockEvent::Released)?;
+                let _ = reply.send(());
+            }
+            Command::Unmap { id, range, reply } => {
+                self.unmap(id, range)?;
+                let _ = reply.send(());
+            }
+            Command::Pin { id, range, reply } => {
+                let _ = reply.send(self.pin(id, &range));
+            }
+            Command::Unpin { id, range } => self.unpin(id, &range),
+            Command::Hint { id, range, hint } => {
+                let blocks = self.blocks_of(id, &range);
+                self.prefetch.hint(id, blocks, hint);
+            }
+            Command::Stats { reply } => {
+                let snapshot = self.snapshot();
+                let _ = reply.send(snapshot);
+            }
+            Command::TakeTrace { reply } => {
+                let _ = reply.send(self.log.take_trace());
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+        Ok(())
+    }
+
+    fn add_region(
+        &mut self,
+        id: RegionId,
+        base: usize,
+        layout: RegionLayout,
+        file: BackingFile,
+        file_offset: u64,
+        prot: i32,
+    ) {
+        let zero_copy = self.store.is_some();
+        let region = ServedRegion::new(base, layout, file, file_offset, prot, zero_copy);
+        self.locator
+            .insert(base, region.layout.map_len as usize, id);
+        let info = region.info(id, self.budget.limit(), zero_copy);
+        self.prefetch.region_added(&info);
+        self.eviction.region_added(&info);
+        self.regions.insert(id, region);
+    }
+
+    /// The program is unmapping `range` (region offsets): it becomes a hole, and the
+    /// blocks wholly inside it are unmapped. The pages of a block the range cuts through
+    /// simply fail to install there (ENOENT).
+    fn unmap(&mut self, id: RegionId, range: Range<u64>) -> Result<(), ServiceError> {
+        let blocks = self.blocks_of(id, &range);
+        let Some(region) = self.regions.get_mut(&id) else {
+            return Ok(());
+        };
+        region.holes.push(range.clone());
+        let size = region.layout.block_size;
+        let first = (range.start.div_ceil(size) as u32).max(blocks.start);
+        let end = ((range.end / size) as u32).min(blocks.end);
+        if first < end {
+            let whole = first as u64 * size..end as u64 * size;
+            self.drop_blocks(id, &whole, BlockEvent::Unmapped)?;
+        }
+        Ok(())
+    }
+
+    /// The blocks of region `id` overlapping `range` (none if it is gone).
+    pub(super) fn blocks_of(&self, id: RegionId, range: &Range<u64>) -> Range<u32> {
+        self.regions
+            .get(&id)
+            .map(|region| region.layout.blocks_overlapping(range.clone()))
+            .unwrap_or(0..0)
+    }
+
+    /// Forgets region `id`: its blocks leave the budget and the policies; reads in
+    /// flight into it finish without installing, then the region is gone.
+    fn remove_region(&mut self, id: RegionId) {
+        self.recent.region_removed(id);
+        let staged: Vec<BlockRef> = self
+            .staged
+            .iter()
+            .copied()
+            .filter(|block| block.region == id)
+            .collect();
+        for block in staged {
+            self.discard_staged(block);
+        }
+        self.waiters.retain(|block, _| block.region != id);
+        self.locator.remove(id);
+        self.prefetch.region_removed(id);
+        self.eviction.region_removed(id);
+        let Some(region) = self.regions.get_mut(&id) else {
+            return;
+        };
+        for index in 0..region.block_count() {
+            if region.state(index) == BlockState::Resident {
+                self.budget
+                    .remove_resident(region.layout.block_bytes(index));
+                release_frame(&mut self.store, region, index, true);
+            }
+        }
+        for (index, pinned) in region.pinned.iter().enumerate() {
+            if *pinned {
+                self.budget.unpin(region.layout.block_bytes(index as u32));
+            }
+        }
+        region.removed = true;
+        if region.reads_in_flight == 0 {
+            self.regions.remove(&id);
+        }
+    }
+
+    /// Drops the blocks overlapping `range` on `event`: `Released` (they fault back in)
+    /// or `Unmapped` (the program unmapped them and their pages are gone).
+    pub(super) fn drop_blocks(
+        &mut self,
+        id: RegionId,
+        range: &Range<u64>,
+        event: BlockEvent,
+    ) -> Result<(), ServiceError> {
+        debug_assert!(matches!(event, BlockEvent::Released | BlockEvent::Unmapped));
+        let unmapped = event == BlockEvent::Unmapped;
+        for index in self.blocks_of(id, range) {
+            let block = BlockRef::new(id, index);
+            let region = self
+                .regions
+                .get_mut(&id)
+                .expect("blocks_of found the region");
+            let bytes = region.layout.block_bytes(index);
+            if region.pinned[index as usize] {
+                region.pinned[index as usize] = false;
+                self.budget.unpin(bytes);
+            } else if region.state(index) == BlockState::Resident {
+                self.eviction.removed(block);
+            }
+            match region.state(index) {
+                state @ (BlockState::Resident | BlockState::Poisoned) => {
+                    if state == BlockState::Resident {
+                        self.budget.remove_resident(bytes);
+                    }
+                    region.advance(index, event);
+                    // A dropped block's frame is emptied: a drop gives memory back.
+                    release_frame(&mut self.store, region, index, true);
+                    if !unmapped {
+                        let memory = region.layout.block_memory(index);
+                        self.discard_run((id, memory.start, memory.end))?;
+                    }
+                    self.stats.dropped_blocks += 1;
+                }
+                BlockState::Staged(_) => {
+                    // Discarded, it is missing: unmapped too if so.
+                    self.discard_staged(block);
+                    if unmapped {
+                        let region = self.regions.get_mut(&id).expect("still there");
+                        region.advance(index, event);
+                    }
+                }
+                BlockState::Missing => region.advance(index, event),
+                // Unmapped while queued or read: the read is dropped from its queue or
+                // finishes without installing anything (see `installed`). A thread
+                // waiting on it would wait forever: woken, it faults again on whatever
+                // is mapped there now (nothing: SIGSEGV, as without the pager).
+                BlockState::Queued | BlockState::Reading if unmapped => {
+                    region.advance(index, event);
+                    if self.waiters.remove(&block).is_some() {
+                        let memory = region.layout.block_memory(index);
+                        let start = region.base + memory.start as usize;
+                        let len = (memory.end - memory.start) as usize;
+                        let _ = self.uffd.wake(start as *mut libc::c_void, len);
+                    }
+                }
+                // Dropped while queued or read: the read finishes and installs.
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Pins the blocks overlapping `range`: out of eviction's reach, and read now.
+    fn pin(&mut self, id: RegionId, range: &Range<u64>) -> Result<(), PinRefused> {
+        let blocks = self.blocks_of(id, range);
+        let Some(region) = self.regions.get_mut(&id) else {
+            return Err(PinRefused::UnknownRegion);
+        };
+        let requested: u64 = blocks
+            .clone()
+            .filter(|&index| !region.pinned[index as usize])
+            .map(|index| region.layout.block_bytes(index))
+            .sum();
+        self.budget.pin(requested, self.config.block_size)?;
+        for index in blocks {
+            if region.pinned[index as usize] {
+                continue;
+            }
+            region.pinned[index as usize] = true;
+            let block = BlockRef::new(id, index);
+            match region.state(index) {
+                BlockState::Resident => self.eviction.removed(block),
+                BlockState::Missing | BlockState::Poisoned => {
+                    region.advance(index, BlockEvent::Queued);
+                    self.demand.push_back(block);
+                }
+                BlockState::Queued => self.demand.push_back(block),
+                BlockState::Reading | BlockState::Staged(_) | BlockState::Unmapped => {}
+            }
+        }
+        // Staged pinned blocks are installed right away rather than held back.
+        let staged_pinned: Vec<BlockRef> = self
+            .staged
+            .iter()
+            .copied()
+            .filter(|block| block.region == id && region.pinned[block.index as usize])
+            .collect();
+        for block in staged_pinned {
+            self.discard_staged(block);
+            if let Some(region) = self.regions.get_mut(&id) {
+                region.advance(block.index, BlockEvent::Queued);
+                self.demand.push_back(block);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives pinned blocks overlapping `range` back to eviction.
+    fn unpin(&mut self, id: RegionId, range: &Range<u64>) {
+        for index in self.blocks_of(id, range) {
+            let region = self
+                .regions
+                .get_mut(&id)
+                .expect("blocks_of found the region");
+            if !region.pinned[index as usize] {
+                continue;
+            }
+            region.pinned[index as usize] = false;
+            self.budget.unpin(region.layout.block_bytes(index));
+            if region.state(index) == BlockState::Resident {
+                self.eviction.inserted(BlockRef::new(id, index));
+            }
+        }
+    }
+}

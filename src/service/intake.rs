@@ -1,0 +1,259 @@
+//! Fault intake: a userfaultfd event becomes a block's state change, a waiter, and news
+//! for the policies (what was touched, what to prefetch, what to watch).
+
+use userfaultfd::Event;
+
+use super::block_state::{BlockEvent, BlockState};
+use super::fault_log::Waiter;
+use super::pages::{discard_pages, map_frame, page_present, poison_range};
+use super::{FaultService, ServiceError};
+use crate::layout::Location;
+use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest};
+
+/// Most prefetch requests held waiting for a free read slot.
+const MAX_QUEUED_PREFETCH: usize = 1 << 16;
+
+/// A fault on a block of one of our regions.
+#[derive(Copy, Clone, Debug)]
+struct BlockFault {
+    block: BlockRef,
+    /// The faulting page's address.
+    page_addr: usize,
+    waiter: Waiter,
+}
+
+impl FaultService {
+    /// Serves every fault the userfaultfd has queued.
+    pub(super) fn drain_faults(&mut self) -> Result<(), ServiceError> {
+        loop {
+            self.fault_addrs.clear();
+            let events = self
+                .uffd
+                .read_events(&mut self.events)
+                .map_err(|error| ServiceError::Events(format!("{error:?}")))?;
+            for event in events {
+                // No other events are enabled.
+                if let Event::Pagefault {
+                    addr, thread_id, ..
+                } = event.map_err(|error| ServiceError::Events(format!("{error:?}")))?
+                {
+                    self.fault_addrs
+                        .push((addr as usize, thread_id.as_raw() as u32));
+                }
+            }
+            if self.fault_addrs.is_empty() {
+                return Ok(());
+            }
+            let addrs = std::mem::take(&mut self.fault_addrs);
+            for &(addr, tid) in &addrs {
+                if let Some(fault) = self.locate_fault(addr, tid) {
+                    self.serve_block_fault(fault)?;
+                }
+            }
+            self.fault_addrs = addrs;
+        }
+    }
+
+    /// The block a fault at `addr` by thread `tid` is on, or None when the fault was
+    /// answered here (not a block of a live region: woken or poisoned).
+    fn locate_fault(&mut self, addr: usize, tid: u32) -> Option<BlockFault> {
+        let now = self.now_ns();
+        let page = self.page();
+        let page_addr = addr & !(page - 1);
+        let Some((id, offset)) = self.locator.lookup(addr) else {
+            // A range being unmapped: its owner is waiting for us to let go. Waking is
+            // harmless; the thread retries against whatever is mapped there now.
+            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+            return None;
+        };
+        let region = self.regions.get(&id)?;
+        let index = match region.layout.locate(offset) {
+            Location::PastEof => {
+                // As with a file mapping: a whole page past the end of the file is SIGBUS.
+                poison_range(&self.uffd, page_addr, page, page);
+                return None;
+            }
+            Location::Block(index) => index,
+        };
+        if region.state(index) == BlockState::Unmapped {
+            // The program is unmapping it: the service has been told, the kernel's
+            // munmap follows. (A region of ours mapped there since is newer, and
+            // `lookup` answers with it.) Woken, the thread faults again until the range
+            // is gone, then as without a pager: SIGSEGV. Not a model access: the
+            // policies do not hear of it.
+            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+            return None;
+        }
+        let block_start = index as u64 * region.layout.block_size;
+        Some(BlockFault {
+            block: BlockRef::new(id, index),
+            page_addr,
+            waiter: Waiter {
+                t_ns: now,
+                tid,
+                outcome: FaultOutcome::Missing,
+                offset_in_block: (offset - block_start) as u32,
+            },
+        })
+    }
+
+    /// Serves a fault on a block: by its state, maps, wakes, waits on a read or queues
+    /// one; then tells the policies.
+    fn serve_block_fault(&mut self, fault: BlockFault) -> Result<(), ServiceError> {
+        let block = fault.block;
+        self.stats.faults += 1;
+        self.recent.record(fault.waiter.tid, block);
+        self.check_injected_panic();
+        let region = &self.regions[&block.region];
+        if self.store.is_none()
+            && region.state(block.index) == BlockState::Resident
+            && !page_present(fault.page_addr)
+        {
+            // Resident, yet the page is gone: dropped behind the service's back (advice
+            // given to the kernel directly, say MADV_DONTNEED_LOCKED through a path the
+            // shim does not see). Waking the thread, as for a fault that raced with the
+            // install, would have it fault again forever: read the block again.
+            let memory = region.layout.block_memory(block.index);
+            self.drop_blocks(block.region, &memory, BlockEvent::Released)?;
+            self.stats.lost_blocks += 1;
+        }
+        let (outcome, watch_fault) = self.fault_outcome(fault)?;
+        match outcome {
+            FaultOutcome::Missing => self.stats.demand_faults += 1,
+            _ if watch_fault => self.stats.watch_faults += 1,
+            _ => self.stats.prefetch_hits += 1,
+        }
+        if outcome == FaultOutcome::Resident {
+            let region = &self.regions[&block.region];
+            let file_offset = region.block_file_offset(block.index);
+            let waiter = Waiter {
+                outcome,
+                ..fault.waiter
+            };
+            let done = self.now_ns();
+            self.log
+                .served(block, file_offset, self.config.block_size, waiter, done);
+        }
+        self.tell_policies(&FaultEvent {
+            block,
+            time_ns: fault.waiter.t_ns,
+            outcome,
+            offset_in_block: Some(fault.waiter.offset_in_block),
+        })
+    }
+
+    /// What the block's state makes of the fault, acted upon; and whether it was the
+    /// first access to a watched block.
+    fn fault_outcome(&mut self, fault: BlockFault) -> Result<(FaultOutcome, bool), ServiceError> {
+        let block = fault.block;
+        let region = self
+            .regions
+            .get_mut(&block.region)
+            .expect("located in a live region");
+        let waiter = |outcome| Waiter {
+            outcome,
+            ..fault.waiter
+        };
+        let outcome = match region.state(block.index) {
+            BlockState::Resident => {
+                if let Some(store) = &self.store {
+                    // The install raced with the fault, the block is watched, or the
+                    // program dropped the pages of the frame's mapping (a minor fault):
+                    // map the frame again.
+                    map_frame(&self.uffd, store, region, block.index)?;
+                    let watched = &mut region.watched[block.index as usize];
+                    return Ok((FaultOutcome::Resident, std::mem::take(watched)));
+                }
+                // The fault raced with the install that already woke it.
+                let page = self.config.page_size as usize;
+                let _ = self.uffd.wake(fault.page_addr as *mut libc::c_void, page);
+                FaultOutcome::Resident
+            }
+            BlockState::Reading => FaultOutcome::InFlight,
+            BlockState::Queued => {
+                // Whatever queue it is in, it is now needed: serve it first.
+                self.demand.push_back(block);
+                FaultOutcome::InFlight
+            }
+            BlockState::Staged(place) => {
+                self.unstage(block);
+                self.waiters
+                    .entry(block)
+                    .or_default()
+                    .push(waiter(FaultOutcome::Staged));
+                self.install_staged(block, place)?;
+                return Ok((FaultOutcome::Staged, false));
+            }
+            BlockState::Missing | BlockState::Poisoned => {
+                region.advance(block.index, BlockEvent::Queued);
+                self.demand.push_back(block);
+                FaultOutcome::Missing
+            }
+            BlockState::Unmapped => unreachable!("answered by locate_fault"),
+        };
+        if outcome != FaultOutcome::Resident {
+            self.waiters.entry(block).or_default().push(waiter(outcome));
+        }
+        Ok((outcome, false))
+    }
+
+    /// Tells the policies of an access: eviction learns, prefetch plans, and (with zero
+    /// copy) eviction names resident blocks to watch.
+    fn tell_policies(&mut self, event: &FaultEvent) -> Result<(), ServiceError> {
+        self.eviction.touched(event);
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        self.prefetch.plan(event, &mut plan);
+        for request in plan.drain(..) {
+            self.queue_prefetch(request);
+        }
+        self.plan = plan;
+        if self.store.is_some() {
+            let mut watch = std::mem::take(&mut self.watch);
+            watch.clear();
+            self.eviction.watch(&mut watch);
+            for &block in &watch {
+                self.watch_block(block)?;
+            }
+            self.watch = watch;
+        }
+        Ok(())
+    }
+
+    /// Drops the pages of a resident block and keeps its frame, so that the program's
+    /// next access is a minor fault the policies hear of (`EvictionPolicy::watch`).
+    fn watch_block(&mut self, block: BlockRef) -> Result<(), ServiceError> {
+        let Some(region) = self.regions.get_mut(&block.region) else {
+            return Ok(());
+        };
+        if !region.evictable(block.index) {
+            debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
+            return Ok(());
+        }
+        if std::mem::replace(&mut region.watched[block.index as usize], true) {
+            return Ok(());
+        }
+        self.stats.watched_blocks += 1;
+        let memory = region.layout.block_memory(block.index);
+        for part in region.mapped_parts(memory) {
+            discard_pages(part.start, part.end)?;
+        }
+        Ok(())
+    }
+
+    /// Queues a prefetch of a missing block (others are in memory or on their way).
+    pub(super) fn queue_prefetch(&mut self, request: PrefetchRequest) {
+        if self.prefetch_queue.len() >= MAX_QUEUED_PREFETCH {
+            return;
+        }
+        let Some(region) = self.regions.get_mut(&request.block.region) else {
+            return;
+        };
+        if request.block.index < region.block_count()
+            && region.state(request.block.index) == BlockState::Missing
+        {
+            region.advance(request.block.index, BlockEvent::Queued);
+            self.prefetch_queue.push_back(request);
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! The fault service: one thread that turns userfaultfd page faults into io_uring reads
+//! and installs what they read, keeping resident bytes within the budget.
+//!
+//! Everything waits on the ring: multishot polls on the userfaultfd and on the command
+//! eventfd complete like reads do, so one `submit_and_wait` covers faults, commands and
+//! finished reads (`serve`, here). The thread never touches a managed page itself, never
+//! takes a lock a faulting thread may hold (it does not print; it locks only its own
+//! command queue and stats), and if it fails it aborts the process with a message rather
+//! than leave threads waiting on faults forever.
+//!
+//! The parts, in the order a fault meets them (docs/ARCHITECTURE.md has the whole path):
+//! - `intake`: a fault is located (region, block) and moves its block's state; the
+//!   policies hear of it and plan prefetches.
+//! - `reads`: queued blocks become io_uring reads within the queue depth, after `room`
+//!   made space in the `budget`; completions are checked, retried or failed.
+//! - `installs`: finished reads are copied or mapped in (`pages`), waiters woken;
+//!   `staging` holds prefetch markers back until the program touches them.
+//! - `commands`: the API side's requests (`crate::command`): regions, drops, pins.
+//!
+//! Each block's state lives in its `region` and changes only through `block_state`'s
+//! transition function; the `budget` counts resident, reserved and pinned bytes and
+//! nothing else changes them.
+
+mod block_state;
+mod budget;
+mod commands;
+mod fault_log;
+mod injection;
+mod installs;
+mod intake;
+mod pages;
+mod reads;
+mod region;
+mod room;
+mod staging;
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use userfaultfd::{EventBuffer, Uffd};
+
+use self::budget::Budget;
+use self::fault_log::{FaultLog, Waiter};
+#[cfg(feature = "fault-injection")]
+pub(crate) use self::injection::InjectedFaults;
+use self::reads::ReadTag;
+use self::region::ServedRegion;
+use self::staging::max_staged;
+use crate::command::Shared;
+use crate::installer::{raise_priority, InstallError, InstallPool, Installed};
+use crate::layout::FaultLocator;
+use crate::policy::{BlockRef, EvictionPolicy, PrefetchPolicy, PrefetchRequest, RegionId};
+use crate::recent_faults::RecentFaults;
+use crate::ring::{Completion, ReadRing, RingError};
+use crate::shared_store::FrameStore;
+use crate::stash::Stash;
+use crate::stats::{LatencyHistogram, Stats};
+
+const TOKEN_UFFD: u32 = 0;
+const TOKEN_COMMANDS: u32 = 1;
+const TOKEN_INSTALLED: u32 = 2;
+
+pub(crate) struct ServiceConfig {
+    pub budget: u64,
+    pub block_size: u64,
+    pub max_read: u64,
+    pub queue_depth: u32,
+    pub read_attempts: u32,
+    pub page_size: u64,
+    /// Most faults kept in the trace; 0 keeps none.
+    pub trace_limit: usize,
+    /// How long to poll for completions while demand reads are in flight.
+    pub demand_spin: std::time::Duration,
+    /// Poll only while at least this many demand reads are in flight.
+    pub demand_spin_min_reads: u32,
+    /// Nice value asked for the service and install threads.
+    pub thread_nice: i32,
+    /// Why blocks are copied rather than mapped from a store (None: they are mapped).
+    pub zero_copy_refused: Option<String>,
+    #[cfg(feature = "fault-injection")]
+    pub faults: InjectedFaults,
+}
+
+pub(crate) struct FaultService {
+    config: ServiceConfig,
+    uffd: Arc<Uffd>,
+    shared: Arc<Shared>,
+    ring: ReadRing<ReadTag>,
+    prefetch: Box<dyn PrefetchPolicy>,
+    eviction: Box<dyn EvictionPolicy>,
+    regions: HashMap<RegionId, ServedRegion>,
+    locator: FaultLocator,
+    demand: VecDeque<BlockRef>,
+    prefetch_queue: VecDeque<PrefetchRequest>,
+    staged: VecDeque<BlockRef>,
+    /// Fault times of threads waiting on each block, for the latency histogram.
+    waiters: HashMap<BlockRef, Vec<Waiter>>,
+    budget: Budget,
+    prefetch_reads_in_flight: u32,
+    /// Bytes of prefetch reads submitted and not yet completed by the device (a read
+    /// completed but not yet installed no longer counts).
+    prefetch_bytes_on_device: u64,
+    demand_reads_in_flight: u32,
+    stats: Stats,
+    log: FaultLog,
+    read_latency: LatencyHistogram,
+    start: Instant,
+    last_publish_ns: u64,
+    shutting_down: bool,
+    events: EventBuffer,
+    fault_addrs: Vec<(usize, u32)>,
+    plan: Vec<PrefetchRequest>,
+    victims: Vec<BlockRef>,
+    /// Scratch: blocks the eviction policy asks to watch.
+    watch: Vec<BlockRef>,
+    /// Scratch for `make_room`: victims the policy named that `recent` spares.
+    spared: Vec<BlockRef>,
+    /// Each thread's last two blocks, which eviction spares (see `recent_faults`).
+    recent: RecentFaults,
+    completions: Vec<Completion>,
+    /// Worker threads that install prefetched reads (none: all installs on this thread).
+    installs: Option<InstallPool>,
+    installed: Vec<Installed>,
+    /// Finished reads nobody waits for yet, to install once new reads are issued.
+    ready: VecDeque<u32>,
+    /// The bytes of staged markers.
+    stash: Stash,
+    /// With zero copy: the frames reads land in and regions map.
+    store: Option<FrameStore>,
+}
+
+/// Why serving stopped; every one of these ends the process (see `run`).
+#[derive(Debug, thiserror::Error)]
+enum ServiceError {
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    #[error("reading userfaultfd events failed: {0}")]
+    Events(String),
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    #[error("dropping evicted pages at {addr:#x} failed: {error}")]
+    Evict { addr: usize, error: std::io::Error },
+    #[error("mapping a block's frame at {addr:#x} failed: {error}")]
+    MapFrame { addr: usize, error: std::io::Error },
+}
+
+impl FaultService {
+    pub(crate) fn new(
+        config: ServiceConfig,
+        uffd: Arc<Uffd>,
+        shared: Arc<Shared>,
+        prefetch: Box<dyn PrefetchPolicy>,
+        eviction: Box<dyn EvictionPolicy>,
+        installs: Option<InstallPool>,
+        store: Option<FrameStore>,
+    ) -> Result<Self, RingError> {
+        let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
+        let stash = Stash::new(
+            max_staged(config.queue_depth, config.block_size) as u32,
+            config.block_size as usize,
+            config.page_size as usize,
+        );
+        let trace_limit = config.trace_limit;
+        let budget = Budget::new(config.budget);
+        let stats = Stats {
+            budget_bytes: config.budget,
+            block_size: config.block_size,
+            queue_depth: config.queue_depth,
+            install_threads: installs.as_ref().map_or(0, |pool| pool.threads() as u32),
+            direct_io: true,
+            zero_copy: store.is_some(),
+            zero_copy_refused: config.zero_copy_refused.clone(),
+            ..Stats::default()
+        };
+        Ok(Self {
+            config,
+            uffd,
+            shared,
+            ring,
+            prefetch,
+            eviction,
+            regions: HashMap::new(),
+            locator: FaultLocator::default(),
+            demand: VecDeque::new(),
+            prefetch_queue: VecDeque::new(),
+            staged: VecDeque::new(),
+            waiters: HashMap::new(),
+            budget,
+            prefetch_reads_in_flight: 0,
+            prefetch_bytes_on_device: 0,
+            demand_reads_in_flight: 0,
+            stats,
+            log: FaultLog::new(trace_limit),
+            read_latency: LatencyHistogram::default(),
+            start: Instant::now(),
+            last_publish_ns: 0,
+            shutting_down: false,
+            events: EventBuffer::new(64),
+            fault_addrs: Vec::new(),
+            plan: Vec::new(),
+            victims: Vec::new(),
+            watch: Vec::new(),
+            spared: Vec::new(),
+            recent: RecentFaults::default(),
+            completions: Vec::new(),
+            installs,
+            installed: Vec::new(),
+            ready: VecDeque::new(),
+            stash,
+            store,
+        })
+    }
+
+    /// Serves until shutdown. Any failure ends the process: a thread waiting on a fault
+    /// that nobody will serve would otherwise hang forever.
+    pub(crate) fn run(mut self) {
+        self.stats.thread_nice = raise_priority(self.config.thread_nice);
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
+        let why = match outcome {
+            Ok(Ok(())) => return,
+            Ok(Err(error)) => error.to_string(),
+            Err(panic) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panic".into()),
+        };
+        fatal(&why);
+    }
+
+    pub(super) fn page(&self) -> usize {
+        self.config.page_size as usize
+    }
+
+    pub(super) fn now_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
+    fn serve(&mut self) -> Result<(), ServiceError> {
+        self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
+        self.ring
+            .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+        if let Some(pool) = &self.installs {
+            self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
+        }
+        loop {
+            if self.demand_reads_in_flight >= self.config.demand_spin_min_reads
+                && !self.config.demand_spin.is_zero()
+            {
+                // Many threads are blocked on reads: reaping their completions (and new
+                // faults) without a wake-up of this thread shortens their waits. With
+                // few, polling costs more than it saves: it keeps this core busy, so the
+                // thread an install wakes is sent to another core, idle and halted,
+                // and waking a halted virtual CPU costs tens of microseconds.
+                self.ring.submit_and_spin(self.config.demand_spin)?;
+            } else {
+                self.ring.submit_and_wait(1)?;
+            }
+            let mut completions = std::mem::take(&mut self.completions);
+            completions.clear();
+            self.ring.reap(&mut completions);
+            for completion in completions.drain(..) {
+                match completion {
+                    Completion::Read { slot, result } => self.read_done(slot, result)?,
+                    Completion::Readable { token, rearm } => {
+                        if token == TOKEN_UFFD {
+                            self.drain_faults()?;
+                            if rearm {
+                                self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
+                            }
+                        } else if token == TOKEN_INSTALLED {
+                            self.collect_installs(false)?;
+                            if let (true, Some(pool)) = (rearm, &self.installs) {
+                                self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
+                            }
+                        } else {
+                            self.drain_commands()?;
+                            if rearm {
+                                self.ring
+                                    .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+                            }
+                        }
+                    }
+                }
+            }
+            self.completions = completions;
+            // Keep the device busy first: issue reads for the slots and budget free
+            // now, then install what finished (installs take far longer than issuing).
+            self.pump()?;
+            if !self.ready.is_empty() {
+                self.ring.submit()?;
+                self.install_ready()?;
+                // Installs freed slots: fill them (submitted on the next turn).
+                self.pump()?;
+            }
+            let now = self.now_ns();
+            if now - self.last_publish_ns > 100_000_000 {
+                self.publish();
+            }
+            if self.shutting_down && self.ring.reads_in_flight() == 0 {
+                self.publish();
+                return Ok(());
+            }
+        }
+    }
+
+    fn snapshot(&mut self) -> Stats {
+        let mut stats = self.stats.clone();
+        stats.resident_bytes = self.budget.resident();
+        stats.peak_resident_bytes = self.budget.peak_resident();
+        stats.pinned_bytes = self.budget.pinned();
+        stats.fault_latency_us = self.log.latency.summary();
+        stats.read_latency_us = self.read_latency.summary();
+        stats.elapsed_s = self.start.elapsed().as_secs_f64();
+        let refused = self
+            .regions
+            .values()
+            .find_map(|region| region.file.direct_refused().map(str::to_owned));
+        stats.direct_io = refused.is_none();
+        stats.direct_io_fallback = refused;
+        if let Some(store) = &self.store {
+            (stats.frame_memory_bytes, stats.peak_frame_memory_bytes) = store.memory_bytes();
+        }
+        stats
+    }
+
+    fn publish(&mut self) {
+        self.last_publish_ns = self.now_ns();
+        let snapshot = self.snapshot();
+        self.shared.publish(snapshot);
+    }
+}
+
+/// Reports why the service stopped and ends the process: threads waiting on faults
+/// would otherwise hang forever. Written with write(2): stderr's lock may be held by a
+/// thread that is itself waiting on a fault.
+fn fatal(why: &str) -> ! {
+    let message =
+        format!("hyperoffload: the fault service failed and the process cannot continue: {why}\n");
+    // SAFETY: writes a live buffer to fd 2.
+    unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+    std::process::abort();
+}

@@ -1,0 +1,520 @@
+//! Reads: queued blocks become io_uring reads (demand first, prefetch within its share
+//! of the queue and the device), each after room was made in the budget; completions are
+//! checked, continued when short, retried, moved off O_DIRECT when refused, failed for
+//! good (split first, then poisoned) or handed on to be installed.
+
+use super::block_state::{BlockEvent, BlockState, StagedIn};
+use super::pages::{poison_range, release_frame};
+use super::staging::max_staged;
+use super::{FaultService, ServiceError};
+use crate::policy::{BlockRef, Install, ReadKind, RegionId};
+use crate::ring::Landing;
+
+/// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
+/// device we meet.
+const DIRECT_IO_ALIGN: u64 = 4096;
+
+/// A read the ring is doing for us.
+pub(super) struct ReadTag {
+    pub region: RegionId,
+    pub first: u32,
+    pub count: u32,
+    /// File offset and length of the whole request (length O_DIRECT aligned).
+    pub file_offset: u64,
+    pub len: usize,
+    /// Bytes of file data the request must deliver.
+    pub valid: usize,
+    /// Bytes received so far (short reads continue).
+    pub done: usize,
+    pub attempts: u32,
+    pub submitted_ns: u64,
+    /// Bytes of budget reserved for the blocks.
+    pub reserved: u64,
+    pub install: Install,
+    pub prefetch: bool,
+}
+
+impl FaultService {
+    /// Issues queued reads: demand first, then prefetch, within the budget and the
+    /// queue depth. Prefetch leaves a quarter of the slots for demand reads.
+    pub(super) fn pump(&mut self) -> Result<(), ServiceError> {
+        while let Some(&block) = self.demand.front() {
+            let Some(region) = self.regions.get(&block.region) else {
+                self.demand.pop_front();
+                continue;
+            };
+            if region.removed || region.state(block.index) != BlockState::Queued {
+                self.demand.pop_front();
+                continue;
+            }
+            let bytes = region.layout.block_bytes(block.index);
+            if !self.ring.has_free_slot() || !self.frame_free() {
+                break;
+            }
+            if !self.make_room(bytes, block, ReadKind::Demand)? {
+                break;
+            }
+            let Some(slot) = self.ring.checkout()? else {
+                self.budget.unreserve(bytes);
+                break;
+            };
+            self.demand.pop_front();
+            self.start_read(slot, block, 1, bytes, Install::Eager, false)?;
+        }
+        let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
+        let max_blocks = (self.config.max_read / self.config.block_size) as u32;
+        let device_limit = self.prefetch.device_bytes().unwrap_or(u64::MAX);
+        while self.prefetch_reads_in_flight < prefetch_limit
+            && self.prefetch_bytes_on_device < device_limit
+            && self.ring.has_free_slot()
+            && self.frame_free()
+        {
+            let Some(&first) = self.prefetch_queue.front() else {
+                break;
+            };
+            let Some(region) = self.regions.get(&first.block.region) else {
+                self.prefetch_queue.pop_front();
+                continue;
+            };
+            if region.removed || region.state(first.block.index) != BlockState::Queued {
+                self.prefetch_queue.pop_front();
+                continue;
+            }
+            let install = first.install;
+            // Merge following requests for the next blocks into one read; a marker
+            // stays alone, since it is held back as a unit.
+            let mut count = 1u32;
+            if install == Install::Eager {
+                for next in self.prefetch_queue.iter().skip(1) {
+                    let index = first.block.index + count;
+                    if count >= max_blocks
+                        || next.block.region != first.block.region
+                        || next.block.index != index
+                        || next.install != Install::Eager
+                        || index >= region.block_count()
+                        || region.state(index) != BlockState::Queued
+                    {
+                        break;
+                    }
+                    count += 1;
+                }
+            }
+            let bytes: u64 = (first.block.index..first.block.index + count)
+                .map(|index| region.layout.block_bytes(index))
+                .sum();
+            if !self.make_room(bytes, first.block, ReadKind::Prefetch)? {
+                // Nothing resident is worth less than this block. Requests are queued
+                // in the order they are needed, so the rest are worth as little, unless
+                // this one is stale: the program passed it while it waited for the
+                // device. Drop it alone (measured at a quarter of a 3 GiB llama:
+                // dropping the queue on a stale request left runs of the blocks just
+                // ahead to be read on demand).
+                self.prefetch_queue.pop_front();
+                self.cancel_request(first.block);
+                continue;
+            }
+            let Some(slot) = self.ring.checkout()? else {
+                self.budget.unreserve(bytes);
+                break;
+            };
+            for _ in 0..count {
+                self.prefetch_queue.pop_front();
+            }
+            self.start_read(slot, first.block, count, bytes, install, true)?;
+            self.stats.blocks_prefetched += count as u64;
+        }
+        Ok(())
+    }
+
+    pub(super) fn start_read(
+        &mut self,
+        slot: u32,
+        first: BlockRef,
+        count: u32,
+        reserved: u64,
+        install: Install,
+        prefetch: bool,
+    ) -> Result<(), ServiceError> {
+        let now = self.now_ns();
+        let region = self
+            .regions
+            .get_mut(&first.region)
+            .expect("reads start only for live regions");
+        let start = first.index as u64 * region.layout.block_size;
+        let end =
+            ((first.index + count) as u64 * region.layout.block_size).min(region.layout.data_len);
+        let valid = (end - start) as usize;
+        let len = (end - start).next_multiple_of(DIRECT_IO_ALIGN) as usize;
+        for index in first.index..first.index + count {
+            region.advance(index, BlockEvent::ReadIssued);
+        }
+        region.reads_in_flight += 1;
+        let file_offset = region.file_offset + start;
+        let fd = region.file.read_fd();
+        let landing = match &mut self.store {
+            Some(store) => {
+                debug_assert_eq!(count, 1, "a frame holds one block");
+                let frame = store.take().expect("pump checked a frame is free");
+                region.frames[first.index as usize] = Some(frame.index);
+                // A frame's first read faults its pages in, and the kernel clears them
+                // first: inside this thread's submit, which then serves nobody meanwhile.
+                // Slow when the host must back the memory anew (a VM whose freed memory
+                // went back to the host): 2 MiB took 4 ms here, and the cold start to the
+                // first token spent 45 % of all CPU clearing on this thread. The kernel's
+                // io_uring workers clear several frames at once instead. llama-completion
+                // -n 1 cold, 3 GiB llama at 125 %, memory idle 8 s before (three runs
+                // each): 6.66-7.59 s on this thread, 5.17-5.19 punted; memory just freed
+                // by the run before: 1.28 and 1.29-1.33 s.
+                Some(Landing {
+                    dest: store.view(frame.index),
+                    len,
+                    off_thread: !frame.warm,
+                })
+            }
+            None => None,
+        };
+        let tag = ReadTag {
+            region: first.region,
+            first: first.index,
+            count,
+            file_offset,
+            len,
+            valid,
+            done: 0,
+            attempts: 1,
+            submitted_ns: now,
+            reserved,
+            install,
+            prefetch,
+        };
+        match landing {
+            Some(landing) => {
+                // SAFETY: the store's view lives as long as the service; the frame was
+                // just taken, and no other read lands in it or region maps it until it
+                // is freed.
+                unsafe { self.ring.read_into(slot, fd, file_offset, landing, tag) }?
+            }
+            None => self.ring.read(slot, fd, file_offset, 0, len, tag)?,
+        }
+        if prefetch {
+            self.prefetch_reads_in_flight += 1;
+            self.prefetch_bytes_on_device += len as u64;
+        } else {
+            self.demand_reads_in_flight += 1;
+        }
+        self.stats.read_requests += 1;
+        Ok(())
+    }
+
+    pub(super) fn read_done(&mut self, slot: u32, result: i32) -> Result<(), ServiceError> {
+        let Some(tag) = self.ring.tag(slot) else {
+            return Ok(());
+        };
+        let region_id = tag.region;
+        if tag.prefetch {
+            // What was submitted last for this slot: the request's rest.
+            self.prefetch_bytes_on_device -= (tag.len - tag.done) as u64;
+        }
+        let result = self.injected_read_result(slot, result);
+        let live = self
+            .regions
+            .get(&region_id)
+            .is_some_and(|region| !region.removed);
+        if !live {
+            if let Some(region) = self.regions.get_mut(&region_id) {
+                let tag = self.ring.tag(slot).expect("checked above");
+                for index in tag.first..tag.first + tag.count {
+                    release_frame(&mut self.store, region, index, true);
+                }
+            }
+            self.finish_read(slot);
+            return Ok(());
+        }
+        if result < 0 {
+            let errno = -result;
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            let tag = self.ring.tag_mut(slot).expect("checked above");
+            if errno == libc::EINVAL && region.file.is_direct() {
+                // The filesystem took O_DIRECT at open but refuses the read: go buffered.
+                region.file.give_up_direct(format!(
+                    "O_DIRECT read refused ({}); reading through the page cache",
+                    std::io::Error::from_raw_os_error(errno)
+                ));
+            } else if tag.attempts < self.config.read_attempts {
+                tag.attempts += 1;
+                self.stats.read_retries += 1;
+            } else {
+                self.fail_read(slot);
+                return Ok(());
+            }
+            return self.continue_read(slot);
+        }
+        let tag = self.ring.tag_mut(slot).expect("checked above");
+        if result == 0 && tag.done < tag.valid {
+            // End of file before the data the region was made for: the file shrank under
+            // us. The kernel raises SIGBUS for such pages; so do we (and say why once).
+            self.file_changed(region_id);
+            self.fail_read(slot);
+            return Ok(());
+        }
+        tag.done += result as usize;
+        if tag.done < tag.valid {
+            return self.continue_read(slot);
+        }
+        self.read_complete(slot)
+    }
+
+    /// Re-issues the unread rest of a request (after a short read or a retry).
+    pub(super) fn continue_read(&mut self, slot: u32) -> Result<(), ServiceError> {
+        let tag = self.ring.tag(slot).expect("continuing a read in flight");
+        let region = self
+            .regions
+            .get(&tag.region)
+            .expect("continuing a live region");
+        // A short read may end off the direct-I/O alignment; finish such a rest buffered.
+        let fd = if tag.done as u64 % DIRECT_IO_ALIGN == 0 {
+            region.file.read_fd()
+        } else {
+            region.file.buffered_fd()
+        };
+        let (offset, done, len) = (
+            tag.file_offset + tag.done as u64,
+            tag.done,
+            tag.len - tag.done,
+        );
+        // On this thread: the first attempt faulted the frame's pages in (short reads and
+        // retries are rare enough not to need a worker either way).
+        let landing = self.store.as_ref().map(|store| Landing {
+            dest: store.view(region.frame(tag.first)).wrapping_add(done),
+            len,
+            off_thread: false,
+        });
+        let tag = self
+            .ring
+            .checkin(slot)
+            .expect("continuing a read in flight");
+        if tag.prefetch {
+            self.prefetch_bytes_on_device += len as u64;
+        }
+        // Re-checking out the same slot cannot fail: it was just returned.
+        let again = self.ring.checkout()?.expect("a slot was just returned");
+        debug_assert_eq!(again, slot);
+        match landing {
+            Some(landing) => {
+                // SAFETY: as in `start_read`: the rest of the same frame.
+                unsafe { self.ring.read_into(again, fd, offset, landing, tag) }?
+            }
+            None => self.ring.read(again, fd, offset, done, len, tag)?,
+        }
+        Ok(())
+    }
+
+    /// The memory the read in `slot` lands in: its ring buffer, or its block's frame.
+    /// Only for a read that is not in flight.
+    pub(super) fn landing(&mut self, slot: u32) -> &mut [u8] {
+        let tag = self.ring.tag(slot).expect("a read in the ring");
+        let len = tag.len;
+        match &mut self.store {
+            Some(store) => {
+                let frame = self.regions[&tag.region].frame(tag.first);
+                // SAFETY: the read has completed (or not started), so nothing else
+                // writes the frame, and the service is its only user meanwhile.
+                unsafe { store.bytes_mut(frame, len) }
+            }
+            None => self.ring.buffer_mut(slot),
+        }
+    }
+
+    pub(super) fn read_complete(&mut self, slot: u32) -> Result<(), ServiceError> {
+        let now = self.now_ns();
+        let tag = self.ring.tag(slot).expect("completing a read in flight");
+        let (region_id, first, count, valid) = (tag.region, tag.first, tag.count, tag.valid);
+        let elapsed = now.saturating_sub(tag.submitted_ns);
+        let install = tag.install;
+        if self.file_changed(region_id) {
+            self.fail_read(slot);
+            return Ok(());
+        }
+        // Bytes past the end of the file in the last page read as zeros, as with mmap.
+        let page = self.config.page_size as usize;
+        let landing = self.landing(slot);
+        let tail = valid..valid.next_multiple_of(page).min(landing.len());
+        landing[tail].fill(0);
+        if let Some(store) = &self.store {
+            // Whether it is mapped now or held back, the service is done with the
+            // frame's bytes: the process's resident set counts them once (the region's).
+            store.forget_view(self.regions[&region_id].frame(first));
+        }
+        self.read_latency.record_ns(elapsed);
+        self.stats.bytes_read += valid as u64;
+        self.stats.blocks_read += count as u64;
+        let block = BlockRef::new(region_id, first);
+        self.prefetch.read_completed(block, valid as u64, elapsed);
+        let staged_max = max_staged(self.config.queue_depth, self.config.block_size);
+        if install == Install::OnFault
+            && !self.waiters.contains_key(&block)
+            && self.store.is_some()
+            && self.staged.len() < staged_max
+        {
+            // With zero copy the marker's bytes are already where they will be mapped
+            // from: hold it back unmapped, and map it when the program faults on it.
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            region.advance(first, BlockEvent::Staged(StagedIn::Frame));
+            self.keep_as_marker(slot);
+            return Ok(());
+        }
+        if install == Install::OnFault && !self.waiters.contains_key(&block) && self.store.is_none()
+        {
+            let region = self.regions.get_mut(&region_id).expect("checked live");
+            let memory = region.layout.block_memory(first);
+            let len = (memory.end - memory.start) as usize;
+            // With the stash full this marker is installed like any prefetch: the
+            // markers already held are nearer the program, and they are the ones that
+            // keep its position known.
+            if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
+                region.advance(first, BlockEvent::Staged(StagedIn::Stash(stash)));
+                self.keep_as_marker(slot);
+                return Ok(());
+            }
+        }
+        // Installed after the next reads are submitted (`serve`), waited ones first:
+        // issuing a read takes microseconds, mapping or copying a block far longer, and
+        // the device would idle meanwhile.
+        self.ready.push_back(slot);
+        Ok(())
+    }
+
+    /// Holds the (one-block) read in `slot` back as a staged marker and frees the slot;
+    /// the marker keeps the read's reservation until it is installed or discarded.
+    fn keep_as_marker(&mut self, slot: u32) {
+        let tag = self
+            .ring
+            .tag_mut(slot)
+            .expect("completing a read in flight");
+        tag.reserved = 0;
+        self.staged.push_back(BlockRef::new(tag.region, tag.first));
+        self.finish_read(slot);
+    }
+
+    /// Whether a thread waits on a block of the read in `slot`.
+    pub(super) fn read_has_waiters(&self, slot: u32) -> bool {
+        if self.waiters.is_empty() {
+            return false;
+        }
+        let tag = self.ring.tag(slot).expect("a read in flight");
+        (tag.first..tag.first + tag.count)
+            .any(|index| self.waiters.contains_key(&BlockRef::new(tag.region, index)))
+    }
+
+    /// Releases a read's slot and reservation, whatever became of it.
+    pub(super) fn finish_read(&mut self, slot: u32) {
+        if let Some(tag) = self.ring.checkin(slot) {
+            self.budget.unreserve(tag.reserved);
+            if tag.prefetch {
+                self.prefetch_reads_in_flight -= 1;
+            } else {
+                self.demand_reads_in_flight -= 1;
+            }
+            if let Some(region) = self.regions.get_mut(&tag.region) {
+                region.reads_in_flight -= 1;
+                if region.removed && region.reads_in_flight == 0 {
+                    self.regions.remove(&tag.region);
+                }
+            }
+        }
+    }
+
+    /// A read failed for good: threads waiting on its blocks get SIGBUS (their pages are
+    /// poisoned); blocks nobody waits for are left missing, to be tried again on demand.
+    /// A merged read is first split: each block is tried alone, so one bad sector costs
+    /// one block, not its neighbours.
+    pub(super) fn fail_read(&mut self, slot: u32) {
+        let tag = self.ring.tag(slot).expect("failing a read in flight");
+        let (region_id, first, count) = (tag.region, tag.first, tag.count);
+        let now = self.now_ns();
+        let region = self
+            .regions
+            .get_mut(&region_id)
+            .expect("failing a live region's read");
+        if count > 1 && !region.changed {
+            for index in first..first + count {
+                if region.state(index) == BlockState::Unmapped {
+                    continue;
+                }
+                let block = BlockRef::new(region_id, index);
+                if self.waiters.contains_key(&block) || region.pinned[index as usize] {
+                    region.advance(index, BlockEvent::Requeued);
+                    self.demand.push_back(block);
+                } else {
+                    region.advance(index, BlockEvent::ReadFailed);
+                }
+            }
+            self.finish_read(slot);
+            return;
+        }
+        let page = self.config.page_size as usize;
+        self.stats.read_errors += 1;
+        for index in first..first + count {
+            // Emptied: the failed read's pages may still be in the service's view.
+            release_frame(&mut self.store, region, index, true);
+            if region.state(index) == BlockState::Unmapped {
+                // Unmapped while it was read: nobody waits, nothing is mapped to poison.
+                continue;
+            }
+            let block = BlockRef::new(region_id, index);
+            let waited = self.waiters.remove(&block);
+            let memory = region.layout.block_memory(index);
+            if waited.is_some() || region.pinned[index as usize] {
+                for part in region.mapped_parts(memory) {
+                    self.stats.poisoned_pages +=
+                        poison_range(&self.uffd, part.start, part.end - part.start, page);
+                }
+                region.advance(index, BlockEvent::Poisoned);
+            } else {
+                region.advance(index, BlockEvent::ReadFailed);
+            }
+            let file_offset = region.block_file_offset(index);
+            for waiter in waited.into_iter().flatten() {
+                self.log
+                    .served(block, file_offset, region.layout.block_size, waiter, now);
+            }
+        }
+        self.finish_read(slot);
+    }
+
+    /// Whether the region's file was modified in place (size or mtime of the open
+    /// descriptor differ from when it was opened). Checked after every read, before its
+    /// bytes are installed: a writer updates the mtime before it changes the data, so a
+    /// read that saw new bytes is caught. From the first change on, nothing more is
+    /// installed from the file: the threads waiting get SIGBUS (once, a message says why)
+    /// rather than a mix of old and new bytes. A file replaced by rename is not a change:
+    /// the region keeps reading the inode it opened, as a kernel mapping does.
+    pub(super) fn file_changed(&mut self, id: RegionId) -> bool {
+        let Some(region) = self.regions.get_mut(&id) else {
+            return false;
+        };
+        if region.changed {
+            return true;
+        }
+        let Ok(now) = region.file.open_identity() else {
+            return false;
+        };
+        let then = region.file.identity();
+        if now.len == then.len && now.mtime_ns == then.mtime_ns {
+            return false;
+        }
+        region.changed = true;
+        let message = format!(
+            "hyperoffload: {} was modified while mapped (size {} -> {}, mtime changed: {}); \
+             its pages not yet read raise SIGBUS\n",
+            region.file.path().display(),
+            then.len,
+            now.len,
+            now.mtime_ns != then.mtime_ns
+        );
+        // SAFETY: writes a live buffer to fd 2 (not through stderr's lock, which a
+        // faulting thread may hold).
+        unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+        true
+    }
+}

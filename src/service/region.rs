@@ -1,0 +1,138 @@
+//! A region the service serves: where it is, what file backs it, and the state of each
+//! of its blocks (changed only through `advance`, see `block_state`).
+
+use std::ops::Range;
+
+use super::block_state::{transition, BlockEvent, BlockState};
+use crate::file::BackingFile;
+use crate::layout::{outside_holes, RegionLayout};
+use crate::policy::{RegionId, RegionInfo};
+
+pub(super) struct ServedRegion {
+    pub base: usize,
+    pub layout: RegionLayout,
+    pub file: BackingFile,
+    pub file_offset: u64,
+    blocks: Vec<BlockState>,
+    pub pinned: Vec<bool>,
+    /// Reads in flight into this region; a removed region is forgotten when none are.
+    pub reads_in_flight: u32,
+    pub removed: bool,
+    /// The open file was modified in place since it was opened: nothing more is read
+    /// from it (see `FaultService::file_changed`).
+    pub changed: bool,
+    /// Ranges (region offsets) the program unmapped: never installed into or dropped,
+    /// since something else may be mapped there now.
+    pub holes: Vec<Range<u64>>,
+    /// With zero copy: each block's frame, if it has one; else empty.
+    pub frames: Vec<Option<u32>>,
+    /// With zero copy: whether each resident block is watched (its pages dropped at the
+    /// eviction policy's request, its frame kept), else empty. Meaningful only while the
+    /// block is resident; cleared when it is installed.
+    pub watched: Vec<bool>,
+    /// The program's protection of the region (frames are mapped with it).
+    pub prot: i32,
+}
+
+impl ServedRegion {
+    pub(super) fn new(
+        base: usize,
+        layout: RegionLayout,
+        file: BackingFile,
+        file_offset: u64,
+        prot: i32,
+        zero_copy: bool,
+    ) -> Self {
+        let blocks = layout.block_count() as usize;
+        let (frames, watched) = match zero_copy {
+            true => (vec![None; blocks], vec![false; blocks]),
+            false => (Vec::new(), Vec::new()),
+        };
+        Self {
+            base,
+            file,
+            file_offset,
+            blocks: vec![BlockState::Missing; blocks],
+            pinned: vec![false; blocks],
+            reads_in_flight: 0,
+            removed: false,
+            changed: false,
+            holes: Vec::new(),
+            frames,
+            watched,
+            prot,
+            layout,
+        }
+    }
+
+    /// Block `index`'s state.
+    pub(super) fn state(&self, index: u32) -> BlockState {
+        self.blocks[index as usize]
+    }
+
+    /// Moves block `index` on `event`. An event its state does not allow is a service
+    /// bug: caught in debug builds; release builds take the event's target state.
+    pub(super) fn advance(&mut self, index: u32, event: BlockEvent) {
+        let state = &mut self.blocks[index as usize];
+        *state = match transition(*state, event) {
+            Ok(next) => next,
+            Err(invalid) => {
+                debug_assert!(false, "block {index}: {invalid}");
+                event.target()
+            }
+        };
+    }
+
+    /// The frame block `index`'s read landed in (zero copy, while it has one).
+    pub(super) fn frame(&self, index: u32) -> u32 {
+        self.frames[index as usize].expect("the block has a frame")
+    }
+
+    pub(super) fn block_count(&self) -> u32 {
+        self.blocks.len() as u32
+    }
+
+    /// Whether block `index` is resident and not pinned: the only blocks eviction and
+    /// watching may take.
+    pub(super) fn evictable(&self, index: u32) -> bool {
+        self.blocks.get(index as usize) == Some(&BlockState::Resident)
+            && !self.pinned[index as usize]
+    }
+
+    /// File offset of block `index`'s first byte.
+    pub(super) fn block_file_offset(&self, index: u32) -> u64 {
+        self.file_offset + index as u64 * self.layout.block_size
+    }
+
+    /// Whether the program unmapped any of `range` (region offsets).
+    pub(super) fn cuts(&self, range: Range<u64>) -> bool {
+        self.holes
+            .iter()
+            .any(|hole| hole.start < range.end && range.start < hole.end)
+    }
+
+    /// The parts of `range` (region offsets) still mapped, as absolute address ranges.
+    pub(super) fn mapped_parts(&self, range: Range<u64>) -> Vec<Range<usize>> {
+        let to_addresses = |r: Range<u64>| self.base + r.start as usize..self.base + r.end as usize;
+        if self.holes.is_empty() {
+            return vec![to_addresses(range)];
+        }
+        outside_holes(range, &self.holes)
+            .into_iter()
+            .map(to_addresses)
+            .collect()
+    }
+
+    pub(super) fn info(&self, id: RegionId, budget: u64, watch_resident: bool) -> RegionInfo<'_> {
+        RegionInfo {
+            id,
+            path: self.file.path(),
+            file_offset: self.file_offset,
+            data_len: self.layout.data_len,
+            block_size: self.layout.block_size,
+            block_count: self.layout.block_count(),
+            budget,
+            watch_resident,
+        }
+    }
+}

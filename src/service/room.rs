@@ -1,0 +1,150 @@
+//! Making room in the budget: choosing victims with the eviction policy (sparing each
+//! thread's last blocks while anything else can go) and dropping their pages in runs.
+
+use super::block_state::{BlockEvent, BlockState};
+use super::pages::{discard_pages, release_frame};
+use super::{FaultService, ServiceError};
+use crate::policy::{BlockRef, ReadKind, RegionId};
+use crate::shared_store::FrameStore;
+
+impl FaultService {
+    /// Whether a read can have a frame (always, without zero copy). Frames run out
+    /// only if more regions than the spare frames hold a short last block each.
+    pub(super) fn frame_free(&self) -> bool {
+        self.store.as_ref().is_none_or(FrameStore::has_free)
+    }
+
+    /// Forgets a prefetch request taken off the queue: its block is missing again
+    /// unless a thread waits on it (then it is in the demand queue too).
+    pub(super) fn cancel_request(&mut self, block: BlockRef) {
+        if let Some(region) = self.regions.get_mut(&block.region) {
+            if region.state(block.index) == BlockState::Queued && !self.waiters.contains_key(&block)
+            {
+                region.advance(block.index, BlockEvent::Dequeued);
+            }
+        }
+    }
+
+    /// Reserves `bytes` of budget for a read of `incoming`, evicting as the policy says.
+    /// False if no room can be made now (for a demand read: everything is in flight or
+    /// pinned, so room appears when reads complete).
+    pub(super) fn make_room(
+        &mut self,
+        bytes: u64,
+        incoming: BlockRef,
+        kind: ReadKind,
+    ) -> Result<bool, ServiceError> {
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        let mut spared = std::mem::take(&mut self.spared);
+        spared.clear();
+        // Spared victims a demand read took after all, from the first named.
+        let mut spared_taken = 0;
+        let mut freed = 0u64;
+        let mut room = true;
+        while self.budget.shortfall(bytes) > freed {
+            let victim = match self.eviction.victim(incoming, kind) {
+                Some(victim) => {
+                    let Some(region) = self.regions.get(&victim.region) else {
+                        continue;
+                    };
+                    // A policy may only name evictable resident blocks; skip any other.
+                    if !region.evictable(victim.index) {
+                        debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
+                        continue;
+                    }
+                    if self.recent.spares(victim) {
+                        spared.push(victim);
+                        continue;
+                    }
+                    victim
+                }
+                None if kind == ReadKind::Demand => {
+                    // Held-back markers are the only other thing a demand read can take
+                    // room from; then the blocks threads faulted on last.
+                    if let Some(staged) = self.staged.front().copied() {
+                        self.discard_staged(staged);
+                        continue;
+                    }
+                    match spared.get(spared_taken) {
+                        Some(&victim) => {
+                            spared_taken += 1;
+                            victim
+                        }
+                        None => {
+                            room = false;
+                            break;
+                        }
+                    }
+                }
+                None => {
+                    room = false;
+                    break;
+                }
+            };
+            let region = &self.regions[&victim.region];
+            freed += region.layout.block_bytes(victim.index);
+            victims.push(victim);
+        }
+        // The policy handed the spared blocks over as victims: give back those kept.
+        for &block in &spared[spared_taken..] {
+            self.eviction.inserted(block);
+        }
+        self.spared = spared;
+        self.evict(&mut victims)?;
+        self.victims = victims;
+        if room {
+            self.budget.reserve(bytes);
+        }
+        Ok(room)
+    }
+
+    /// Drops the victims' pages, in runs of neighbouring blocks.
+    pub(super) fn evict(&mut self, victims: &mut [BlockRef]) -> Result<(), ServiceError> {
+        victims.sort_unstable();
+        // (region, start, end): region offsets of a run of neighbouring victims.
+        let mut run: Option<(RegionId, u64, u64)> = None;
+        for &victim in victims.iter() {
+            let region = self
+                .regions
+                .get_mut(&victim.region)
+                .expect("victims were checked to belong to live regions");
+            region.advance(victim.index, BlockEvent::Released);
+            // The frame takes the next read; its pages stay (warm) in the store.
+            release_frame(&mut self.store, region, victim.index, false);
+            let memory = region.layout.block_memory(victim.index);
+            let bytes = memory.end - memory.start;
+            self.budget.remove_resident(bytes);
+            self.stats.evictions += 1;
+            self.stats.evicted_bytes += bytes;
+            run = match run {
+                Some((id, start, end)) if id == victim.region && end == memory.start => {
+                    Some((id, start, memory.end))
+                }
+                Some(done) => {
+                    self.discard_run(done)?;
+                    Some((victim.region, memory.start, memory.end))
+                }
+                None => Some((victim.region, memory.start, memory.end)),
+            };
+        }
+        if let Some(done) = run {
+            self.discard_run(done)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the pages of a run of blocks (region offsets), skipping unmapped parts.
+    pub(super) fn discard_run(
+        &self,
+        (id, start, end): (RegionId, u64, u64),
+    ) -> Result<(), ServiceError> {
+        let region = self.regions.get(&id).expect("a run of a live region");
+        // With zero copy the parts stay mapped to the evicted frames: dropping their
+        // page-table entries makes the next access a minor fault.
+        for part in region.mapped_parts(start..end) {
+            discard_pages(part.start, part.end)?;
+        }
+        Ok(())
+    }
+}
