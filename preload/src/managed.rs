@@ -7,7 +7,6 @@
 //! it. `layout` serialises the calls that create or remove managed mappings, so that a
 //! region being torn down cannot meet a new one the kernel placed at its old address.
 
-use std::cell::Cell;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -100,34 +99,8 @@ pub struct Shim {
     warned_advice: AtomicBool,
     warned_mlock: AtomicBool,
     warned_map: AtomicBool,
-}
-
-thread_local! {
-    /// Set while this thread runs shim code: a hook entered again from inside (the
-    /// pager starting its thread, Rust's runtime mapping a signal stack) passes through.
-    static IN_SHIM: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Marks this thread as inside the shim until dropped.
-pub struct Reentry(());
-
-impl Reentry {
-    pub fn enter() -> Option<Self> {
-        IN_SHIM.with(|flag| {
-            if flag.get() {
-                None
-            } else {
-                flag.set(true);
-                Some(Reentry(()))
-            }
-        })
-    }
-}
-
-impl Drop for Reentry {
-    fn drop(&mut self) {
-        IN_SHIM.with(|flag| flag.set(false));
-    }
+    /// Called once the pager runs (the owner registers the exit report then).
+    on_pager_start: fn(),
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -143,7 +116,8 @@ const TRACE_LIMIT: usize = 10_000_000;
 pub type Errno = Result<(), c_int>;
 
 impl Shim {
-    pub fn new(config: ShimConfig) -> Self {
+    /// The shim for `config`; `on_pager_start` is called when its pager starts.
+    pub fn new(config: ShimConfig, on_pager_start: fn()) -> Self {
         Self {
             config,
             pager: Mutex::new(PagerSlot::NotYet),
@@ -161,6 +135,7 @@ impl Shim {
             warned_advice: AtomicBool::new(false),
             warned_mlock: AtomicBool::new(false),
             warned_map: AtomicBool::new(false),
+            on_pager_start,
         }
     }
 
@@ -267,7 +242,7 @@ impl Shim {
                 *lock(&self.learning) = learn.map(|layout| (first.path.to_path_buf(), layout));
                 *lock(&self.experts) =
                     experts.map(|prediction| (first.path.to_path_buf(), prediction));
-                crate::exit_report::register();
+                (self.on_pager_start)();
                 self.verbose(|| {
                     format!(
                         "pager started: budget {} ({}), policy {policy}",
