@@ -8,6 +8,7 @@
 //! region being torn down cannot meet a new one the kernel placed at its old address.
 
 use std::ffi::OsStr;
+use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -59,6 +60,15 @@ impl Drop for ManagedRegion {
                 Some(used.saturating_sub(taken))
             });
     }
+}
+
+/// A managed piece of an address range (see `Shim::for_each_piece`): its mapping, where
+/// it lies (`pages`, in the mapping starting at `base`) and its offsets in the region.
+struct ManagedPiece {
+    mapping: Arc<ManagedRegion>,
+    base: usize,
+    pages: Range<usize>,
+    offsets: Range<u64>,
 }
 
 /// A file the shim has managed at least one mapping of.
@@ -447,7 +457,7 @@ impl Shim {
 
     /// Reads ahead what `read_ahead::grant` allows of a MAP_POPULATE or WILLNEED over
     /// `range`: at most half the budget, loading's hints of all live regions together.
-    fn bounded_prefetch(&self, managed: &ManagedRegion, range: std::ops::Range<u64>) {
+    fn bounded_prefetch(&self, managed: &ManagedRegion, range: Range<u64>) {
         let cap = managed.region.pager().budget() / 2;
         let mapping_len = managed.region.len() as u64;
         let mut state = lock(&managed.read_ahead);
@@ -485,90 +495,27 @@ impl Shim {
             .then_some(pieces)
     }
 
-    /// munmap: releases exactly the managed part of the range (the region forgets its
-    /// blocks there) and unmaps the rest as the kernel would.
-    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
-        if !self.has_mappings() {
-            return None;
-        }
-        let _layout = lock(&self.layout);
-        let pieces = self.pieces(addr, len)?;
+    /// Walks the pieces of `[addr, addr + len)` in address order, calling `managed` on
+    /// each managed piece and `kernel` on each other one. Every piece is visited; the
+    /// result is the first error. `None` when the range touches no managed memory (the
+    /// call is then the kernel's alone).
+    fn for_each_piece(
+        &self,
+        addr: usize,
+        len: usize,
+        mut managed: impl FnMut(ManagedPiece) -> Errno,
+        mut kernel: impl FnMut(Range<usize>) -> Errno,
+    ) -> Option<Errno> {
         let mut result = Ok(());
-        for piece in pieces {
-            match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    let _ = value.region.unmap_part(relative.clone());
-                    self.record(|| {
-                        serde_json::json!({"op": "unmap", "file": value.file,
-                            "start": relative.start, "end": relative.end})
-                    });
-                    let gone = lock(&self.registry).unmapped(base, range);
-                    if let Some(gone) = gone {
-                        self.mapped.fetch_sub(1, Ordering::AcqRel);
-                        // Dropped here, outside the registry lock: the region tells
-                        // the service and waits for it.
-                        drop(gone);
-                    }
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program asked for this range to be unmapped; it is not
-                    // managed memory.
-                    let rc = unsafe { raw::munmap(range.start as *mut _, range.end - range.start) };
-                    if rc != 0 && result.is_ok() {
-                        result = Err(raw::errno());
-                    }
-                }
-            }
-        }
-        Some(result)
-    }
-
-    /// A MAP_FIXED request over managed memory replaces it: release the managed part
-    /// first (the request itself then goes to the kernel).
-    pub fn release_for_fixed(&self, addr: usize, len: usize) {
-        let _ = self.unmap_managed_only(addr, len);
-    }
-
-    fn unmap_managed_only(&self, addr: usize, len: usize) -> Option<()> {
-        if !self.has_mappings() {
-            return None;
-        }
-        let _layout = lock(&self.layout);
         for piece in self.pieces(addr, len)? {
-            if let Piece::Managed { value, base, range } = piece {
-                let _ = value
-                    .region
-                    .unmap_part((range.start - base) as u64..(range.end - base) as u64);
-                if lock(&self.registry).unmapped(base, range).is_some() {
-                    self.mapped.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-        }
-        Some(())
-    }
-
-    /// madvise / posix_madvise (`posix`: DONTNEED is a no-op, as in glibc).
-    pub fn advise(&self, addr: usize, len: usize, advice: c_int, posix: bool) -> Option<Errno> {
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
             let outcome = match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    self.record(|| {
-                        serde_json::json!({"op": "advise", "file": value.file,
-                            "start": relative.start, "end": relative.end, "advice": advice})
-                    });
-                    self.advise_managed(&value, relative, advice, posix)
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program's own advice on memory the shim does not manage.
-                    let rc = unsafe {
-                        raw::madvise(range.start as *mut _, range.end - range.start, advice)
-                    };
-                    raw::check(rc)
-                }
+                Piece::Managed { value, base, range } => managed(ManagedPiece {
+                    offsets: (range.start - base) as u64..(range.end - base) as u64,
+                    mapping: value,
+                    base,
+                    pages: range,
+                }),
+                Piece::Kernel(range) => kernel(range),
             };
             if result.is_ok() {
                 result = outcome;
@@ -577,10 +524,85 @@ impl Shim {
         Some(result)
     }
 
+    /// Releases a managed piece: the region forgets its blocks there and the registry
+    /// its pages. A mapping with nothing left is dropped after the registry lock is
+    /// released (the region tells the service and waits for it).
+    fn release(&self, piece: ManagedPiece) {
+        let _ = piece.mapping.region.unmap_part(piece.offsets);
+        let gone = lock(&self.registry).unmapped(piece.base, piece.pages);
+        if let Some(gone) = gone {
+            self.mapped.fetch_sub(1, Ordering::AcqRel);
+            drop(gone);
+        }
+    }
+
+    /// munmap: releases exactly the managed part of the range and unmaps the rest as the
+    /// kernel would.
+    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
+        if !self.has_mappings() {
+            return None;
+        }
+        let _layout = lock(&self.layout);
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.record(|| {
+                    serde_json::json!({"op": "unmap", "file": piece.mapping.file,
+                        "start": piece.offsets.start, "end": piece.offsets.end})
+                });
+                self.release(piece);
+                Ok(())
+            },
+            |range| {
+                // SAFETY: the program asked for this range to be unmapped; it is not
+                // managed memory.
+                raw::check(unsafe { raw::munmap(range.start as *mut _, range.len()) })
+            },
+        )
+    }
+
+    /// A MAP_FIXED request over managed memory replaces it: release the managed part
+    /// first (the request itself then goes to the kernel).
+    pub fn release_for_fixed(&self, addr: usize, len: usize) {
+        if !self.has_mappings() {
+            return;
+        }
+        let _layout = lock(&self.layout);
+        let _ = self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.release(piece);
+                Ok(())
+            },
+            |_| Ok(()),
+        );
+    }
+
+    /// madvise / posix_madvise (`posix`: DONTNEED is a no-op, as in glibc).
+    pub fn advise(&self, addr: usize, len: usize, advice: c_int, posix: bool) -> Option<Errno> {
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.record(|| {
+                    serde_json::json!({"op": "advise", "file": piece.mapping.file,
+                        "start": piece.offsets.start, "end": piece.offsets.end, "advice": advice})
+                });
+                self.advise_managed(&piece.mapping, piece.offsets, advice, posix)
+            },
+            |range| {
+                // SAFETY: the program's own advice on memory the shim does not manage.
+                raw::check(unsafe { raw::madvise(range.start as *mut _, range.len(), advice) })
+            },
+        )
+    }
+
     fn advise_managed(
         &self,
         managed: &ManagedRegion,
-        range: std::ops::Range<u64>,
+        range: Range<u64>,
         advice: c_int,
         posix: bool,
     ) -> Errno {
@@ -632,60 +654,49 @@ impl Shim {
     /// whole range in and keep eviction from ever dropping it).
     pub fn lock_range(&self, addr: usize, len: usize, flags: libc::c_uint) -> Option<Errno> {
         let (addr, len) = page_rounded(addr, len)?;
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
-            let outcome = match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    value.region.pin(relative).map_err(|error| {
-                        self.warn_once(&self.warned_mlock, || {
-                            format!("mlock of a model mapping refused: {error}")
-                        });
-                        libc::ENOMEM
-                    })
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program's own request on memory the shim does not manage.
-                    let rc = unsafe {
-                        if flags == 0 {
-                            raw::mlock(range.start as *const _, range.end - range.start)
-                        } else {
-                            raw::mlock2(range.start as *const _, range.end - range.start, flags)
-                        }
-                    };
-                    raw::check(rc)
-                }
-            };
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        Some(result)
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                piece.mapping.region.pin(piece.offsets).map_err(|error| {
+                    self.warn_once(&self.warned_mlock, || {
+                        format!("mlock of a model mapping refused: {error}")
+                    });
+                    libc::ENOMEM
+                })
+            },
+            |range| {
+                let (start, len) = (range.start as *const _, range.len());
+                // SAFETY: the program's own request on memory the shim does not manage.
+                let rc = unsafe {
+                    if flags == 0 {
+                        raw::mlock(start, len)
+                    } else {
+                        raw::mlock2(start, len, flags)
+                    }
+                };
+                raw::check(rc)
+            },
+        )
     }
 
     pub fn unlock_range(&self, addr: usize, len: usize) -> Option<Errno> {
         let (addr, len) = page_rounded(addr, len)?;
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
-            let outcome = match piece {
-                Piece::Managed { value, base, range } => value
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                piece
+                    .mapping
                     .region
-                    .unpin((range.start - base) as u64..(range.end - base) as u64)
-                    .map_err(|_| libc::EINVAL),
-                Piece::Kernel(range) => {
-                    // SAFETY: unlocking memory the shim does not manage.
-                    let rc =
-                        unsafe { raw::munlock(range.start as *const _, range.end - range.start) };
-                    raw::check(rc)
-                }
-            };
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        Some(result)
+                    .unpin(piece.offsets)
+                    .map_err(|_| libc::EINVAL)
+            },
+            |range| {
+                // SAFETY: unlocking memory the shim does not manage.
+                raw::check(unsafe { raw::munlock(range.start as *const _, range.len()) })
+            },
+        )
     }
 
     /// mremap touching managed memory is refused: the pager cannot follow a move (the
