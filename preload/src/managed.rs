@@ -10,6 +10,7 @@
 use std::ffi::OsStr;
 use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -60,6 +61,18 @@ impl Drop for ManagedRegion {
                 Some(used.saturating_sub(taken))
             });
     }
+}
+
+/// A file a mapping request is for, as the shim screened it (see `Shim::take_file`).
+struct MappedFile {
+    stat: libc::stat,
+    /// The kernel's name for it: the one the pager opens.
+    path: PathBuf,
+    /// The name the program gave it (see `given_name`), else `path`.
+    name: PathBuf,
+    size: u64,
+    /// The bytes of the model it belongs to (all its files for a split GGUF).
+    model_len: u64,
 }
 
 /// A managed piece of an address range (see `Shim::for_each_piece`): its mapping, where
@@ -274,6 +287,27 @@ impl Shim {
 
     /// mmap of a request `screen_request` accepted: a region in its place, or `None`.
     pub fn map(&self, request: &MapRequest) -> Option<usize> {
+        let file = self.take_file(request)?;
+        let offset = request.offset as u64;
+        let data_len = (request.len as u64).min(file.size - offset);
+        let pager = self.pager_for(&file, offset, data_len)?;
+        let options = MapOptions {
+            offset,
+            len: Some(data_len),
+            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
+            prot: request.prot,
+        };
+        let _layout = lock(&self.layout);
+        let managed = self.map_region(&pager, &file, options, request)?;
+        if request.flags & libc::MAP_POPULATE != 0 {
+            self.bounded_prefetch(&managed, 0..managed.region.map_len() as u64);
+        }
+        Some(managed.region.as_ptr() as usize)
+    }
+
+    /// The file `request` maps, if the shim takes it over: its names and its model pass
+    /// the configuration (`screen`), and the name the pager opens still leads to it.
+    fn take_file(&self, request: &MapRequest) -> Option<MappedFile> {
         let stat = raw::fstat(request.fd)?;
         let mut buffer = [0u8; 4096];
         let Some(path) = raw::fd_path(request.fd, &mut buffer) else {
@@ -286,6 +320,48 @@ impl Shim {
             });
             return None;
         };
+        let (name, model_len) = match self.screen(request, &stat, path) {
+            Ok(taken) => taken,
+            Err(reason) => {
+                self.verbose(|| {
+                    format!(
+                        "{}: {}, left to the kernel",
+                        String::from_utf8_lossy(path),
+                        reason.describe()
+                    )
+                });
+                return None;
+            }
+        };
+        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
+        // The pager opens the file by name: make sure the name still leads to the
+        // descriptor's file (not a replacement, not a deleted one).
+        if !names_file(&path, &stat) {
+            self.verbose(|| {
+                format!(
+                    "{}: the name no longer leads to the mapped file, left to the kernel",
+                    path.display()
+                )
+            });
+            return None;
+        }
+        Some(MappedFile {
+            size: stat.st_size as u64,
+            stat,
+            path,
+            name,
+            model_len,
+        })
+    }
+
+    /// Screens the file the kernel names `path` with `screen_file`. If the shim takes
+    /// it: the name the program gave it and the size of its model; else why not.
+    fn screen(
+        &self,
+        request: &MapRequest,
+        stat: &libc::stat,
+        path: &[u8],
+    ) -> Result<(PathBuf, u64), PassReason> {
         let size = stat.st_size as u64;
         let is_regular = stat.st_mode & libc::S_IFMT == libc::S_IFREG;
         // The model's size (all its files for a split GGUF) sets a percentage budget,
@@ -321,56 +397,38 @@ impl Shim {
             model_len,
             path: matched,
         };
-        if let Err(reason) = screen_file(request, &facts, &self.config) {
-            self.verbose(|| {
-                format!(
-                    "{}: {}, left to the kernel",
-                    String::from_utf8_lossy(path),
-                    reason.describe()
-                )
-            });
-            return None;
-        }
-        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
-        // The pager opens the file by name: make sure the name still leads to the
-        // descriptor's file (not a replacement, not a deleted one).
-        match std::fs::metadata(&path) {
-            Ok(meta)
-                if std::os::unix::fs::MetadataExt::dev(&meta) == stat.st_dev
-                    && std::os::unix::fs::MetadataExt::ino(&meta) == stat.st_ino => {}
-            _ => {
-                self.verbose(|| {
-                    format!(
-                        "{}: the name no longer leads to the mapped file, left to the kernel",
-                        path.display()
-                    )
-                });
-                return None;
-            }
-        }
-        let offset = request.offset as u64;
-        let data_len = (request.len as u64).min(size - offset);
-        // The first file's model sets the budget, and the budget the block size.
+        screen_file(request, &facts, &self.config)?;
+        Ok((name, model_len))
+    }
+
+    /// The pager, to map `data_len` bytes at `offset` of `file`: started if this is the
+    /// first mapping (its model sets the budget, and the budget the block size).
+    fn pager_for(&self, file: &MappedFile, offset: u64, data_len: u64) -> Option<Pager> {
         let hint = ModelHint {
-            path: &name,
+            path: &file.name,
             file_offset: offset,
             data_len,
             block_size: match &*lock(&self.pager) {
                 PagerSlot::Running(pager) => pager.block_size(),
                 _ => self
                     .config
-                    .block_size_for(self.config.budget.resolve(model_len), model_len),
+                    .block_size_for(self.config.budget.resolve(file.model_len), file.model_len),
             },
         };
-        let pager = self.pager(&hint, model_len)?;
-        let options = MapOptions {
-            offset,
-            len: Some(data_len),
-            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
-            prot: request.prot,
-        };
-        let _layout = lock(&self.layout);
-        let region = match pager.map_file(&path, options) {
+        self.pager(&hint, file.model_len)
+    }
+
+    /// Maps `file` through the pager and registers the region as managed memory; `None`
+    /// (and a warning once) if the pager cannot map it. The caller holds `layout`.
+    fn map_region(
+        &self,
+        pager: &Pager,
+        file: &MappedFile,
+        options: MapOptions,
+        request: &MapRequest,
+    ) -> Option<Arc<ManagedRegion>> {
+        let offset = options.offset;
+        let region = match pager.map_file(&file.path, options) {
             Ok(region) => region,
             Err(error) => {
                 self.warn_once(&self.warned_map, || {
@@ -381,10 +439,10 @@ impl Shim {
         };
         let base = region.as_ptr() as usize;
         let map_len = region.map_len();
-        let file = self.file_index(&path, size, &stat);
+        let index = self.file_index(file);
         let managed = Arc::new(ManagedRegion {
             region,
-            file,
+            file: index,
             read_ahead: Mutex::default(),
             allowance: Arc::clone(&self.read_ahead),
         });
@@ -393,42 +451,36 @@ impl Shim {
         self.verbose(|| {
             format!(
                 "managing {} offset {} length {} at {:#x}",
-                path.display(),
+                file.path.display(),
                 offset,
                 request.len,
                 base
             )
         });
         self.record(|| {
-            serde_json::json!({"op": "map", "file": file, "region": managed.region.id().0,
-                "path": path.to_string_lossy(), "offset": offset, "len": request.len,
+            serde_json::json!({"op": "map", "file": index, "region": managed.region.id().0,
+                "path": file.path.to_string_lossy(), "offset": offset, "len": request.len,
                 "flags": request.flags})
         });
-        if request.flags & libc::MAP_POPULATE != 0 {
-            self.bounded_prefetch(&managed, 0..map_len as u64);
-        }
-        Some(base)
+        Some(managed)
     }
 
-    fn file_index(&self, path: &Path, size: u64, stat: &libc::stat) -> usize {
+    /// The index of `file` among the managed files, added if new.
+    fn file_index(&self, file: &MappedFile) -> usize {
+        let (dev, ino) = (file.stat.st_dev, file.stat.st_ino);
         let mut files = lock(&self.files);
-        if let Some(index) = files
-            .iter()
-            .position(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
-        {
+        if let Some(index) = files.iter().position(|f| f.dev == dev && f.ino == ino) {
             return index;
         }
         files.push(ManagedFile {
-            path: path.to_path_buf(),
-            size,
-            dev: stat.st_dev,
-            ino: stat.st_ino,
+            path: file.path.clone(),
+            size: file.size,
+            dev,
+            ino,
         });
         files.len() - 1
     }
 
-    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
-    /// file's) when its split siblings cannot be gathered, with a warning.
     /// The program's name for the mapped file `path`, where one of its arguments leads
     /// there through symlinks, else `path`.
     fn model_name(&self, path: &Path) -> PathBuf {
@@ -438,6 +490,8 @@ impl Shim {
             .unwrap_or_else(|| path.to_path_buf())
     }
 
+    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
+    /// file's) when its split siblings cannot be gathered, with a warning.
     fn model_len(&self, path: &Path, size: u64) -> u64 {
         model_len(path).unwrap_or_else(|error| {
             self.say(&format!("{error}; this file is taken for the whole model"));
@@ -724,6 +778,11 @@ impl Shim {
         }
         refused
     }
+}
+
+/// Whether `path` leads to the file `stat` describes (the same device and inode).
+fn names_file(path: &Path, stat: &libc::stat) -> bool {
+    std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
 }
 
 /// `[addr, addr + len)` from the start of its first page, as mlock(2) takes it (the
