@@ -2,10 +2,16 @@
 //! managed mappings, and one method per kind of call. Every method returns `None` when
 //! the call is not the shim's business, and the hook then passes it to the kernel.
 //!
+//! A `Shim` knows nothing of the process's state (`state` holds the one instance and
+//! decides when hooks reach it); what must happen when its pager starts (the exit
+//! report's registration) is the function given to `Shim::new`.
+//!
 //! Locks: the registry lock is held only to look up or edit the registry, never while
 //! talking to the fault service or touching managed memory, and the service never takes
 //! it. `layout` serialises the calls that create or remove managed mappings, so that a
 //! region being torn down cannot meet a new one the kernel placed at its old address.
+//! Calls over a range walk its pieces (`for_each_piece`): managed ones are served by
+//! their region, the others go to the kernel, and the first error is the call's.
 
 use std::ffi::OsStr;
 use std::ops::Range;
@@ -692,10 +698,9 @@ impl Shim {
             }
             _ => {
                 // Anything else may drop or fence pages the pager counts resident (guard
-                // regions, poisoning, advice newer than this list): refused, as the
-                // kernel refuses advice it does not know. Passed through, advice that
-                // dropped pages left the pager waking a thread that faulted on them
-                // again, forever.
+                // regions, poisoning, advice newer than this list), and the pager must
+                // know which pages are: refused, as the kernel refuses advice it does not
+                // know.
                 self.warn_once(&self.warned_advice, || {
                     format!("madvise advice {advice} on a model mapping is not supported; refused with EINVAL")
                 });
