@@ -8,8 +8,9 @@ use libc::{c_int, c_uint, c_void, off_t, pid_t, size_t};
 
 use hyperoffload::map_candidate::{screen_request, MapRequest};
 
-use crate::managed::{Errno, Reentry, Shim, PAGE};
-use crate::{raw, state};
+use crate::managed::{Errno, Shim, PAGE};
+use crate::raw;
+use crate::state::{self, Reentry};
 
 /// Runs `f` with the shim if it is serving this process and this thread is not
 /// already inside it.

@@ -1,8 +1,10 @@
-//! The stats JSON (and the optional fault trace, with the shim's own events beside it)
-//! written when the program exits, with what was learned for the next run (a graph, or
-//! how often a mixture of experts' experts ran): from an
-//! atexit handler registered when the pager starts. Regions are not dropped at exit
-//! (other threads may still be reading them); only the files are written.
+//! The files written when the program exits: the stats JSON, the optional fault trace
+//! with the shim's own events beside it, and what was learned for the next run (a
+//! graph, or how often a mixture of experts' experts ran).
+//!
+//! A leaf: it knows nothing of the shim's state. The exit handler (`state`) gathers a
+//! `Run` from the shim and calls `write`; regions are not dropped at exit (other
+//! threads may still be reading them), only the files are written.
 //!
 //! The JSON holds the pager's `Stats` fields, plus `files` (path, size of every managed
 //! file), `config` (the budget as given and in bytes, policy, patterns, minimum size),
@@ -16,122 +18,109 @@
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
-use hyperoffload::graph::Transitions;
-use hyperoffload::graph::{expert_store, store};
+use hyperoffload::graph::{expert_store, store, BlockLayout, Transitions};
 use hyperoffload::policy::graph::GraphPrediction;
-use hyperoffload::trace::{events_path, TraceWriter};
+use hyperoffload::shim_config::ShimConfig;
+use hyperoffload::sys::getpid;
+use hyperoffload::trace::{events_path, TraceRecord, TraceWriter};
+use hyperoffload::Pager;
 
-use crate::{managed::Reentry, state};
-
-static REGISTERED: AtomicBool = AtomicBool::new(false);
-
-/// Registers the exit handler (once).
-pub fn register() {
-    if !REGISTERED.swap(true, Ordering::AcqRel) {
-        // SAFETY: registers a plain extern "C" function with no arguments.
-        unsafe { libc::atexit(write_at_exit) };
-    }
+/// What the report is made of: the running pager and what the shim knows of the run.
+pub struct Run<'a> {
+    pub config: &'a ShimConfig,
+    pub pager: &'a Pager,
+    /// Path and size of every managed file, in the order they were first managed.
+    pub files: Vec<(PathBuf, u64)>,
+    /// What the pager runs ("graph (tensor table, ...)").
+    pub policy_in_use: String,
+    /// Managed mappings still mapped.
+    pub managed_mappings: usize,
+    /// The pager's own heap (see `heap`): bytes in use and the peak.
+    pub heap_bytes: (usize, usize),
+    /// The model whose graph this run learns, and the layout to save it for.
+    pub learning: Option<(PathBuf, BlockLayout)>,
+    /// A mixture of experts' model, and the prediction whose expert counts are saved.
+    pub experts: Option<(PathBuf, Arc<GraphPrediction>)>,
+    /// Takes the shim's own events (one JSON a line), when the trace is written.
+    pub take_events: &'a dyn Fn() -> Vec<String>,
+    /// Tells the user something (a file that could not be written, what was saved).
+    pub say: &'a dyn Fn(&str),
 }
 
-extern "C" fn write_at_exit() {
-    // A child inherits the handler but not the pager's service thread: asking it for
-    // stats would wait forever. However the child was made (daemon, _Fork, a raw
-    // system call), the check sees it; the report is the parent's to write.
-    if state::is_forked_child() {
-        return;
-    }
-    let Some(shim) = state::shim_even_if_disabled() else {
-        return;
-    };
-    let Some(pager) = shim.pager_if_running() else {
-        return;
-    };
-    let _reentry = Reentry::enter();
-    let config = &shim.config;
+/// Writes every file the configuration asks for, and saves what was learned.
+pub fn write(run: &Run<'_>) {
+    let config = run.config;
     if let Some(path) = &config.stats_path {
-        let stats = pager.stats();
-        let mut json: serde_json::Value =
-            serde_json::from_str(&stats.to_json()).unwrap_or_default();
-        json["files"] = shim
-            .files()
-            .into_iter()
-            .map(|(path, size)| serde_json::json!({"path": path, "size": size}))
-            .collect();
-        json["config"] = serde_json::json!({
-            "budget": config.budget.to_env_value(),
-            "budget_bytes": pager.budget(),
-            "policy": config.policy,
-            "policy_in_use": shim.policy_in_use(),
-            "patterns": config.patterns,
-            "min_size": config.min_size,
-        });
-        // The pager's own heap beside the budget's frames (see `heap`).
-        json["pager_heap_bytes"] = crate::heap::in_use().into();
-        json["pager_heap_peak_bytes"] = crate::heap::peak().into();
-        // SAFETY: getpid has no memory effects.
-        json["pid"] = unsafe { libc::getpid() }.into();
-        json["managed_mappings"] = shim.managed_count().into();
-        write_new(shim, path, config.inherit, json.to_string().as_bytes());
+        write_new(run, path, stats_json(run).to_string().as_bytes());
     }
     // The pager's faults: for the trace file and for learning the model's graph.
-    let (records, untraced) = if config.trace_path.is_some() || shim.learning().is_some() {
-        pager.take_trace()
+    let (records, untraced) = if config.trace_path.is_some() || run.learning.is_some() {
+        run.pager.take_trace()
     } else {
         (Vec::new(), 0)
     };
-    if let Some((model, layout)) = shim.learning() {
-        // The first region is the one the graph is for (region ids count from 0).
-        let mut transitions = Transitions::new();
-        transitions.observe_all(
-            records
-                .iter()
-                .filter(|record| record.region == 0)
-                .map(|record| record.block),
-        );
-        match store::save(&model, layout, &transitions) {
-            Ok(saved) => shim.say(&format!(
-                "learned the access order of {} from {} faults; saved {} for the next run",
-                model.display(),
-                records.len(),
-                saved.display()
-            )),
-            Err(error) => shim.say(&format!("cannot save the learned graph: {error}")),
-        }
+    if let Some((model, layout)) = &run.learning {
+        save_graph(run, model, *layout, &records);
     }
-    if let Some((model, prediction)) = shim.expert_learning() {
-        save_expert_counts(shim, &model, &prediction);
+    if let Some((model, prediction)) = &run.experts {
+        save_expert_counts(run, model, prediction);
     }
     if let Some(path) = &config.trace_path {
-        let files = shim.files();
-        let mut metadata: Vec<(&str, String)> = vec![
-            ("block_size", pager.block_size().to_string()),
-            ("untraced", untraced.to_string()),
-        ];
-        if let Some((file, size)) = files.first() {
-            metadata.push(("file", file.display().to_string()));
-            metadata.push(("size", size.to_string()));
-        }
-        let csv = TraceWriter::new(Vec::new(), &metadata).and_then(|mut writer| {
-            for record in &records {
-                writer.write(record)?;
-            }
-            writer.into_inner()
-        });
-        if let Ok(csv) = csv {
-            write_new(shim, path, config.inherit, &csv);
-        }
-        // The shim's own decisions (what it took over, hints, unmaps), one JSON a line.
-        let mut lines = shim.take_trace().join("\n");
-        lines.push('\n');
-        write_new(shim, &events_path(path), config.inherit, lines.as_bytes());
+        write_trace(run, path, &records, untraced);
+    }
+}
+
+fn stats_json(run: &Run<'_>) -> serde_json::Value {
+    let config = run.config;
+    let mut json: serde_json::Value =
+        serde_json::from_str(&run.pager.stats().to_json()).unwrap_or_default();
+    json["files"] = run
+        .files
+        .iter()
+        .map(|(path, size)| serde_json::json!({"path": path, "size": size}))
+        .collect();
+    json["config"] = serde_json::json!({
+        "budget": config.budget.to_env_value(),
+        "budget_bytes": run.pager.budget(),
+        "policy": config.policy,
+        "policy_in_use": run.policy_in_use,
+        "patterns": config.patterns,
+        "min_size": config.min_size,
+    });
+    // The pager's own heap beside the budget's frames (see `heap`).
+    json["pager_heap_bytes"] = run.heap_bytes.0.into();
+    json["pager_heap_peak_bytes"] = run.heap_bytes.1.into();
+    json["pid"] = getpid().into();
+    json["managed_mappings"] = run.managed_mappings.into();
+    json
+}
+
+/// Saves the access order of the model's first region (region ids count from 0: the
+/// first is the one the graph is for) for the next run.
+fn save_graph(run: &Run<'_>, model: &Path, layout: BlockLayout, records: &[TraceRecord]) {
+    let mut transitions = Transitions::new();
+    transitions.observe_all(
+        records
+            .iter()
+            .filter(|record| record.region == 0)
+            .map(|record| record.block),
+    );
+    match store::save(model, layout, &transitions) {
+        Ok(saved) => (run.say)(&format!(
+            "learned the access order of {} from {} faults; saved {} for the next run",
+            model.display(),
+            records.len(),
+            saved.display()
+        )),
+        Err(error) => (run.say)(&format!("cannot save the learned graph: {error}")),
     }
 }
 
 /// Saves what this run learned of the model's routing for the next run, once it has
 /// followed a few tokens.
-fn save_expert_counts(shim: &crate::managed::Shim, model: &Path, prediction: &GraphPrediction) {
+fn save_expert_counts(run: &Run<'_>, model: &Path, prediction: &GraphPrediction) {
     const MIN_TOKENS: u64 = 2;
     if prediction.expert_tokens() < MIN_TOKENS {
         return;
@@ -141,8 +130,8 @@ fn save_expert_counts(shim: &crate::managed::Shim, model: &Path, prediction: &Gr
     };
     match expert_store::save(model, &counts) {
         Ok(saved) => {
-            if shim.config.verbose {
-                shim.say(&format!(
+            if run.config.verbose {
+                (run.say)(&format!(
                     "saved the use of {} experts over {} tokens to {} for the next run",
                     counts.experts.len(),
                     prediction.expert_tokens(),
@@ -150,13 +139,39 @@ fn save_expert_counts(shim: &crate::managed::Shim, model: &Path, prediction: &Gr
                 ));
             }
         }
-        Err(error) => shim.say(&format!(
+        Err(error) => (run.say)(&format!(
             "cannot save what was learned of the experts: {error}"
         )),
     }
 }
 
-fn write_new(shim: &crate::managed::Shim, path: &Path, inherit: bool, contents: &[u8]) {
+/// The fault trace CSV at `path`, and the shim's own decisions (what it took over,
+/// hints, unmaps), one JSON a line, beside it.
+fn write_trace(run: &Run<'_>, path: &Path, records: &[TraceRecord], untraced: u64) {
+    let mut metadata: Vec<(&str, String)> = vec![
+        ("block_size", run.pager.block_size().to_string()),
+        ("untraced", untraced.to_string()),
+    ];
+    if let Some((file, size)) = run.files.first() {
+        metadata.push(("file", file.display().to_string()));
+        metadata.push(("size", size.to_string()));
+    }
+    let csv = TraceWriter::new(Vec::new(), &metadata).and_then(|mut writer| {
+        for record in records {
+            writer.write(record)?;
+        }
+        writer.into_inner()
+    });
+    if let Ok(csv) = csv {
+        write_new(run, path, &csv);
+    }
+    let mut lines = (run.take_events)().join("\n");
+    lines.push('\n');
+    write_new(run, &events_path(path), lines.as_bytes());
+}
+
+/// Creates `path` (or `<path>.<pid>` if taken and processes share it) with `contents`.
+fn write_new(run: &Run<'_>, path: &Path, contents: &[u8]) {
     let create = |path: &Path| {
         std::fs::OpenOptions::new()
             .write(true)
@@ -167,14 +182,14 @@ fn write_new(shim: &crate::managed::Shim, path: &Path, inherit: bool, contents: 
     };
     let mut target: PathBuf = path.to_path_buf();
     let mut file = create(&target);
-    if inherit && matches!(&file, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists) {
-        // SAFETY: getpid has no memory effects.
-        let pid = unsafe { libc::getpid() };
-        target = PathBuf::from(format!("{}.{pid}", path.display()));
+    if run.config.inherit
+        && matches!(&file, Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists)
+    {
+        target = PathBuf::from(format!("{}.{}", path.display(), getpid()));
         file = create(&target);
     }
     let written = file.and_then(|mut file| file.write_all(contents));
     if let Err(error) = written {
-        shim.say(&format!("cannot write {}: {error}", target.display()));
+        (run.say)(&format!("cannot write {}: {error}", target.display()));
     }
 }

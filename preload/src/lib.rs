@@ -13,6 +13,18 @@
 //! - mlock of managed memory: pins within the budget; beyond it, ENOMEM and a warning.
 //! - MAP_FIXED requests pass through; one over managed memory releases that part first.
 //! - setuid/setgid (AT_SECURE) programs: the shim stays off and reads no environment.
+//!
+//! Modules, each using (through `crate::`) only modules listed before it, so that none
+//! depends on one that depends back on it:
+//! 1. Leaves, using no other module: `raw` (the kernel's own calls), `heap` (the counting
+//!    allocator), `registry` (the managed address ranges), `read_ahead` (how far a hint
+//!    reads), `given_name` (the program's name for a file), `env_scrub` (LD_PRELOAD for
+//!    children), `exit_report` (the files written at exit, from what it is given).
+//! 2. `managed` (the shim: what it does to each call it takes over) uses `raw`,
+//!    `registry`, `read_ahead`, `given_name`.
+//! 3. `state` (the life cycle: the init state, the re-entry guard, the exit handler)
+//!    uses `managed`, `exit_report`, `heap`, `raw`.
+//! 4. `api` (every exported C symbol) uses `state`, `managed`, `raw`.
 
 // In unit-test builds the C entry points are not exported, so nothing calls them.
 #![cfg_attr(test, allow(dead_code))]

@@ -2,14 +2,21 @@
 //! managed mappings, and one method per kind of call. Every method returns `None` when
 //! the call is not the shim's business, and the hook then passes it to the kernel.
 //!
+//! A `Shim` knows nothing of the process's state (`state` holds the one instance and
+//! decides when hooks reach it); what must happen when its pager starts (the exit
+//! report's registration) is the function given to `Shim::new`.
+//!
 //! Locks: the registry lock is held only to look up or edit the registry, never while
 //! talking to the fault service or touching managed memory, and the service never takes
 //! it. `layout` serialises the calls that create or remove managed mappings, so that a
 //! region being torn down cannot meet a new one the kernel placed at its old address.
+//! Calls over a range walk its pieces (`for_each_piece`): managed ones are served by
+//! their region, the others go to the kernel, and the first error is the call's.
 
-use std::cell::Cell;
 use std::ffi::OsStr;
+use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -62,6 +69,27 @@ impl Drop for ManagedRegion {
     }
 }
 
+/// A file a mapping request is for, as the shim screened it (see `Shim::take_file`).
+struct MappedFile {
+    stat: libc::stat,
+    /// The kernel's name for it: the one the pager opens.
+    path: PathBuf,
+    /// The name the program gave it (see `given_name`), else `path`.
+    name: PathBuf,
+    size: u64,
+    /// The bytes of the model it belongs to (all its files for a split GGUF).
+    model_len: u64,
+}
+
+/// A managed piece of an address range (see `Shim::for_each_piece`): its mapping, where
+/// it lies (`pages`, in the mapping starting at `base`) and its offsets in the region.
+struct ManagedPiece {
+    mapping: Arc<ManagedRegion>,
+    base: usize,
+    pages: Range<usize>,
+    offsets: Range<u64>,
+}
+
 /// A file the shim has managed at least one mapping of.
 pub struct ManagedFile {
     pub path: PathBuf,
@@ -100,34 +128,8 @@ pub struct Shim {
     warned_advice: AtomicBool,
     warned_mlock: AtomicBool,
     warned_map: AtomicBool,
-}
-
-thread_local! {
-    /// Set while this thread runs shim code: a hook entered again from inside (the
-    /// pager starting its thread, Rust's runtime mapping a signal stack) passes through.
-    static IN_SHIM: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Marks this thread as inside the shim until dropped.
-pub struct Reentry(());
-
-impl Reentry {
-    pub fn enter() -> Option<Self> {
-        IN_SHIM.with(|flag| {
-            if flag.get() {
-                None
-            } else {
-                flag.set(true);
-                Some(Reentry(()))
-            }
-        })
-    }
-}
-
-impl Drop for Reentry {
-    fn drop(&mut self) {
-        IN_SHIM.with(|flag| flag.set(false));
-    }
+    /// Called once the pager runs (the owner registers the exit report then).
+    on_pager_start: fn(),
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -143,7 +145,8 @@ const TRACE_LIMIT: usize = 10_000_000;
 pub type Errno = Result<(), c_int>;
 
 impl Shim {
-    pub fn new(config: ShimConfig) -> Self {
+    /// The shim for `config`; `on_pager_start` is called when its pager starts.
+    pub fn new(config: ShimConfig, on_pager_start: fn()) -> Self {
         Self {
             config,
             pager: Mutex::new(PagerSlot::NotYet),
@@ -161,6 +164,7 @@ impl Shim {
             warned_advice: AtomicBool::new(false),
             warned_mlock: AtomicBool::new(false),
             warned_map: AtomicBool::new(false),
+            on_pager_start,
         }
     }
 
@@ -267,7 +271,7 @@ impl Shim {
                 *lock(&self.learning) = learn.map(|layout| (first.path.to_path_buf(), layout));
                 *lock(&self.experts) =
                     experts.map(|prediction| (first.path.to_path_buf(), prediction));
-                crate::exit_report::register();
+                (self.on_pager_start)();
                 self.verbose(|| {
                     format!(
                         "pager started: budget {} ({}), policy {policy}",
@@ -289,6 +293,27 @@ impl Shim {
 
     /// mmap of a request `screen_request` accepted: a region in its place, or `None`.
     pub fn map(&self, request: &MapRequest) -> Option<usize> {
+        let file = self.take_file(request)?;
+        let offset = request.offset as u64;
+        let data_len = (request.len as u64).min(file.size - offset);
+        let pager = self.pager_for(&file, offset, data_len)?;
+        let options = MapOptions {
+            offset,
+            len: Some(data_len),
+            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
+            prot: request.prot,
+        };
+        let _layout = lock(&self.layout);
+        let managed = self.map_region(&pager, &file, options, request)?;
+        if request.flags & libc::MAP_POPULATE != 0 {
+            self.bounded_prefetch(&managed, 0..managed.region.map_len() as u64);
+        }
+        Some(managed.region.as_ptr() as usize)
+    }
+
+    /// The file `request` maps, if the shim takes it over: its names and its model pass
+    /// the configuration (`screen`), and the name the pager opens still leads to it.
+    fn take_file(&self, request: &MapRequest) -> Option<MappedFile> {
         let stat = raw::fstat(request.fd)?;
         let mut buffer = [0u8; 4096];
         let Some(path) = raw::fd_path(request.fd, &mut buffer) else {
@@ -301,6 +326,48 @@ impl Shim {
             });
             return None;
         };
+        let (name, model_len) = match self.screen(request, &stat, path) {
+            Ok(taken) => taken,
+            Err(reason) => {
+                self.verbose(|| {
+                    format!(
+                        "{}: {}, left to the kernel",
+                        String::from_utf8_lossy(path),
+                        reason.describe()
+                    )
+                });
+                return None;
+            }
+        };
+        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
+        // The pager opens the file by name: make sure the name still leads to the
+        // descriptor's file (not a replacement, not a deleted one).
+        if !names_file(&path, &stat) {
+            self.verbose(|| {
+                format!(
+                    "{}: the name no longer leads to the mapped file, left to the kernel",
+                    path.display()
+                )
+            });
+            return None;
+        }
+        Some(MappedFile {
+            size: stat.st_size as u64,
+            stat,
+            path,
+            name,
+            model_len,
+        })
+    }
+
+    /// Screens the file the kernel names `path` with `screen_file`. If the shim takes
+    /// it: the name the program gave it and the size of its model; else why not.
+    fn screen(
+        &self,
+        request: &MapRequest,
+        stat: &libc::stat,
+        path: &[u8],
+    ) -> Result<(PathBuf, u64), PassReason> {
         let size = stat.st_size as u64;
         let is_regular = stat.st_mode & libc::S_IFMT == libc::S_IFREG;
         // The model's size (all its files for a split GGUF) sets a percentage budget,
@@ -336,56 +403,38 @@ impl Shim {
             model_len,
             path: matched,
         };
-        if let Err(reason) = screen_file(request, &facts, &self.config) {
-            self.verbose(|| {
-                format!(
-                    "{}: {}, left to the kernel",
-                    String::from_utf8_lossy(path),
-                    reason.describe()
-                )
-            });
-            return None;
-        }
-        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
-        // The pager opens the file by name: make sure the name still leads to the
-        // descriptor's file (not a replacement, not a deleted one).
-        match std::fs::metadata(&path) {
-            Ok(meta)
-                if std::os::unix::fs::MetadataExt::dev(&meta) == stat.st_dev
-                    && std::os::unix::fs::MetadataExt::ino(&meta) == stat.st_ino => {}
-            _ => {
-                self.verbose(|| {
-                    format!(
-                        "{}: the name no longer leads to the mapped file, left to the kernel",
-                        path.display()
-                    )
-                });
-                return None;
-            }
-        }
-        let offset = request.offset as u64;
-        let data_len = (request.len as u64).min(size - offset);
-        // The first file's model sets the budget, and the budget the block size.
+        screen_file(request, &facts, &self.config)?;
+        Ok((name, model_len))
+    }
+
+    /// The pager, to map `data_len` bytes at `offset` of `file`: started if this is the
+    /// first mapping (its model sets the budget, and the budget the block size).
+    fn pager_for(&self, file: &MappedFile, offset: u64, data_len: u64) -> Option<Pager> {
         let hint = ModelHint {
-            path: &name,
+            path: &file.name,
             file_offset: offset,
             data_len,
             block_size: match &*lock(&self.pager) {
                 PagerSlot::Running(pager) => pager.block_size(),
                 _ => self
                     .config
-                    .block_size_for(self.config.budget.resolve(model_len), model_len),
+                    .block_size_for(self.config.budget.resolve(file.model_len), file.model_len),
             },
         };
-        let pager = self.pager(&hint, model_len)?;
-        let options = MapOptions {
-            offset,
-            len: Some(data_len),
-            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
-            prot: request.prot,
-        };
-        let _layout = lock(&self.layout);
-        let region = match pager.map_file(&path, options) {
+        self.pager(&hint, file.model_len)
+    }
+
+    /// Maps `file` through the pager and registers the region as managed memory; `None`
+    /// (and a warning once) if the pager cannot map it. The caller holds `layout`.
+    fn map_region(
+        &self,
+        pager: &Pager,
+        file: &MappedFile,
+        options: MapOptions,
+        request: &MapRequest,
+    ) -> Option<Arc<ManagedRegion>> {
+        let offset = options.offset;
+        let region = match pager.map_file(&file.path, options) {
             Ok(region) => region,
             Err(error) => {
                 self.warn_once(&self.warned_map, || {
@@ -396,10 +445,10 @@ impl Shim {
         };
         let base = region.as_ptr() as usize;
         let map_len = region.map_len();
-        let file = self.file_index(&path, size, &stat);
+        let index = self.file_index(file);
         let managed = Arc::new(ManagedRegion {
             region,
-            file,
+            file: index,
             read_ahead: Mutex::default(),
             allowance: Arc::clone(&self.read_ahead),
         });
@@ -408,42 +457,36 @@ impl Shim {
         self.verbose(|| {
             format!(
                 "managing {} offset {} length {} at {:#x}",
-                path.display(),
+                file.path.display(),
                 offset,
                 request.len,
                 base
             )
         });
         self.record(|| {
-            serde_json::json!({"op": "map", "file": file, "region": managed.region.id().0,
-                "path": path.to_string_lossy(), "offset": offset, "len": request.len,
+            serde_json::json!({"op": "map", "file": index, "region": managed.region.id().0,
+                "path": file.path.to_string_lossy(), "offset": offset, "len": request.len,
                 "flags": request.flags})
         });
-        if request.flags & libc::MAP_POPULATE != 0 {
-            self.bounded_prefetch(&managed, 0..map_len as u64);
-        }
-        Some(base)
+        Some(managed)
     }
 
-    fn file_index(&self, path: &Path, size: u64, stat: &libc::stat) -> usize {
+    /// The index of `file` among the managed files, added if new.
+    fn file_index(&self, file: &MappedFile) -> usize {
+        let (dev, ino) = (file.stat.st_dev, file.stat.st_ino);
         let mut files = lock(&self.files);
-        if let Some(index) = files
-            .iter()
-            .position(|f| f.dev == stat.st_dev && f.ino == stat.st_ino)
-        {
+        if let Some(index) = files.iter().position(|f| f.dev == dev && f.ino == ino) {
             return index;
         }
         files.push(ManagedFile {
-            path: path.to_path_buf(),
-            size,
-            dev: stat.st_dev,
-            ino: stat.st_ino,
+            path: file.path.clone(),
+            size: file.size,
+            dev,
+            ino,
         });
         files.len() - 1
     }
 
-    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
-    /// file's) when its split siblings cannot be gathered, with a warning.
     /// The program's name for the mapped file `path`, where one of its arguments leads
     /// there through symlinks, else `path`.
     fn model_name(&self, path: &Path) -> PathBuf {
@@ -453,6 +496,8 @@ impl Shim {
             .unwrap_or_else(|| path.to_path_buf())
     }
 
+    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
+    /// file's) when its split siblings cannot be gathered, with a warning.
     fn model_len(&self, path: &Path, size: u64) -> u64 {
         model_len(path).unwrap_or_else(|error| {
             self.say(&format!("{error}; this file is taken for the whole model"));
@@ -472,7 +517,7 @@ impl Shim {
 
     /// Reads ahead what `read_ahead::grant` allows of a MAP_POPULATE or WILLNEED over
     /// `range`: at most half the budget, loading's hints of all live regions together.
-    fn bounded_prefetch(&self, managed: &ManagedRegion, range: std::ops::Range<u64>) {
+    fn bounded_prefetch(&self, managed: &ManagedRegion, range: Range<u64>) {
         let cap = managed.region.pager().budget() / 2;
         let mapping_len = managed.region.len() as u64;
         let mut state = lock(&managed.read_ahead);
@@ -510,90 +555,27 @@ impl Shim {
             .then_some(pieces)
     }
 
-    /// munmap: releases exactly the managed part of the range (the region forgets its
-    /// blocks there) and unmaps the rest as the kernel would.
-    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
-        if !self.has_mappings() {
-            return None;
-        }
-        let _layout = lock(&self.layout);
-        let pieces = self.pieces(addr, len)?;
+    /// Walks the pieces of `[addr, addr + len)` in address order, calling `managed` on
+    /// each managed piece and `kernel` on each other one. Every piece is visited; the
+    /// result is the first error. `None` when the range touches no managed memory (the
+    /// call is then the kernel's alone).
+    fn for_each_piece(
+        &self,
+        addr: usize,
+        len: usize,
+        mut managed: impl FnMut(ManagedPiece) -> Errno,
+        mut kernel: impl FnMut(Range<usize>) -> Errno,
+    ) -> Option<Errno> {
         let mut result = Ok(());
-        for piece in pieces {
-            match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    let _ = value.region.unmap_part(relative.clone());
-                    self.record(|| {
-                        serde_json::json!({"op": "unmap", "file": value.file,
-                            "start": relative.start, "end": relative.end})
-                    });
-                    let gone = lock(&self.registry).unmapped(base, range);
-                    if let Some(gone) = gone {
-                        self.mapped.fetch_sub(1, Ordering::AcqRel);
-                        // Dropped here, outside the registry lock: the region tells
-                        // the service and waits for it.
-                        drop(gone);
-                    }
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program asked for this range to be unmapped; it is not
-                    // managed memory.
-                    let rc = unsafe { raw::munmap(range.start as *mut _, range.end - range.start) };
-                    if rc != 0 && result.is_ok() {
-                        result = Err(raw::errno());
-                    }
-                }
-            }
-        }
-        Some(result)
-    }
-
-    /// A MAP_FIXED request over managed memory replaces it: release the managed part
-    /// first (the request itself then goes to the kernel).
-    pub fn release_for_fixed(&self, addr: usize, len: usize) {
-        let _ = self.unmap_managed_only(addr, len);
-    }
-
-    fn unmap_managed_only(&self, addr: usize, len: usize) -> Option<()> {
-        if !self.has_mappings() {
-            return None;
-        }
-        let _layout = lock(&self.layout);
         for piece in self.pieces(addr, len)? {
-            if let Piece::Managed { value, base, range } = piece {
-                let _ = value
-                    .region
-                    .unmap_part((range.start - base) as u64..(range.end - base) as u64);
-                if lock(&self.registry).unmapped(base, range).is_some() {
-                    self.mapped.fetch_sub(1, Ordering::AcqRel);
-                }
-            }
-        }
-        Some(())
-    }
-
-    /// madvise / posix_madvise (`posix`: DONTNEED is a no-op, as in glibc).
-    pub fn advise(&self, addr: usize, len: usize, advice: c_int, posix: bool) -> Option<Errno> {
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
             let outcome = match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    self.record(|| {
-                        serde_json::json!({"op": "advise", "file": value.file,
-                            "start": relative.start, "end": relative.end, "advice": advice})
-                    });
-                    self.advise_managed(&value, relative, advice, posix)
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program's own advice on memory the shim does not manage.
-                    let rc = unsafe {
-                        raw::madvise(range.start as *mut _, range.end - range.start, advice)
-                    };
-                    raw::check(rc)
-                }
+                Piece::Managed { value, base, range } => managed(ManagedPiece {
+                    offsets: (range.start - base) as u64..(range.end - base) as u64,
+                    mapping: value,
+                    base,
+                    pages: range,
+                }),
+                Piece::Kernel(range) => kernel(range),
             };
             if result.is_ok() {
                 result = outcome;
@@ -602,10 +584,85 @@ impl Shim {
         Some(result)
     }
 
+    /// Releases a managed piece: the region forgets its blocks there and the registry
+    /// its pages. A mapping with nothing left is dropped after the registry lock is
+    /// released (the region tells the service and waits for it).
+    fn release(&self, piece: ManagedPiece) {
+        let _ = piece.mapping.region.unmap_part(piece.offsets);
+        let gone = lock(&self.registry).unmapped(piece.base, piece.pages);
+        if let Some(gone) = gone {
+            self.mapped.fetch_sub(1, Ordering::AcqRel);
+            drop(gone);
+        }
+    }
+
+    /// munmap: releases exactly the managed part of the range and unmaps the rest as the
+    /// kernel would.
+    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
+        if !self.has_mappings() {
+            return None;
+        }
+        let _layout = lock(&self.layout);
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.record(|| {
+                    serde_json::json!({"op": "unmap", "file": piece.mapping.file,
+                        "start": piece.offsets.start, "end": piece.offsets.end})
+                });
+                self.release(piece);
+                Ok(())
+            },
+            |range| {
+                // SAFETY: the program asked for this range to be unmapped; it is not
+                // managed memory.
+                raw::check(unsafe { raw::munmap(range.start as *mut _, range.len()) })
+            },
+        )
+    }
+
+    /// A MAP_FIXED request over managed memory replaces it: release the managed part
+    /// first (the request itself then goes to the kernel).
+    pub fn release_for_fixed(&self, addr: usize, len: usize) {
+        if !self.has_mappings() {
+            return;
+        }
+        let _layout = lock(&self.layout);
+        let _ = self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.release(piece);
+                Ok(())
+            },
+            |_| Ok(()),
+        );
+    }
+
+    /// madvise / posix_madvise (`posix`: DONTNEED is a no-op, as in glibc).
+    pub fn advise(&self, addr: usize, len: usize, advice: c_int, posix: bool) -> Option<Errno> {
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                self.record(|| {
+                    serde_json::json!({"op": "advise", "file": piece.mapping.file,
+                        "start": piece.offsets.start, "end": piece.offsets.end, "advice": advice})
+                });
+                self.advise_managed(&piece.mapping, piece.offsets, advice, posix)
+            },
+            |range| {
+                // SAFETY: the program's own advice on memory the shim does not manage.
+                raw::check(unsafe { raw::madvise(range.start as *mut _, range.len(), advice) })
+            },
+        )
+    }
+
     fn advise_managed(
         &self,
         managed: &ManagedRegion,
-        range: std::ops::Range<u64>,
+        range: Range<u64>,
         advice: c_int,
         posix: bool,
     ) -> Errno {
@@ -641,10 +698,9 @@ impl Shim {
             }
             _ => {
                 // Anything else may drop or fence pages the pager counts resident (guard
-                // regions, poisoning, advice newer than this list): refused, as the
-                // kernel refuses advice it does not know. Passed through, advice that
-                // dropped pages left the pager waking a thread that faulted on them
-                // again, forever.
+                // regions, poisoning, advice newer than this list), and the pager must
+                // know which pages are: refused, as the kernel refuses advice it does not
+                // know.
                 self.warn_once(&self.warned_advice, || {
                     format!("madvise advice {advice} on a model mapping is not supported; refused with EINVAL")
                 });
@@ -657,60 +713,49 @@ impl Shim {
     /// whole range in and keep eviction from ever dropping it).
     pub fn lock_range(&self, addr: usize, len: usize, flags: libc::c_uint) -> Option<Errno> {
         let (addr, len) = page_rounded(addr, len)?;
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
-            let outcome = match piece {
-                Piece::Managed { value, base, range } => {
-                    let relative = (range.start - base) as u64..(range.end - base) as u64;
-                    value.region.pin(relative).map_err(|error| {
-                        self.warn_once(&self.warned_mlock, || {
-                            format!("mlock of a model mapping refused: {error}")
-                        });
-                        libc::ENOMEM
-                    })
-                }
-                Piece::Kernel(range) => {
-                    // SAFETY: the program's own request on memory the shim does not manage.
-                    let rc = unsafe {
-                        if flags == 0 {
-                            raw::mlock(range.start as *const _, range.end - range.start)
-                        } else {
-                            raw::mlock2(range.start as *const _, range.end - range.start, flags)
-                        }
-                    };
-                    raw::check(rc)
-                }
-            };
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        Some(result)
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                piece.mapping.region.pin(piece.offsets).map_err(|error| {
+                    self.warn_once(&self.warned_mlock, || {
+                        format!("mlock of a model mapping refused: {error}")
+                    });
+                    libc::ENOMEM
+                })
+            },
+            |range| {
+                let (start, len) = (range.start as *const _, range.len());
+                // SAFETY: the program's own request on memory the shim does not manage.
+                let rc = unsafe {
+                    if flags == 0 {
+                        raw::mlock(start, len)
+                    } else {
+                        raw::mlock2(start, len, flags)
+                    }
+                };
+                raw::check(rc)
+            },
+        )
     }
 
     pub fn unlock_range(&self, addr: usize, len: usize) -> Option<Errno> {
         let (addr, len) = page_rounded(addr, len)?;
-        let pieces = self.pieces(addr, len)?;
-        let mut result = Ok(());
-        for piece in pieces {
-            let outcome = match piece {
-                Piece::Managed { value, base, range } => value
+        self.for_each_piece(
+            addr,
+            len,
+            |piece| {
+                piece
+                    .mapping
                     .region
-                    .unpin((range.start - base) as u64..(range.end - base) as u64)
-                    .map_err(|_| libc::EINVAL),
-                Piece::Kernel(range) => {
-                    // SAFETY: unlocking memory the shim does not manage.
-                    let rc =
-                        unsafe { raw::munlock(range.start as *const _, range.end - range.start) };
-                    raw::check(rc)
-                }
-            };
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        Some(result)
+                    .unpin(piece.offsets)
+                    .map_err(|_| libc::EINVAL)
+            },
+            |range| {
+                // SAFETY: unlocking memory the shim does not manage.
+                raw::check(unsafe { raw::munlock(range.start as *const _, range.len()) })
+            },
+        )
     }
 
     /// mremap touching managed memory is refused: the pager cannot follow a move (the
@@ -738,6 +783,11 @@ impl Shim {
         }
         refused
     }
+}
+
+/// Whether `path` leads to the file `stat` describes (the same device and inode).
+fn names_file(path: &Path, stat: &libc::stat) -> bool {
+    std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
 }
 
 /// `[addr, addr + len)` from the start of its first page, as mlock(2) takes it (the

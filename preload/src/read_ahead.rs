@@ -1,15 +1,16 @@
 //! How much a MAP_POPULATE or WILLNEED hint over a managed mapping reads ahead.
 //!
-//! Over a model larger than the budget a hint must not read it all (it would only evict
-//! itself): one hint reads at most half the budget. Hints covering most of their mapping
-//! are loading's (llama.cpp maps each file with MAP_POPULATE, then advises WILLNEED over
-//! all of it): those of all live mappings share one allowance of half the budget, since
-//! a split model is a mapping per file (half the budget each read a 3 GiB llama in four
-//! files whole at load under 90 % of it, 0.28 GB more than the one file: tg2 4.18-4.20
-//! against 3.90-3.93 GB), and a mapping is charged only for bytes past those it was
-//! granted already (the WILLNEED after the populate asks for nothing new). Smaller hints
-//! (a program advising the rows it is about to use, every token) each read up to half
-//! the budget, as before: a shared allowance spent at load would drop them all.
+//! - No hint reads more than half the budget (`cap`): over a model larger than the
+//!   budget, reading it all would only evict what it read.
+//! - Hints covering at least half their mapping are loading's (llama.cpp maps each file
+//!   with MAP_POPULATE, then advises WILLNEED over all of it). Those of all live
+//!   mappings together read at most half the budget, one shared allowance, because a
+//!   split model is a mapping per file. A mapping is charged only for bytes past those
+//!   it was granted already (the WILLNEED after the populate asks for nothing new), and
+//!   its charge is given back when it goes (`managed`).
+//! - Smaller hints (a program advising the rows it is about to use, every token) are not
+//!   charged and each read up to half the budget: an allowance spent at load would
+//!   otherwise drop them all.
 
 use std::ops::Range;
 

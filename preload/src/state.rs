@@ -1,4 +1,5 @@
-//! The shim's life cycle, one atomic state:
+//! The shim's life cycle, in one place: the process-wide state, the re-entry guard and
+//! the exit report's handler. One atomic state:
 //!
 //! ```text
 //!  Uninit --first candidate mmap--> Initializing --config ok--> Ready
@@ -18,16 +19,26 @@
 //! read on the first mapping that could be managed (not in a constructor: the
 //! environment and allocator are certainly usable by then). A hook re-entered during
 //! initialisation, or called by another thread meanwhile, passes through.
+//!
+//! A thread inside shim code holds a `Reentry`: a hook it enters again from inside (the
+//! pager starting its thread, Rust's runtime mapping a signal stack) passes through.
+//!
+//! When the shim's pager starts, an atexit handler is registered (once) that writes the
+//! exit report (`exit_report`) in the owner; a child never writes it.
 
-use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use hyperoffload::shim_config::{physical_ram, ShimConfig};
 use libc::{c_char, c_int};
 
+use hyperoffload::sys::getpid;
+
+use crate::exit_report;
+use crate::heap;
 use crate::managed::Shim;
 use crate::raw;
-use hyperoffload::sys::getpid;
 
 const UNINIT: u8 = 0;
 const INITIALIZING: u8 = 1;
@@ -91,7 +102,7 @@ pub fn ready_or_init() -> Option<&'static Shim> {
             let next = match read_config() {
                 Some(config) => {
                     // Only this thread gets here, once.
-                    let _ = SHIM.set(Shim::new(config));
+                    let _ = SHIM.set(Shim::new(config, register_exit_report));
                     READY
                 }
                 None => DISABLED,
@@ -156,8 +167,70 @@ fn getenv(name: &str) -> Option<String> {
     }
 }
 
-/// The shim as configured, whatever the state now (for the exit report: the pager may
-/// have run before the shim was disabled).
-pub fn shim_even_if_disabled() -> Option<&'static Shim> {
-    SHIM.get()
+thread_local! {
+    /// Set while this thread runs shim code.
+    static IN_SHIM: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as inside the shim until dropped.
+pub struct Reentry(());
+
+impl Reentry {
+    /// The guard, or `None` if this thread is inside the shim already.
+    pub fn enter() -> Option<Self> {
+        IN_SHIM.with(|flag| {
+            if flag.get() {
+                None
+            } else {
+                flag.set(true);
+                Some(Reentry(()))
+            }
+        })
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        IN_SHIM.with(|flag| flag.set(false));
+    }
+}
+
+static EXIT_REPORT_REGISTERED: AtomicBool = AtomicBool::new(false);
+
+/// Registers the exit report's handler (once): the shim calls it when its pager starts.
+fn register_exit_report() {
+    if !EXIT_REPORT_REGISTERED.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a plain extern "C" function with no arguments.
+        unsafe { libc::atexit(write_exit_report) };
+    }
+}
+
+/// The atexit handler: the exit report of the pager's run, whatever the state now (the
+/// pager may have run before the shim was disabled).
+extern "C" fn write_exit_report() {
+    // A child inherits the handler but not the pager's service thread: asking it for
+    // stats would wait forever. However the child was made, the check sees it; the
+    // report is the parent's to write.
+    if is_forked_child() {
+        return;
+    }
+    let Some(shim) = SHIM.get() else {
+        return;
+    };
+    let Some(pager) = shim.pager_if_running() else {
+        return;
+    };
+    let _reentry = Reentry::enter();
+    exit_report::write(&exit_report::Run {
+        config: &shim.config,
+        pager: &pager,
+        files: shim.files(),
+        policy_in_use: shim.policy_in_use(),
+        managed_mappings: shim.managed_count(),
+        heap_bytes: (heap::in_use(), heap::peak()),
+        learning: shim.learning(),
+        experts: shim.expert_learning(),
+        take_events: &|| shim.take_trace(),
+        say: &|message| shim.say(message),
+    });
 }
