@@ -83,7 +83,7 @@ pub fn read_rate(
     let mut completions = Vec::new();
     loop {
         while next < len {
-            let Some(slot) = ring.checkout()? else { break };
+            let Some(slot) = ring.checkout() else { break };
             // The next free landing in turn (completions may come out of order).
             while taken[turn % landings] {
                 turn += 1;

@@ -3,7 +3,10 @@
 //! io_uring entries.
 //!
 //! As in tokio-uring, the ring owns every buffer it reads into (a slab keyed by
-//! `user_data`), so no buffer is reused or freed while the kernel may still write it.
+//! `user_data`), and each slot's state says who may touch its buffer: nobody while the
+//! read is in flight (the kernel writes it), the service once its completion was
+//! reaped. Accessing the buffer of a read in flight, or freeing its slot, panics rather
+//! than race with the kernel.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -130,13 +133,39 @@ pub struct Landing {
     pub off_thread: bool,
 }
 
+/// What a slot (a buffer and the read it carries) is doing.
+enum Slot<Tag> {
+    /// In the free list.
+    Free,
+    /// Handed out by `checkout`, no read issued yet: its owner may use the buffer.
+    Claimed,
+    /// A read was issued: the kernel may be writing the buffer.
+    InFlight(Tag),
+    /// The read's completion was reaped: the buffer is the owner's again.
+    Done(Tag),
+}
+
+/// A slot's state without its tag, for panic messages.
+struct SlotName<'a, Tag>(&'a Slot<Tag>);
+
+impl<Tag> std::fmt::Debug for SlotName<'_, Tag> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Slot::Free => "free",
+            Slot::Claimed => "claimed",
+            Slot::InFlight(_) => "in flight",
+            Slot::Done(_) => "reaped",
+        })
+    }
+}
+
 /// The ring, its read buffers and what each one is doing.
 pub struct ReadRing<Tag> {
     ring: IoUring,
     buffers: BufferArena,
     /// Buffers handed out so far (slots are allocated lazily, in order).
     allocated: u32,
-    tags: Vec<Option<Tag>>,
+    slots: Vec<Slot<Tag>>,
     free: Vec<u32>,
     buffer_len: usize,
     max_buffers: u32,
@@ -192,7 +221,7 @@ impl<Tag> ReadRing<Tag> {
             ring,
             buffers,
             allocated: 0,
-            tags: Vec::new(),
+            slots: Vec::new(),
             free: Vec::new(),
             buffer_len,
             max_buffers: max_reads,
@@ -203,8 +232,12 @@ impl<Tag> ReadRing<Tag> {
         self.buffer_len
     }
 
+    /// Reads issued and not yet checked in (in flight, or reaped and still held).
     pub fn reads_in_flight(&self) -> usize {
-        self.tags.iter().filter(|tag| tag.is_some()).count()
+        self.slots
+            .iter()
+            .filter(|slot| matches!(slot, Slot::InFlight(_) | Slot::Done(_)))
+            .count()
     }
 
     /// Whether `checkout` would find a slot.
@@ -213,27 +246,55 @@ impl<Tag> ReadRing<Tag> {
     }
 
     /// A free buffer slot, allocating buffers lazily up to the limit.
-    pub fn checkout(&mut self) -> Result<Option<u32>, RingError> {
-        if let Some(slot) = self.free.pop() {
-            return Ok(Some(slot));
-        }
-        if self.allocated >= self.max_buffers {
-            return Ok(None);
-        }
-        self.allocated += 1;
-        self.tags.push(None);
-        Ok(Some(self.allocated - 1))
+    pub fn checkout(&mut self) -> Option<u32> {
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None if self.allocated < self.max_buffers => {
+                self.allocated += 1;
+                self.slots.push(Slot::Free);
+                self.allocated - 1
+            }
+            None => return None,
+        };
+        self.slots[slot as usize] = Slot::Claimed;
+        Some(slot)
     }
 
-    /// Returns a slot whose read finished (or was never started) to the free list.
+    /// Returns a slot whose read was reaped (or never issued) to the free list, with the
+    /// tag its read carried.
+    ///
+    /// # Panics
+    /// If the slot's read is in flight (its buffer still belongs to the kernel) or the
+    /// slot is already free.
     pub fn checkin(&mut self, slot: u32) -> Option<Tag> {
-        let tag = self.tags[slot as usize].take();
+        let tag = match std::mem::replace(&mut self.slots[slot as usize], Slot::Free) {
+            Slot::Claimed => None,
+            Slot::Done(tag) => Some(tag),
+            other => panic!("slot {slot} checked in while {:?}", SlotName(&other)),
+        };
         self.free.push(slot);
         tag
     }
 
+    /// Takes the tag back from a slot whose read was reaped, keeping the slot (and its
+    /// buffer's contents) for the next read issued into it: the rest of a short read, or
+    /// a retry.
+    ///
+    /// # Panics
+    /// If the slot's read is not reaped.
+    pub fn reclaim(&mut self, slot: u32) -> Tag {
+        match std::mem::replace(&mut self.slots[slot as usize], Slot::Claimed) {
+            Slot::Done(tag) => tag,
+            other => panic!(
+                "slot {slot} reclaimed while {other:?}",
+                other = SlotName(&other)
+            ),
+        }
+    }
+
     /// Starts a read of `len` bytes at file `offset` into `slot`'s buffer at
-    /// `buffer_offset`. The slot stays checked out, carrying `tag`, until `checkin`.
+    /// `buffer_offset`. The slot stays checked out, carrying `tag`, until `checkin`. A
+    /// slot whose read was reaped may read again (the rest of a short read, a retry).
     pub fn read(
         &mut self,
         slot: u32,
@@ -270,6 +331,9 @@ impl<Tag> ReadRing<Tag> {
     /// zero-copy store), instead of `slot`'s buffer. The slot stays checked out, carrying
     /// `tag`, until `checkin`.
     ///
+    /// # Panics
+    /// If the slot is free or its read in flight.
+    ///
     /// # Safety
     /// `landing.dest..landing.dest + landing.len` must stay mapped, writable and unused
     /// by anything else until the read's completion is reaped.
@@ -288,7 +352,13 @@ impl<Tag> ReadRing<Tag> {
         if landing.off_thread {
             entry = entry.flags(squeue::Flags::ASYNC);
         }
-        self.tags[slot as usize] = Some(tag);
+        let state = &mut self.slots[slot as usize];
+        assert!(
+            matches!(state, Slot::Claimed | Slot::Done(_)),
+            "read issued into slot {slot} while {:?}",
+            SlotName(state)
+        );
+        *state = Slot::InFlight(tag);
         self.push(&entry)
     }
 
@@ -315,20 +385,44 @@ impl<Tag> ReadRing<Tag> {
         }
     }
 
+    /// The tag of the read `slot` carries (in flight or reaped).
     pub fn tag(&self, slot: u32) -> Option<&Tag> {
-        self.tags[slot as usize].as_ref()
+        match &self.slots[slot as usize] {
+            Slot::InFlight(tag) | Slot::Done(tag) => Some(tag),
+            Slot::Free | Slot::Claimed => None,
+        }
     }
 
     pub fn tag_mut(&mut self, slot: u32) -> Option<&mut Tag> {
-        self.tags[slot as usize].as_mut()
+        match &mut self.slots[slot as usize] {
+            Slot::InFlight(tag) | Slot::Done(tag) => Some(tag),
+            Slot::Free | Slot::Claimed => None,
+        }
     }
 
+    /// `slot`'s buffer, once its read was reaped.
+    ///
+    /// # Panics
+    /// If the slot is free or its read in flight.
     pub fn buffer(&self, slot: u32) -> &[u8] {
+        self.check_owned(slot);
         self.buffers.slice(slot)
     }
 
+    /// `slot`'s buffer, once its read was reaped.
+    ///
+    /// # Panics
+    /// If the slot is free or its read in flight.
     pub fn buffer_mut(&mut self, slot: u32) -> &mut [u8] {
+        self.check_owned(slot);
         self.buffers.slice_mut(slot)
+    }
+
+    fn check_owned(&self, slot: u32) {
+        let state = &self.slots[slot as usize];
+        if !matches!(state, Slot::Claimed | Slot::Done(_)) {
+            panic!("buffer of slot {slot} used while {:?}", SlotName(state));
+        }
     }
 
     /// Submits queued entries without waiting for any completion.
@@ -395,11 +489,125 @@ impl<Tag> ReadRing<Tag> {
                     rearm: !cqueue::more(entry.flags()),
                 });
             } else {
+                let slot = user_data as u32;
+                let state = &mut self.slots[slot as usize];
+                *state = match std::mem::replace(state, Slot::Free) {
+                    Slot::InFlight(tag) => Slot::Done(tag),
+                    other => {
+                        unreachable!("completion for slot {slot} while {:?}", SlotName(&other))
+                    }
+                };
                 out.push(Completion::Read {
-                    slot: user_data as u32,
+                    slot,
                     result: entry.result(),
                 });
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    fn reaped(ring: &mut ReadRing<u32>) -> Vec<Completion> {
+        let mut out = Vec::new();
+        while out.is_empty() {
+            ring.submit_and_wait(1).unwrap();
+            ring.reap(&mut out);
+        }
+        out
+    }
+
+    #[test]
+    fn a_slot_lends_its_buffer_only_when_no_read_is_in_flight() {
+        let mut file = tempfile();
+        file.write_all(&[7u8; 4096]).unwrap();
+        let mut ring: ReadRing<u32> = ReadRing::new(2, 4096).unwrap();
+        let slot = ring.checkout().unwrap();
+        ring.buffer_mut(slot).fill(1);
+        ring.read(slot, file.as_raw_fd(), 0, 0, 4096, 42).unwrap();
+        assert_eq!(ring.tag(slot), Some(&42));
+        assert_eq!(
+            reaped(&mut ring),
+            vec![Completion::Read { slot, result: 4096 }]
+        );
+        assert!(ring.buffer(slot).iter().all(|&byte| byte == 7));
+        // The rest of a request reuses the slot, its tag and its buffer.
+        let tag = ring.reclaim(slot);
+        ring.read(slot, file.as_raw_fd(), 0, 0, 10, tag + 1)
+            .unwrap();
+        assert_eq!(
+            reaped(&mut ring),
+            vec![Completion::Read { slot, result: 10 }]
+        );
+        assert_eq!(ring.reads_in_flight(), 1);
+        assert_eq!(ring.checkin(slot), Some(43));
+        assert_eq!(ring.reads_in_flight(), 0);
+        assert_eq!(ring.checkout(), Some(slot));
+    }
+
+    #[test]
+    #[should_panic(expected = "while in flight")]
+    fn the_buffer_of_a_read_in_flight_is_refused() {
+        let (read_end, _write_end) = pipe();
+        let mut ring: ReadRing<u32> = ReadRing::new(1, 4096).unwrap();
+        let slot = ring.checkout().unwrap();
+        // Nothing is ever written to the pipe: the read stays in flight.
+        ring.read(slot, read_end.as_raw_fd(), 0, 0, 4096, 1)
+            .unwrap();
+        ring.submit().unwrap();
+        let _ = ring.buffer(slot);
+    }
+
+    #[test]
+    #[should_panic(expected = "checked in while in flight")]
+    fn a_slot_in_flight_cannot_be_freed() {
+        let (read_end, _write_end) = pipe();
+        let mut ring: ReadRing<u32> = ReadRing::new(1, 4096).unwrap();
+        let slot = ring.checkout().unwrap();
+        ring.read(slot, read_end.as_raw_fd(), 0, 0, 4096, 1)
+            .unwrap();
+        ring.submit().unwrap();
+        ring.checkin(slot);
+    }
+
+    #[test]
+    fn slots_run_out_at_the_limit_and_come_back() {
+        let mut ring: ReadRing<u32> = ReadRing::new(2, 4096).unwrap();
+        let (a, b) = (ring.checkout().unwrap(), ring.checkout().unwrap());
+        assert_ne!(a, b);
+        assert!(!ring.has_free_slot());
+        assert_eq!(ring.checkout(), None);
+        assert_eq!(ring.checkin(a), None);
+        assert_eq!(ring.checkout(), Some(a));
+    }
+
+    fn tempfile() -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("hyperoffload-ring-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file
+    }
+
+    fn pipe() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+        use std::os::fd::FromRawFd;
+        let (read_end, write_end) = nix::unistd::pipe().unwrap();
+        // SAFETY: pipe() just created both descriptors; nothing else owns them.
+        unsafe {
+            (
+                std::os::fd::OwnedFd::from_raw_fd(read_end),
+                std::os::fd::OwnedFd::from_raw_fd(write_end),
+            )
         }
     }
 }

@@ -54,7 +54,7 @@ impl FaultService {
             if !self.make_room(bytes, block, ReadKind::Demand)? {
                 break;
             }
-            let Some(slot) = self.ring.checkout()? else {
+            let Some(slot) = self.ring.checkout() else {
                 self.budget.unreserve(bytes);
                 break;
             };
@@ -113,7 +113,7 @@ impl FaultService {
                 self.cancel_request(first.block);
                 continue;
             }
-            let Some(slot) = self.ring.checkout()? else {
+            let Some(slot) = self.ring.checkout() else {
                 self.budget.unreserve(bytes);
                 break;
             };
@@ -289,22 +289,16 @@ impl FaultService {
             len,
             off_thread: false,
         });
-        let tag = self
-            .ring
-            .checkin(slot)
-            .expect("continuing a read in flight");
+        let tag = self.ring.reclaim(slot);
         if tag.prefetch {
             self.prefetch_bytes_on_device += len as u64;
         }
-        // Re-checking out the same slot cannot fail: it was just returned.
-        let again = self.ring.checkout()?.expect("a slot was just returned");
-        debug_assert_eq!(again, slot);
         match landing {
             Some(landing) => {
                 // SAFETY: as in `start_read`: the rest of the same frame.
-                unsafe { self.ring.read_into(again, fd, offset, landing, tag) }?
+                unsafe { self.ring.read_into(slot, fd, offset, landing, tag) }?
             }
-            None => self.ring.read(again, fd, offset, done, len, tag)?,
+            None => self.ring.read(slot, fd, offset, done, len, tag)?,
         }
         Ok(())
     }
