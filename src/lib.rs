@@ -10,7 +10,6 @@ mod event;
 pub mod file;
 pub mod glob;
 pub mod graph;
-mod installer;
 pub mod layout;
 mod lock;
 pub mod map_candidate;

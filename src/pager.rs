@@ -24,7 +24,6 @@ use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 use crate::command::{Command, PinRefused, Shared};
 use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
-use crate::installer::InstallPool;
 use crate::layout::RegionLayout;
 use crate::lock::lock;
 use crate::map_count;
@@ -34,7 +33,7 @@ use crate::policy::{
 use crate::ring::RingError;
 #[cfg(feature = "fault-injection")]
 use crate::service::InjectedFaults;
-use crate::service::{FaultService, ServiceConfig};
+use crate::service::{FaultService, InstallPool, ServiceConfig};
 use crate::shared_store::{FrameStore, HugeTmpfs, HUGE_PAGE};
 use crate::stats::Stats;
 use crate::trace::TraceRecord;
@@ -324,7 +323,7 @@ impl PagerBuilder {
     }
 
     /// Threads that install prefetched reads beside the fault service thread (0: the
-    /// service thread installs everything itself). See `installer`. None run with zero
+    /// service thread installs everything itself). See `service::install_pool`. None run with zero
     /// copy, where an install maps a frame instead of copying.
     pub fn install_threads(mut self, threads: usize) -> Self {
         self.install_threads = threads;

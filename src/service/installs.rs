@@ -6,9 +6,9 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
+use super::install_pool::InstallJob;
 use super::pages::{install_mapped, map_frame, release_frame};
 use super::{FaultService, ServiceError};
-use crate::installer::InstallJob;
 use crate::policy::{BlockRef, RegionId};
 
 impl FaultService {

@@ -1,5 +1,5 @@
-//! Installing read blocks into regions (UFFDIO_COPY), on the fault service thread or on
-//! worker threads beside it.
+//! Worker threads that install prefetched reads into regions (UFFDIO_COPY, `pages::
+//! install`) beside the fault service thread.
 //!
 //! Installing is most of the pager's CPU time: per 4 KiB page the kernel allocates a
 //! page, charges the memory cgroup, copies, maps and adds the page to an LRU list. Perf
@@ -24,89 +24,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use nix::errno::Errno;
-
-use crate::event::EventFd;
 use userfaultfd::Uffd;
 
-/// Why an install failed; the service cannot continue after one.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum InstallError {
-    #[error("installing a block at {addr:#x} failed: {errno}")]
-    Copy { addr: usize, errno: Errno },
-    #[error("installing a block failed: {0}")]
-    Other(String),
-}
-
-/// Copies `len` bytes from `source` into the region at `target` (page aligned), waking
-/// the threads waiting there. Pages already present or no longer mapped are skipped.
-///
-/// UFFDIO_COPY rather than UFFDIO_MOVE: the kernel refuses to move pages into non-writable
-/// mappings (`validate_move_areas`), and a region keeps the program's read-only
-/// protection.
-///
-/// # Safety
-/// `source..source + len` must be readable and not written until this returns; `target`
-/// must lie in a range registered with `uffd` that stays so until this returns.
-pub(crate) unsafe fn install(
-    uffd: &Uffd,
-    source: *const u8,
-    target: usize,
-    len: usize,
-    page: usize,
-) -> Result<(), InstallError> {
-    let mut done = 0usize;
-    // One call for the whole range; after a refusal, page by page until past the page
-    // that stopped it.
-    let mut page_by_page_until = 0usize;
-    let mut stalls = 0u32;
-    while done < len {
-        let chunk = if done < page_by_page_until {
-            page
-        } else {
-            len - done
-        };
-        // SAFETY: the caller guarantees the source is readable and the target registered;
-        // `done + chunk <= len`.
-        let result = unsafe {
-            uffd.copy(
-                source.wrapping_add(done).cast(),
-                (target + done) as *mut libc::c_void,
-                chunk,
-                true,
-            )
-        };
-        let (copied, errno) = match result {
-            Ok(n) => (n.max(page).min(len - done), None),
-            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::EAGAIN)),
-            Err(userfaultfd::Error::CopyFailed(errno)) => (0, Some(errno)),
-            Err(other) => return Err(InstallError::Other(format!("{other:?}"))),
-        };
-        done += copied;
-        match errno {
-            None => {}
-            Some(_) if copied > 0 => page_by_page_until = done + page,
-            // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
-            // unmapped part of the region): skip it.
-            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
-            // EAGAIN with nothing copied: the address space is changing (it settles: no
-            // userfaultfd events are enabled); go page by page.
-            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
-                stalls += 1;
-                page_by_page_until = done + page
-            }
-            // The process is exiting: nobody is left to wait for these pages.
-            Some(Errno::ESRCH) => return Ok(()),
-            Some(errno) => {
-                return Err(InstallError::Copy {
-                    addr: target + done,
-                    errno,
-                })
-            }
-        }
-    }
-    Ok(())
-}
+use super::pages::{install, InstallError};
+use crate::event::EventFd;
 
 /// One read to install: its ring slot (held by the service until the install is
 /// collected), the buffer holding it, and where it goes.
