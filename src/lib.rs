@@ -3,8 +3,6 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
-pub mod compare;
-pub mod device;
 mod event;
 pub mod file;
 pub mod glob;
@@ -22,7 +20,6 @@ pub mod ring;
 mod service;
 pub mod shared_store;
 pub mod shim_config;
-pub mod sim;
 pub mod size;
 mod stash;
 pub mod stats;
@@ -32,3 +29,21 @@ mod uffd_ext;
 
 pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
 pub use stats::Stats;
+
+// The graph policy's tests (src/policy/graph/tests.rs) build their mixture of experts
+// from the simulator's synthetic model shapes, `crate::sim::moe::MoeShape`. The
+// simulator belongs to the binary (src/cli/sim); its shape files are compiled here for
+// this crate's tests only, and name this crate `hyperoffload` as the binary does.
+#[cfg(test)]
+extern crate self as hyperoffload;
+
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "cli/sim"]
+mod sim {
+    pub mod llama;
+    pub mod moe;
+    mod workload;
+
+    pub use workload::Workload;
+}

@@ -14,16 +14,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::compare::figures::LatencyFigures;
+use super::compare::program_output::ProgramFigures;
+use super::compare::record::{RunRecord, Side};
+use super::compare::{compare, CompareConfig};
+use super::device::{drop_page_cache, read_rate, sequential_read_rate};
+use super::sim::{simulate, SimPolicy, SimReport, Timing, Workload};
 use anyhow::{bail, Context};
 use clap::Args;
-use hyperoffload::compare::figures::LatencyFigures;
-use hyperoffload::compare::program_output::ProgramFigures;
-use hyperoffload::compare::record::{RunRecord, Side};
-use hyperoffload::compare::{compare, CompareConfig};
-use hyperoffload::device::{drop_page_cache, read_rate, sequential_read_rate};
 use hyperoffload::graph::{expert_store, BlockLayout, ModelGraph};
 use hyperoffload::model::ModelFile;
-use hyperoffload::sim::{simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::format_size;
 
 #[derive(Args, Debug)]
@@ -423,8 +423,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     // Ctrl-C or SIGTERM ends the run in progress; the cgroup and trace instances are
     // removed on the way out.
-    super::compare::catch_interrupts();
-    let interrupted = &super::compare::INTERRUPTED;
+    super::compare::command::catch_interrupts();
+    let interrupted = &super::compare::command::INTERRUPTED;
     let mut rows = Vec::new();
     for &share in &args.budgets {
         let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);

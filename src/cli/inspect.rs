@@ -5,12 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
-use clap::Args;
-use hyperoffload::compare::heat_map::expert_heat_map;
-use hyperoffload::compare::model_summary::{
+use super::compare::heat_map::expert_heat_map;
+use super::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
+use anyhow::{bail, Context};
+use clap::Args;
 use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};

@@ -5,11 +5,13 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod child;
 mod compare;
+mod device;
 mod exec_check;
 mod exit_status;
 mod inspect;
 mod run;
 mod scan;
+mod sim;
 mod simulate;
 mod synth;
 mod trace;
@@ -34,7 +36,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run a program under the kernel's paging (memory cgroup at the budget) and under
     /// the pager, alternately, and report reads, faults, memory and speed with plots.
-    Compare(compare::CompareArgs),
+    Compare(compare::command::CompareArgs),
     /// Run a program under the pager and record every fault: Chrome/Perfetto trace JSON
     /// and the CSV `simulate` reads.
     Trace(trace::TraceArgs),
@@ -55,7 +57,9 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
         Command::Scan(args) => scan::run(args),
         Command::Bench(args) => bench::run(args).map(|()| std::process::ExitCode::SUCCESS),
-        Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Compare(args) => {
+            compare::command::run(args).map(|()| std::process::ExitCode::SUCCESS)
+        }
         Command::Trace(args) => trace::run(args),
         Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 
+use super::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors, Transitions};
 use hyperoffload::policy::PrefetchKind;
-use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::{format_size, parse_size};
 use hyperoffload::trace::TraceReader;
 

@@ -31,10 +31,10 @@ use super::sampler::Sampler;
 use super::samples::FaultSample;
 use super::trace_event::{lost_events, parse_line, DeviceNumber, EventKind, TraceEvent};
 use super::tracefs::{TraceInstance, TracefsError};
-use crate::model::split::{split_parts, SplitError};
-use crate::model::ModelFile;
-use crate::policy::FaultOutcome;
-use crate::trace::{TraceError, TraceReader};
+use hyperoffload::model::split::{split_parts, SplitError};
+use hyperoffload::model::ModelFile;
+use hyperoffload::policy::FaultOutcome;
+use hyperoffload::trace::{TraceError, TraceReader};
 
 const BANDWIDTH_BIN_NS: u64 = 100_000_000;
 const SAMPLE_INTERVAL: Duration = Duration::from_millis(25);
@@ -232,7 +232,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let tag = format!("{}-{}", spec.side.name(), spec.index);
     let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
     let out = |name: &str| spec.out_dir.join(name);
-    let dropped = crate::device::drop_page_cache();
+    let dropped = crate::cli::device::drop_page_cache();
     let model_cached_bytes: u64 = spec
         .model
         .files
@@ -607,7 +607,7 @@ mod tests {
     #[test]
     fn pager_faults_go_to_their_regions_part() {
         let path = std::env::temp_dir().join(format!("runner-faults-{}.csv", std::process::id()));
-        let record = |region: u32, file_offset: u64| crate::trace::TraceRecord {
+        let record = |region: u32, file_offset: u64| hyperoffload::trace::TraceRecord {
             t_ns: 1000,
             tid: 7,
             region,
@@ -618,7 +618,7 @@ mod tests {
             latency_ns: 500,
             offset_in_block: Some(0),
         };
-        let mut writer = crate::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
+        let mut writer = hyperoffload::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
         for r in [
             record(0, 65536),
             record(1, 0),

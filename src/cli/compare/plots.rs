@@ -5,7 +5,7 @@ use super::figures::request_size_edges;
 use super::record::{RunRecord, Side};
 use super::report::Report;
 use super::svg::{Chart, Mark, Series, KERNEL_COLOR, PAGER_COLOR};
-use crate::size::format_size;
+use hyperoffload::size::format_size;
 
 /// The successful run of `side` with the median wall time.
 pub fn representative(report: &Report, side: Side) -> Option<&RunRecord> {

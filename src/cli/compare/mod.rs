@@ -7,6 +7,7 @@
 
 pub mod cgroup;
 pub mod chrome_trace;
+pub mod command;
 pub mod figures;
 pub mod heat_map;
 pub mod kernel_events;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::ring::{BufferArena, Completion, Landing, ReadRing, RingError};
+use hyperoffload::ring::{BufferArena, Completion, Landing, ReadRing, RingError};
 
 #[derive(Debug, Error)]
 pub enum DeviceError {

@@ -88,7 +88,7 @@ impl ModelFiles {
     /// by region id, from the shim's event log (`<trace>.events.jsonl`, whose `map`
     /// events name each region's file: `trace::region_files`).
     pub fn region_starts(&self, events: &str) -> HashMap<u32, u64> {
-        crate::trace::region_files(events)
+        hyperoffload::trace::region_files(events)
             .into_iter()
             .filter_map(|(region, path)| Some((region, self.part(&path)?.start)))
             .collect()

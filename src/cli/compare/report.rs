@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::figures::{request_size_edges, Spread, LATENCY_EDGES_US};
 use super::record::{RunRecord, Side};
-use crate::size::format_size;
+use hyperoffload::size::format_size;
 
 /// How the figures were obtained, for a reader who wants to reproduce them.
 pub const METHOD: &str = "\
@@ -257,11 +257,6 @@ fn side_values(runs: &[RunRecord], side: Side, value: fn(&RunRecord) -> Option<f
 }
 
 impl Report {
-    /// Medians of one figure per side, over successful runs.
-    pub fn median(&self, side: Side, value: fn(&RunRecord) -> Option<f64>) -> Option<f64> {
-        Spread::of(&side_values(&self.runs, side, value)).map(|s| s.median)
-    }
-
     pub fn to_markdown(&self) -> String {
         let h = &self.header;
         let mut md = String::new();
