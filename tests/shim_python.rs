@@ -244,14 +244,12 @@ for _ in range(4):
 print("shuffled", h.hexdigest())
 "#;
 
-/// Issue 19's case of a learned graph losing to demand paging: a 256 MiB file of no
-/// known format read in a fixed shuffled order of 1 MiB chunks, 4 passes, under a
+/// A learned graph on an order no tensor table predicts: a 256 MiB file of no known
+/// format read in a fixed shuffled order of 1 MiB chunks, 4 passes, under a
 /// budget of 96M. The first run records the access order (every access: resident
 /// blocks are watched, so the recording is not only the misses of demand paging); the
 /// next run follows the graph learned from it and reads at most 0.8x what the recording
 /// run read, and no more than LRU on the same order (simulated). Same bytes throughout.
-/// Recorded from demand faults alone, the graph read 2x the demand run (3.0 against
-/// 1.46 GiB); now about 0.97 GiB, against Belady's 0.79.
 #[test]
 fn a_graph_learned_from_a_recording_run_beats_demand_paging() {
     let dir = TempDir::new("shim-python-learned");

@@ -1,4 +1,9 @@
-//! The `hyperoffload` command line: one module per subcommand.
+//! The `hyperoffload` command line: one module per subcommand, and the parts only the
+//! command line uses, outside the library: `compare` (a program under the kernel's
+//! paging and under the pager, measured alike; `bench`, `trace` and `inspect` use its
+//! parts too), `sim` (the policy simulator behind `simulate` and `bench`'s floors) and
+//! `device` (the device's read rate, `bench`'s yardstick). They use the library as any
+//! client does, through `hyperoffload::`.
 
 use clap::{Parser, Subcommand};
 
@@ -93,8 +98,8 @@ pub(crate) fn model_tensors(
 }
 
 /// A `--budget` argument: a size (`128M`) or a share of `total` bytes (`50%`). Zero,
-/// negative, NaN or infinite shares, and budgets that come to nothing, are refused:
-/// they used to come out as a budget of 0 bytes, under which every run failed.
+/// negative, NaN or infinite shares, and budgets that come to nothing, are refused: a
+/// budget of 0 bytes would fail every run.
 pub(crate) fn budget_bytes(text: &str, total: u64) -> anyhow::Result<u64> {
     use anyhow::{bail, Context};
     let bytes = match text.strip_suffix('%') {

@@ -10,7 +10,7 @@
 //! rather than the parts' sweeps drawn over each other on the same offsets; and the
 //! offsets are those of the parts' tensor tables shifted the same way (what
 //! `from_parts(parts, 4096)` builds on), so such a table names a fault's tensor without
-//! being told its part. A single file's axis is its file offsets, as before.
+//! being told its part. A single file's axis is its file offsets.
 //!
 //! ```text
 //!  model axis: 0          start(1)        start(2)           total

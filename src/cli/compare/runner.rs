@@ -747,7 +747,7 @@ mod tests {
                 .map(|f| f.file_offset)
                 .collect()
         };
-        // One file: the file offsets, as before.
+        // One file: the file offsets.
         assert_eq!(offsets(&HashMap::new()), [65536, 0, 131_072, 0]);
         // Region 1 is the third part, region 2 the second; region 3 is unknown.
         assert_eq!(
