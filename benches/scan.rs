@@ -21,6 +21,12 @@ use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
 
+// The device yardstick belongs to the binary (`hyperoffload bench` measures with it);
+// this benchmark compiles the same file.
+#[allow(dead_code)]
+#[path = "../src/cli/device.rs"]
+mod device;
+
 const PAGE: usize = 4096;
 const THREADS: usize = 8;
 
@@ -55,7 +61,7 @@ fn ensure_file(path: &Path, len: u64) {
 
 /// The device's limit: one pass of O_DIRECT 1 MiB reads at queue depth 32.
 fn device_limit(path: &Path) -> f64 {
-    hyperoffload::device::sequential_read_rate(path, 1 << 20, 32).unwrap() / 1e6
+    device::sequential_read_rate(path, 1 << 20, 32).unwrap() / 1e6
 }
 
 struct Mmap {
@@ -166,7 +172,7 @@ fn main() {
         .parse()
         .unwrap();
     ensure_file(&path, len);
-    let cold = hyperoffload::device::drop_page_cache();
+    let cold = device::drop_page_cache();
     if !cold {
         eprintln!("warning: cannot drop the page cache (not root?): runs are not cold");
     }
@@ -189,13 +195,13 @@ fn main() {
         None => table.push((name.to_string(), vec![value])),
     };
     for _ in 0..runs {
-        hyperoffload::device::drop_page_cache();
+        device::drop_page_cache();
         device.push(device_limit(&path));
         for (name, advice) in [
             ("kernel mmap", None),
             ("kernel mmap + MADV_SEQUENTIAL", Some(libc::MADV_SEQUENTIAL)),
         ] {
-            hyperoffload::device::drop_page_cache();
+            device::drop_page_cache();
             let map = Mmap::new(&file, len as usize, advice);
             let mbs = sequential_scan(map.slice());
             record(name, mbs, &mut seq);
@@ -209,7 +215,7 @@ fn main() {
             (2 << 20, workers, false),
             (2 << 20, workers, true),
         ] {
-            hyperoffload::device::drop_page_cache();
+            device::drop_page_cache();
             let pager = Pager::builder()
                 .budget(budget)
                 .block_size(block)
@@ -241,7 +247,7 @@ fn main() {
                 // the disk again (the first half of the pass evicts what the last pass
                 // left), but into frames whose memory is already in use. The first pass
                 // paid for fresh memory, which this VM backs on first touch.
-                hyperoffload::device::drop_page_cache();
+                device::drop_page_cache();
                 let mbs = sequential_scan(region.as_slice());
                 record(
                     &format!(
@@ -292,7 +298,7 @@ fn main() {
             let mut p50s = Vec::new();
             let mut last = None;
             for _ in 0..runs {
-                hyperoffload::device::drop_page_cache();
+                device::drop_page_cache();
                 let (rate, histogram) = match block {
                     None => {
                         let map = Mmap::new(&file, len as usize, advice);

@@ -4,8 +4,6 @@
 //! model.
 
 mod command;
-pub mod compare;
-pub mod device;
 mod event;
 pub mod file;
 pub mod glob;
@@ -23,7 +21,6 @@ pub mod ring;
 mod service;
 pub mod shared_store;
 pub mod shim_config;
-pub mod sim;
 pub mod size;
 mod stash;
 pub mod stats;

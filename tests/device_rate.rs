@@ -1,10 +1,17 @@
-//! The device yardstick (`hyperoffload::device`): it reads the whole file from the
+//! The device yardstick (`hyperoffload bench`'s): it reads the whole file from the
 //! device, whatever memory the reads land in, and names the file when it cannot.
+//!
+//! An integration test, not a unit test of the binary: it counts the storage reads of
+//! the whole process, so it runs in a small process of its own. The yardstick belongs
+//! to the binary; its file is compiled here.
 
 mod common;
 
+#[path = "../src/cli/device.rs"]
+mod device;
+
 use common::*;
-use hyperoffload::device::{drop_page_cache, read_rate, sequential_read_rate};
+use device::{drop_page_cache, read_rate, sequential_read_rate};
 
 /// Bytes this process has had read from storage (`read_bytes` of /proc/self/io: reads
 /// that reached the block layer, io_uring's worker threads included).

@@ -17,6 +17,12 @@
 mod common;
 mod shim_support;
 
+// The memory cgroup `hyperoffload compare` runs the kernel's side in, which belongs to
+// the binary: its file compiled here.
+#[allow(dead_code)]
+#[path = "../src/cli/compare/cgroup.rs"]
+mod cgroup;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -465,7 +471,7 @@ fn in_memory_cgroup(name: &str, model: &Path, mut command: Command) -> (std::pro
     // SAFETY: a plain advice call on a descriptor this function owns.
     let advised = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     assert_eq!(advised, 0, "posix_fadvise");
-    let cgroup = hyperoffload::compare::cgroup::MemoryCgroup::create(
+    let cgroup = cgroup::MemoryCgroup::create(
         &format!("hyperoffload-test-{name}-{}", std::process::id()),
         None,
     )

@@ -5,12 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
-use clap::Args;
-use hyperoffload::compare::heat_map::expert_heat_map;
-use hyperoffload::compare::model_summary::{
+use super::compare::heat_map::expert_heat_map;
+use super::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
+use anyhow::{bail, Context};
+use clap::Args;
 use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
@@ -107,47 +107,63 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         format_size(graph.lag_guard() as u64 * layout.block_size)
     );
     if args.tensors {
-        println!("\n## tensors (file order)\n");
-        println!("| name | type | shape | offset | size |");
-        println!("|---|---|---|---|---|");
-        for (part, tensor) in &tensors {
-            let offset = tensor.file_range.start;
-            let place = if split {
-                format!("{offset} in part {part}")
-            } else {
-                offset.to_string()
-            };
-            println!(
-                "| {} | {} | {:?} | {place} | {} |",
-                tensor.name,
-                tensor.dtype,
-                tensor.shape,
-                format_size(tensor.file_range.end - offset)
-            );
-        }
+        print_tensor_table(&tensors, split);
     }
+    print_sizes(&all_tensors);
+    print_experts(&graph, weights);
+    if let Some(out) = &args.heat_map {
+        write_heat_map(&args, &graph, out)?;
+    }
+    print_order_and_centrality(&graph, &all_tensors, args.top);
+    Ok(())
+}
+
+/// Every tensor in file order, with the part holding it for a split model.
+fn print_tensor_table(tensors: &[(usize, &TensorInfo)], split: bool) {
+    println!("\n## tensors (file order)\n");
+    println!("| name | type | shape | offset | size |");
+    println!("|---|---|---|---|---|");
+    for (part, tensor) in tensors {
+        let offset = tensor.file_range.start;
+        let place = if split {
+            format!("{offset} in part {part}")
+        } else {
+            offset.to_string()
+        };
+        println!(
+            "| {} | {} | {:?} | {place} | {} |",
+            tensor.name,
+            tensor.dtype,
+            tensor.shape,
+            format_size(tensor.file_range.end - offset)
+        );
+    }
+}
+
+/// Bytes per layer and per kind of tensor.
+fn print_sizes(tensors: &[TensorInfo]) {
     println!("\n## bytes per layer\n");
     println!("| layer | tensors | size |");
     println!("|---|---|---|");
-    for (layer, (bytes, count)) in bytes_per_layer(&all_tensors) {
+    for (layer, (bytes, count)) in bytes_per_layer(tensors) {
         let name = layer.map_or_else(|| "outside layers".to_string(), |l| l.to_string());
         println!("| {name} | {count} | {} |", format_size(bytes));
     }
     println!("\n## bytes per kind\n");
     println!("| kind | tensors | size | types |");
     println!("|---|---|---|---|");
-    for (kind, (bytes, count, types)) in bytes_per_kind(&all_tensors) {
+    for (kind, (bytes, count, types)) in bytes_per_kind(tensors) {
         println!(
             "| {kind} | {count} | {} | {} |",
             format_size(bytes),
             types.join(", ")
         );
     }
-    print_experts(&graph, weights);
-    if let Some(out) = &args.heat_map {
-        write_heat_map(&args, &graph, out)?;
-    }
-    let order = predicted_order(&all_tensors);
+}
+
+/// The predicted execution order of one token and the most central `top` nodes.
+fn print_order_and_centrality(graph: &ModelGraph, tensors: &[TensorInfo], top: usize) {
+    let order = predicted_order(tensors);
     println!(
         "\n## predicted execution order (one token, {} steps)\n",
         order.len()
@@ -158,10 +174,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     println!("\n## most central nodes (PageRank)\n");
     println!("| node | rank | size |");
     println!("|---|---|---|");
-    for (name, rank, bytes) in top_nodes(&graph, args.top) {
+    for (name, rank, bytes) in top_nodes(graph, top) {
         println!("| {name} | {rank:.5} | {} |", format_size(bytes));
     }
-    Ok(())
 }
 
 /// Writes the heat map of expert use to `out`, and prints per layer the experts used most.

@@ -1,15 +1,22 @@
-//! The `hyperoffload` command line: one module per subcommand.
+//! The `hyperoffload` command line: one module per subcommand, and the parts only the
+//! command line uses, outside the library: `compare` (a program under the kernel's
+//! paging and under the pager, measured alike; `bench`, `trace` and `inspect` use its
+//! parts too), `sim` (the policy simulator behind `simulate` and `bench`'s floors) and
+//! `device` (the device's read rate, `bench`'s yardstick). They use the library as any
+//! client does, through `hyperoffload::`.
 
 use clap::{Parser, Subcommand};
 
 mod bench;
 mod child;
 mod compare;
+mod device;
 mod exec_check;
 mod exit_status;
 mod inspect;
 mod run;
 mod scan;
+mod sim;
 mod simulate;
 mod synth;
 mod trace;
@@ -34,7 +41,7 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Run a program under the kernel's paging (memory cgroup at the budget) and under
     /// the pager, alternately, and report reads, faults, memory and speed with plots.
-    Compare(compare::CompareArgs),
+    Compare(compare::command::CompareArgs),
     /// Run a program under the pager and record every fault: Chrome/Perfetto trace JSON
     /// and the CSV `simulate` reads.
     Trace(trace::TraceArgs),
@@ -55,7 +62,9 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
     match cli.command {
         Command::Scan(args) => scan::run(args),
         Command::Bench(args) => bench::run(args).map(|()| std::process::ExitCode::SUCCESS),
-        Command::Compare(args) => compare::run(args).map(|()| std::process::ExitCode::SUCCESS),
+        Command::Compare(args) => {
+            compare::command::run(args).map(|()| std::process::ExitCode::SUCCESS)
+        }
         Command::Trace(args) => trace::run(args),
         Command::Inspect(args) => inspect::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
@@ -89,8 +98,8 @@ pub(crate) fn model_tensors(
 }
 
 /// A `--budget` argument: a size (`128M`) or a share of `total` bytes (`50%`). Zero,
-/// negative, NaN or infinite shares, and budgets that come to nothing, are refused:
-/// they used to come out as a budget of 0 bytes, under which every run failed.
+/// negative, NaN or infinite shares, and budgets that come to nothing, are refused: a
+/// budget of 0 bytes would fail every run.
 pub(crate) fn budget_bytes(text: &str, total: u64) -> anyhow::Result<u64> {
     use anyhow::{bail, Context};
     let bytes = match text.strip_suffix('%') {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 
+use super::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors, Transitions};
 use hyperoffload::policy::PrefetchKind;
-use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::size::{format_size, parse_size};
 use hyperoffload::trace::TraceReader;
 
@@ -64,55 +64,7 @@ pub struct SimulateArgs {
 }
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
-    // The model's bytes, where the workload's layout is not them (a split model).
-    let mut model_len = None;
-    let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
-        (Some(path), _) => {
-            let workload = read_trace(path, args.tokens)?;
-            match &args.model {
-                Some(model_path) => {
-                    let graph = trace_model_graph(model_path, &workload)?;
-                    (workload.with_tokens_from_order(graph.order()), Some(graph))
-                }
-                None => (workload, None),
-            }
-        }
-        (None, None) if args.model.is_some() => {
-            let path = args.model.as_ref().expect("checked");
-            let model = hyperoffload::model::ModelFile::open(path)?;
-            let block = parse_size(&args.block)?;
-            let graph = match super::split_parts_or_warn(&model) {
-                // All the parts, replayed as one region: the files end to end, each
-                // from a block boundary (a part's short last block counts whole).
-                Some(parts) => {
-                    model_len = Some(parts.iter().map(|part| part.file_len).sum());
-                    let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
-                    ModelGraph::from_parts(&tables, block)?.into_one_region()
-                }
-                None => {
-                    let layout = BlockLayout::new(0, model.file_len, block)?;
-                    ModelGraph::from_tensors(&model.tensors, layout)
-                }
-            };
-            (
-                Workload::cyclic(&graph, args.tokens.unwrap_or(16)),
-                Some(graph),
-            )
-        }
-        (None, Some(spec)) => {
-            let shape = parse_shape(spec)?;
-            let block = parse_size(&args.block)?;
-            if block == 0 {
-                bail!("--block must be positive");
-            }
-            let workload = shape.workload(block, args.tokens.unwrap_or(16));
-            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout);
-            (workload, Some(graph))
-        }
-        (None, None) => {
-            bail!("give --trace FILE, --model FILE or --synthetic-llama LAYERS:TENSOR_BYTES")
-        }
-    };
+    let (workload, tensor_graph, model_len) = workload_and_graph(&args)?;
     let model = model_len.unwrap_or(workload.layout.data_len);
     let budget = super::budget_bytes(&args.budget, model)?;
 
@@ -163,6 +115,63 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     };
     let per_token = (per_token(&report), per_token(&floor));
     print_report(&report, &floor, model, per_token, copies, args.json)
+}
+
+/// The access sequence the arguments name, the graph of the model's tensor table where
+/// there is one, and the model's bytes where the workload's layout is not them (a split
+/// model).
+fn workload_and_graph(
+    args: &SimulateArgs,
+) -> anyhow::Result<(Workload, Option<ModelGraph>, Option<u64>)> {
+    let mut model_len = None;
+    let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
+        (Some(path), _) => {
+            let workload = read_trace(path, args.tokens)?;
+            match &args.model {
+                Some(model_path) => {
+                    let graph = trace_model_graph(model_path, &workload)?;
+                    (workload.with_tokens_from_order(graph.order()), Some(graph))
+                }
+                None => (workload, None),
+            }
+        }
+        (None, None) if args.model.is_some() => {
+            let path = args.model.as_ref().expect("checked");
+            let model = hyperoffload::model::ModelFile::open(path)?;
+            let block = parse_size(&args.block)?;
+            let graph = match super::split_parts_or_warn(&model) {
+                // All the parts, replayed as one region: the files end to end, each
+                // from a block boundary (a part's short last block counts whole).
+                Some(parts) => {
+                    model_len = Some(parts.iter().map(|part| part.file_len).sum());
+                    let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
+                    ModelGraph::from_parts(&tables, block)?.into_one_region()
+                }
+                None => {
+                    let layout = BlockLayout::new(0, model.file_len, block)?;
+                    ModelGraph::from_tensors(&model.tensors, layout)
+                }
+            };
+            (
+                Workload::cyclic(&graph, args.tokens.unwrap_or(16)),
+                Some(graph),
+            )
+        }
+        (None, Some(spec)) => {
+            let shape = parse_shape(spec)?;
+            let block = parse_size(&args.block)?;
+            if block == 0 {
+                bail!("--block must be positive");
+            }
+            let workload = shape.workload(block, args.tokens.unwrap_or(16));
+            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout);
+            (workload, Some(graph))
+        }
+        (None, None) => {
+            bail!("give --trace FILE, --model FILE or --synthetic-llama LAYERS:TENSOR_BYTES")
+        }
+    };
+    Ok((workload, tensor_graph, model_len))
 }
 
 /// The graph the pager would build for `path` mapped whole in blocks of the trace's

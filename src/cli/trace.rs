@@ -12,8 +12,8 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{bail, Context};
 use serde_json::json;
 
-use hyperoffload::compare::chrome_trace::{chrome_trace, named_csv, RegionTensors};
-use hyperoffload::compare::find_model_argument;
+use super::compare::chrome_trace::{chrome_trace, named_csv, RegionTensors};
+use super::compare::find_model_argument;
 use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::trace::{events_path, region_files, TraceReader};
 

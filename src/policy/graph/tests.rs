@@ -2,6 +2,7 @@ use std::path::Path;
 
 use super::streaming::STREAM_DEVICE_BYTES;
 use super::*;
+use crate::model::TensorInfo;
 use crate::policy::{FaultOutcome, Install};
 
 const BLOCK: u64 = 4096;
@@ -371,7 +372,6 @@ fn a_fault_a_little_behind_the_last_is_no_progress_not_a_pass() {
 /// has the second file's geometry under another name.
 fn split_policies() -> (GraphPrefetch, GraphEviction) {
     use crate::graph::PartTensors;
-    use crate::model::TensorInfo;
     let tensor = |name: &str| TensorInfo {
         name: name.to_string(),
         dtype: "F32".to_string(),
@@ -484,14 +484,78 @@ fn a_model_mapped_twice_is_read_into_the_mapping_that_faulted() {
     );
 }
 
-/// A mixture of experts (`sim::moe`'s coarse shape: 8 layers of 16 experts) in 1 MiB
-/// blocks, bound to region 0 under half its size; watching honoured if `watch`.
+/// The tensor table of a coarse mixture of experts as a GGUF converter lays it out (the
+/// simulator's coarse shape, src/cli/sim/moe.rs): 8 layers of 16
+/// experts (2 used), Q8_0 merged expert tensors with the expert index outermost, layers
+/// sorted as strings and their tensors alphabetically; 32-byte aligned after a header.
+fn coarse_moe_tensors() -> Vec<TensorInfo> {
+    const LAYERS: u32 = 8;
+    let (embd, ff, experts, vocab) = (1024u64, 2816u64, 16u64, 32_000u64);
+    let q8_0 = |rows: u64, columns: u64| rows * columns.div_ceil(32) * 34;
+    let layer_tensor = |name: &str| -> (&'static str, Vec<u64>, u64) {
+        match name {
+            "attn_q" | "attn_output" => ("Q8_0", vec![embd, embd], q8_0(embd, embd)),
+            "attn_k" | "attn_v" => ("Q8_0", vec![embd / 4, embd], q8_0(embd / 4, embd)),
+            "ffn_gate_inp" => ("F32", vec![experts, embd], experts * embd * 4),
+            "ffn_gate_exps" | "ffn_up_exps" => {
+                ("Q8_0", vec![experts, ff, embd], experts * q8_0(ff, embd))
+            }
+            "ffn_down_exps" => ("Q8_0", vec![experts, embd, ff], experts * q8_0(embd, ff)),
+            _ => ("F32", vec![embd], embd * 4),
+        }
+    };
+    let mut entries = vec![(
+        "token_embd.weight".to_string(),
+        ("Q8_0", vec![vocab, embd], q8_0(vocab, embd)),
+    )];
+    let mut layers: Vec<String> = (0..LAYERS).map(|l| l.to_string()).collect();
+    layers.sort();
+    let mut per_layer = [
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate_inp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+        "ffn_down_exps",
+    ];
+    per_layer.sort();
+    for layer in &layers {
+        for tensor in per_layer {
+            entries.push((format!("blk.{layer}.{tensor}.weight"), layer_tensor(tensor)));
+        }
+    }
+    entries.push(("output_norm.weight".into(), ("F32", vec![embd], embd * 4)));
+    entries.push((
+        "output.weight".into(),
+        ("Q8_0", vec![vocab, embd], q8_0(vocab, embd)),
+    ));
+    let mut at = 1_700_000u64;
+    entries
+        .into_iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            let start = at.next_multiple_of(32);
+            at = start + bytes;
+            TensorInfo {
+                name,
+                dtype: dtype.into(),
+                shape,
+                file_range: start..start + bytes,
+            }
+        })
+        .collect()
+}
+
+/// A mixture of experts (`coarse_moe_tensors`) in 1 MiB blocks, bound to region 0 under
+/// half its size; watching honoured if `watch`.
 fn moe_policies(watch: bool) -> (Arc<ModelGraph>, GraphPrefetch, GraphEviction) {
-    let shape = crate::sim::moe::MoeShape::coarse();
-    let layout = BlockLayout::new(0, shape.file_len(), 1 << 20).unwrap();
-    let graph = Arc::new(
-        ModelGraph::from_tensors(&shape.tensors(), layout).with_experts_used(Some(shape.used)),
-    );
+    let tensors = coarse_moe_tensors();
+    let file_len = tensors.iter().map(|t| t.file_range.end).max().unwrap();
+    let layout = BlockLayout::new(0, file_len, 1 << 20).unwrap();
+    let graph = Arc::new(ModelGraph::from_tensors(&tensors, layout).with_experts_used(Some(2)));
     let (mut prefetch, mut eviction) = graph_policies(Arc::clone(&graph));
     let info = RegionInfo {
         id: RegionId(0),

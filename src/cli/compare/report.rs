@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::figures::{request_size_edges, Spread, LATENCY_EDGES_US};
 use super::record::{RunRecord, Side};
-use crate::size::format_size;
+use hyperoffload::size::format_size;
 
 /// How the figures were obtained, for a reader who wants to reproduce them.
 pub const METHOD: &str = "\
@@ -113,121 +113,129 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 fn metric_groups() -> Vec<(&'static str, Vec<Metric>)> {
     vec![
-        (
-            "Speed",
-            vec![
-                Metric {
-                    name: "wall time",
-                    unit: "s",
-                    value: |r| Some(r.wall_s),
-                },
-                Metric {
-                    name: "generation (llama-bench tg)",
-                    unit: "t/s",
-                    value: |r| r.program.bench_tokens_per_s("tg"),
-                },
-                Metric {
-                    name: "prompt (llama-bench pp)",
-                    unit: "t/s",
-                    value: |r| r.program.bench_tokens_per_s("pp"),
-                },
-                Metric {
-                    name: "eval time per token",
-                    unit: "ms",
-                    value: |r| r.program.eval_ms_per_token,
-                },
-            ],
-        ),
-        (
-            "Reads from the block device",
-            vec![
-                Metric {
-                    name: "bytes read",
-                    unit: "MiB",
-                    value: |r| Some(r.io.bytes_read as f64 / MIB),
-                },
-                Metric {
-                    name: "read requests",
-                    unit: "",
-                    value: |r| Some(r.io.read_requests as f64),
-                },
-                Metric {
-                    name: "mean request size",
-                    unit: "KiB",
-                    value: |r| Some(r.io.mean_request_bytes / 1024.0),
-                },
-                Metric {
-                    name: "mean read bandwidth",
-                    unit: "MB/s",
-                    value: |r| Some(r.io.mean_bandwidth_mb_s),
-                },
-                Metric {
-                    name: "peak read bandwidth (100 ms)",
-                    unit: "MB/s",
-                    value: |r| Some(r.io.peak_bandwidth_mb_s),
-                },
-                Metric {
-                    name: "bytes read (pager's own count)",
-                    unit: "MiB",
-                    value: |r| r.pager_stat("bytes_read").map(|b| b as f64 / MIB),
-                },
-            ],
-        ),
-        (
-            "Page faults on the model",
-            vec![
-                Metric {
-                    name: "faults",
-                    unit: "",
-                    value: |r| Some(r.faults.model_faults as f64),
-                },
-                Metric {
-                    name: "faults that waited for a read",
-                    unit: "",
-                    value: |r| Some(r.faults.waited_faults as f64),
-                },
-                Metric {
-                    name: "latency p50 (waited)",
-                    unit: "µs",
-                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p50_us),
-                },
-                Metric {
-                    name: "latency p90 (waited)",
-                    unit: "µs",
-                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p90_us),
-                },
-                Metric {
-                    name: "latency p99 (waited)",
-                    unit: "µs",
-                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p99_us),
-                },
-                Metric {
-                    name: "latency max (waited)",
-                    unit: "µs",
-                    value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.max_us),
-                },
-            ],
-        ),
-        (
-            "Memory",
-            vec![
-                Metric {
-                    name: "cgroup peak (page cache included)",
-                    unit: "MiB",
-                    value: |r| r.memory.cgroup_peak_bytes.map(|b| b as f64 / MIB),
-                },
-                Metric {
-                    name: "model peak resident",
-                    unit: "MiB",
-                    value: |r| r.memory.model_peak_resident_bytes.map(|b| b as f64 / MIB),
-                },
-                Metric {
-                    name: "process peak RSS",
-                    unit: "MiB",
-                    value: |r| r.memory.process_peak_rss_bytes.map(|b| b as f64 / MIB),
-                },
-            ],
-        ),
+        ("Speed", speed_metrics()),
+        ("Reads from the block device", read_metrics()),
+        ("Page faults on the model", fault_metrics()),
+        ("Memory", memory_metrics()),
+    ]
+}
+
+/// How fast the program ran.
+fn speed_metrics() -> Vec<Metric> {
+    vec![
+        Metric {
+            name: "wall time",
+            unit: "s",
+            value: |r| Some(r.wall_s),
+        },
+        Metric {
+            name: "generation (llama-bench tg)",
+            unit: "t/s",
+            value: |r| r.program.bench_tokens_per_s("tg"),
+        },
+        Metric {
+            name: "prompt (llama-bench pp)",
+            unit: "t/s",
+            value: |r| r.program.bench_tokens_per_s("pp"),
+        },
+        Metric {
+            name: "eval time per token",
+            unit: "ms",
+            value: |r| r.program.eval_ms_per_token,
+        },
+    ]
+}
+
+/// What the model's device read, as the kernel's block layer saw it (and as the pager counted it).
+fn read_metrics() -> Vec<Metric> {
+    vec![
+        Metric {
+            name: "bytes read",
+            unit: "MiB",
+            value: |r| Some(r.io.bytes_read as f64 / MIB),
+        },
+        Metric {
+            name: "read requests",
+            unit: "",
+            value: |r| Some(r.io.read_requests as f64),
+        },
+        Metric {
+            name: "mean request size",
+            unit: "KiB",
+            value: |r| Some(r.io.mean_request_bytes / 1024.0),
+        },
+        Metric {
+            name: "mean read bandwidth",
+            unit: "MB/s",
+            value: |r| Some(r.io.mean_bandwidth_mb_s),
+        },
+        Metric {
+            name: "peak read bandwidth (100 ms)",
+            unit: "MB/s",
+            value: |r| Some(r.io.peak_bandwidth_mb_s),
+        },
+        Metric {
+            name: "bytes read (pager's own count)",
+            unit: "MiB",
+            value: |r| r.pager_stat("bytes_read").map(|b| b as f64 / MIB),
+        },
+    ]
+}
+
+/// Faults on the model's pages, and the latency of those that waited for a read.
+fn fault_metrics() -> Vec<Metric> {
+    vec![
+        Metric {
+            name: "faults",
+            unit: "",
+            value: |r| Some(r.faults.model_faults as f64),
+        },
+        Metric {
+            name: "faults that waited for a read",
+            unit: "",
+            value: |r| Some(r.faults.waited_faults as f64),
+        },
+        Metric {
+            name: "latency p50 (waited)",
+            unit: "µs",
+            value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p50_us),
+        },
+        Metric {
+            name: "latency p90 (waited)",
+            unit: "µs",
+            value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p90_us),
+        },
+        Metric {
+            name: "latency p99 (waited)",
+            unit: "µs",
+            value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.p99_us),
+        },
+        Metric {
+            name: "latency max (waited)",
+            unit: "µs",
+            value: |r| (r.faults.waited_faults > 0).then_some(r.faults.latency.max_us),
+        },
+    ]
+}
+
+/// Peak memory: the cgroup's, the model's resident set, the process's.
+fn memory_metrics() -> Vec<Metric> {
+    vec![
+        Metric {
+            name: "cgroup peak (page cache included)",
+            unit: "MiB",
+            value: |r| r.memory.cgroup_peak_bytes.map(|b| b as f64 / MIB),
+        },
+        Metric {
+            name: "model peak resident",
+            unit: "MiB",
+            value: |r| r.memory.model_peak_resident_bytes.map(|b| b as f64 / MIB),
+        },
+        Metric {
+            name: "process peak RSS",
+            unit: "MiB",
+            value: |r| r.memory.process_peak_rss_bytes.map(|b| b as f64 / MIB),
+        },
     ]
 }
 
@@ -257,14 +265,48 @@ fn side_values(runs: &[RunRecord], side: Side, value: fn(&RunRecord) -> Option<f
 }
 
 impl Report {
-    /// Medians of one figure per side, over successful runs.
-    pub fn median(&self, side: Side, value: fn(&RunRecord) -> Option<f64>) -> Option<f64> {
-        Spread::of(&side_values(&self.runs, side, value)).map(|s| s.median)
+    pub fn to_markdown(&self) -> String {
+        let mut md = String::new();
+        self.write_header(&mut md);
+        self.write_metric_tables(&mut md);
+        self.write_histogram(
+            &mut md,
+            "Fault latency histogram (faults that waited, summed over runs)",
+            "latency (µs)",
+            &self
+                .latency_edges_us
+                .iter()
+                .map(|e| format!("≤ {e}"))
+                .collect::<Vec<_>>(),
+            |r| &r.faults.latency_bucket_counts,
+        );
+        self.write_histogram(
+            &mut md,
+            "Read request sizes (summed over runs)",
+            "size",
+            &self
+                .request_size_edges
+                .iter()
+                .map(|e| format!("≤ {}", format_size(*e)))
+                .collect::<Vec<_>>(),
+            |r| &r.io.request_size_counts,
+        );
+        let _ = writeln!(md, "## Plots\n");
+        for (file, title) in PLOTS {
+            let _ = writeln!(md, "- [{title}]({file})");
+        }
+        let _ = writeln!(md, "\n## Method\n\n{}\n", self.method);
+        let lost: u64 = self.runs.iter().map(|r| r.tracing.lost_events).sum();
+        if lost > 0 {
+            let _ = writeln!(md, "Trace buffers dropped {lost} events over all runs: fault and read counts are lower bounds.\n");
+        }
+        md
     }
 
-    pub fn to_markdown(&self) -> String {
+    /// The command, model, budget and system, and the runs that were not cold or
+    /// failed.
+    fn write_header(&self, md: &mut String) {
         let h = &self.header;
-        let mut md = String::new();
         let _ = writeln!(md, "# hyperoffload compare\n");
         let _ = writeln!(md, "`{}`\n", h.command.join(" "));
         let _ = writeln!(
@@ -302,6 +344,10 @@ impl Report {
                 failed.join(", ")
             );
         }
+    }
+
+    /// A table per metric group: each side's median (and range) and their ratio.
+    fn write_metric_tables(&self, md: &mut String) {
         for (group, metrics) in metric_groups() {
             let _ = writeln!(md, "## {group}\n");
             let _ = writeln!(
@@ -332,38 +378,6 @@ impl Report {
             }
             let _ = writeln!(md);
         }
-        self.write_histogram(
-            &mut md,
-            "Fault latency histogram (faults that waited, summed over runs)",
-            "latency (µs)",
-            &self
-                .latency_edges_us
-                .iter()
-                .map(|e| format!("≤ {e}"))
-                .collect::<Vec<_>>(),
-            |r| &r.faults.latency_bucket_counts,
-        );
-        self.write_histogram(
-            &mut md,
-            "Read request sizes (summed over runs)",
-            "size",
-            &self
-                .request_size_edges
-                .iter()
-                .map(|e| format!("≤ {}", format_size(*e)))
-                .collect::<Vec<_>>(),
-            |r| &r.io.request_size_counts,
-        );
-        let _ = writeln!(md, "## Plots\n");
-        for (file, title) in PLOTS {
-            let _ = writeln!(md, "- [{title}]({file})");
-        }
-        let _ = writeln!(md, "\n## Method\n\n{}\n", self.method);
-        let lost: u64 = self.runs.iter().map(|r| r.tracing.lost_events).sum();
-        if lost > 0 {
-            let _ = writeln!(md, "Trace buffers dropped {lost} events over all runs: fault and read counts are lower bounds.\n");
-        }
-        md
     }
 
     fn write_histogram(

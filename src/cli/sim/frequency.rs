@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::policy::{BlockRef, EvictionPolicy, ReadKind, RegionId};
+use hyperoffload::policy::{BlockRef, EvictionPolicy, ReadKind, RegionId};
 
 pub struct FrequencyEviction {
     /// Accesses of each block in the whole sequence.

@@ -5,7 +5,7 @@ use super::figures::request_size_edges;
 use super::record::{RunRecord, Side};
 use super::report::Report;
 use super::svg::{Chart, Mark, Series, KERNEL_COLOR, PAGER_COLOR};
-use crate::size::format_size;
+use hyperoffload::size::format_size;
 
 /// The successful run of `side` with the median wall time.
 pub fn representative(report: &Report, side: Side) -> Option<&RunRecord> {
@@ -40,7 +40,18 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 /// (file name, SVG text) for every plot in [`super::report::PLOTS`].
 pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
-    let resident = Chart {
+    vec![
+        ("resident.svg", resident_chart(report).render()),
+        ("bandwidth.svg", bandwidth_chart(report).render()),
+        ("request-sizes.svg", request_sizes_chart(report).render()),
+        ("fault-latency-cdf.svg", latency_cdf_chart(report).render()),
+        ("fault-map.svg", fault_map_chart(report).render()),
+    ]
+}
+
+/// The cgroup's memory and the model's resident set over time.
+fn resident_chart(report: &Report) -> Chart {
+    Chart {
         title: "Resident memory over time".into(),
         x_label: "time (s)".into(),
         y_label: "MiB".into(),
@@ -75,8 +86,12 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             series
         }),
         ..Default::default()
-    };
-    let bandwidth = Chart {
+    }
+}
+
+/// Read bandwidth from the model's device over time.
+fn bandwidth_chart(report: &Report) -> Chart {
+    Chart {
         title: "Read bandwidth from the model's device (100 ms bins)".into(),
         x_label: "time (s)".into(),
         y_label: "MB/s".into(),
@@ -89,14 +104,18 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             }]
         }),
         ..Default::default()
-    };
+    }
+}
+
+/// Read requests by size, summed over every successful run of a side.
+fn request_sizes_chart(report: &Report) -> Chart {
     let edges = request_size_edges();
     let mut categories: Vec<String> = edges
         .iter()
         .map(|e| format!("≤{}", format_size(*e)))
         .collect();
     categories.push("more".into());
-    let sizes = Chart {
+    Chart {
         title: "Read request sizes (all runs)".into(),
         x_label: "request size".into(),
         y_label: "requests".into(),
@@ -127,8 +146,12 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             })
             .collect(),
         ..Default::default()
-    };
-    let cdf = Chart {
+    }
+}
+
+/// The latency distribution of the faults that waited for a read.
+fn latency_cdf_chart(report: &Report) -> Chart {
+    Chart {
         title: "Latency of faults that waited for a read (CDF)".into(),
         x_label: "latency (µs, log scale)".into(),
         y_label: "share of faults".into(),
@@ -142,7 +165,11 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             }]
         }),
         ..Default::default()
-    };
+    }
+}
+
+/// Where in the model each fault fell, against time.
+fn fault_map_chart(report: &Report) -> Chart {
     // A split model's faults are on one axis, its parts end to end (`model_files`).
     let (map_title, map_axis) = if report.header.model_parts.len() > 1 {
         (
@@ -155,7 +182,7 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             "file offset (MiB)",
         )
     };
-    let map = Chart {
+    Chart {
         title: map_title.into(),
         x_label: "time (s)".into(),
         y_label: map_axis.into(),
@@ -173,12 +200,5 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
             }]
         }),
         ..Default::default()
-    };
-    vec![
-        ("resident.svg", resident.render()),
-        ("bandwidth.svg", bandwidth.render()),
-        ("request-sizes.svg", sizes.render()),
-        ("fault-latency-cdf.svg", cdf.render()),
-        ("fault-map.svg", map.render()),
-    ]
+    }
 }

@@ -118,14 +118,6 @@ impl MemoryCgroup {
             .map_err(file_error(&path))
     }
 
-    /// Memory charged now, page cache included.
-    pub fn usage_bytes(&self) -> Result<u64, CgroupError> {
-        match self.version {
-            CgroupVersion::V1 => self.read_u64("memory.usage_in_bytes"),
-            CgroupVersion::V2 => self.read_u64("memory.current"),
-        }
-    }
-
     /// The most memory charged since creation.
     pub fn peak_bytes(&self) -> Result<u64, CgroupError> {
         match self.version {

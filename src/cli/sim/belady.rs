@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId};
+use hyperoffload::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId};
 
 /// Needs `touched` once per access, in order (the simulator's every-access mode): the
 /// n-th call is access n.

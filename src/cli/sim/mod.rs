@@ -19,7 +19,9 @@
 mod belady;
 mod frequency;
 pub mod llama;
+#[cfg(test)]
 pub mod moe;
+mod workload;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -28,9 +30,10 @@ use thiserror::Error;
 
 pub use belady::BeladyEviction;
 pub use frequency::FrequencyEviction;
+pub use workload::Workload;
 
-use crate::graph::{BlockLayout, ModelGraph};
-use crate::policy::{
+use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::policy::{
     BlockRef, ClockEviction, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction,
     GraphPrediction, Install, LruEviction, NoPrefetch, PrefetchKind, PrefetchPolicy,
     PrefetchRequest, ReadKind, RegionId, RegionInfo,
@@ -42,120 +45,6 @@ pub enum SimError {
     NeedsGraph(&'static str),
     #[error("the eviction policy chose block {0}, which is not resident")]
     VictimNotResident(u32),
-}
-
-/// A block-access sequence over one region.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Workload {
-    pub layout: BlockLayout,
-    /// Blocks in access order.
-    pub accesses: Vec<u32>,
-    /// Index of each token's first access, ascending; empty when unknown.
-    pub token_starts: Vec<usize>,
-    /// Per access, where in its block the first byte touched lies (as the pager's
-    /// faults tell the policies); empty when unknown.
-    pub offsets: Vec<u32>,
-}
-
-impl Workload {
-    /// `tokens` passes of a model graph's predicted order: what a decoder reading the
-    /// model as predicted touches, block by block.
-    pub fn cyclic(graph: &crate::graph::ModelGraph, tokens: u32) -> Workload {
-        let order = graph.order();
-        let pass: Vec<u32> = (0..order.len()).map(|at| order.block_at(at)).collect();
-        let mut accesses = Vec::with_capacity(pass.len() * tokens as usize);
-        let mut token_starts = Vec::with_capacity(tokens as usize);
-        for _ in 0..tokens {
-            token_starts.push(accesses.len());
-            accesses.extend_from_slice(&pass);
-        }
-        Workload {
-            layout: *graph.layout(),
-            accesses,
-            token_starts,
-            offsets: Vec::new(),
-        }
-    }
-
-    /// Token boundaries found in the accesses themselves: the program follows `order`
-    /// through the tensors every token reads, and a token starts where it goes round
-    /// from the order's second half to its first. Exact for a demand trace, in which
-    /// every block a token uses faults. Other moves by half the order or more, and moves
-    /// back, are no progress: a block used at places far apart (where the file puts
-    /// tensors of distant layers side by side, or an embedding row read at a token's
-    /// start from the tensor that is also the output, at the order's end), or a thread
-    /// lagging behind another. Accesses outside the order (routed experts) go with the
-    /// token they fall in; those before the first pass starts, with none.
-    pub fn with_tokens_from_order(mut self, order: &crate::graph::CyclicOrder) -> Self {
-        let half = order.len() / 2;
-        let mut at: Option<u32> = None;
-        self.token_starts.clear();
-        for (i, &block) in self.accesses.iter().enumerate() {
-            let Some(position) = order.next_position(block, at.unwrap_or(0)) else {
-                continue;
-            };
-            match at {
-                // The first pass starts in the order's first half.
-                None if position < half => {
-                    self.token_starts.push(i);
-                    at = Some(position);
-                }
-                None => {}
-                Some(cursor) if cursor >= half && position + half <= cursor => {
-                    self.token_starts.push(i);
-                    at = Some(position);
-                }
-                Some(cursor) if position > cursor && position - cursor < half => {
-                    at = Some(position)
-                }
-                Some(_) => {}
-            }
-        }
-        self
-    }
-
-    /// This workload `copies` times over, one after the other (token boundaries too):
-    /// replayed, the copies after the first show the steady state, every block used
-    /// having been seen before (no first-use reads).
-    pub fn repeated(&self, copies: usize) -> Workload {
-        let len = self.accesses.len();
-        Workload {
-            layout: self.layout,
-            accesses: self.accesses.repeat(copies),
-            offsets: self.offsets.repeat(copies),
-            token_starts: (0..copies)
-                .flat_map(|copy| {
-                    self.token_starts
-                        .iter()
-                        .map(move |start| start + copy * len)
-                })
-                .collect(),
-        }
-    }
-
-    /// The tokens `range` of this workload (needs token boundaries).
-    pub fn tokens(&self, range: std::ops::Range<usize>) -> Workload {
-        let bound = |token: usize| {
-            self.token_starts
-                .get(token)
-                .copied()
-                .unwrap_or(self.accesses.len())
-        };
-        let (start, end) = (bound(range.start), bound(range.end));
-        Workload {
-            layout: self.layout,
-            accesses: self.accesses[start..end].to_vec(),
-            offsets: self
-                .offsets
-                .get(start..end)
-                .map_or(Vec::new(), <[u32]>::to_vec),
-            token_starts: self.token_starts
-                [range.start.min(self.token_starts.len())..range.end.min(self.token_starts.len())]
-                .iter()
-                .map(|s| s - start)
-                .collect(),
-        }
-    }
 }
 
 /// The simulated clock.
@@ -263,6 +152,7 @@ pub fn replay(
         layout,
         budget_bytes,
         timing,
+        every_access,
         states: vec![State::Absent; layout.block_count() as usize],
         watched: vec![false; layout.block_count() as usize],
         resident_bytes: 0,
@@ -281,46 +171,21 @@ pub fn replay(
             bytes_per_token: Vec::new(),
         },
     };
+    let mut tokens = TokenBytes::default();
     let mut watch = Vec::new();
     let mut now_ns = 0f64;
     let mut requests = Vec::new();
-    let mut next_token = 0;
-    let mut token_start_bytes = 0;
     for (i, &index) in workload.accesses.iter().enumerate() {
-        while workload.token_starts.get(next_token) == Some(&i) {
-            if next_token > 0 {
-                let read = replay.report.bytes_read - token_start_bytes;
-                replay.report.bytes_per_token.push(read);
-            }
-            token_start_bytes = replay.report.bytes_read;
-            next_token += 1;
-        }
+        tokens.at_access(i, &workload.token_starts, &mut replay.report);
         if index >= layout.block_count() {
             continue;
         }
         let block = BlockRef::new(region, index);
         let offset_in_block = workload.offsets.get(i).copied();
         now_ns += layout.block_len(index) as f64 / timing.consume_bytes_per_s * 1e9;
-        let state = replay.states[index as usize];
-        let watched = std::mem::take(&mut replay.watched[index as usize]);
-        let outcome = match state {
-            State::Resident if watched => {
-                replay.report.watch_faults += 1;
-                FaultOutcome::Resident
-            }
-            State::Resident => {
-                if every_access {
-                    eviction.touched(&FaultEvent {
-                        block,
-                        time_ns: now_ns as u64,
-                        outcome: FaultOutcome::Resident,
-                        offset_in_block,
-                    });
-                }
-                continue;
-            }
-            State::Staged => FaultOutcome::Staged,
-            State::Absent => FaultOutcome::Missing,
+        let Some(outcome) = replay.fault_outcome(eviction, block, now_ns as u64, offset_in_block)
+        else {
+            continue;
         };
         let fault = FaultEvent {
             block,
@@ -331,50 +196,51 @@ pub fn replay(
         eviction.touched(&fault);
         requests.clear();
         prefetch.plan(&fault, &mut requests);
-        match state {
-            State::Staged => replay.states[index as usize] = State::Resident,
-            State::Resident => {}
-            State::Absent => {
-                replay.make_room(eviction, block, ReadKind::Demand)?;
-                replay.read(prefetch, eviction, block, Install::Eager);
-                replay.report.demand_misses += 1;
-                replay.report.demand_bytes += layout.block_len(index);
-            }
-        }
-        for &PrefetchRequest { block, install } in &requests {
-            let wanted = block.region == region
-                && replay.states.get(block.index as usize) == Some(&State::Absent);
-            if !wanted {
-                continue;
-            }
-            if !replay.make_room(eviction, block, ReadKind::Prefetch)? {
-                break;
-            }
-            replay.read(prefetch, eviction, block, install);
-            replay.report.prefetched_blocks += 1;
-            replay.report.prefetch_bytes += layout.block_len(block.index);
-        }
+        replay.serve_fault(prefetch, eviction, block)?;
+        replay.read_ahead(prefetch, eviction, &requests)?;
         if watch_resident {
-            watch.clear();
-            eviction.watch(&mut watch);
-            for block in &watch {
-                if replay.states.get(block.index as usize) == Some(&State::Resident) {
-                    replay.watched[block.index as usize] = true;
-                }
-            }
+            replay.mark_watched(eviction, &mut watch);
         }
     }
-    if next_token > 0 {
-        let read = replay.report.bytes_read - token_start_bytes;
-        replay.report.bytes_per_token.push(read);
-    }
+    tokens.finish(&mut replay.report);
     Ok(replay.report)
+}
+
+/// Bytes read per token, closed at each token's first access.
+#[derive(Default)]
+struct TokenBytes {
+    next_token: usize,
+    token_start_bytes: u64,
+}
+
+impl TokenBytes {
+    /// Before access `i`: closes the token ending there, if one starts at `i`.
+    fn at_access(&mut self, i: usize, token_starts: &[usize], report: &mut SimReport) {
+        while token_starts.get(self.next_token) == Some(&i) {
+            if self.next_token > 0 {
+                let read = report.bytes_read - self.token_start_bytes;
+                report.bytes_per_token.push(read);
+            }
+            self.token_start_bytes = report.bytes_read;
+            self.next_token += 1;
+        }
+    }
+
+    /// Closes the last token.
+    fn finish(&self, report: &mut SimReport) {
+        if self.next_token > 0 {
+            let read = report.bytes_read - self.token_start_bytes;
+            report.bytes_per_token.push(read);
+        }
+    }
 }
 
 struct Replay {
     layout: BlockLayout,
     budget_bytes: u64,
     timing: Timing,
+    /// The eviction policy hears of every access, not only faults.
+    every_access: bool,
     states: Vec<State>,
     /// Per block: watched at the eviction policy's request (meaningful while resident).
     watched: Vec<bool>,
@@ -383,6 +249,96 @@ struct Replay {
 }
 
 impl Replay {
+    /// What an access to `block` is to the policies: a fault and its outcome, or None
+    /// for an access to a resident block the pager would not see (which every-access
+    /// baselines are told of here).
+    fn fault_outcome(
+        &mut self,
+        eviction: &mut dyn EvictionPolicy,
+        block: BlockRef,
+        time_ns: u64,
+        offset_in_block: Option<u32>,
+    ) -> Option<FaultOutcome> {
+        let index = block.index as usize;
+        let watched = std::mem::take(&mut self.watched[index]);
+        match self.states[index] {
+            State::Resident if watched => {
+                self.report.watch_faults += 1;
+                Some(FaultOutcome::Resident)
+            }
+            State::Resident => {
+                if self.every_access {
+                    eviction.touched(&FaultEvent {
+                        block,
+                        time_ns,
+                        outcome: FaultOutcome::Resident,
+                        offset_in_block,
+                    });
+                }
+                None
+            }
+            State::Staged => Some(FaultOutcome::Staged),
+            State::Absent => Some(FaultOutcome::Missing),
+        }
+    }
+
+    /// Makes the faulting block resident: a staged block is installed, a missing one
+    /// read on demand.
+    fn serve_fault(
+        &mut self,
+        prefetch: &mut dyn PrefetchPolicy,
+        eviction: &mut dyn EvictionPolicy,
+        block: BlockRef,
+    ) -> Result<(), SimError> {
+        let index = block.index as usize;
+        match self.states[index] {
+            State::Staged => self.states[index] = State::Resident,
+            State::Resident => {}
+            State::Absent => {
+                self.make_room(eviction, block, ReadKind::Demand)?;
+                self.read(prefetch, eviction, block, Install::Eager);
+                self.report.demand_misses += 1;
+                self.report.demand_bytes += self.layout.block_len(block.index);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the planned blocks that are missing, in order, until one finds no room.
+    fn read_ahead(
+        &mut self,
+        prefetch: &mut dyn PrefetchPolicy,
+        eviction: &mut dyn EvictionPolicy,
+        requests: &[PrefetchRequest],
+    ) -> Result<(), SimError> {
+        for &PrefetchRequest { block, install } in requests {
+            let wanted = block.region == RegionId(0)
+                && self.states.get(block.index as usize) == Some(&State::Absent);
+            if !wanted {
+                continue;
+            }
+            if !self.make_room(eviction, block, ReadKind::Prefetch)? {
+                break;
+            }
+            self.read(prefetch, eviction, block, install);
+            self.report.prefetched_blocks += 1;
+            self.report.prefetch_bytes += self.layout.block_len(block.index);
+        }
+        Ok(())
+    }
+
+    /// Marks the resident blocks the eviction policy asks to watch: their next access
+    /// faults.
+    fn mark_watched(&mut self, eviction: &mut dyn EvictionPolicy, watch: &mut Vec<BlockRef>) {
+        watch.clear();
+        eviction.watch(watch);
+        for block in watch.iter() {
+            if self.states.get(block.index as usize) == Some(&State::Resident) {
+                self.watched[block.index as usize] = true;
+            }
+        }
+    }
+
     /// Evicts until `incoming` fits. False when a prefetch is refused; a demand read
     /// proceeds over budget only when nothing at all is evictable.
     fn make_room(
@@ -485,7 +441,7 @@ pub fn simulate(
     };
     let (mut evictor, every_access): (Box<dyn EvictionPolicy>, bool) = match policy {
         SimPolicy::Graph => (
-            crate::policy::EvictionKind::Graph.build_with(prediction.as_ref()),
+            hyperoffload::policy::EvictionKind::Graph.build_with(prediction.as_ref()),
             false,
         ),
         SimPolicy::Lru => (Box::new(LruEviction::default()), true),

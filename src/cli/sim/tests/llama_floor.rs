@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use hyperoffload::graph::{ModelGraph, Transitions};
-use hyperoffload::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
+
+use crate::cli::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 
 const BLOCK: u64 = 64 << 10;
 const TOKENS: u32 = 16;

@@ -18,9 +18,9 @@ use std::collections::HashMap;
 
 use serde_json::{json, Value};
 
-use crate::model::TensorInfo;
-use crate::policy::FaultOutcome;
-use crate::trace::TraceRecord;
+use hyperoffload::model::TensorInfo;
+use hyperoffload::policy::FaultOutcome;
+use hyperoffload::trace::TraceRecord;
 
 /// Finds the tensor holding a file offset: tensors sorted by start, binary search.
 pub struct TensorLocator<'a> {
@@ -63,6 +63,7 @@ pub struct RegionTensors<'a> {
 impl<'a> RegionTensors<'a> {
     /// `tensors` name region 0's faults: the first file the pager mapped (region ids
     /// count from 0), all a trace without the shim's map events says.
+    #[cfg(test)]
     pub fn first_region(tensors: Option<&'a [TensorInfo]>) -> Self {
         let mut names = Self::default();
         if let Some(tensors) = tensors {
@@ -137,7 +138,7 @@ pub fn chrome_trace(records: &[TraceRecord], names: &RegionTensors<'_>, metadata
 /// The CSV next to the JSON: the trace's columns plus the tensor name (as in
 /// [`chrome_trace`]).
 pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
-    let mut csv = format!("{},tensor,expert\n", crate::trace::HEADER);
+    let mut csv = format!("{},tensor,expert\n", hyperoffload::trace::HEADER);
     for r in records {
         let hit = names.of(r);
         let tensor = hit.map_or("", |t| t.name.as_str());
@@ -169,7 +170,7 @@ pub fn named_csv(records: &[TraceRecord], names: &RegionTensors<'_>) -> String {
 /// experts the block holds.
 fn expert_at(tensor: &TensorInfo, fault_offset: u64) -> Option<u32> {
     let at = fault_offset.max(tensor.file_range.start);
-    let shares = crate::graph::arch::expert_slices(tensor)?;
+    let shares = hyperoffload::graph::arch::expert_slices(tensor)?;
     shares
         .shares
         .iter()

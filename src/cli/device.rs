@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::ring::{BufferArena, Completion, Landing, ReadRing, RingError};
+use hyperoffload::ring::{BufferArena, Completion, Landing, ReadRing, RingError};
 
 #[derive(Debug, Error)]
 pub enum DeviceError {
@@ -40,8 +40,8 @@ pub fn sequential_read_rate(path: &Path, chunk: usize, depth: u32) -> Result<f64
 /// As `sequential_read_rate`, with the reads landing in turn across `landing_bytes` of
 /// memory (pre-faulted, huge pages where the system gives them; at least `chunk *
 /// depth`). A pager lands each block in its own memory, not in a few buffers used over
-/// and over, and on this virtual machine that matters: 2 MiB reads two deep gave 3.7-3.8
-/// GB/s into 4 or 8 MiB reused, 3.3-3.5 across 16 MiB to 1 GiB.
+/// and over, and where reads land changes their rate (docs/design.md, "Measuring
+/// against the device"), so the yardstick for the pager's reads lands them as it does.
 pub fn read_rate(
     path: &Path,
     chunk: usize,

@@ -1,5 +1,7 @@
 use super::*;
 
+mod llama_floor;
+
 const BLOCK: u64 = 64 << 10;
 
 /// `tokens` passes over `blocks` blocks in order.

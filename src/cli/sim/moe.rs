@@ -11,8 +11,8 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::graph::BlockLayout;
-use crate::model::TensorInfo;
+use hyperoffload::graph::BlockLayout;
+use hyperoffload::model::TensorInfo;
 
 use super::llama::{file_end, lay_out, TensorEntry};
 use super::Workload;

@@ -10,13 +10,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
 
-use super::cgroup::{CgroupError, MemoryCgroup};
+use super::cgroup::{CgroupError, CgroupVersion, MemoryCgroup};
 use super::figures::{
     bandwidth_series, bucket_counts, latency_cdf, request_size_edges, thin, LatencyFigures,
     LATENCY_EDGES_US,
@@ -27,14 +27,14 @@ use super::program_output::ProgramFigures;
 use super::record::{
     FaultFigures, IoFigures, MemoryFigures, RunRecord, RunSeries, Side, TracingFigures,
 };
-use super::sampler::Sampler;
-use super::samples::FaultSample;
+use super::sampler::{SampledRun, Sampler};
+use super::samples::{FaultSample, ReadRequest};
 use super::trace_event::{lost_events, parse_line, DeviceNumber, EventKind, TraceEvent};
-use super::tracefs::{TraceInstance, TracefsError};
-use crate::model::split::{split_parts, SplitError};
-use crate::model::ModelFile;
-use crate::policy::FaultOutcome;
-use crate::trace::{TraceError, TraceReader};
+use super::tracefs::{Capture, TraceInstance, TracefsError};
+use hyperoffload::model::split::{split_parts, SplitError};
+use hyperoffload::model::ModelFile;
+use hyperoffload::policy::FaultOutcome;
+use hyperoffload::trace::{TraceError, TraceReader};
 
 const BANDWIDTH_BIN_NS: u64 = 100_000_000;
 const SAMPLE_INTERVAL: Duration = Duration::from_millis(25);
@@ -228,54 +228,94 @@ fn write_decimal(fd: i32, value: u32) -> bool {
     unsafe { libc::write(fd, text.as_ptr().cast(), text.len()) == text.len() as isize }
 }
 
-pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
-    let tag = format!("{}-{}", spec.side.name(), spec.index);
-    let file_name = |suffix: &str| format!("run-{tag}.{suffix}");
-    let out = |name: &str| spec.out_dir.join(name);
-    let dropped = crate::device::drop_page_cache();
-    let model_cached_bytes: u64 = spec
-        .model
-        .files
-        .parts()
-        .iter()
-        .map(|part| cached_bytes(&part.path).unwrap_or(0))
-        .sum();
-    let cold = dropped && model_cached_bytes == 0;
+/// The files one run leaves in the output directory, named by side and index.
+struct RunFiles {
+    program_events: String,
+    device_events: String,
+    stdout: String,
+    stderr: String,
+    stats: String,
+    pager_trace: String,
+}
 
-    let unique = format!("hyperoffload-{}-{tag}", std::process::id());
-    let limit = (spec.side == Side::Kernel).then_some(spec.budget_bytes);
-    let cgroup = MemoryCgroup::create(&unique, limit)?;
-
-    // The program's own events: followed from the child into its threads and children.
-    let dev_filter = device_filter(&spec.model.devices);
-    let program_trace = TraceInstance::create(&format!("{unique}-proc"))?;
-    program_trace.set_buffer_kb(TRACE_BUFFER_KB)?;
-    program_trace.write("options/event-fork", "1")?;
-    if spec.side == Side::Kernel {
-        program_trace.enable_event("exceptions/page_fault_user", None)?;
-        program_trace.enable_event("sched/sched_switch", None)?;
-        program_trace.enable_event("raw_syscalls/sys_enter", None)?;
+impl RunFiles {
+    fn new(tag: &str) -> Self {
+        let name = |suffix: &str| format!("run-{tag}.{suffix}");
+        Self {
+            program_events: name("events.txt"),
+            device_events: name("block.txt"),
+            stdout: name("stdout"),
+            stderr: name("stderr"),
+            stats: name("stats.json"),
+            pager_trace: name("faults.csv"),
+        }
     }
-    // Block requests complete in interrupt context: filtered by device, not process.
-    // Bios too, with every task creation: io_uring's workers are created without a
-    // fork event, so the pid filter never follows them; reads are attributed to the
-    // program's tasks afterwards (`program_reads`).
-    let device_trace = TraceInstance::create(&format!("{unique}-dev"))?;
-    device_trace.set_buffer_kb(TRACE_BUFFER_KB / 4)?;
-    device_trace.enable_event("block/block_bio_queue", Some(&dev_filter))?;
-    device_trace.enable_event("task/task_newtask", None)?;
-    device_trace.enable_event("block/block_rq_issue", Some(&dev_filter))?;
-    device_trace.enable_event("block/block_rq_complete", Some(&dev_filter))?;
+}
 
-    let program_events_file = file_name("events.txt");
-    let device_events_file = file_name("block.txt");
-    let program_capture = program_trace.capture(&out(&program_events_file))?;
-    let device_capture = device_trace.capture(&out(&device_events_file))?;
+/// A run's two tracefs instances, each captured to its file, tracing off until the
+/// program starts.
+struct RunTraces {
+    program: TraceInstance,
+    device: TraceInstance,
+    program_capture: Capture,
+    device_capture: Capture,
+}
 
-    let stdout_file = file_name("stdout");
-    let stderr_file = file_name("stderr");
-    let stats_file = file_name("stats.json");
-    let pager_trace_file = file_name("faults.csv");
+impl RunTraces {
+    fn start(unique: &str, spec: &RunSpec, files: &RunFiles) -> Result<Self, RunError> {
+        // The program's own events: followed from the child into its threads and children.
+        let program = TraceInstance::create(&format!("{unique}-proc"))?;
+        program.set_buffer_kb(TRACE_BUFFER_KB)?;
+        program.write("options/event-fork", "1")?;
+        if spec.side == Side::Kernel {
+            program.enable_event("exceptions/page_fault_user", None)?;
+            program.enable_event("sched/sched_switch", None)?;
+            program.enable_event("raw_syscalls/sys_enter", None)?;
+        }
+        // Block requests complete in interrupt context: filtered by device, not process.
+        // Bios too, with every task creation: io_uring's workers are created without a
+        // fork event, so the pid filter never follows them; reads are attributed to the
+        // program's tasks afterwards (`program_reads`).
+        let dev_filter = device_filter(&spec.model.devices);
+        let device = TraceInstance::create(&format!("{unique}-dev"))?;
+        device.set_buffer_kb(TRACE_BUFFER_KB / 4)?;
+        device.enable_event("block/block_bio_queue", Some(&dev_filter))?;
+        device.enable_event("task/task_newtask", None)?;
+        device.enable_event("block/block_rq_issue", Some(&dev_filter))?;
+        device.enable_event("block/block_rq_complete", Some(&dev_filter))?;
+        let program_capture = program.capture(&spec.out_dir.join(&files.program_events))?;
+        let device_capture = device.capture(&spec.out_dir.join(&files.device_events))?;
+        Ok(Self {
+            program,
+            device,
+            program_capture,
+            device_capture,
+        })
+    }
+
+    fn stop(&self) -> Result<(), RunError> {
+        self.program.write("tracing_on", "0")?;
+        self.device.write("tracing_on", "0")?;
+        Ok(())
+    }
+
+    /// Drains the captures (tracing stopped) and removes the instances.
+    fn finish(self) -> Result<(), RunError> {
+        self.program_capture
+            .finish()
+            .map_err(io_error("reading the trace pipe"))?;
+        self.device_capture
+            .finish()
+            .map_err(io_error("reading the trace pipe"))?;
+        Ok(())
+    }
+}
+
+/// The program as the side runs it: alone (in the cgroup at the budget), or under
+/// `hyperoffload run` at the budget with its stats and fault trace recorded. Its
+/// output goes to the run's files.
+fn program_command(spec: &RunSpec, files: &RunFiles) -> Result<Command, RunError> {
+    let out = |name: &str| spec.out_dir.join(name);
     let mut command = match spec.side {
         Side::Kernel => {
             let mut command = Command::new(&spec.program[0]);
@@ -285,7 +325,7 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
         Side::Pager => {
             // The launcher and the shim refuse to overwrite these, and a file a previous
             // run left would pass for this run's.
-            for file in pager_outputs(&stats_file, &pager_trace_file) {
+            for file in pager_outputs(&files.stats, &files.pager_trace) {
                 let _ = std::fs::remove_file(out(&file));
             }
             let mut command = Command::new(spec.launcher);
@@ -294,9 +334,9 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
                 .arg("--budget")
                 .arg(spec.budget_bytes.to_string())
                 .arg("--stats")
-                .arg(out(&stats_file))
+                .arg(out(&files.stats))
                 .arg("--trace")
-                .arg(out(&pager_trace_file))
+                .arg(out(&files.pager_trace))
                 .arg("--")
                 .args(spec.program);
             command
@@ -304,18 +344,29 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     };
     command
         .stdin(Stdio::null())
-        .stdout(File::create(out(&stdout_file)).map_err(io_error(&stdout_file))?)
-        .stderr(File::create(out(&stderr_file)).map_err(io_error(&stderr_file))?);
+        .stdout(File::create(out(&files.stdout)).map_err(io_error(&files.stdout))?)
+        .stderr(File::create(out(&files.stderr)).map_err(io_error(&files.stderr))?);
+    Ok(command)
+}
+
+/// Starts `command` inside `cgroup` and the program trace's pid filter, with tracing
+/// on from its first instruction; returns it and when it started (CLOCK_MONOTONIC
+/// nanoseconds, the clock of the trace events, and as an `Instant`).
+fn spawn_traced(
+    mut command: Command,
+    cgroup: &MemoryCgroup,
+    traces: &RunTraces,
+) -> Result<(Child, u64, Instant), RunError> {
     let procs = cgroup.procs_file()?;
-    let event_pids = program_trace.open_for_write("set_event_pid")?;
-    let tracing_on = program_trace.open_for_write("tracing_on")?;
+    let event_pids = traces.program.open_for_write("set_event_pid")?;
+    let tracing_on = traces.program.open_for_write("tracing_on")?;
     let (procs_fd, pids_fd, on_fd) = (
         procs.as_raw_fd(),
         event_pids.as_raw_fd(),
         tracing_on.as_raw_fd(),
     );
     // SAFETY: the closure runs between fork and exec and only calls getpid and write
-    // (async-signal-safe) on descriptors that stay open until the parent drops them
+    // (async-signal-safe) on descriptors that stay open until this function drops them
     // after spawn returns; it allocates nothing.
     unsafe {
         command.pre_exec(move || {
@@ -331,38 +382,43 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             Ok(())
         });
     }
-    device_trace.write("tracing_on", "1")?;
+    traces.device.write("tracing_on", "1")?;
     let origin_mono_ns = monotonic_ns();
     let origin = Instant::now();
-    let mut child = command
+    let child = command
         .spawn()
         .map_err(io_error(format!("starting {:?}", command.get_program())))?;
     drop((procs, event_pids, tracing_on));
-    let sampler = {
-        let cgroup_dir = cgroup.dir().to_path_buf();
-        let usage_cgroup = cgroup.dir().to_path_buf();
-        let version = cgroup.version();
-        let usage = move || {
-            let file = match version {
-                super::cgroup::CgroupVersion::V1 => "memory.usage_in_bytes",
-                super::cgroup::CgroupVersion::V2 => "memory.current",
-            };
-            std::fs::read_to_string(usage_cgroup.join(file))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()
-        };
-        Sampler::start(
-            cgroup_dir,
-            usage,
-            spec.model.files.clone(),
-            origin,
-            SAMPLE_INTERVAL,
-        )
+    Ok((child, origin_mono_ns, origin))
+}
+
+/// Samples the memory of the processes in `cgroup` from `origin` on.
+fn start_sampler(cgroup: &MemoryCgroup, model: &ModelTarget, origin: Instant) -> Sampler {
+    let usage_cgroup = cgroup.dir().to_path_buf();
+    let usage_file = match cgroup.version() {
+        CgroupVersion::V1 => "memory.usage_in_bytes",
+        CgroupVersion::V2 => "memory.current",
     };
-    let status = loop {
-        if spec.interrupted.load(Ordering::Relaxed) {
+    let usage = move || {
+        std::fs::read_to_string(usage_cgroup.join(usage_file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Sampler::start(
+        cgroup.dir().to_path_buf(),
+        usage,
+        model.files.clone(),
+        origin,
+        SAMPLE_INTERVAL,
+    )
+}
+
+/// Waits for the program; an interrupt kills it.
+fn wait_for(child: &mut Child, interrupted: &AtomicBool) -> Result<ExitStatus, RunError> {
+    loop {
+        if interrupted.load(Ordering::Relaxed) {
             let _ = child.kill();
             let _ = child.wait();
             return Err(RunError::Interrupted);
@@ -371,84 +427,161 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
             .try_wait()
             .map_err(io_error("waiting for the program"))?
         {
-            Some(status) => break status,
+            Some(status) => return Ok(status),
             None => std::thread::sleep(Duration::from_millis(10)),
         }
-    };
-    let wall_s = origin.elapsed().as_secs_f64();
-    program_trace.write("tracing_on", "0")?;
-    device_trace.write("tracing_on", "0")?;
-    let sampled = sampler.finish();
-    program_capture
-        .finish()
-        .map_err(io_error("reading the trace pipe"))?;
-    device_capture
-        .finish()
-        .map_err(io_error("reading the trace pipe"))?;
-    let cgroup_peak = cgroup.peak_bytes().ok();
-    drop(cgroup);
-    drop(program_trace);
-    drop(device_trace);
-
-    let mut tracing = TracingFigures {
-        event_files: vec![program_events_file.clone(), device_events_file.clone()],
-        ..Default::default()
-    };
-    let program_events = read_events(&out(&program_events_file), &mut tracing)?;
-    let device_events = read_events(&out(&device_events_file), &mut tracing)?;
-
-    let mut reads = Vec::new();
-    for &device in &spec.model.devices {
-        reads.extend(program_reads(
-            &device_events,
-            child.id(),
-            device,
-            origin_mono_ns,
-        ));
     }
-    if spec.model.devices.len() > 1 {
+}
+
+/// Drops the page cache; whether that left none of the model cached (a cold run), and
+/// the model's bytes still cached.
+fn start_cold(model: &ModelTarget) -> (bool, u64) {
+    let dropped = crate::cli::device::drop_page_cache();
+    let cached: u64 = model
+        .files
+        .parts()
+        .iter()
+        .map(|part| cached_bytes(&part.path).unwrap_or(0))
+        .sum();
+    (dropped && cached == 0, cached)
+}
+
+/// The program's reads from the model's devices, in time order.
+fn model_reads(
+    device_events: &[TraceEvent],
+    pid: u32,
+    model: &ModelTarget,
+    origin_mono_ns: u64,
+) -> Vec<ReadRequest> {
+    let mut reads = Vec::new();
+    for &device in &model.devices {
+        reads.extend(program_reads(device_events, pid, device, origin_mono_ns));
+    }
+    if model.devices.len() > 1 {
         reads.sort_by_key(|read| read.issue_ns);
     }
-    let (faults, pager_stats, model_peak) = match spec.side {
-        Side::Kernel => {
-            let faults = model_faults(&program_events, &sampled.model_ranges, origin_mono_ns);
-            let model_peak = sampled
-                .memory
-                .iter()
-                .filter_map(|m| m.model_rss_bytes)
-                .max();
-            (faults, None, model_peak)
-        }
-        Side::Pager => {
-            let stats: Option<serde_json::Value> = std::fs::read_to_string(out(&stats_file))
-                .ok()
-                .and_then(|text| serde_json::from_str(&text).ok());
-            // A single file's regions are all at 0 on its axis: nothing to look up.
-            let region_starts = if spec.model.files.is_split() {
-                let events = std::fs::read_to_string(out(&events_path_of(&pager_trace_file)))
-                    .unwrap_or_default();
-                spec.model.files.region_starts(&events)
-            } else {
-                HashMap::new()
-            };
-            let faults = read_pager_faults(&out(&pager_trace_file), &region_starts)?;
-            let peak = stats
-                .as_ref()
-                .and_then(|s| s.get("peak_resident_bytes")?.as_u64());
-            (faults, stats, peak)
-        }
-    };
+    reads
+}
 
-    let stdout = std::fs::read_to_string(out(&stdout_file)).unwrap_or_default();
-    let stderr = std::fs::read_to_string(out(&stderr_file)).unwrap_or_default();
+/// What one side tells of the model's faults and memory.
+struct SideFigures {
+    faults: Vec<FaultSample>,
+    pager_stats: Option<serde_json::Value>,
+    model_peak: Option<u64>,
+}
+
+/// The kernel's faults on the model's mappings, and the mappings' peak resident set.
+fn kernel_side(program_events: &[TraceEvent], sampled: &SampledRun, origin: u64) -> SideFigures {
+    SideFigures {
+        faults: model_faults(program_events, &sampled.model_ranges, origin),
+        pager_stats: None,
+        model_peak: sampled
+            .memory
+            .iter()
+            .filter_map(|m| m.model_rss_bytes)
+            .max(),
+    }
+}
+
+/// The pager's faults from its trace, on the model axis, and its stats.
+fn pager_side(spec: &RunSpec, files: &RunFiles) -> Result<SideFigures, RunError> {
+    let out = |name: &str| spec.out_dir.join(name);
+    let stats: Option<serde_json::Value> = std::fs::read_to_string(out(&files.stats))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok());
+    // A single file's regions are all at 0 on its axis: nothing to look up.
+    let region_starts = if spec.model.files.is_split() {
+        let events =
+            std::fs::read_to_string(out(&events_path_of(&files.pager_trace))).unwrap_or_default();
+        spec.model.files.region_starts(&events)
+    } else {
+        HashMap::new()
+    };
+    let faults = read_pager_faults(&out(&files.pager_trace), &region_starts)?;
+    let model_peak = stats
+        .as_ref()
+        .and_then(|s| s.get("peak_resident_bytes")?.as_u64());
+    Ok(SideFigures {
+        faults,
+        pager_stats: stats,
+        model_peak,
+    })
+}
+
+fn io_figures(reads: &[ReadRequest], bandwidth: &[(f64, f64)], wall_s: f64) -> IoFigures {
     let bytes_read: u64 = reads.iter().map(|r| r.bytes).sum();
-    let bandwidth = bandwidth_series(&reads, BANDWIDTH_BIN_NS);
+    IoFigures {
+        bytes_read,
+        read_requests: reads.len() as u64,
+        mean_request_bytes: bytes_read as f64 / reads.len().max(1) as f64,
+        mean_bandwidth_mb_s: bytes_read as f64 / 1e6 / wall_s.max(1e-9),
+        peak_bandwidth_mb_s: bandwidth.iter().map(|b| b.1).fold(0.0, f64::max),
+        request_size_counts: bucket_counts(reads.iter().map(|r| r.bytes), &request_size_edges()),
+    }
+}
+
+/// Fault counts and the latency of the faults that waited for a read.
+fn fault_figures(faults: &[FaultSample]) -> FaultFigures {
     let waited: Vec<FaultSample> = faults
         .iter()
         .filter(|f| f.latency_ns.is_some())
         .copied()
         .collect();
-    let fault_points: Vec<(f64, u64)> = faults
+    FaultFigures {
+        model_faults: faults.len() as u64,
+        waited_faults: waited.len() as u64,
+        latency: LatencyFigures::of(&waited),
+        latency_bucket_counts: bucket_counts(
+            waited
+                .iter()
+                .filter_map(|f| f.latency_ns)
+                .map(|ns| ns as f64 / 1000.0),
+            LATENCY_EDGES_US,
+        ),
+    }
+}
+
+/// Runs the program once on `spec.side`, from a dropped page cache, in a memory cgroup
+/// of its own (limited to the budget on the kernel side), traced and sampled, and
+/// reduces what it recorded to the run's figures.
+pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
+    let tag = format!("{}-{}", spec.side.name(), spec.index);
+    let files = RunFiles::new(&tag);
+    let out = |name: &str| spec.out_dir.join(name);
+    let (cold, model_cached_bytes) = start_cold(spec.model);
+
+    let unique = format!("hyperoffload-{}-{tag}", std::process::id());
+    let limit = (spec.side == Side::Kernel).then_some(spec.budget_bytes);
+    let cgroup = MemoryCgroup::create(&unique, limit)?;
+    let traces = RunTraces::start(&unique, spec, &files)?;
+    let command = program_command(spec, &files)?;
+    let (mut child, origin_mono_ns, origin) = spawn_traced(command, &cgroup, &traces)?;
+    let sampler = start_sampler(&cgroup, spec.model, origin);
+    let status = wait_for(&mut child, spec.interrupted)?;
+    let wall_s = origin.elapsed().as_secs_f64();
+    traces.stop()?;
+    let sampled = sampler.finish();
+    traces.finish()?;
+    let cgroup_peak = cgroup.peak_bytes().ok();
+    drop(cgroup);
+
+    let mut tracing = TracingFigures {
+        event_files: vec![files.program_events.clone(), files.device_events.clone()],
+        ..Default::default()
+    };
+    let program_events = read_events(&out(&files.program_events), &mut tracing)?;
+    let device_events = read_events(&out(&files.device_events), &mut tracing)?;
+    let reads = model_reads(&device_events, child.id(), spec.model, origin_mono_ns);
+    let side = match spec.side {
+        Side::Kernel => kernel_side(&program_events, &sampled, origin_mono_ns),
+        Side::Pager => pager_side(spec, &files)?,
+    };
+
+    let stdout = std::fs::read_to_string(out(&files.stdout)).unwrap_or_default();
+    let stderr = std::fs::read_to_string(out(&files.stderr)).unwrap_or_default();
+    let bandwidth = bandwidth_series(&reads, BANDWIDTH_BIN_NS);
+    let fault_points: Vec<(f64, u64)> = side
+        .faults
         .iter()
         .map(|f| (f.t_ns as f64 / 1e9, f.file_offset))
         .collect();
@@ -460,48 +593,27 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
         exit_code: status.code().or_else(|| status.signal().map(|s| -s)),
         wall_s,
         program: ProgramFigures::parse(&stdout, &stderr),
-        io: IoFigures {
-            bytes_read,
-            read_requests: reads.len() as u64,
-            mean_request_bytes: bytes_read as f64 / reads.len().max(1) as f64,
-            mean_bandwidth_mb_s: bytes_read as f64 / 1e6 / wall_s.max(1e-9),
-            peak_bandwidth_mb_s: bandwidth.iter().map(|b| b.1).fold(0.0, f64::max),
-            request_size_counts: bucket_counts(
-                reads.iter().map(|r| r.bytes),
-                &request_size_edges(),
-            ),
-        },
-        faults: FaultFigures {
-            model_faults: faults.len() as u64,
-            waited_faults: waited.len() as u64,
-            latency: LatencyFigures::of(&waited),
-            latency_bucket_counts: bucket_counts(
-                waited
-                    .iter()
-                    .filter_map(|f| f.latency_ns)
-                    .map(|ns| ns as f64 / 1000.0),
-                LATENCY_EDGES_US,
-            ),
-        },
+        io: io_figures(&reads, &bandwidth, wall_s),
+        faults: fault_figures(&side.faults),
         memory: MemoryFigures {
             cgroup_peak_bytes: cgroup_peak,
-            model_peak_resident_bytes: model_peak,
+            model_peak_resident_bytes: side.model_peak,
             process_peak_rss_bytes: sampled
                 .memory
                 .iter()
                 .filter_map(|m| m.process_rss_bytes)
                 .max(),
         },
-        pager_stats,
+        pager_stats: side.pager_stats,
         tracing,
-        stdout_file,
-        stderr_file,
-        pager_trace_file: (spec.side == Side::Pager).then_some(pager_trace_file),
+        stdout_file: files.stdout,
+        stderr_file: files.stderr,
+        pager_trace_file: (spec.side == Side::Pager).then_some(files.pager_trace),
         series: RunSeries {
             memory: sampled.memory,
             bandwidth_mb_s: bandwidth,
             fault_map: thin(&fault_points, PLOT_POINTS),
-            latency_cdf: latency_cdf(&faults, 2_000),
+            latency_cdf: latency_cdf(&side.faults, 2_000),
         },
     })
 }
@@ -607,7 +719,7 @@ mod tests {
     #[test]
     fn pager_faults_go_to_their_regions_part() {
         let path = std::env::temp_dir().join(format!("runner-faults-{}.csv", std::process::id()));
-        let record = |region: u32, file_offset: u64| crate::trace::TraceRecord {
+        let record = |region: u32, file_offset: u64| hyperoffload::trace::TraceRecord {
             t_ns: 1000,
             tid: 7,
             region,
@@ -618,7 +730,7 @@ mod tests {
             latency_ns: 500,
             offset_in_block: Some(0),
         };
-        let mut writer = crate::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
+        let mut writer = hyperoffload::trace::TraceWriter::new(Vec::new(), &[]).unwrap();
         for r in [
             record(0, 65536),
             record(1, 0),
@@ -635,7 +747,7 @@ mod tests {
                 .map(|f| f.file_offset)
                 .collect()
         };
-        // One file: the file offsets, as before.
+        // One file: the file offsets.
         assert_eq!(offsets(&HashMap::new()), [65536, 0, 131_072, 0]);
         // Region 1 is the third part, region 2 the second; region 3 is unknown.
         assert_eq!(

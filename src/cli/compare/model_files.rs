@@ -10,7 +10,7 @@
 //! rather than the parts' sweeps drawn over each other on the same offsets; and the
 //! offsets are those of the parts' tensor tables shifted the same way (what
 //! `from_parts(parts, 4096)` builds on), so such a table names a fault's tensor without
-//! being told its part. A single file's axis is its file offsets, as before.
+//! being told its part. A single file's axis is its file offsets.
 //!
 //! ```text
 //!  model axis: 0          start(1)        start(2)           total
@@ -88,7 +88,7 @@ impl ModelFiles {
     /// by region id, from the shim's event log (`<trace>.events.jsonl`, whose `map`
     /// events name each region's file: `trace::region_files`).
     pub fn region_starts(&self, events: &str) -> HashMap<u32, u64> {
-        crate::trace::region_files(events)
+        hyperoffload::trace::region_files(events)
             .into_iter()
             .filter_map(|(region, path)| Some((region, self.part(&path)?.start)))
             .collect()

@@ -5,8 +5,8 @@
 //! from `graph::arch`), so a graph policy is tested against an independent statement of
 //! what the program does.
 
-use crate::graph::BlockLayout;
-use crate::model::TensorInfo;
+use hyperoffload::graph::BlockLayout;
+use hyperoffload::model::TensorInfo;
 
 use super::Workload;
 

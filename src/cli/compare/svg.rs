@@ -91,17 +91,34 @@ fn nice_ticks(low: f64, high: f64) -> Vec<f64> {
     ticks
 }
 
-impl Chart {
-    pub fn render(&self) -> String {
-        let points = self.series.iter().flat_map(|s| s.points.iter());
+const PLOT_W: f64 = WIDTH - LEFT - RIGHT;
+const PLOT_H: f64 = HEIGHT - TOP - BOTTOM;
+
+/// The data ranges a chart shows and where they land in the plot area.
+struct Frame {
+    x_min: f64,
+    x_max: f64,
+    y_min: f64,
+    y_max: f64,
+    /// The x range on the axis's own scale (log10 on a log axis).
+    ax_min: f64,
+    ax_max: f64,
+    x_log: bool,
+}
+
+impl Frame {
+    /// Ranges covering every point (x > 0 only, on a log axis), y from 0 at most, with
+    /// room for bars either side and a little above the highest point.
+    fn of(chart: &Chart) -> Frame {
+        let points = chart.series.iter().flat_map(|s| s.points.iter());
         let xs: Vec<f64> = points
             .clone()
             .map(|p| p.0)
-            .filter(|x| !self.x_log || *x > 0.0)
+            .filter(|x| !chart.x_log || *x > 0.0)
             .collect();
         let ys: Vec<f64> = points.map(|p| p.1).collect();
         let fold = |v: &[f64], f: fn(f64, f64) -> f64, init| v.iter().copied().fold(init, f);
-        let bars = self.series.iter().any(|s| s.mark == Mark::Bars);
+        let bars = chart.series.iter().any(|s| s.mark == Mark::Bars);
         let (mut x_min, mut x_max) = (
             fold(&xs, f64::min, f64::INFINITY),
             fold(&xs, f64::max, f64::NEG_INFINITY),
@@ -121,22 +138,40 @@ impl Chart {
         if y_max <= y_min {
             y_max = y_min + 1.0;
         }
-        let to_x_axis = |x: f64| {
-            if self.x_log {
-                x.max(f64::MIN_POSITIVE).log10()
-            } else {
-                x
-            }
+        let mut frame = Frame {
+            x_min,
+            x_max,
+            y_min,
+            y_max,
+            ax_min: 0.0,
+            ax_max: 0.0,
+            x_log: chart.x_log,
         };
-        let (ax_min, ax_max) = (
-            to_x_axis(x_min),
-            to_x_axis(x_max).max(to_x_axis(x_min) + 1e-9),
-        );
-        let plot_w = WIDTH - LEFT - RIGHT;
-        let plot_h = HEIGHT - TOP - BOTTOM;
-        let px = |x: f64| LEFT + (to_x_axis(x) - ax_min) / (ax_max - ax_min) * plot_w;
-        let py = |y: f64| TOP + plot_h - (y - y_min) / (y_max - y_min) * plot_h;
+        frame.ax_min = frame.to_x_axis(x_min);
+        frame.ax_max = frame.to_x_axis(x_max).max(frame.ax_min + 1e-9);
+        frame
+    }
 
+    fn to_x_axis(&self, x: f64) -> f64 {
+        if self.x_log {
+            x.max(f64::MIN_POSITIVE).log10()
+        } else {
+            x
+        }
+    }
+
+    fn px(&self, x: f64) -> f64 {
+        LEFT + (self.to_x_axis(x) - self.ax_min) / (self.ax_max - self.ax_min) * PLOT_W
+    }
+
+    fn py(&self, y: f64) -> f64 {
+        TOP + PLOT_H - (y - self.y_min) / (self.y_max - self.y_min) * PLOT_H
+    }
+}
+
+impl Chart {
+    pub fn render(&self) -> String {
+        let frame = Frame::of(self);
         let mut svg = String::new();
         open_document(&mut svg, WIDTH, HEIGHT, 12);
         let _ = writeln!(
@@ -145,36 +180,49 @@ impl Chart {
             WIDTH / 2.0,
             escape(&self.title)
         );
-        // Axes and ticks.
+        self.draw_axes(&mut svg, &frame);
+        self.draw_series(&mut svg, &frame);
+        self.draw_legend(&mut svg);
+        svg.push_str("</svg>\n");
+        svg
+    }
+
+    /// Where the x axis has ticks: each category, each power of ten on a log axis,
+    /// round numbers otherwise.
+    fn x_ticks(&self, frame: &Frame) -> Vec<f64> {
+        if !self.x_categories.is_empty() {
+            (0..self.x_categories.len()).map(|i| i as f64).collect()
+        } else if self.x_log {
+            let (low, high) = (frame.ax_min.floor() as i32, frame.ax_max.ceil() as i32);
+            (low..=high)
+                .map(|p| 10f64.powi(p))
+                .filter(|x| *x >= frame.x_min && *x <= frame.x_max)
+                .collect()
+        } else {
+            nice_ticks(frame.x_min, frame.x_max)
+        }
+    }
+
+    /// The axes, their ticks with grid lines across for y, and their labels.
+    fn draw_axes(&self, svg: &mut String, frame: &Frame) {
         let _ = writeln!(
             svg,
             r#"<path d="M{LEFT},{TOP} V{} H{}" fill="none" stroke="black"/>"#,
-            TOP + plot_h,
-            LEFT + plot_w
+            TOP + PLOT_H,
+            LEFT + PLOT_W
         );
-        for y in nice_ticks(y_min, y_max) {
+        for y in nice_ticks(frame.y_min, frame.y_max) {
             let _ = writeln!(
                 svg,
                 r##"<line x1="{LEFT}" x2="{}" y1="{py:.1}" y2="{py:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
-                LEFT + plot_w,
+                LEFT + PLOT_W,
                 LEFT - 6.0,
-                py(y) + 4.0,
+                frame.py(y) + 4.0,
                 tick_label(y),
-                py = py(y)
+                py = frame.py(y)
             );
         }
-        let x_ticks: Vec<f64> = if !self.x_categories.is_empty() {
-            (0..self.x_categories.len()).map(|i| i as f64).collect()
-        } else if self.x_log {
-            let (low, high) = (ax_min.floor() as i32, ax_max.ceil() as i32);
-            (low..=high)
-                .map(|p| 10f64.powi(p))
-                .filter(|x| *x >= x_min && *x <= x_max)
-                .collect()
-        } else {
-            nice_ticks(x_min, x_max)
-        };
-        for x in x_ticks {
+        for x in self.x_ticks(frame) {
             let label = if self.x_categories.is_empty() {
                 tick_label(x)
             } else {
@@ -183,32 +231,35 @@ impl Chart {
             let _ = writeln!(
                 svg,
                 r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
-                px(x),
-                TOP + plot_h + 18.0,
+                frame.px(x),
+                TOP + PLOT_H + 18.0,
                 escape(&label)
             );
         }
         let _ = writeln!(
             svg,
             r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
-            LEFT + plot_w / 2.0,
+            LEFT + PLOT_W / 2.0,
             HEIGHT - 14.0,
             escape(&self.x_label)
         );
         let _ = writeln!(
             svg,
             r#"<text transform="translate(16,{}) rotate(-90)" text-anchor="middle">{}</text>"#,
-            TOP + plot_h / 2.0,
+            TOP + PLOT_H / 2.0,
             escape(&self.y_label)
         );
-        // Data.
+    }
+
+    /// Every series as its mark; the bar series share each x's slot side by side.
+    fn draw_series(&self, svg: &mut String, frame: &Frame) {
         let bar_series = self
             .series
             .iter()
             .filter(|s| s.mark == Mark::Bars)
             .count()
             .max(1);
-        let bar_slot = plot_w / (x_max - x_min) * 0.8;
+        let bar_slot = PLOT_W / (frame.x_max - frame.x_min) * 0.8;
         let mut bar_index = 0;
         for series in &self.series {
             let visible = series
@@ -217,44 +268,17 @@ impl Chart {
                 .filter(|p| !self.x_log || p.0 > 0.0)
                 .copied();
             match series.mark {
-                Mark::Line => {
-                    let mut path = String::new();
-                    for (i, (x, y)) in visible.enumerate() {
-                        let _ = write!(
-                            path,
-                            "{}{:.1},{:.1} ",
-                            if i == 0 { "M" } else { "L" },
-                            px(x),
-                            py(y)
-                        );
-                    }
-                    let _ = writeln!(
-                        svg,
-                        r#"<path d="{path}" fill="none" stroke="{}" stroke-width="1.5"/>"#,
-                        series.color
-                    );
-                }
-                Mark::Points => {
-                    let _ = writeln!(svg, r#"<g fill="{}" fill-opacity="0.5">"#, series.color);
-                    for (x, y) in visible {
-                        let _ = writeln!(
-                            svg,
-                            r#"<circle cx="{:.1}" cy="{:.1}" r="1.2"/>"#,
-                            px(x),
-                            py(y)
-                        );
-                    }
-                    let _ = writeln!(svg, "</g>");
-                }
+                Mark::Line => draw_line(svg, frame, series.color, visible),
+                Mark::Points => draw_points(svg, frame, series.color, visible),
                 Mark::Bars => {
                     let width = bar_slot / bar_series as f64;
                     for (x, y) in visible {
-                        let left = px(x) - bar_slot / 2.0 + width * bar_index as f64;
+                        let left = frame.px(x) - bar_slot / 2.0 + width * bar_index as f64;
                         let _ = writeln!(
                             svg,
                             r#"<rect x="{left:.1}" y="{:.1}" width="{width:.1}" height="{:.1}" fill="{}"/>"#,
-                            py(y),
-                            (py(y_min.max(0.0)) - py(y)).max(0.0),
+                            frame.py(y),
+                            (frame.py(frame.y_min.max(0.0)) - frame.py(y)).max(0.0),
                             series.color
                         );
                     }
@@ -262,23 +286,63 @@ impl Chart {
                 }
             }
         }
-        // Legend.
+    }
+
+    fn draw_legend(&self, svg: &mut String) {
         for (i, series) in self.series.iter().enumerate() {
             let y = TOP + 8.0 + 16.0 * i as f64;
             let _ = writeln!(
                 svg,
                 r#"<rect x="{}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}">{}</text>"#,
-                LEFT + plot_w - 150.0,
+                LEFT + PLOT_W - 150.0,
                 y - 9.0,
                 series.color,
-                LEFT + plot_w - 135.0,
+                LEFT + PLOT_W - 135.0,
                 y,
                 escape(&series.name)
             );
         }
-        svg.push_str("</svg>\n");
-        svg
     }
+}
+
+fn draw_line(
+    svg: &mut String,
+    frame: &Frame,
+    color: &str,
+    points: impl Iterator<Item = (f64, f64)>,
+) {
+    let mut path = String::new();
+    for (i, (x, y)) in points.enumerate() {
+        let _ = write!(
+            path,
+            "{}{:.1},{:.1} ",
+            if i == 0 { "M" } else { "L" },
+            frame.px(x),
+            frame.py(y)
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<path d="{path}" fill="none" stroke="{color}" stroke-width="1.5"/>"#
+    );
+}
+
+fn draw_points(
+    svg: &mut String,
+    frame: &Frame,
+    color: &str,
+    points: impl Iterator<Item = (f64, f64)>,
+) {
+    let _ = writeln!(svg, r#"<g fill="{color}" fill-opacity="0.5">"#);
+    for (x, y) in points {
+        let _ = writeln!(
+            svg,
+            r#"<circle cx="{:.1}" cy="{:.1}" r="1.2"/>"#,
+            frame.px(x),
+            frame.py(y)
+        );
+    }
+    let _ = writeln!(svg, "</g>");
 }
 
 #[cfg(test)]

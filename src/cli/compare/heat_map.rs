@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 use super::svg::{escape, open_document};
-use crate::graph::expert_store::ExpertCounts;
+use hyperoffload::graph::expert_store::ExpertCounts;
 
 const CELL: f64 = 14.0;
 const LEFT: f64 = 70.0;
@@ -99,7 +99,7 @@ fn shade(share: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::expert_store::ExpertCount;
+    use hyperoffload::graph::expert_store::ExpertCount;
 
     #[test]
     fn one_cell_per_expert_shaded_by_its_use() {

@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::graph::arch::execution_order;
-use crate::graph::{ModelGraph, NodeLabel};
-use crate::model::TensorInfo;
+use hyperoffload::graph::arch::execution_order;
+use hyperoffload::graph::{ModelGraph, NodeLabel};
+use hyperoffload::model::TensorInfo;
 
 /// The layer of a llama-family tensor name (`blk.3.*`, `model.layers.3.*`).
 pub fn layer_of(name: &str) -> Option<u32> {
@@ -138,7 +138,7 @@ pub fn to_dot(graph: &ModelGraph) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::BlockLayout;
+    use hyperoffload::graph::BlockLayout;
 
     fn tensors() -> Vec<TensorInfo> {
         let names = [

@@ -3,10 +3,14 @@
 //! the kernel's tracepoints and the pager's own records reduced to the same figures.
 //!
 //! Pure parts (parsers, reductions, report, plots) are separate from the parts that
-//! touch the system (`cgroup`, `tracefs`, `sampler`, `runner`).
+//! touch the system (`cgroup`, `tracefs`, `sampler`, `runner`). `compare` runs the sides
+//! alternately, kernel first, through `runner::run_once`; each run is reduced to a
+//! `record::RunRecord`, and the report is made of those alone. `command` is the
+//! subcommand's arguments and progress; `bench` calls `compare` per budget.
 
 pub mod cgroup;
 pub mod chrome_trace;
+pub mod command;
 pub mod figures;
 pub mod heat_map;
 pub mod kernel_events;

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use hyperoffload::compare::report::failed_runs;
-use hyperoffload::compare::{compare, find_model_argument, CompareConfig};
+use super::report::failed_runs;
+use super::{compare, find_model_argument, CompareConfig};
 use hyperoffload::model::split::model_len;
 use hyperoffload::size::format_size;
 
@@ -63,7 +63,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     };
     // All the parts of a split model, as the shim resolves a share for the pager side.
     let model_len = model_len(&model).with_context(|| model.display().to_string())?;
-    let budget = super::budget_bytes(&args.budget, model_len)?;
+    let budget = crate::cli::budget_bytes(&args.budget, model_len)?;
     if euid() != 0 {
         eprintln!("warning: not root: the page cache cannot be dropped, so the comparison is not cold (the report says so); cgroups and tracefs will likely fail too");
     }

@@ -1,0 +1,264 @@
+//! `hyperoffload bench`: the headline benchmark. llama-bench decode (tg) on one model at
+//! several budgets, under the kernel's paging (memory cgroup at the budget) and under
+//! the pager, with the floor each budget allows: token time >= max(compute time, floor
+//! bytes / device bandwidth). For a dense model the floor is M - B bytes read per token
+//! (and the simulated optimum on the predicted order beside it); for a mixture of
+//! experts, whose tokens read only the experts the router picks, it is Belady's policy
+//! replayed on a demand trace of the program (and the frequency floor beside it: the
+//! best a policy can do that learns how often experts run, not the sequence).
+//! Writes `results.md` (and one `compare` report per budget) to `--out`.
+//!
+//! The parts: `reference` measures what the pager is held to (the device's limit,
+//! alone and beside a decode, and the warm decode's speed), `floors` the bytes a token
+//! must read at each budget, `programs` the llama.cpp command lines, `results` the rows
+//! and results.md. `run` measures the references and the floors once, then per budget
+//! compares the two sides on decode and on the first token and measures the pager's
+//! bytes per token.
+
+mod floors;
+mod programs;
+mod reference;
+mod results;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use hyperoffload::graph::expert_store;
+use hyperoffload::model::ModelFile;
+use hyperoffload::size::format_size;
+
+use super::compare::record::{RunRecord, Side};
+use super::compare::{compare, CompareConfig};
+use super::device::drop_page_cache;
+use floors::Floors;
+use programs::{first_token_command, llama_bench_command};
+use reference::{device_limit, References};
+use results::{latency_median, results_markdown, side_median, Measured, Row};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The model llama-bench decodes (GGUF).
+    #[arg(long)]
+    model: PathBuf,
+    /// llama.cpp's bin directory (holding llama-bench).
+    #[arg(long)]
+    llama_bin: PathBuf,
+    /// Budgets, in percent of the model.
+    #[arg(long, value_delimiter = ',', default_value = "25,50,75,90,125")]
+    budgets: Vec<f64>,
+    /// Runs per side and budget (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Tokens generated per run (llama-bench -n).
+    #[arg(long, default_value_t = 8)]
+    tokens: u32,
+    /// llama-bench threads.
+    #[arg(long, default_value_t = 2)]
+    threads: u32,
+    /// Output directory.
+    #[arg(long, default_value = "bench")]
+    out: PathBuf,
+}
+
+/// The upper median.
+fn median(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    Some(values[values.len() / 2])
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.tokens == 0 || args.runs == 0 {
+        bail!("--tokens and --runs must be at least 1");
+    }
+    std::fs::create_dir_all(&args.out)?;
+    let model = ModelFile::open(&args.model)?;
+    let model_len = model.file_len;
+    eprintln!(
+        "bench: {} ({})",
+        args.model.display(),
+        format_size(model_len)
+    );
+    let references = References::measure(&args)?;
+    let floors = Floors::of(&args, &model)?;
+
+    // Ctrl-C or SIGTERM ends the run in progress; the cgroup and trace instances are
+    // removed on the way out.
+    super::compare::command::catch_interrupts();
+    let interrupted = &super::compare::command::INTERRUPTED;
+    let mut rows = Vec::new();
+    for &share in &args.budgets {
+        rows.push(measure_budget(
+            &args,
+            share,
+            model_len,
+            &floors,
+            interrupted,
+        )?);
+    }
+    let compute_s = compute_seconds(&rows, references.warm_tps, model_len);
+    let markdown = results_markdown(
+        &args,
+        Measured {
+            len: model_len,
+            sparse: matches!(floors, Floors::Trace(_)),
+        },
+        references.device_bps,
+        &references.decode_share,
+        references.warm_tps,
+        compute_s,
+        &rows,
+    );
+    let path = args.out.join("results.md");
+    std::fs::write(&path, &markdown).with_context(|| format!("writing {}", path.display()))?;
+    print!("{markdown}");
+    Ok(())
+}
+
+/// Compute per token: the warm kernel run's, or the pager's with the model resident
+/// (a budget above the model) when that is faster: its blocks are mapped as 2 MiB
+/// pages, and the floor is the best the program has shown.
+fn compute_seconds(rows: &[Row], warm_tps: f64, model_len: u64) -> f64 {
+    let resident_tps = rows
+        .iter()
+        .filter(|row| row.budget >= model_len)
+        .filter_map(|row| row.pager_tps)
+        .fold(0.0, f64::max);
+    1.0 / warm_tps.max(resident_tps)
+}
+
+/// One budget, `share` percent of the model: the decode runs and the first-token runs
+/// of both sides (`compare`), the device's limit right before and after the decode
+/// runs, the floors, and the pager's bytes per token.
+fn measure_budget(
+    args: &BenchArgs,
+    share: f64,
+    model_len: u64,
+    floors: &Floors,
+    interrupted: &AtomicBool,
+) -> anyhow::Result<Row> {
+    let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);
+    let dir = args.out.join(format!("budget-{share}pct"));
+    eprintln!("bench: budget {share}% = {}", format_size(budget));
+    let config = |program, out_dir| -> anyhow::Result<CompareConfig> {
+        Ok(CompareConfig {
+            program,
+            budget_bytes: budget,
+            runs: args.runs,
+            out_dir,
+            model: Some(args.model.clone()),
+            launcher: std::env::current_exe()?,
+        })
+    };
+    // The device's rate drifts over minutes, so each budget's floor uses the device as
+    // measured right before and right after its decode runs, not only at the start.
+    let mut device_beside = device_limit(&args.model)?;
+    let report = compare(
+        &config(llama_bench_command(args, args.tokens), dir.clone())?,
+        interrupted,
+        print_progress,
+    )?;
+    device_beside.extend(device_limit(&args.model)?);
+    let device_bps = median(&mut device_beside).expect("six measurements");
+    eprintln!(
+        "bench:   device limit beside the runs {:.0} MB/s",
+        device_bps / 1e6
+    );
+    eprintln!("bench:   cold start to the first token (llama-completion -n 1)");
+    let first_token = compare(
+        &config(first_token_command(args), dir.join("first-token"))?,
+        interrupted,
+        print_progress,
+    )?;
+    let first = &first_token.runs;
+    let runs = &report.runs;
+    let tps = |side| side_median(runs, side, |r| r.program.bench_tokens_per_s("tg"));
+    let (floor_bytes_per_token, optimum) = floors.per_token(model_len, budget, args.tokens);
+    let pager_bytes_per_token = pager_bytes_per_token(args, budget, &dir)?;
+    let bytes_read = |r: &RunRecord| Some(r.io.bytes_read as f64);
+    Ok(Row {
+        share,
+        budget,
+        kernel_tps: tps(Side::Kernel),
+        pager_tps: tps(Side::Pager),
+        pager_bytes_per_token,
+        floor_bytes_per_token,
+        optimum_bytes_per_token: optimum,
+        device_bps,
+        kernel_read_mb_s: side_median(runs, Side::Kernel, |r| Some(r.io.mean_bandwidth_mb_s)),
+        pager_read_mb_s: side_median(runs, Side::Pager, |r| Some(r.io.mean_bandwidth_mb_s)),
+        kernel_p50_us: latency_median(runs, Side::Kernel, |l| l.p50_us),
+        kernel_p99_us: latency_median(runs, Side::Kernel, |l| l.p99_us),
+        pager_p50_us: latency_median(runs, Side::Pager, |l| l.p50_us),
+        pager_p99_us: latency_median(runs, Side::Pager, |l| l.p99_us),
+        kernel_first_token_s: side_median(first, Side::Kernel, |r| Some(r.wall_s)),
+        pager_first_token_s: side_median(first, Side::Pager, |r| Some(r.wall_s)),
+        kernel_first_token_bytes: side_median(first, Side::Kernel, bytes_read),
+        pager_first_token_bytes: side_median(first, Side::Pager, bytes_read),
+    })
+}
+
+fn print_progress(record: &RunRecord) {
+    eprintln!(
+        "bench:   {} run {}: {:.1} s, tg {}, {} read",
+        record.side.name(),
+        record.index,
+        record.wall_s,
+        record
+            .program
+            .bench_tokens_per_s("tg")
+            .map(|t| format!("{t:.2} t/s"))
+            .unwrap_or_else(|| "-".into()),
+        format_size(record.io.bytes_read),
+    )
+}
+
+/// Bytes the pager reads per generated token at `budget`: two cold runs that differ
+/// only in the number of tokens, so loading and warm-up cancel out. Both start from the
+/// same saved expert counts (a mixture of experts' runs save what they learned for the
+/// next): a first run that had learned less would read more in the tokens both make.
+fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::Result<f64> {
+    let launcher = std::env::current_exe()?;
+    let counts = expert_store::beside(&args.model);
+    let saved = std::fs::read(&counts).ok();
+    let mut read = Vec::new();
+    for (i, tokens) in [2, 2 + args.tokens].into_iter().enumerate() {
+        match &saved {
+            Some(bytes) => std::fs::write(&counts, bytes)
+                .with_context(|| format!("restoring {}", counts.display()))?,
+            None => {
+                let _ = std::fs::remove_file(&counts);
+            }
+        }
+        drop_page_cache();
+        let stats = dir.join(format!("pager-{tokens}-tokens-{i}.json"));
+        let _ = std::fs::remove_file(&stats);
+        let status = Command::new(&launcher)
+            .arg("run")
+            .arg("--budget")
+            .arg(budget.to_string())
+            .arg("--stats")
+            .arg(&stats)
+            .arg("--")
+            .args(llama_bench_command(args, tokens))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("llama-bench under the pager failed ({status})");
+        }
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+        let bytes = json
+            .get("bytes_read")
+            .or_else(|| json.get("stats").and_then(|s| s.get("bytes_read")))
+            .and_then(|v| v.as_u64())
+            .context("no bytes_read in the pager's stats")?;
+        read.push(bytes as f64);
+    }
+    Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
+}
