@@ -15,7 +15,7 @@
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Context};
@@ -101,8 +101,35 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let program = resolve_program(&args.command[0])?;
     check_reachable(&program)
         .with_context(|| format!("cannot run {} under the pager", program.display()))?;
-    // Every file the run writes: the shim refuses to overwrite one (with a message on
-    // stderr), so a rerun would have lost it with an exit status of 0.
+    refuse_existing_outputs(&args)?;
+    let private = PrivateDir::create()?;
+    let shim_stats = private.0.join("stats.json");
+    let config = shim_config(&args, &shim_stats)?;
+    let command = program_command(&args, &config, &shim);
+    let status = run_supervised(command, &program)?;
+    let stats = std::fs::read_to_string(&shim_stats).ok();
+    if !args.quiet {
+        match &stats {
+            Some(json) => eprintln!("hyperoffload: {}", summary(json)),
+            None => eprintln!(
+                "hyperoffload: no stats: the program mapped no file matching {} of at least {} \
+                 (or exited without running exit handlers)",
+                config.patterns.join(","),
+                format_size(config.min_size)
+            ),
+        }
+    }
+    if let (Some(json), Some(path)) = (&stats, &args.stats) {
+        write_new(path, json.as_bytes())
+            .with_context(|| format!("cannot write --stats {}", path.display()))?;
+    }
+    drop(private);
+    Ok(super::exit_status::pass_through(status))
+}
+
+/// Refuses a run that would overwrite a file: the shim refuses to (with a message on
+/// stderr), so a rerun would have lost it with an exit status of 0.
+fn refuse_existing_outputs(args: &RunArgs) -> anyhow::Result<()> {
     let events = args.trace.as_ref().map(|path| events_path(path));
     for (what, path) in [
         ("--stats", &args.stats),
@@ -118,8 +145,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let private = PrivateDir::create()?;
-    let shim_stats = private.0.join("stats.json");
+    Ok(())
+}
+
+/// The shim's configuration for this run, checked as the shim will read it.
+fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> {
     let mut config = ShimConfig::defaults(physical_ram());
     if let Some(budget) = args.budget {
         config.budget = budget;
@@ -132,14 +162,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     config.block_size = args.block;
     config.install_threads = args.install_threads.map(usize::from);
     config.zero_copy = !args.no_zero_copy;
-    config.stats_path = Some(shim_stats.clone());
+    config.stats_path = Some(shim_stats.to_path_buf());
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.
     check_as_the_shim_reads_it(&config)?;
+    Ok(config)
+}
 
+/// The user's command with the shim preloaded (ahead of any LD_PRELOAD of theirs) and
+/// configured, and no other hyperoffload variable of the caller's.
+fn program_command(args: &RunArgs, config: &ShimConfig, shim: &Path) -> Command {
     let mut command = Command::new(&args.command[0]);
     command.args(&args.command[1..]);
     for var in ALL_VARS {
@@ -148,23 +183,27 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     command.envs(config.to_env());
     let preload = match std::env::var_os("LD_PRELOAD") {
         Some(existing) if !existing.is_empty() => {
-            let mut list = OsString::from(&shim);
+            let mut list = OsString::from(shim);
             list.push(":");
             list.push(existing);
             list
         }
-        _ => shim.clone().into_os_string(),
+        _ => shim.as_os_str().to_owned(),
     };
     command.env("LD_PRELOAD", preload);
+    command
+}
 
+/// Runs the program to its end, passing termination signals on, and returns how it
+/// ended.
+fn run_supervised(mut command: Command, program: &Path) -> anyhow::Result<ExitStatus> {
     // If the launcher dies without passing a signal on (SIGKILL, a crash), the program
     // goes too rather than run on unsupervised, its stats unreported.
     end_with_this_process(&mut command, libc::SIGKILL);
     // A SIGTERM or SIGHUP sent to the launcher alone (a service manager, `kill`) is
-    // passed on to the program, whose end is then reported as any other: the launcher
-    // died of it at once, leaving the program running and its directory behind.
-    // Installed before the program starts (one arriving meanwhile is passed on once it
-    // has); handlers, unlike ignored signals, do not survive its exec.
+    // passed on to the program, whose end is then reported as any other. Installed
+    // before the program starts (one arriving meanwhile is passed on once it has);
+    // handlers, unlike ignored signals, do not survive its exec.
     let forwarding = forward_terminations();
     let child = command
         .spawn()
@@ -185,26 +224,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     restore_forwarding(forwarding);
     let status = child.wait().context("waiting for the program")?;
     restore_interrupts(previous);
-
-    let stats = std::fs::read_to_string(&shim_stats).ok();
-    if !args.quiet {
-        match &stats {
-            Some(json) => eprintln!("hyperoffload: {}", summary(json)),
-            None => eprintln!(
-                "hyperoffload: no stats: the program mapped no file matching {} of at least {} \
-                 (or exited without running exit handlers)",
-                config.patterns.join(","),
-                format_size(config.min_size)
-            ),
-        }
-    }
-    if let (Some(json), Some(path)) = (&stats, &args.stats) {
-        write_new(path, json.as_bytes())
-            .with_context(|| format!("cannot write --stats {}", path.display()))?;
-    }
-    drop(private);
-
-    Ok(super::exit_status::pass_through(status))
+    Ok(status)
 }
 
 /// The shim beside this executable, or where `HYPEROFFLOAD_SHIM` says.

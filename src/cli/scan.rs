@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use hyperoffload::policy::{EvictionKind, PrefetchKind};
 use hyperoffload::size::format_size;
-use hyperoffload::{MapOptions, Pager};
+use hyperoffload::{MapOptions, Pager, Stats};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -94,18 +94,42 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
     let region = pager.map_file(&args.file, MapOptions::default())?;
     let file = File::open(&args.file)
         .with_context(|| format!("opening {} for --verify", args.file.display()))?;
-    let bytes = region.as_slice();
+    let started = Instant::now();
+    let scanned = scan(&args, region.as_slice(), &file);
+    let elapsed = started.elapsed().as_secs_f64();
+    let stats = pager.stats();
+    let len = region.as_slice().len() as u64;
+    if args.json {
+        print_json(&args, &stats, len, &scanned, elapsed)?;
+    } else {
+        print_summary(&args, &stats, len, &scanned, elapsed);
+    }
+    drop(region);
+    Ok(if scanned.mismatches == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// What the scanning threads did.
+struct Scanned {
+    touched: u64,
+    /// Chunks whose bytes differ from the file's (with --verify).
+    mismatches: u64,
+}
+
+/// Reads (or verifies) `bytes` from `args.threads` threads in `args.pattern`.
+fn scan(args: &ScanArgs, bytes: &[u8], file: &File) -> Scanned {
     let len = bytes.len() as u64;
     let mismatches = AtomicU64::new(0);
     let touched = AtomicU64::new(0);
-    let started = Instant::now();
     std::thread::scope(|scope| {
         for thread in 0..args.threads as u64 {
-            let (mismatches, touched, file, args) = (&mismatches, &touched, &file, &args);
+            let (mismatches, touched) = (&mismatches, &touched);
             scope.spawn(move || {
-                let ranges = thread_ranges(args, thread, len);
                 let mut expected = vec![0u8; CHUNK as usize];
-                for range in ranges {
+                for range in thread_ranges(args, thread, len) {
                     let slice = &bytes[range.start as usize..range.end as usize];
                     if args.verify {
                         let expected = &mut expected[..slice.len()];
@@ -127,66 +151,71 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
             });
         }
     });
-    let elapsed = started.elapsed().as_secs_f64();
-    let stats = pager.stats();
-    let touched = touched.load(Ordering::Relaxed);
-    let mismatches = mismatches.load(Ordering::Relaxed);
-    let throughput = touched as f64 / elapsed / 1e6;
-    if args.json {
-        let mut json = serde_json::to_value(&stats)?;
-        let object = json.as_object_mut().expect("stats serialize to an object");
-        object.insert("file_bytes".into(), len.into());
-        object.insert("bytes_touched".into(), touched.into());
-        object.insert("scan_seconds".into(), elapsed.into());
-        object.insert("throughput_mb_s".into(), throughput.into());
-        if args.verify {
-            object.insert("mismatches".into(), mismatches.into());
-        }
-        println!("{json}");
-    } else {
-        println!(
-            "scanned {} of {} in {elapsed:.3} s: {throughput:.0} MB/s ({:?}, {} thread(s), {} pass(es))",
-            format_size(touched),
-            format_size(len),
-            args.pattern,
-            args.threads,
-            args.passes
-        );
-        println!(
-            "faults {} (demand {}, prefetch hits {}, hit rate {:.1}%), read {} in {} blocks / {} requests, evictions {}",
-            stats.faults,
-            stats.demand_faults,
-            stats.prefetch_hits,
-            stats.hit_rate() * 100.0,
-            format_size(stats.bytes_read),
-            stats.blocks_read,
-            stats.read_requests,
-            stats.evictions
-        );
-        println!(
-            "budget {}, peak resident {}, fault latency us p50 {:.0} p90 {:.0} p99 {:.0} max {:.0}{}",
-            format_size(stats.budget_bytes),
-            format_size(stats.peak_resident_bytes),
-            stats.fault_latency_us.p50,
-            stats.fault_latency_us.p90,
-            stats.fault_latency_us.p99,
-            stats.fault_latency_us.max,
-            stats
-                .direct_io_fallback
-                .as_deref()
-                .map(|why| format!("; {why}"))
-                .unwrap_or_default()
-        );
-        if args.verify {
-            println!("verify: {mismatches} mismatching chunk(s)");
-        }
+    Scanned {
+        touched: touched.into_inner(),
+        mismatches: mismatches.into_inner(),
     }
-    drop(region);
-    Ok(if mismatches == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+}
+
+fn print_json(
+    args: &ScanArgs,
+    stats: &Stats,
+    len: u64,
+    scanned: &Scanned,
+    elapsed: f64,
+) -> anyhow::Result<()> {
+    let mut json = serde_json::to_value(stats)?;
+    let object = json.as_object_mut().expect("stats serialize to an object");
+    object.insert("file_bytes".into(), len.into());
+    object.insert("bytes_touched".into(), scanned.touched.into());
+    object.insert("scan_seconds".into(), elapsed.into());
+    let throughput = scanned.touched as f64 / elapsed / 1e6;
+    object.insert("throughput_mb_s".into(), throughput.into());
+    if args.verify {
+        object.insert("mismatches".into(), scanned.mismatches.into());
+    }
+    println!("{json}");
+    Ok(())
+}
+
+fn print_summary(args: &ScanArgs, stats: &Stats, len: u64, scanned: &Scanned, elapsed: f64) {
+    let throughput = scanned.touched as f64 / elapsed / 1e6;
+    println!(
+        "scanned {} of {} in {elapsed:.3} s: {throughput:.0} MB/s ({:?}, {} thread(s), {} pass(es))",
+        format_size(scanned.touched),
+        format_size(len),
+        args.pattern,
+        args.threads,
+        args.passes
+    );
+    println!(
+        "faults {} (demand {}, prefetch hits {}, hit rate {:.1}%), read {} in {} blocks / {} requests, evictions {}",
+        stats.faults,
+        stats.demand_faults,
+        stats.prefetch_hits,
+        stats.hit_rate() * 100.0,
+        format_size(stats.bytes_read),
+        stats.blocks_read,
+        stats.read_requests,
+        stats.evictions
+    );
+    println!(
+        "budget {}, peak resident {}, fault latency us p50 {:.0} p90 {:.0} p99 {:.0} max {:.0}{}",
+        format_size(stats.budget_bytes),
+        format_size(stats.peak_resident_bytes),
+        stats.fault_latency_us.p50,
+        stats.fault_latency_us.p90,
+        stats.fault_latency_us.p99,
+        stats.fault_latency_us.max,
+        stats
+            .direct_io_fallback
+            .as_deref()
+            .map(|why| format!("; {why}"))
+            .unwrap_or_default()
+    );
+    if args.verify {
+        println!("verify: {} mismatching chunk(s)", scanned.mismatches);
+    }
 }
 
 /// The byte ranges one thread reads, in order, for all passes.

@@ -179,8 +179,50 @@ fn read_exact<R: Read>(
 }
 
 fn parse<R: Read>(mut source: R, file_len: u64) -> Result<SafetensorsFile, SafetensorsError> {
+    let (header_len, object) = read_header(&mut source, file_len)?;
+    let data_start = 8 + header_len;
+    let data_len = file_len - data_start;
+    let mut metadata = BTreeMap::new();
+    let mut tensors = Vec::with_capacity(object.len());
+    for (name, value) in object {
+        if name == METADATA_KEY {
+            metadata = serde_json::from_value(value)
+                .map_err(|e| SafetensorsError::BadMetadata(e.to_string()))?;
+            continue;
+        }
+        let tensor = checked_tensor(name, value)?;
+        let (start, end) = tensor.data_offsets;
+        if end > data_len {
+            return Err(SafetensorsError::OutOfBounds {
+                tensor: tensor.name,
+                start: data_start.saturating_add(start),
+                end: data_start.saturating_add(end),
+                file_len,
+            });
+        }
+        tensors.push(tensor);
+    }
+    tensors.sort_by(|a, b| {
+        a.data_offsets
+            .cmp(&b.data_offsets)
+            .then(a.name.cmp(&b.name))
+    });
+    check_no_overlap(&tensors)?;
+    Ok(SafetensorsFile {
+        header_len,
+        metadata,
+        tensors,
+        file_len,
+    })
+}
+
+/// The header's length and its JSON object, checked to fit in the file.
+fn read_header<R: Read>(
+    source: &mut R,
+    file_len: u64,
+) -> Result<(u64, serde_json::Map<String, serde_json::Value>), SafetensorsError> {
     let mut len_bytes = [0u8; 8];
-    read_exact(&mut source, &mut len_bytes, 0, "the header length")?;
+    read_exact(source, &mut len_bytes, 0, "the header length")?;
     let header_len = u64::from_le_bytes(len_bytes);
     if header_len > MAX_HEADER_LEN {
         return Err(SafetensorsError::HeaderTooLarge { len: header_len });
@@ -193,86 +235,72 @@ fn parse<R: Read>(mut source: R, file_len: u64) -> Result<SafetensorsFile, Safet
     }
     // In range: header_len <= MAX_HEADER_LEN.
     let mut header = vec![0u8; header_len as usize];
-    read_exact(&mut source, &mut header, 8, "the header")?;
+    read_exact(source, &mut header, 8, "the header")?;
     let text = std::str::from_utf8(&header).map_err(|_| SafetensorsError::BadUtf8)?;
     let json: serde_json::Value =
         serde_json::from_str(text).map_err(|e| SafetensorsError::BadJson(e.to_string()))?;
     let serde_json::Value::Object(object) = json else {
         return Err(SafetensorsError::NotAnObject);
     };
+    Ok((header_len, object))
+}
 
-    let data_start = 8 + header_len;
-    let data_len = file_len - data_start;
-    let mut metadata = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(object.len());
-    for (name, value) in object {
-        if name == METADATA_KEY {
-            metadata = serde_json::from_value(value)
-                .map_err(|e| SafetensorsError::BadMetadata(e.to_string()))?;
-            continue;
-        }
-        let entry: Entry =
-            serde_json::from_value(value).map_err(|e| SafetensorsError::BadEntry {
-                tensor: name.clone(),
-                reason: e.to_string(),
-            })?;
-        let Some(bits) = dtype_bits(&entry.dtype) else {
-            return Err(SafetensorsError::UnknownDtype {
-                tensor: name,
-                dtype: entry.dtype,
-            });
-        };
-        let bad_shape = || SafetensorsError::BadShape {
-            tensor: name.clone(),
-            dtype: entry.dtype.clone(),
-            shape: entry.shape.clone(),
-        };
-        let total_bits = entry
-            .shape
-            .iter()
-            .try_fold(bits, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(bad_shape)?;
-        if total_bits % 8 != 0 {
-            return Err(bad_shape());
-        }
-        let expected = total_bits / 8;
-        let (start, end) = entry.data_offsets;
-        if end < start {
-            return Err(SafetensorsError::BackwardOffsets {
-                tensor: name,
-                start,
-                end,
-            });
-        }
-        if end - start != expected {
-            return Err(SafetensorsError::SizeMismatch {
-                tensor: name,
-                dtype: entry.dtype,
-                shape: entry.shape,
-                expected,
-                found: end - start,
-            });
-        }
-        if end > data_len {
-            return Err(SafetensorsError::OutOfBounds {
-                tensor: name,
-                start: data_start.saturating_add(start),
-                end: data_start.saturating_add(end),
-                file_len,
-            });
-        }
-        tensors.push(SafetensorsTensor {
-            name,
+/// A tensor entry of the header, its dtype known and its byte length that of its shape.
+fn checked_tensor(
+    name: String,
+    value: serde_json::Value,
+) -> Result<SafetensorsTensor, SafetensorsError> {
+    let entry: Entry = serde_json::from_value(value).map_err(|e| SafetensorsError::BadEntry {
+        tensor: name.clone(),
+        reason: e.to_string(),
+    })?;
+    let Some(bits) = dtype_bits(&entry.dtype) else {
+        return Err(SafetensorsError::UnknownDtype {
+            tensor: name,
             dtype: entry.dtype,
-            shape: entry.shape,
-            data_offsets: entry.data_offsets,
+        });
+    };
+    let bad_shape = || SafetensorsError::BadShape {
+        tensor: name.clone(),
+        dtype: entry.dtype.clone(),
+        shape: entry.shape.clone(),
+    };
+    let total_bits = entry
+        .shape
+        .iter()
+        .try_fold(bits, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(bad_shape)?;
+    if total_bits % 8 != 0 {
+        return Err(bad_shape());
+    }
+    let expected = total_bits / 8;
+    let (start, end) = entry.data_offsets;
+    if end < start {
+        return Err(SafetensorsError::BackwardOffsets {
+            tensor: name,
+            start,
+            end,
         });
     }
-    tensors.sort_by(|a, b| {
-        a.data_offsets
-            .cmp(&b.data_offsets)
-            .then(a.name.cmp(&b.name))
-    });
+    if end - start != expected {
+        return Err(SafetensorsError::SizeMismatch {
+            tensor: name,
+            dtype: entry.dtype,
+            shape: entry.shape,
+            expected,
+            found: end - start,
+        });
+    }
+    Ok(SafetensorsTensor {
+        name,
+        dtype: entry.dtype,
+        shape: entry.shape,
+        data_offsets: entry.data_offsets,
+    })
+}
+
+/// Refuses tensors (sorted by offset) whose bytes overlap; empty tensors overlap nothing.
+fn check_no_overlap(tensors: &[SafetensorsTensor]) -> Result<(), SafetensorsError> {
     let occupied = tensors
         .iter()
         .filter(|t| t.data_offsets.1 > t.data_offsets.0);
@@ -288,10 +316,5 @@ fn parse<R: Read>(mut source: R, file_len: u64) -> Result<SafetensorsFile, Safet
         }
         previous = Some(t);
     }
-    Ok(SafetensorsFile {
-        header_len,
-        metadata,
-        tensors,
-        file_len,
-    })
+    Ok(())
 }

@@ -4,6 +4,7 @@
 //! models larger than RAM in tests and benchmarks.
 
 mod fill;
+mod metadata;
 mod plan;
 
 use std::io::{self, Write};

@@ -1,5 +1,6 @@
 //! Choosing the shape of a synthetic llama model: how wide and how deep, so that the
-//! file comes out near the requested size; its metadata; and its tensor order.
+//! file comes out near the requested size; its tensors and their order (its metadata:
+//! `metadata`).
 
 use std::collections::HashMap;
 use std::io;
@@ -8,6 +9,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use super::fill::{self, Fill};
+use super::metadata::{llama_file_type, metadata, same_type};
 use super::{SynthError, TensorOrder};
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufFile, GgufValue, GgufWriter, NewTensor};
@@ -212,6 +214,13 @@ fn key_u64(small: &GgufFile, key: &str) -> Result<u64, SynthError> {
 
 /// Reads the small model's shape and its tensors' roles and types.
 fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), SynthError> {
+    let shape = small_shape(small)?;
+    let (globals, layer) = roles_of(small, &shape)?;
+    Ok((shape, globals, layer))
+}
+
+/// The small model's dimensions, checked to be a dense llama whose products fit.
+fn small_shape(small: &GgufFile) -> Result<LlamaShape, SynthError> {
     let arch = small.architecture().unwrap_or("(none)");
     if arch != "llama" {
         return Err(SynthError::NotLlama(arch.to_string()));
@@ -256,7 +265,12 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
             shape.n_head, shape.head_dim, shape.n_embd
         )));
     }
+    Ok(shape)
+}
 
+/// The small model's global and per-layer tensor roles, each tensor checked against
+/// `shape`, per-layer types in layer order.
+fn roles_of(small: &GgufFile, shape: &LlamaShape) -> Result<(Vec<Role>, Vec<Role>), SynthError> {
     let mut globals: Vec<Role> = Vec::new();
     let mut layer: Vec<Role> = Vec::new();
     for t in &small.tensors {
@@ -320,7 +334,7 @@ fn small_model(small: &GgufFile) -> Result<(LlamaShape, Vec<Role>, Vec<Role>), S
         typed.sort_by_key(|(i, _)| *i);
         role.types = typed.into_iter().map(|(_, ty)| ty).collect();
     }
-    Ok((shape, globals, layer))
+    Ok((globals, layer))
 }
 
 /// The type of `role` in layer `i` of `n_layer`: the small model's layer at the same
@@ -479,81 +493,6 @@ fn tune_ff(
     shape.n_ff = best * block;
 }
 
-/// Writes `value` with the integer type `like` had, so readers expecting u32 get u32.
-fn same_type(like: Option<&GgufValue>, value: u64) -> GgufValue {
-    match like {
-        Some(GgufValue::U64(_)) => GgufValue::U64(value),
-        Some(GgufValue::I32(_)) => GgufValue::I32(value as i32),
-        Some(GgufValue::I64(_)) => GgufValue::I64(value as i64),
-        _ => GgufValue::U32(value as u32),
-    }
-}
-
-fn size_label(n_params: u64) -> String {
-    match n_params {
-        n if n >= 1_000_000_000 => format!("{:.1}B", n as f64 / 1e9),
-        n => format!("{}M", n / 1_000_000),
-    }
-}
-
-/// llama.cpp's `LLAMA_FTYPE_MOSTLY_*` for a model whose weights are all `ty`.
-fn llama_file_type(ty: GgmlType) -> Option<u64> {
-    Some(match ty.name() {
-        "Q4_0" => 2,
-        "Q4_1" => 3,
-        "Q8_0" => 7,
-        "Q5_0" => 8,
-        "Q5_1" => 9,
-        "Q2_K" => 10,
-        "Q6_K" => 18,
-        _ => return None,
-    })
-}
-
-fn metadata(small: &GgufFile, shape: &LlamaShape, n_params: u64) -> Vec<(String, GgufValue)> {
-    let mut overrides: Vec<(&str, u64)> = vec![
-        ("llama.block_count", shape.n_layer),
-        ("llama.embedding_length", shape.n_embd),
-        ("llama.feed_forward_length", shape.n_ff),
-        ("llama.attention.head_count", shape.n_head),
-        ("llama.attention.head_count_kv", shape.n_head_kv),
-    ];
-    if shape.n_expert > 0 {
-        overrides.push(("llama.expert_count", shape.n_expert));
-        overrides.push(("llama.expert_used_count", shape.n_expert_used));
-    }
-    let mut out: Vec<(String, GgufValue)> = small
-        .metadata
-        .iter()
-        .map(|(key, value)| {
-            let new = match overrides.iter().find(|(k, _)| k == key) {
-                Some((_, v)) => same_type(Some(value), *v),
-                None => match key.as_str() {
-                    "general.name" => GgufValue::string(format!(
-                        "{} (synthetic {})",
-                        value.as_str().unwrap_or("model"),
-                        size_label(n_params)
-                    )),
-                    "general.size_label" => GgufValue::string(size_label(n_params)),
-                    _ => value.clone(),
-                },
-            };
-            (key.clone(), new)
-        })
-        .collect();
-    for &(key, v) in &overrides {
-        if small.get(key).is_none() {
-            out.push((key.to_string(), GgufValue::U32(v as u32)));
-        }
-    }
-    for key in ["llama.rope.dimension_count"] {
-        if small.get(key).is_none() {
-            out.push((key.to_string(), GgufValue::U32(shape.head_dim as u32)));
-        }
-    }
-    out
-}
-
 /// Orders tensors like the small model's file: its global tensors before or after the
 /// layers as they were, its layers in numeric or string order as they were, and each
 /// layer's tensors in the small model's order.
@@ -681,16 +620,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         small_shape.n_expert_used = moe.used;
     }
     if let Some(weight_type) = weight_type {
-        if !weight_type.is_quantized() || !fill::supported(weight_type) {
-            return Err(SynthError::UnsupportedType(weight_type));
-        }
-        for role in globals.iter_mut().chain(layer.iter_mut()) {
-            for ty in role.types.iter_mut().filter(|ty| ty.is_quantized()) {
-                // Same 32-element blocks as the common quantized types; shapes that
-                // do not fit are caught when the tensors are sized.
-                *ty = weight_type;
-            }
-        }
+        retype_quantized(weight_type, &mut globals, &mut layer)?;
     }
     // The header: metadata as in the small model, plus about 100 bytes per tensor.
     let header_guess = small
@@ -706,6 +636,63 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     )?;
     let n_params = shape.n_params(&globals, &layer);
 
+    let (mut tensors, fills) = tensors_in_exec_order(&shape, &globals, &layer, moe);
+
+    match order {
+        TensorOrder::Exec => {}
+        TensorOrder::File => file_order(small, &mut tensors),
+        TensorOrder::Alphabetical => tensors.sort_by(|a, b| a.name.cmp(&b.name)),
+        TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
+    }
+
+    let mut metadata = metadata(small, &shape, n_params);
+    if let Some(file_type) = weight_type.and_then(llama_file_type) {
+        // llama.cpp labels the model by it (llama-bench's "Q8_0").
+        if let Some((_, value)) = metadata.iter_mut().find(|(k, _)| k == "general.file_type") {
+            *value = same_type(Some(value), file_type);
+        }
+    }
+    // The exact size, from laying out the header without writing it anywhere.
+    let file_len =
+        GgufWriter::new(io::sink(), &metadata, tensors.clone(), small.alignment)?.file_len();
+    Ok(SynthPlan {
+        shape,
+        metadata,
+        tensors,
+        fills,
+        alignment: small.alignment,
+        file_len,
+        n_params,
+    })
+}
+
+/// Gives every quantized tensor `weight_type` (a quantized type the filler supports).
+fn retype_quantized(
+    weight_type: GgmlType,
+    globals: &mut [Role],
+    layer: &mut [Role],
+) -> Result<(), SynthError> {
+    if !weight_type.is_quantized() || !fill::supported(weight_type) {
+        return Err(SynthError::UnsupportedType(weight_type));
+    }
+    for role in globals.iter_mut().chain(layer.iter_mut()) {
+        for ty in role.types.iter_mut().filter(|ty| ty.is_quantized()) {
+            // Same 32-element blocks as the common quantized types; shapes that
+            // do not fit are caught when the tensors are sized.
+            *ty = weight_type;
+        }
+    }
+    Ok(())
+}
+
+/// The tensors of a model of `shape` in execution order (globals before the layers,
+/// the layers, the rest), and how each is filled.
+fn tensors_in_exec_order(
+    shape: &LlamaShape,
+    globals: &[Role],
+    layer: &[Role],
+    moe: Option<MoeSpec>,
+) -> (Vec<NewTensor>, HashMap<String, Fill>) {
     let mut tensors = Vec::new();
     let mut fills = HashMap::new();
     let mut add = |name: String, role: &str, ggml_type: GgmlType| {
@@ -739,7 +726,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
             .position(|g| *g == name)
             .unwrap_or(usize::MAX)
     };
-    let mut sorted_globals = globals.clone();
+    let mut sorted_globals = globals.to_vec();
     sorted_globals.sort_by_key(|r| global_rank(&r.name));
     let (before, after): (Vec<_>, Vec<_>) = sorted_globals
         .iter()
@@ -747,7 +734,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     for role in before {
         add(role.name.clone(), &role.name, role.types[0]);
     }
-    let mut layer_roles = layer.clone();
+    let mut layer_roles = layer.to_vec();
     layer_roles.sort_by_key(|r| {
         EXEC_ORDER
             .iter()
@@ -767,30 +754,5 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         add(role.name.clone(), &role.name, role.types[0]);
     }
 
-    match order {
-        TensorOrder::Exec => {}
-        TensorOrder::File => file_order(small, &mut tensors),
-        TensorOrder::Alphabetical => tensors.sort_by(|a, b| a.name.cmp(&b.name)),
-        TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
-    }
-
-    let mut metadata = metadata(small, &shape, n_params);
-    if let Some(file_type) = weight_type.and_then(llama_file_type) {
-        // llama.cpp labels the model by it (llama-bench's "Q8_0").
-        if let Some((_, value)) = metadata.iter_mut().find(|(k, _)| k == "general.file_type") {
-            *value = same_type(Some(value), file_type);
-        }
-    }
-    // The exact size, from laying out the header without writing it anywhere.
-    let file_len =
-        GgufWriter::new(io::sink(), &metadata, tensors.clone(), small.alignment)?.file_len();
-    Ok(SynthPlan {
-        shape,
-        metadata,
-        tensors,
-        fills,
-        alignment: small.alignment,
-        file_len,
-        n_params,
-    })
+    (tensors, fills)
 }
