@@ -37,8 +37,6 @@ pub(crate) enum Command {
         base: usize,
         layout: RegionLayout,
         file: BackingFile,
-        /// File offset of the region's first byte.
-        file_offset: u64,
         /// The program's protection of the region (frames are mapped with it).
         prot: i32,
         reply: SyncSender<()>,

@@ -1,5 +1,6 @@
-//! Pure address arithmetic: which block of which region an address falls in, and what
-//! bytes of the file each block holds. No syscalls, so it is tested without the kernel.
+//! Pure address arithmetic: which region an address falls in, and which block of it, or
+//! whether it lies past the end of the file. No syscalls, so it is tested without the
+//! kernel. The blocks themselves are the region's `BlockGeometry`.
 //!
 //! A region maps `data_len` bytes of a file starting at a page-aligned file offset, at a
 //! page-aligned base address. Blocks are aligned to the region's start, not to absolute
@@ -18,6 +19,7 @@
 
 use std::ops::Range;
 
+use crate::geometry::BlockGeometry;
 use crate::policy::RegionId;
 
 /// Where an offset inside a region lands.
@@ -28,54 +30,57 @@ pub enum Location {
     PastEof,
 }
 
-/// The block geometry of one region.
+/// A region's mapping: its blocks (`geometry`) and the pages around them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionLayout {
-    /// Bytes of file data presented (a suffix of the last page reads as zeros).
-    pub data_len: u64,
+    /// The file data the region presents (a suffix of the last page reads as zeros) and
+    /// its blocks.
+    pub geometry: BlockGeometry,
     /// Length of the mapping: at least the data rounded up to a page.
     pub map_len: u64,
-    pub block_size: u64,
     pub page_size: u64,
 }
 
 impl RegionLayout {
-    /// `block_size` and `page_size` must be powers of two with `block_size >= page_size`,
-    /// `map_len` a page multiple at least `data_len` rounded up to a page; the pager's
-    /// constructors check these before building a layout.
-    pub fn new(data_len: u64, map_len: u64, block_size: u64, page_size: u64) -> Self {
+    /// The block size and `page_size` must be powers of two with block size at least
+    /// `page_size`, `map_len` a page multiple at least the data rounded up to a page; the
+    /// pager's constructors check these before building a layout.
+    pub fn new(geometry: BlockGeometry, map_len: u64, page_size: u64) -> Self {
+        let block_size = geometry.block_size;
         debug_assert!(block_size.is_power_of_two() && page_size.is_power_of_two());
         debug_assert!(block_size >= page_size);
-        debug_assert!(map_len % page_size == 0 && map_len >= data_len.next_multiple_of(page_size));
+        debug_assert!(
+            map_len % page_size == 0 && map_len >= geometry.data_len.next_multiple_of(page_size)
+        );
         Self {
-            data_len,
+            geometry,
             map_len,
-            block_size,
             page_size,
         }
     }
 
     /// Offset of the end of the last page holding file data.
     pub fn data_pages_end(&self) -> u64 {
-        self.data_len.next_multiple_of(self.page_size)
+        self.geometry.data_len.next_multiple_of(self.page_size)
     }
 
     pub fn block_count(&self) -> u32 {
-        self.data_len.div_ceil(self.block_size) as u32
+        self.geometry.block_count()
     }
 
     pub fn locate(&self, offset: u64) -> Location {
         if offset >= self.data_pages_end() {
             Location::PastEof
         } else {
-            Location::Block((offset / self.block_size) as u32)
+            Location::Block(self.geometry.block_of(offset))
         }
     }
 
-    /// Region offsets of the memory a block occupies (page aligned).
+    /// Region offsets of the memory a block occupies (page aligned): its data rounded up
+    /// to a page.
     pub fn block_memory(&self, index: u32) -> Range<u64> {
-        let start = index as u64 * self.block_size;
-        start..(start + self.block_size).min(self.data_pages_end())
+        let data = self.geometry.block_range(index);
+        data.start..data.end.next_multiple_of(self.page_size)
     }
 
     /// Bytes of memory a resident block occupies: what it costs against the budget.
@@ -84,19 +89,14 @@ impl RegionLayout {
         memory.end - memory.start
     }
 
-    /// Bytes of file data in a block (less than `block_bytes` only for the last block).
-    pub fn block_data_len(&self, index: u32) -> u64 {
-        let start = index as u64 * self.block_size;
-        (start + self.block_size).min(self.data_len) - start
-    }
-
-    /// Blocks overlapping a range of region offsets, clipped to the data.
+    /// Blocks overlapping a range of region offsets, clipped to the data pages (an offset
+    /// in the last page past the data belongs to the last block).
     pub fn blocks_overlapping(&self, range: Range<u64>) -> Range<u32> {
         let end = range.end.min(self.data_pages_end());
         if range.start >= end {
             return 0..0;
         }
-        (range.start / self.block_size) as u32..end.div_ceil(self.block_size) as u32
+        self.geometry.block_of(range.start)..self.geometry.block_of(end - 1) + 1
     }
 
     /// Whole pages in `[data_pages_end, map_len)`: the part that raises SIGBUS.
@@ -219,6 +219,11 @@ mod tests {
 
     const PAGE: u64 = 4096;
 
+    fn region(data_len: u64, map_len: u64, block_size: u64) -> RegionLayout {
+        let geometry = BlockGeometry::new(0, data_len, block_size).unwrap();
+        RegionLayout::new(geometry, map_len, PAGE)
+    }
+
     #[test]
     fn parts_outside_holes() {
         assert_eq!(outside_holes(0..100, &[]), vec![0..100]);
@@ -242,7 +247,7 @@ mod tests {
     #[test]
     fn blocks_cover_data_pages_and_the_rest_is_past_eof() {
         // 3 blocks of 64 KiB, the last one holding 100 bytes of data.
-        let layout = RegionLayout::new(2 * 65536 + 100, 4 * 65536, 65536, PAGE);
+        let layout = region(2 * 65536 + 100, 4 * 65536, 65536);
         assert_eq!(layout.block_count(), 3);
         assert_eq!(layout.locate(0), Location::Block(0));
         assert_eq!(layout.locate(65535), Location::Block(0));
@@ -250,26 +255,33 @@ mod tests {
         assert_eq!(layout.locate(2 * 65536 + 4096), Location::PastEof);
         assert_eq!(layout.block_memory(2), 2 * 65536..2 * 65536 + PAGE);
         assert_eq!(layout.block_bytes(2), PAGE);
-        assert_eq!(layout.block_data_len(2), 100);
-        assert_eq!(layout.block_data_len(1), 65536);
+        assert_eq!(layout.block_memory(1), 65536..2 * 65536);
         assert_eq!(layout.past_eof(), 2 * 65536 + PAGE..4 * 65536);
     }
 
     #[test]
     fn a_file_smaller_than_a_page_is_one_short_block() {
-        let layout = RegionLayout::new(10, PAGE, 1 << 20, PAGE);
+        let layout = region(10, PAGE, 1 << 20);
         assert_eq!(layout.block_count(), 1);
         assert_eq!(layout.block_memory(0), 0..PAGE);
-        assert_eq!(layout.block_data_len(0), 10);
         assert_eq!(layout.past_eof(), PAGE..PAGE);
     }
 
     #[test]
     fn overlapping_blocks_are_clipped_to_data() {
-        let layout = RegionLayout::new(10 * 65536, 16 * 65536, 65536, PAGE);
+        let layout = region(10 * 65536 + 100, 16 * 65536, 65536);
         assert_eq!(layout.blocks_overlapping(0..1), 0..1);
         assert_eq!(layout.blocks_overlapping(65535..65537), 0..2);
-        assert_eq!(layout.blocks_overlapping(3 * 65536..100 * 65536), 3..10);
+        assert_eq!(layout.blocks_overlapping(3 * 65536..100 * 65536), 3..11);
+        // Past the data but in its last page: the last block.
+        assert_eq!(
+            layout.blocks_overlapping(10 * 65536 + 200..10 * 65536 + 300),
+            10..11
+        );
+        assert_eq!(
+            layout.blocks_overlapping(10 * 65536 + PAGE..11 * 65536),
+            0..0
+        );
         assert_eq!(layout.blocks_overlapping(12 * 65536..13 * 65536), 0..0);
         assert_eq!(layout.blocks_overlapping(5..5), 0..0);
     }

@@ -6,6 +6,7 @@
 mod command;
 mod event;
 pub mod file;
+pub mod geometry;
 pub mod glob;
 pub mod graph;
 pub mod layout;

@@ -24,6 +24,7 @@ use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
 use crate::command::{Command, PinRefused, Shared};
 use crate::event::EventFd;
 use crate::file::{BackingFile, OpenError};
+use crate::geometry::{BlockGeometry, GeometryError};
 use crate::layout::RegionLayout;
 use crate::lock::lock;
 use crate::map_count;
@@ -140,6 +141,8 @@ pub enum MapError {
         available: u64,
         limit: u64,
     },
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
     #[error("the fault service has stopped")]
     ServiceGone,
     #[error("this pager serves process {owner}; a child forked from it cannot use it")]
@@ -696,6 +699,7 @@ impl Pager {
         if map_len < needed {
             return Err(MapError::MapTooShort { map_len, needed });
         }
+        let geometry = BlockGeometry::new(options.offset, len, self.inner.block_size)?;
         // Mapped from frames, blocks are huge pages only at huge-page-aligned addresses.
         let align = if self.inner.zero_copy {
             self.inner.block_size as usize
@@ -716,14 +720,13 @@ impl Pager {
             .register(mapping.base as *mut libc::c_void, mapping.len)
             .map_err(|error| MapError::Register(format!("{error:?}")))?;
         let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
-        let layout = RegionLayout::new(len, map_len, self.inner.block_size, page);
+        let layout = RegionLayout::new(geometry, map_len, page);
         let (reply, answer) = sync_channel(1);
         self.inner.shared.send(Command::AddRegion {
             id,
             base: mapping.base,
             layout,
             file,
-            file_offset: options.offset,
             prot: options.prot,
             reply,
         });

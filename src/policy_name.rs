@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+use crate::geometry::BlockGeometry;
 use crate::graph::expert_store::{self, LoadedCounts};
 use crate::graph::store::{self, Loaded};
-use crate::graph::{BlockLayout, ModelGraph, PartTensors};
+use crate::graph::{ModelGraph, PartTensors};
 use crate::model::split::split_parts;
 use crate::model::ModelFile;
 use crate::policy::graph::GraphPrediction;
@@ -27,7 +28,7 @@ pub struct PolicyPair {
     /// (graph requested, neither a tensor table nor a usable saved graph): record every
     /// fault and call `graph::store::save` at the end. Never set for a run that has a
     /// graph (see `policies_by_name`).
-    pub learn: Option<crate::graph::BlockLayout>,
+    pub learn: Option<crate::geometry::BlockGeometry>,
     /// The graph policies' shared prediction of a mixture of experts, already started
     /// from counts an earlier run saved: save `expert_counts` at the end
     /// (`graph::expert_store::save`) for the next run.
@@ -93,7 +94,7 @@ pub fn policies_by_name(
     }
     match model.map(model_graph) {
         Some(Ok((graph, source))) => {
-            let blocks = graph.layout().block_count();
+            let blocks = graph.geometry().block_count();
             let has_experts = !graph.experts().is_empty();
             let prediction = GraphPrediction::new(Arc::new(graph));
             let mut description = format!("graph ({source}, {blocks} blocks)");
@@ -142,7 +143,7 @@ pub fn policies_by_name(
             // trace holds the whole access order to learn from; readahead would hide
             // most of it.
             let learn = model.and_then(|hint| {
-                BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size).ok()
+                BlockGeometry::new(hint.file_offset, hint.data_len, hint.block_size).ok()
             });
             let (prefetch, eviction, what): (_, Box<dyn EvictionPolicy>, _) = match learn {
                 // Resident blocks are watched (with zero copy), so that every access is
@@ -175,7 +176,7 @@ const LEARNED: &str = "learned graph";
 /// GGUF), else from a graph saved beside it by an earlier run. Errors say why neither
 /// was usable.
 fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
-    let layout = BlockLayout::new(hint.file_offset, hint.data_len, hint.block_size)
+    let layout = BlockGeometry::new(hint.file_offset, hint.data_len, hint.block_size)
         .map_err(|error| error.to_string())?;
     let table = match ModelFile::open(hint.path) {
         Ok(model) => return Ok(table_graph(&model, layout)),
@@ -196,12 +197,12 @@ fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
 /// The graph of `model`'s tensor table as a region of geometry `layout` presents it;
 /// for a part of a split GGUF, of all the parts' tables (each file presented whole).
 /// Parts that cannot be gathered leave the graph to this file's table, and say why.
-fn table_graph(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
+fn table_graph(model: &ModelFile, layout: BlockGeometry) -> (ModelGraph, String) {
     let (graph, source) = table_graph_of_parts(model, layout);
     (graph.with_experts_used(model.experts_used()), source)
 }
 
-fn table_graph_of_parts(model: &ModelFile, layout: BlockLayout) -> (ModelGraph, String) {
+fn table_graph_of_parts(model: &ModelFile, layout: BlockGeometry) -> (ModelGraph, String) {
     let alone = |why: String| (ModelGraph::from_tensors(&model.tensors, layout), why);
     let parts = match split_parts(model) {
         Ok(None) => return alone("tensor table".to_string()),

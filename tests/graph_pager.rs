@@ -8,8 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
+use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::graph::arch::execution_order;
-use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::graph::ModelGraph;
 use hyperoffload::model::ModelFile;
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy::{EvictionKind, PrefetchKind};
@@ -47,7 +48,7 @@ fn decode_with(
     let budget = model.file_len * share.0 / share.1 / block * block;
     let graph = ModelGraph::from_tensors(
         &model.tensors,
-        BlockLayout::new(0, model.file_len, block).unwrap(),
+        BlockGeometry::new(0, model.file_len, block).unwrap(),
     );
     let prediction = GraphPrediction::new(Arc::new(graph));
     let pager = pager_or_skip(

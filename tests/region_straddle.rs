@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::ModelGraph;
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy::{EvictionKind, PrefetchKind};
 use hyperoffload::{MapOptions, Pager};
@@ -51,7 +52,7 @@ fn a_load_straddling_two_blocks_completes() {
     pattern_file(&other, 8 * BLOCK);
     // The graph predicts the model file, read in order; the other file is not its.
     let pass: Vec<u32> = (0..MODEL_BLOCKS as u32).collect();
-    let layout = BlockLayout::new(0, MODEL_BLOCKS * BLOCK, BLOCK).unwrap();
+    let layout = BlockGeometry::new(0, MODEL_BLOCKS * BLOCK, BLOCK).unwrap();
     let prediction = GraphPrediction::new(Arc::new(ModelGraph::from_pass(layout, &pass)));
     let Some(pager) = pager_or_skip(
         Pager::builder()

@@ -20,7 +20,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use hyperoffload::graph::{expert_store, store, BlockLayout, Transitions};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::{expert_store, store, Transitions};
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::shim_config::ShimConfig;
 use hyperoffload::sys::getpid;
@@ -40,7 +41,7 @@ pub struct Run<'a> {
     /// The pager's own heap (see `heap`): bytes in use and the peak.
     pub heap_bytes: (usize, usize),
     /// The model whose graph this run learns, and the layout to save it for.
-    pub learning: Option<(PathBuf, BlockLayout)>,
+    pub learning: Option<(PathBuf, BlockGeometry)>,
     /// A mixture of experts' model, and the prediction whose expert counts are saved.
     pub experts: Option<(PathBuf, Arc<GraphPrediction>)>,
     /// Takes the shim's own events (one JSON a line), when the trace is written.
@@ -99,7 +100,7 @@ fn stats_json(run: &Run<'_>) -> serde_json::Value {
 
 /// Saves the access order of the model's first region (region ids count from 0: the
 /// first is the one the graph is for) for the next run.
-fn save_graph(run: &Run<'_>, model: &Path, layout: BlockLayout, records: &[TraceRecord]) {
+fn save_graph(run: &Run<'_>, model: &Path, layout: BlockGeometry, records: &[TraceRecord]) {
     let mut transitions = Transitions::new();
     transitions.observe_all(
         records

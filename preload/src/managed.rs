@@ -119,7 +119,7 @@ pub struct Shim {
     /// What the pager runs ("graph (tensor table, ...)"), once started.
     policy_in_use: Mutex<String>,
     /// The model whose graph this run learns, and the layout to save it for.
-    learning: Mutex<Option<(PathBuf, hyperoffload::graph::BlockLayout)>>,
+    learning: Mutex<Option<(PathBuf, hyperoffload::geometry::BlockGeometry)>>,
     /// A mixture of experts' model, and the prediction whose expert counts are saved
     /// for its next run.
     experts: Mutex<Option<(PathBuf, Arc<GraphPrediction>)>>,
@@ -220,7 +220,7 @@ impl Shim {
     }
 
     /// The model to learn a graph for, if this run records one.
-    pub fn learning(&self) -> Option<(PathBuf, hyperoffload::graph::BlockLayout)> {
+    pub fn learning(&self) -> Option<(PathBuf, hyperoffload::geometry::BlockGeometry)> {
         lock(&self.learning).clone()
     }
 

@@ -11,8 +11,9 @@ use super::compare::model_summary::{
 };
 use anyhow::{bail, Context};
 use clap::Args;
+use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
-use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors};
+use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::policy::graph::expert_counts_from_faults;
 use hyperoffload::size::format_size;
@@ -59,11 +60,11 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     } else {
         ModelGraph::from_tensors(
             &model.tensors,
-            BlockLayout::new(0, model.file_len, args.block)?,
+            BlockGeometry::new(0, model.file_len, args.block)?,
         )
     };
     let graph = graph.with_experts_used(model.experts_used());
-    let layout = *graph.layout();
+    let layout = *graph.geometry();
     // Each tensor with the part (1-based) holding it.
     let tensors: Vec<(usize, &TensorInfo)> = files
         .iter()
@@ -266,7 +267,7 @@ fn print_experts(graph: &ModelGraph, weights: u64) {
         slices.iter().copied().min().unwrap_or(0),
         slices.iter().copied().max().unwrap_or(0),
     );
-    let block = graph.layout().block_size;
+    let block = graph.geometry().block_size;
     let used = experts.prior_use();
     let per_token = weights.saturating_sub(expert_bytes) as f64 + expert_bytes as f64 * used;
     println!("\n## experts\n");

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 
 use super::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
-use hyperoffload::graph::{BlockLayout, ModelGraph, PartTensors, Transitions};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::{ModelGraph, PartTensors, Transitions};
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::size::{format_size, parse_size};
 use hyperoffload::trace::TraceReader;
@@ -148,7 +149,7 @@ fn workload_and_graph(
                     ModelGraph::from_parts(&tables, block)?.into_one_region()
                 }
                 None => {
-                    let layout = BlockLayout::new(0, model.file_len, block)?;
+                    let layout = BlockGeometry::new(0, model.file_len, block)?;
                     ModelGraph::from_tensors(&model.tensors, layout)
                 }
             };
@@ -189,7 +190,7 @@ pub(super) fn trace_model_graph(path: &Path, workload: &Workload) -> anyhow::Res
             format_size(block)
         );
     }
-    let layout = BlockLayout::new(0, model.file_len, block)?;
+    let layout = BlockGeometry::new(0, model.file_len, block)?;
     Ok(ModelGraph::from_tensors(&model.tensors, layout).with_experts_used(model.experts_used()))
 }
 
@@ -240,7 +241,7 @@ pub(super) fn read_trace(path: &Path, tokens: Option<u32>) -> anyhow::Result<Wor
         Some(size) if size > max_block * block_size => size,
         _ => (max_block + 1) * block_size,
     };
-    let layout = BlockLayout::new(0, data_len, block_size)?;
+    let layout = BlockGeometry::new(0, data_len, block_size)?;
     let token_starts = match tokens {
         Some(n) if n > 0 => (0..n as usize)
             .map(|t| t * accesses.len() / n as usize)

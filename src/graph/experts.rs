@@ -12,7 +12,7 @@
 
 use std::ops::Range;
 
-use super::layout::BlockLayout;
+use crate::geometry::BlockGeometry;
 
 /// One expert of one layer: the blocks of each of its slices, in execution order.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -61,15 +61,12 @@ pub struct ExpertMap {
 impl ExpertMap {
     /// Groups `slices` by (layer, expert) and indexes their blocks. Slices outside the
     /// region are left out; `blocks` counts the region's blocks.
-    pub fn new(slices: &[ExpertSlice], layout: &BlockLayout) -> Self {
-        let region_end = layout.file_offset + layout.data_len;
+    pub fn new(slices: &[ExpertSlice], layout: &BlockGeometry) -> Self {
         let mut keyed: Vec<(&ExpertSlice, Range<u32>, Range<u64>)> = slices
             .iter()
             .filter_map(|slice| {
-                let blocks = layout.blocks_of(&slice.file_range)?;
-                let start = slice.file_range.start.max(layout.file_offset);
-                let end = slice.file_range.end.min(region_end);
-                let bytes = start - layout.file_offset..end - layout.file_offset;
+                let bytes = layout.region_offsets(&slice.file_range)?;
+                let blocks = layout.blocks_overlapping(bytes.clone());
                 Some((slice, blocks, bytes))
             })
             .collect();
@@ -227,7 +224,7 @@ mod tests {
 
     #[test]
     fn slices_of_one_expert_form_a_group_and_blocks_know_their_groups() {
-        let layout = BlockLayout::new(0, 16 * 100, 100).unwrap();
+        let layout = BlockGeometry::new(0, 16 * 100, 100).unwrap();
         // Layer 0, two experts; gate slices 0..150 and 150..300, up 300..450, 450..600.
         let slices = [
             slice(0, 0, 0..150),
@@ -260,7 +257,7 @@ mod tests {
 
     #[test]
     fn slices_outside_the_region_are_left_out() {
-        let layout = BlockLayout::new(1000, 500, 100).unwrap();
+        let layout = BlockGeometry::new(1000, 500, 100).unwrap();
         let map = ExpertMap::new(&[slice(0, 0, 0..900), slice(0, 1, 1000..1100)], &layout);
         assert_eq!(map.groups().len(), 1);
         assert_eq!(map.group(0).expert, 1);

@@ -14,9 +14,9 @@
 //! does the same for how often a mixture of experts' experts run.
 
 pub mod arch;
+mod block_lengths;
 pub mod expert_store;
 pub mod experts;
-mod layout;
 pub mod learn;
 mod order;
 pub mod rank;
@@ -29,20 +29,19 @@ use petgraph::graph::{DiGraph, NodeIndex};
 use thiserror::Error;
 
 pub use arch::{Architecture, ExecutionOrder};
+pub use block_lengths::BlockLengths;
 pub use experts::{ExpertGroup, ExpertMap, ExpertSlice};
-pub use layout::{BlockLayout, BlockLengths};
 pub use learn::Transitions;
 pub use order::CyclicOrder;
 
+use crate::geometry::{BlockGeometry, GeometryError};
 use crate::model::{ModelFile, TensorInfo};
 
 /// A graph that cannot be built.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum GraphError {
-    #[error("block size is zero")]
-    ZeroBlockSize,
-    #[error("{data_len} bytes in blocks of {block_size} is more than 2^32 blocks")]
-    TooManyBlocks { data_len: u64, block_size: u64 },
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
 }
 
 /// PageRank's damping factor: the usual 0.85.
@@ -94,26 +93,23 @@ impl Default for BuildOptions {
     }
 }
 
-/// One file of the model a graph describes: a region presenting `file_offset..file_offset
-/// + data_len` of it in blocks of the graph's size has its block `i` at the graph's block
-/// `first_block + i`.
+/// One file of the model a graph describes: a region of geometry `geometry` (block size:
+/// the graph's) has its block `i` at the graph's block `first_block + i`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GraphPart {
     /// The file; `None` in a graph of one file, which any region of its geometry
     /// presents (the pager was given the file, under whatever name).
     pub path: Option<PathBuf>,
-    pub file_offset: u64,
-    pub data_len: u64,
+    pub geometry: BlockGeometry,
     pub first_block: u32,
 }
 
 impl GraphPart {
     /// The one part of a graph over one region of geometry `layout`.
-    fn whole(layout: &BlockLayout) -> Vec<GraphPart> {
+    fn whole(layout: &BlockGeometry) -> Vec<GraphPart> {
         vec![GraphPart {
             path: None,
-            file_offset: layout.file_offset,
-            data_len: layout.data_len,
+            geometry: *layout,
             first_block: 0,
         }]
     }
@@ -143,7 +139,7 @@ impl<'a> From<&'a ModelFile> for PartTensors<'a> {
 #[derive(Debug, Clone)]
 pub struct ModelGraph {
     /// The blocks the graph counts: of the one region, or of every part's in turn.
-    layout: BlockLayout,
+    layout: BlockGeometry,
     /// The files those blocks come from, in block order (never empty).
     parts: Vec<GraphPart>,
     source: GraphSource,
@@ -164,13 +160,13 @@ pub struct ModelGraph {
 impl ModelGraph {
     /// Builds the graph of a model from its tensor table, as read through a region with
     /// geometry `layout`.
-    pub fn from_tensors(tensors: &[TensorInfo], layout: BlockLayout) -> Self {
+    pub fn from_tensors(tensors: &[TensorInfo], layout: BlockGeometry) -> Self {
         Self::from_tensors_with(tensors, layout, BuildOptions::default())
     }
 
     pub fn from_tensors_with(
         tensors: &[TensorInfo],
-        layout: BlockLayout,
+        layout: BlockGeometry,
         options: BuildOptions,
     ) -> Self {
         let exec = arch::execution_order(tensors);
@@ -298,14 +294,14 @@ impl ModelGraph {
     /// end, each from a block boundary.
     pub fn from_parts(parts: &[PartTensors<'_>], block_size: u64) -> Result<Self, GraphError> {
         if block_size == 0 {
-            return Err(GraphError::ZeroBlockSize);
+            return Err(GeometryError::ZeroBlockSize.into());
         }
         let mut graph_parts = Vec::with_capacity(parts.len());
         let mut tensors = Vec::new();
         let mut first_block = 0u64;
         let mut data_len = 0;
         for file in parts {
-            let first = u32::try_from(first_block).map_err(|_| GraphError::TooManyBlocks {
+            let first = u32::try_from(first_block).map_err(|_| GeometryError::TooManyBlocks {
                 data_len: first_block * block_size + file.file_len,
                 block_size,
             })?;
@@ -314,16 +310,16 @@ impl ModelGraph {
                 file_range: base + tensor.file_range.start..base + tensor.file_range.end,
                 ..tensor.clone()
             }));
+            let geometry = BlockGeometry::new(0, file.file_len, block_size)?;
             graph_parts.push(GraphPart {
                 path: Some(file.path.to_path_buf()),
-                file_offset: 0,
-                data_len: file.file_len,
+                geometry,
                 first_block: first,
             });
             data_len = base + file.file_len;
-            first_block += file.file_len.div_ceil(block_size);
+            first_block += geometry.block_count() as u64;
         }
-        let layout = BlockLayout::new(0, data_len, block_size)?;
+        let layout = BlockGeometry::new(0, data_len, block_size)?;
         let mut graph = Self::from_tensors(&tensors, layout);
         if !graph_parts.is_empty() {
             graph.parts = graph_parts;
@@ -333,15 +329,14 @@ impl ModelGraph {
 
     /// Builds the graph learned from observed block transitions, with no model
     /// knowledge: one node per block seen.
-    pub fn learned(layout: BlockLayout, transitions: &Transitions) -> Self {
+    pub fn learned(layout: BlockGeometry, transitions: &Transitions) -> Self {
         let block_count = layout.block_count();
         let mut graph = DiGraph::new();
         let mut node_of = std::collections::BTreeMap::new();
         for block in transitions.blocks().filter(|&b| b < block_count) {
-            let start = layout.file_offset + block as u64 * layout.block_size;
             let node = graph.add_node(Node {
                 label: NodeLabel::Block,
-                file_range: start..start + layout.block_len(block),
+                file_range: layout.block_file_range(block),
                 blocks: block..block + 1,
             });
             node_of.insert(block, node);
@@ -357,7 +352,7 @@ impl ModelGraph {
 
     /// A graph of single blocks whose predicted order is exactly `pass` (one token's
     /// sequence of blocks), with an edge for each step of it, round the cycle.
-    pub fn from_pass(layout: BlockLayout, pass: &[u32]) -> Self {
+    pub fn from_pass(layout: BlockGeometry, pass: &[u32]) -> Self {
         let order = CyclicOrder::from_sequence(pass.iter().copied(), layout.block_count());
         let mut transitions = Transitions::new();
         transitions.observe_all(order.sequence().iter().copied());
@@ -370,7 +365,7 @@ impl ModelGraph {
     }
 
     fn finish(
-        layout: BlockLayout,
+        layout: BlockGeometry,
         source: GraphSource,
         graph: DiGraph<Node, f64>,
         order: CyclicOrder,
@@ -449,7 +444,9 @@ impl ModelGraph {
         self
     }
 
-    pub fn layout(&self) -> &BlockLayout {
+    /// The block geometry of the region the graph describes (of the parts laid end to
+    /// end, for a model in several files).
+    pub fn geometry(&self) -> &BlockGeometry {
         &self.layout
     }
 
@@ -473,8 +470,7 @@ impl ModelGraph {
             .partition_point(|part| part.first_block <= block)
             .checked_sub(1)?;
         let part = &self.parts[at];
-        let blocks = part.data_len.div_ceil(self.layout.block_size);
-        (((block - part.first_block) as u64) < blocks).then_some(at)
+        (block - part.first_block < part.geometry.block_count()).then_some(at)
     }
 
     pub fn source(&self) -> GraphSource {
@@ -529,10 +525,7 @@ impl BlockLengths for ModelGraph {
         let Some(part) = self.part_of(block).map(|at| &self.parts[at]) else {
             return 0;
         };
-        let start = (block - part.first_block) as u64 * self.layout.block_size;
-        part.data_len
-            .saturating_sub(start)
-            .min(self.layout.block_size)
+        part.geometry.block_len(block - part.first_block)
     }
 }
 
@@ -601,7 +594,7 @@ fn connect(edges: &mut Vec<(NodeIndex, NodeIndex, f64)>, from: &Step, to: &Step)
 /// Cuts a tensor into extents of at most `max_bytes` (and at expert boundaries), each
 /// with the blocks it covers; extents outside the region are left out. Returns one
 /// group per expert, in file order.
-fn extents(tensor: &TensorInfo, layout: &BlockLayout, max_bytes: u64) -> Vec<Vec<Node>> {
+fn extents(tensor: &TensorInfo, layout: &BlockGeometry, max_bytes: u64) -> Vec<Vec<Node>> {
     let range = tensor.file_range.clone();
     let len = range.end.saturating_sub(range.start);
     let experts = arch::expert_count(tensor)
@@ -617,7 +610,7 @@ fn extents(tensor: &TensorInfo, layout: &BlockLayout, max_bytes: u64) -> Vec<Vec
             (0..pieces)
                 .filter_map(|part| {
                     let piece = start + part * max_bytes..(start + (part + 1) * max_bytes).min(end);
-                    let blocks = layout.blocks_of(&piece)?;
+                    let blocks = layout.blocks_of_file_range(&piece)?;
                     Some(Node {
                         label: NodeLabel::Extent {
                             tensor: tensor.name.clone(),

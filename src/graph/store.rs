@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use super::{BlockLayout, Transitions};
+use super::Transitions;
+use crate::geometry::BlockGeometry;
 
 const FORMAT: &str = "hyperoffload-graph";
 const VERSION: u32 = 1;
@@ -81,7 +82,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavedGraph {
     pub key: ModelKey,
-    pub layout: BlockLayout,
+    pub layout: BlockGeometry,
     pub transitions: Transitions,
 }
 
@@ -90,7 +91,7 @@ struct FileBody {
     format: String,
     version: u32,
     model: ModelKey,
-    layout: BlockLayout,
+    layout: BlockGeometry,
     /// `[from, to, count]`.
     edges: Vec<(u32, u32, u64)>,
     /// Blocks seen on no edge.
@@ -178,7 +179,7 @@ pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
         reason,
     };
     let body: FileBody = decode_versioned(text, path, FORMAT, VERSION)?;
-    let layout = BlockLayout::new(
+    let layout = BlockGeometry::new(
         body.layout.file_offset,
         body.layout.data_len,
         body.layout.block_size,
@@ -215,7 +216,7 @@ pub fn decode(text: &str, path: &Path) -> Result<SavedGraph, StoreError> {
 /// Saves the graph learned for `model` beside it, replacing any older one atomically.
 pub fn save(
     model: &Path,
-    layout: BlockLayout,
+    layout: BlockGeometry,
     transitions: &Transitions,
 ) -> Result<PathBuf, StoreError> {
     let saved = SavedGraph {
@@ -293,12 +294,12 @@ mod tests {
         dir
     }
 
-    fn sample() -> (BlockLayout, Transitions) {
+    fn sample() -> (BlockGeometry, Transitions) {
         let mut transitions = Transitions::new();
         transitions.observe_all([0, 1, 2, 0, 1, 2]);
         transitions.break_sequence();
         transitions.observe(3);
-        (BlockLayout::new(0, 4 * 4096, 4096).unwrap(), transitions)
+        (BlockGeometry::new(0, 4 * 4096, 4096).unwrap(), transitions)
     }
 
     #[test]

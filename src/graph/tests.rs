@@ -25,8 +25,8 @@ fn end_of(tensors: &[TensorInfo]) -> u64 {
 }
 
 /// The graph of `tensors` over 4 KiB blocks, cut into extents of one block.
-fn one_block_extents(tensors: &[TensorInfo]) -> (ModelGraph, BlockLayout) {
-    let layout = BlockLayout::new(0, end_of(tensors), 4096).unwrap();
+fn one_block_extents(tensors: &[TensorInfo]) -> (ModelGraph, BlockGeometry) {
+    let layout = BlockGeometry::new(0, end_of(tensors), 4096).unwrap();
     let options = BuildOptions {
         max_extent_bytes: 4096,
     };
@@ -86,7 +86,7 @@ fn a_block_shared_by_tensors_far_apart_in_the_pass_is_used_twice() {
         ("blk.0.attn_q.weight", 200),
         ("blk.0.ffn_norm.weight", 16),
     ]);
-    let layout = BlockLayout::new(0, end_of(&tensors), 64).unwrap();
+    let layout = BlockGeometry::new(0, end_of(&tensors), 64).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
     // norm [1], q [2..6], k [0, 1], ffn_norm [5].
     assert_eq!(graph.order().sequence(), &[1, 2, 3, 4, 5, 0, 1, 5]);
@@ -128,7 +128,7 @@ fn table_of(names: &[(String, u64)]) -> Vec<TensorInfo> {
 #[test]
 fn llama_order_follows_the_layers_not_the_file() {
     let tensors = table_of(&llama_names(12, false));
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
+    let layout = BlockGeometry::new(0, end_of(&tensors), 4096).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
     assert_eq!(
         graph.source(),
@@ -136,7 +136,7 @@ fn llama_order_follows_the_layers_not_the_file() {
     );
     let blocks_of = |name: &str| {
         let t = tensors.iter().find(|t| t.name == name).unwrap();
-        layout.blocks_of(&t.file_range).unwrap()
+        layout.blocks_of_file_range(&t.file_range).unwrap()
     };
     // An interior block: the first and last may be shared with file neighbours.
     let first_position = |name: &str| graph.order().positions(blocks_of(name).start + 1)[0];
@@ -179,7 +179,7 @@ fn llama_order_follows_the_layers_not_the_file() {
 #[test]
 fn a_tied_head_puts_the_embedding_at_the_end_of_the_pass() {
     let tensors = table_of(&llama_names(2, true));
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
+    let layout = BlockGeometry::new(0, end_of(&tensors), 4096).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
     let order = graph.order();
     // token_embd is at the start of the file and at the end of the pass.
@@ -201,7 +201,7 @@ fn experts_are_split_and_rank_below_the_dense_path() {
         // Outermost first: GGUF's [n_embd, n_ff, n_expert] reversed.
         t.shape = vec![8, 32, 32];
     }
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
+    let layout = BlockGeometry::new(0, end_of(&tensors), 4096).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
     let experts: Vec<Option<u32>> = graph
         .graph()
@@ -249,7 +249,7 @@ fn experts_are_split_and_rank_below_the_dense_path() {
 #[test]
 fn unknown_architectures_fall_back_to_file_order() {
     let tensors = packed(&[("conv1.w", 5000), ("conv1.b", 100), ("fc.w", 9000)]);
-    let layout = BlockLayout::new(0, end_of(&tensors), 4096).unwrap();
+    let layout = BlockGeometry::new(0, end_of(&tensors), 4096).unwrap();
     let graph = ModelGraph::from_tensors(&tensors, layout);
     assert_eq!(
         graph.source(),
@@ -260,7 +260,7 @@ fn unknown_architectures_fall_back_to_file_order() {
 
 #[test]
 fn a_learned_graph_predicts_the_trace_cycle_and_ranks_by_traffic() {
-    let layout = BlockLayout::new(0, 10 * 4096, 4096).unwrap();
+    let layout = BlockGeometry::new(0, 10 * 4096, 4096).unwrap();
     let mut transitions = Transitions::new();
     for _ in 0..3 {
         transitions.observe_all([7, 2, 9, 4]);
@@ -352,12 +352,12 @@ fn a_split_model_is_one_order_over_its_parts_laid_end_to_end() {
     assert_eq!(graph.parts()[1].first_block, first_blocks);
     assert_eq!(graph.part_of(first_blocks - 1), Some(0));
     assert_eq!(graph.part_of(first_blocks), Some(1));
-    assert_eq!(graph.part_of(graph.layout().block_count()), None);
+    assert_eq!(graph.part_of(graph.geometry().block_count()), None);
     // Exact lengths: the first part's last block is as short as the file leaves it.
     assert_eq!(graph.block_len(first_blocks - 1), first_len % 4096);
     assert_eq!(graph.block_len(first_blocks), 4096);
     assert_eq!(
-        (0..graph.layout().block_count())
+        (0..graph.geometry().block_count())
             .map(|b| graph.block_len(b))
             .sum::<u64>(),
         first_len + second_len
@@ -365,7 +365,7 @@ fn a_split_model_is_one_order_over_its_parts_laid_end_to_end() {
     // The same order as the whole model's: tensor after tensor through both parts.
     let whole = table_of(&llama_names(4, false));
     let unsplit =
-        ModelGraph::from_tensors(&whole, BlockLayout::new(0, end_of(&whole), 4096).unwrap());
+        ModelGraph::from_tensors(&whole, BlockGeometry::new(0, end_of(&whole), 4096).unwrap());
     // Tensor by tensor, read off the blocks only one tensor covers (norms share theirs).
     let tensor_order = |graph: &ModelGraph| -> Vec<String> {
         let mut names: Vec<String> = Vec::new();

@@ -31,8 +31,9 @@ use super::{
     BlockRef, EvictionPolicy, FaultEvent, PrefetchPolicy, PrefetchRequest, ReadKind, RegionId,
     RegionInfo,
 };
+use crate::geometry::BlockGeometry;
 use crate::graph::expert_store::{ExpertCount, ExpertCounts};
-use crate::graph::{BlockLayout, CyclicOrder, ModelGraph};
+use crate::graph::{CyclicOrder, ModelGraph};
 
 mod expert_blocks;
 mod expert_use;
@@ -64,7 +65,7 @@ struct Progress {
 
 impl GraphPrediction {
     pub fn new(graph: Arc<ModelGraph>) -> Arc<Self> {
-        let blocks = graph.layout().block_count() as usize;
+        let blocks = graph.geometry().block_count() as usize;
         Arc::new(Self {
             progress: Mutex::new(Progress {
                 regions: Vec::new(),
@@ -81,7 +82,7 @@ impl GraphPrediction {
     /// A prediction of nothing: the graph policies built without a graph.
     pub fn empty() -> Arc<Self> {
         // A zero-length layout is always valid.
-        let layout = BlockLayout {
+        let layout = BlockGeometry {
             file_offset: 0,
             data_len: 0,
             block_size: 1,
@@ -106,12 +107,9 @@ impl GraphPrediction {
     /// Binds a region that presents one of the graph's parts: same file range and block
     /// size, and the part's file when the graph has several.
     fn region_added(&self, info: &RegionInfo<'_>) {
-        let block_size = self.graph.layout().block_size;
         let part = self.graph.parts().iter().position(|part| {
-            info.file_offset == part.file_offset
-                && info.data_len == part.data_len
-                && info.block_size == block_size
-                && info.data_len > 0
+            info.geometry == part.geometry
+                && info.geometry.data_len > 0
                 && part
                     .path
                     .as_deref()
@@ -277,7 +275,7 @@ impl Progress {
         }
         let groups = graph
             .experts()
-            .groups_in_use(global, offset, graph.layout().block_size);
+            .groups_in_use(global, offset, graph.geometry().block_size);
         (!groups.is_empty()).then_some(groups)
     }
 
@@ -383,7 +381,7 @@ impl GraphPrefetch {
             consume_bytes_per_s: None,
             read_ns: None,
             progress_steps: 0,
-            target: vec![0; prediction.graph.layout().block_count() as usize],
+            target: vec![0; prediction.graph.geometry().block_count() as usize],
             device_bytes: None,
             prediction,
         }
@@ -465,7 +463,7 @@ impl PrefetchPolicy for GraphPrefetch {
         let prediction = Arc::clone(&self.prediction);
         let graph = prediction.graph();
         let order = graph.order();
-        let layout = graph.layout();
+        let layout = graph.geometry();
         let mut progress = prediction.lock();
         // A routed expert in use: the rest of its slices (gate, up, down) follow at once.
         let global = progress.global(graph, fault.block);
@@ -862,7 +860,7 @@ impl EvictionPolicy for GraphEviction {
             // Use counts matter only where experts get evicted.
             self.experts.watching = info.watch_resident
                 && !graph.experts().is_empty()
-                && graph.layout().data_len > info.budget;
+                && graph.geometry().data_len > info.budget;
         }
     }
 

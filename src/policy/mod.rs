@@ -18,6 +18,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::geometry::BlockGeometry;
+
 mod fifo;
 pub mod graph;
 mod lru;
@@ -56,13 +58,8 @@ pub struct RegionInfo<'a> {
     pub id: RegionId,
     /// The file the region presents.
     pub path: &'a Path,
-    /// File offset of the region's first byte.
-    pub file_offset: u64,
-    /// Bytes of file data in the region (the region's last block may be shorter).
-    pub data_len: u64,
-    /// Size of every block but possibly the last.
-    pub block_size: u64,
-    pub block_count: u32,
+    /// How the region cuts its part of the file into blocks.
+    pub geometry: BlockGeometry,
     /// The pager's budget, shared with its other regions: how far ahead it is worth
     /// reading before what was read is evicted unused.
     pub budget: u64,
@@ -70,15 +67,6 @@ pub struct RegionInfo<'a> {
     /// the next access to a resident block fault without reading the block again (with
     /// zero copy: the block's page-table entries are dropped, its frame keeps the bytes).
     pub watch_resident: bool,
-}
-
-impl RegionInfo<'_> {
-    /// The file byte range of a block of this region.
-    pub fn block_file_range(&self, index: u32) -> std::ops::Range<u64> {
-        let start = index as u64 * self.block_size;
-        let end = (start + self.block_size).min(self.data_len);
-        self.file_offset + start..self.file_offset + end
-    }
 }
 
 /// Why the pager is looking for room.

@@ -86,13 +86,15 @@ impl PrefetchPolicy for SequentialReadahead {
         // A window beyond a fraction of the budget would evict what it read before the
         // program got there (a quarter: several streams may be open at once).
         let max_bytes = self.max_window_bytes.min(info.budget / 4);
-        let initial_window =
-            Self::blocks_for(self.initial_window_bytes.min(max_bytes), info.block_size);
-        let max_window = Self::blocks_for(max_bytes, info.block_size).max(initial_window);
+        let initial_window = Self::blocks_for(
+            self.initial_window_bytes.min(max_bytes),
+            info.geometry.block_size,
+        );
+        let max_window = Self::blocks_for(max_bytes, info.geometry.block_size).max(initial_window);
         self.regions.insert(
             info.id,
             RegionStreams {
-                block_count: info.block_count,
+                block_count: info.geometry.block_count(),
                 initial_window,
                 max_window,
                 disabled: false,
@@ -176,6 +178,7 @@ impl PrefetchPolicy for SequentialReadahead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::geometry::BlockGeometry;
     use crate::policy::Install;
     use std::path::Path;
 
@@ -188,10 +191,7 @@ mod tests {
         policy.region_added(&RegionInfo {
             id: RegionId(0),
             path: Path::new("/x"),
-            file_offset: 0,
-            data_len: blocks as u64 * (1 << 20),
-            block_size: 1 << 20,
-            block_count: blocks,
+            geometry: BlockGeometry::new(0, blocks as u64 * (1 << 20), 1 << 20).unwrap(),
             budget: u64::MAX,
             watch_resident: false,
         });

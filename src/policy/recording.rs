@@ -95,6 +95,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::geometry::BlockGeometry;
     use crate::policy::FaultOutcome;
 
     fn b(index: u32) -> BlockRef {
@@ -115,10 +116,7 @@ mod tests {
         policy.region_added(&RegionInfo {
             id: RegionId(0),
             path: Path::new("/f"),
-            file_offset: 0,
-            data_len: 8 << 20,
-            block_size: 1 << 20,
-            block_count: 8,
+            geometry: BlockGeometry::new(0, 8 << 20, 1 << 20).unwrap(),
             budget: 4 << 20,
             watch_resident,
         });

@@ -37,11 +37,10 @@ impl FaultService {
                 base,
                 layout,
                 file,
-                file_offset,
                 prot,
                 reply,
             } => {
-                self.add_region(id, base, layout, file, file_offset, prot);
+                self.add_region(id, base, layout, file, prot);
                 let _ = reply.send(());
             }
             Command::RemoveRegion { id, reply } => {
@@ -87,11 +86,10 @@ impl FaultService {
         base: usize,
         layout: RegionLayout,
         file: BackingFile,
-        file_offset: u64,
         prot: i32,
     ) {
         let zero_copy = self.store.is_some();
-        let region = ServedRegion::new(base, layout, file, file_offset, prot, zero_copy);
+        let region = ServedRegion::new(base, layout, file, prot, zero_copy);
         self.locator
             .insert(base, region.layout.map_len as usize, id);
         let info = region.info(id, self.budget.limit(), zero_copy);
@@ -109,7 +107,7 @@ impl FaultService {
             return Ok(());
         };
         region.holes.push(range.clone());
-        let size = region.layout.block_size;
+        let size = region.layout.geometry.block_size;
         let first = (range.start.div_ceil(size) as u32).max(blocks.start);
         let end = ((range.end / size) as u32).min(blocks.end);
         if first < end {

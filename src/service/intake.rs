@@ -84,7 +84,7 @@ impl FaultService {
             let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
             return None;
         }
-        let block_start = index as u64 * region.layout.block_size;
+        let block_start = region.layout.geometry.block_start(index);
         Some(BlockFault {
             block: BlockRef::new(id, index),
             page_addr,

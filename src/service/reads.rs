@@ -3,6 +3,8 @@
 //! checked, continued when short, retried, moved off O_DIRECT when refused, failed for
 //! good (split first, then poisoned) or handed on to be installed.
 
+use std::ops::Range;
+
 use super::block_state::{BlockEvent, BlockState, StagedIn};
 use super::pages::{poison_range, release_frame};
 use super::staging::max_staged;
@@ -140,16 +142,15 @@ impl FaultService {
             .regions
             .get_mut(&first.region)
             .expect("reads start only for live regions");
-        let start = first.index as u64 * region.layout.block_size;
-        let end =
-            ((first.index + count) as u64 * region.layout.block_size).min(region.layout.data_len);
+        let geometry = region.layout.geometry;
+        let Range { start, end } = geometry.data_range(first.index..first.index + count);
         let valid = (end - start) as usize;
         let len = (end - start).next_multiple_of(DIRECT_IO_ALIGN) as usize;
         for index in first.index..first.index + count {
             region.advance(index, BlockEvent::ReadIssued);
         }
         region.reads_in_flight += 1;
-        let file_offset = region.file_offset + start;
+        let file_offset = geometry.file_offset + start;
         let fd = region.file.read_fd();
         let landing = match &mut self.store {
             Some(store) => {
@@ -469,8 +470,13 @@ impl FaultService {
             }
             let file_offset = region.block_file_offset(index);
             for waiter in waited.into_iter().flatten() {
-                self.log
-                    .served(block, file_offset, region.layout.block_size, waiter, now);
+                self.log.served(
+                    block,
+                    file_offset,
+                    region.layout.geometry.block_size,
+                    waiter,
+                    now,
+                );
             }
         }
         self.finish_read(slot);

@@ -12,7 +12,6 @@ pub(super) struct ServedRegion {
     pub base: usize,
     pub layout: RegionLayout,
     pub file: BackingFile,
-    pub file_offset: u64,
     blocks: Vec<BlockState>,
     pub pinned: Vec<bool>,
     /// Reads in flight into this region; a removed region is forgotten when none are.
@@ -39,7 +38,6 @@ impl ServedRegion {
         base: usize,
         layout: RegionLayout,
         file: BackingFile,
-        file_offset: u64,
         prot: i32,
         zero_copy: bool,
     ) -> Self {
@@ -51,7 +49,6 @@ impl ServedRegion {
         Self {
             base,
             file,
-            file_offset,
             blocks: vec![BlockState::Missing; blocks],
             pinned: vec![false; blocks],
             reads_in_flight: 0,
@@ -101,7 +98,7 @@ impl ServedRegion {
 
     /// File offset of block `index`'s first byte.
     pub(super) fn block_file_offset(&self, index: u32) -> u64 {
-        self.file_offset + index as u64 * self.layout.block_size
+        self.layout.geometry.block_file_range(index).start
     }
 
     /// Whether the program unmapped any of `range` (region offsets).
@@ -127,10 +124,7 @@ impl ServedRegion {
         RegionInfo {
             id,
             path: self.file.path(),
-            file_offset: self.file_offset,
-            data_len: self.layout.data_len,
-            block_size: self.layout.block_size,
-            block_count: self.layout.block_count(),
+            geometry: self.layout.geometry,
             budget,
             watch_resident,
         }

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context};
-use hyperoffload::graph::{expert_store, BlockLayout, ModelGraph};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::{expert_store, ModelGraph};
 use hyperoffload::model::ModelFile;
 
 use super::programs::llama_bench_command;
@@ -63,7 +64,7 @@ impl Floors {
     /// counts earlier runs saved).
     pub fn of(args: &BenchArgs, model: &ModelFile) -> anyhow::Result<Floors> {
         let block = hyperoffload::pager::DEFAULT_BLOCK_SIZE.max(64 << 10);
-        let layout = BlockLayout::new(0, model.file_len, block)?;
+        let layout = BlockGeometry::new(0, model.file_len, block)?;
         let graph = ModelGraph::from_tensors(&model.tensors, layout);
         let experts = graph.experts().groups().len();
         Ok(if experts > 0 {

@@ -138,7 +138,7 @@ pub fn to_dot(graph: &ModelGraph) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hyperoffload::graph::BlockLayout;
+    use hyperoffload::geometry::BlockGeometry;
 
     fn tensors() -> Vec<TensorInfo> {
         let names = [
@@ -191,7 +191,7 @@ mod tests {
             order.iter().any(|n| n == "token_embd.weight"),
             "tied head: {order:?}"
         );
-        let layout = BlockLayout::new(0, 6 * 8192, 4096).unwrap();
+        let layout = BlockGeometry::new(0, 6 * 8192, 4096).unwrap();
         let graph = ModelGraph::from_tensors(&tensors, layout);
         let top = top_nodes(&graph, 3);
         assert_eq!(top.len(), 3);

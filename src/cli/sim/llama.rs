@@ -5,7 +5,7 @@
 //! from `graph::arch`), so a graph policy is tested against an independent statement of
 //! what the program does.
 
-use hyperoffload::graph::BlockLayout;
+use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::model::TensorInfo;
 
 use super::Workload;
@@ -150,7 +150,7 @@ impl LlamaShape {
     pub fn workload(&self, block_size: u64, tokens: u32) -> Workload {
         let tensors = self.tensors();
         // The whole file is one region, so its geometry is valid for any non-zero size.
-        let layout = BlockLayout {
+        let layout = BlockGeometry {
             file_offset: 0,
             data_len: self.file_len(),
             block_size: block_size.max(1),
@@ -164,7 +164,7 @@ impl LlamaShape {
         };
         let mut pass_after_rows: Vec<u32> = Vec::new();
         let sweep = |out: &mut Vec<u32>, range: std::ops::Range<u64>| {
-            if let Some(blocks) = layout.blocks_of(&range) {
+            if let Some(blocks) = layout.blocks_of_file_range(&range) {
                 for block in blocks {
                     if out.last() != Some(&block) {
                         out.push(block);

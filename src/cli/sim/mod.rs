@@ -32,7 +32,8 @@ pub use belady::BeladyEviction;
 pub use frequency::FrequencyEviction;
 pub use workload::Workload;
 
-use hyperoffload::graph::{BlockLayout, ModelGraph};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::ModelGraph;
 use hyperoffload::policy::{
     BlockRef, ClockEviction, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction,
     GraphPrediction, Install, LruEviction, NoPrefetch, PrefetchKind, PrefetchPolicy,
@@ -138,10 +139,7 @@ pub fn replay(
     let info = RegionInfo {
         id: region,
         path: Path::new("<simulated>"),
-        file_offset: layout.file_offset,
-        data_len: layout.data_len,
-        block_size: layout.block_size,
-        block_count: layout.block_count(),
+        geometry: layout,
         budget: budget_bytes,
         watch_resident,
     };
@@ -236,7 +234,7 @@ impl TokenBytes {
 }
 
 struct Replay {
-    layout: BlockLayout,
+    layout: BlockGeometry,
     budget_bytes: u64,
     timing: Timing,
     /// The eviction policy hears of every access, not only faults.

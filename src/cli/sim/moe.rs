@@ -11,7 +11,7 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use hyperoffload::graph::BlockLayout;
+use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::model::TensorInfo;
 
 use super::llama::{file_end, lay_out, TensorEntry};
@@ -139,7 +139,7 @@ impl MoeShape {
     /// whole file in blocks of `block_size`, each token's experts drawn with `seed`.
     pub fn workload(&self, block_size: u64, tokens: u32, seed: u64) -> Workload {
         let tensors = self.tensors();
-        let layout = BlockLayout {
+        let layout = BlockGeometry {
             file_offset: 0,
             data_len: self.file_len(),
             block_size: block_size.max(1),
@@ -153,10 +153,10 @@ impl MoeShape {
         };
         // Each block of `range` in turn, with where in it the sweep enters.
         let sweep = |out: &mut Vec<(u32, u32)>, range: std::ops::Range<u64>| {
-            if let Some(blocks) = layout.blocks_of(&range) {
+            if let Some(blocks) = layout.blocks_of_file_range(&range) {
                 for block in blocks {
-                    let start = (block as u64 * layout.block_size).max(range.start);
-                    let offset = (start - block as u64 * layout.block_size) as u32;
+                    let block_start = layout.block_start(block);
+                    let offset = (block_start.max(range.start) - block_start) as u32;
                     if out.last().map(|&(last, _)| last) != Some(block) {
                         out.push((block, offset));
                     }

@@ -1,12 +1,13 @@
 //! The block-access sequence the simulator replays: one region's blocks in access
 //! order, with token boundaries and offsets in blocks where they are known.
 
-use hyperoffload::graph::{BlockLayout, CyclicOrder, ModelGraph};
+use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::{CyclicOrder, ModelGraph};
 
 /// A block-access sequence over one region.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Workload {
-    pub layout: BlockLayout,
+    pub layout: BlockGeometry,
     /// Blocks in access order.
     pub accesses: Vec<u32>,
     /// Index of each token's first access, ascending; empty when unknown.
@@ -29,7 +30,7 @@ impl Workload {
             accesses.extend_from_slice(&pass);
         }
         Workload {
-            layout: *graph.layout(),
+            layout: *graph.geometry(),
             accesses,
             token_starts,
             offsets: Vec::new(),

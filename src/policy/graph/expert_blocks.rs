@@ -61,7 +61,7 @@ impl ExpertBlocks {
             tracked: Vec::new(),
             slot: HashMap::new(),
             sentinels,
-            watched: vec![false; graph.layout().block_count() as usize],
+            watched: vec![false; graph.geometry().block_count() as usize],
             pending: Vec::new(),
             is_pending: vec![false; groups],
             watching: false,

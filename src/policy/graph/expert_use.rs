@@ -284,11 +284,12 @@ impl ExpertUse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::{BlockLayout, ExpertSlice};
+    use crate::geometry::BlockGeometry;
+    use crate::graph::ExpertSlice;
 
     /// Two layers of four experts, one block per expert, two used per token.
     fn map() -> ExpertMap {
-        let layout = BlockLayout::new(0, 8 * 100, 100).unwrap();
+        let layout = BlockGeometry::new(0, 8 * 100, 100).unwrap();
         let slices: Vec<ExpertSlice> = (0..8)
             .map(|i| ExpertSlice {
                 layer: i / 4,

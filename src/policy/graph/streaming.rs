@@ -147,12 +147,12 @@ pub fn plan_streaming(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::BlockLayout;
+    use crate::geometry::BlockGeometry;
 
     const MIB: u64 = 1 << 20;
 
-    fn layout(blocks: u64, block_size: u64) -> BlockLayout {
-        BlockLayout::new(0, blocks * block_size, block_size).unwrap()
+    fn layout(blocks: u64, block_size: u64) -> BlockGeometry {
+        BlockGeometry::new(0, blocks * block_size, block_size).unwrap()
     }
 
     fn linear(blocks: u32) -> CyclicOrder {

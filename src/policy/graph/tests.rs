@@ -30,16 +30,13 @@ fn bound_policies(
     guard: u32,
     budget: u64,
 ) -> (GraphPrefetch, GraphEviction) {
-    let layout = BlockLayout::new(0, blocks as u64 * block, block).unwrap();
+    let layout = BlockGeometry::new(0, blocks as u64 * block, block).unwrap();
     let graph = Arc::new(ModelGraph::from_pass(layout, pass).with_lag_guard(guard));
     let (mut prefetch, mut eviction) = graph_policies(graph);
     let info = RegionInfo {
         id: RegionId(0),
         path: Path::new("/model"),
-        file_offset: 0,
-        data_len: blocks as u64 * block,
-        block_size: block,
-        block_count: blocks,
+        geometry: layout,
         budget,
         watch_resident: false,
     };
@@ -404,10 +401,7 @@ fn split_policies() -> (GraphPrefetch, GraphEviction) {
         let info = RegionInfo {
             id: RegionId(id),
             path: Path::new(path),
-            file_offset: 0,
-            data_len: 8 * BLOCK,
-            block_size: BLOCK,
-            block_count: 8,
+            geometry: BlockGeometry::new(0, 8 * BLOCK, BLOCK).unwrap(),
             budget: u64::MAX,
             watch_resident: false,
         };
@@ -462,10 +456,7 @@ fn a_model_mapped_twice_is_read_into_the_mapping_that_faulted() {
     let second = RegionInfo {
         id: RegionId(1),
         path: Path::new("/model"),
-        file_offset: 0,
-        data_len: 16 * BLOCK,
-        block_size: BLOCK,
-        block_count: 16,
+        geometry: BlockGeometry::new(0, 16 * BLOCK, BLOCK).unwrap(),
         budget: u64::MAX,
         watch_resident: false,
     };
@@ -554,16 +545,13 @@ fn coarse_moe_tensors() -> Vec<TensorInfo> {
 fn moe_policies(watch: bool) -> (Arc<ModelGraph>, GraphPrefetch, GraphEviction) {
     let tensors = coarse_moe_tensors();
     let file_len = tensors.iter().map(|t| t.file_range.end).max().unwrap();
-    let layout = BlockLayout::new(0, file_len, 1 << 20).unwrap();
+    let layout = BlockGeometry::new(0, file_len, 1 << 20).unwrap();
     let graph = Arc::new(ModelGraph::from_tensors(&tensors, layout).with_experts_used(Some(2)));
     let (mut prefetch, mut eviction) = graph_policies(Arc::clone(&graph));
     let info = RegionInfo {
         id: RegionId(0),
         path: Path::new("/model"),
-        file_offset: 0,
-        data_len: layout.data_len,
-        block_size: layout.block_size,
-        block_count: layout.block_count(),
+        geometry: layout,
         budget: layout.data_len / 2,
         watch_resident: watch,
     };
@@ -584,7 +572,7 @@ fn group_of(graph: &ModelGraph, layer: u32, expert: u32) -> u32 {
 /// A fault at the first byte of `group`'s first slice.
 fn expert_fault(graph: &ModelGraph, group: u32, outcome: FaultOutcome) -> FaultEvent {
     let at = graph.experts().group(group).bytes[0].start;
-    let block = graph.layout().block_size;
+    let block = graph.geometry().block_size;
     FaultEvent {
         block: b((at / block) as u32),
         time_ns: 0,

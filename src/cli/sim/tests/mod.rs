@@ -13,7 +13,7 @@ fn cyclic(blocks: u32, tokens: u32) -> Workload {
         accesses.extend(0..blocks);
     }
     Workload {
-        layout: BlockLayout::new(0, blocks as u64 * BLOCK, BLOCK).unwrap(),
+        layout: BlockGeometry::new(0, blocks as u64 * BLOCK, BLOCK).unwrap(),
         accesses,
         token_starts,
         offsets: Vec::new(),
@@ -189,7 +189,7 @@ fn token_boundaries_are_found_where_the_pass_starts_again() {
 #[test]
 fn a_repeated_workload_repeats_its_tokens_too() {
     let workload = Workload {
-        layout: BlockLayout::new(0, 4 * BLOCK, BLOCK).unwrap(),
+        layout: BlockGeometry::new(0, 4 * BLOCK, BLOCK).unwrap(),
         accesses: vec![0, 1, 2, 0, 3],
         token_starts: vec![0, 3],
         offsets: vec![0, 1, 2, 3, 4],
