@@ -2,8 +2,13 @@ use std::path::Path;
 
 use super::streaming::STREAM_DEVICE_BYTES;
 use super::*;
+use crate::geometry::BlockGeometry;
+use crate::graph::CyclicOrder;
 use crate::model::TensorInfo;
-use crate::policy::{FaultOutcome, Install};
+use crate::policy::{
+    BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, Install, PrefetchPolicy, ReadKind,
+    RegionId, RegionInfo,
+};
 
 const BLOCK: u64 = 4096;
 
