@@ -305,9 +305,13 @@ pub fn fstat(fd: RawFd) -> io::Result<Stat> {
     Ok(rustix::fs::fstat(fd)?)
 }
 
-/// posix_fadvise(2) with the advice number a C caller passes.
+/// posix_fadvise(2) with the advice number a C caller passes. Offset and length reach
+/// the kernel bit for bit (it judges negative ones itself).
 pub fn fadvise(fd: RawFd, offset: i64, len: i64, advice: i32) -> io::Result<()> {
     use rustix::fs::Advice as F;
+    if fd < 0 {
+        return Err(errno(libc::EBADF));
+    }
     let advice = match advice {
         libc::POSIX_FADV_NORMAL => F::Normal,
         libc::POSIX_FADV_SEQUENTIAL => F::Sequential,
@@ -315,15 +319,10 @@ pub fn fadvise(fd: RawFd, offset: i64, len: i64, advice: i32) -> io::Result<()> 
         libc::POSIX_FADV_NOREUSE => F::NoReuse,
         libc::POSIX_FADV_WILLNEED => F::WillNeed,
         libc::POSIX_FADV_DONTNEED => F::DontNeed,
-        // The kernel refuses advice it does not know the same way.
+        // rustix's Advice is a closed enum; the kernel refuses advice it does not know
+        // with EINVAL too.
         _ => return Err(errno(libc::EINVAL)),
     };
-    if fd < 0 {
-        return Err(errno(libc::EBADF));
-    }
-    if offset < 0 || len < 0 {
-        return Err(errno(libc::EINVAL));
-    }
     // SAFETY: `fd` is not -1; the kernel checks it is open and keeps no borrow of it.
     let fd = unsafe { BorrowedFd::borrow_raw(fd) };
     Ok(rustix::fs::fadvise(
