@@ -35,8 +35,9 @@ use crate::ring::RingError;
 #[cfg(feature = "fault-injection")]
 use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
-use crate::shared_store::{FrameStore, HugeTmpfs, HUGE_PAGE};
+use crate::shared_store::{FrameStore, HugeTmpfs};
 use crate::stats::Stats;
+use crate::sys::HUGE_PAGE;
 use crate::trace::TraceRecord;
 use crate::{sys, uffd_ext};
 
@@ -361,7 +362,7 @@ impl PagerBuilder {
     }
 
     pub fn build(self) -> Result<Pager, PagerError> {
-        let page = page_size();
+        let page = sys::page_size();
         if !self.block_size.is_power_of_two() || self.block_size < page {
             return Err(PagerError::BadBlockSize(self.block_size));
         }
@@ -516,16 +517,6 @@ fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
     }
 }
 
-pub(crate) fn page_size() -> u64 {
-    // SAFETY: sysconf has no memory effects.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if size > 0 {
-        size as u64
-    } else {
-        4096
-    }
-}
-
 struct PagerInner {
     uffd: Arc<Uffd>,
     shared: Arc<Shared>,
@@ -541,7 +532,7 @@ struct PagerInner {
     /// but no service thread, and the regions are not mapped there (MADV_DONTFORK):
     /// asking the service would wait forever, and unregistering or unmapping would act
     /// on the parent's userfaultfd or on the child's own later mappings.
-    owner: libc::pid_t,
+    owner: i32,
 }
 
 impl PagerInner {
@@ -673,7 +664,7 @@ impl Pager {
         }
         let file = BackingFile::open(path)?;
         let name = || path.display().to_string();
-        let page = page_size();
+        let page = sys::page_size();
         if options.offset % page != 0 {
             return Err(MapError::UnalignedOffset {
                 path: name(),
@@ -768,7 +759,7 @@ impl Mapping {
             len: len as u64,
             source,
         };
-        let extra = align - page_size() as usize;
+        let extra = align - sys::page_size() as usize;
         // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
         // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
         let start = unsafe {
@@ -800,7 +791,7 @@ impl Mapping {
         // A forked child would inherit the range unregistered and read zeros where the
         // parent reads the file. Not inheriting it makes a child's access fault loudly.
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
-        unsafe { sys::madvise(base, len, libc::MADV_DONTFORK) }.map_err(reserve_error)?;
+        unsafe { sys::madvise(base, len, sys::Advice::LinuxDontFork) }.map_err(reserve_error)?;
         Ok(mapping)
     }
 }
@@ -844,21 +835,11 @@ impl Drop for Mapping {
         for part in self.live_parts() {
             // SAFETY: unmaps a part of the reservation this value owns that the program
             // has not unmapped; the region dropping it holds no references into it any
-            // more (`as_slice` borrows the region). Raw syscall: the LD_PRELOAD shim
-            // interposes `munmap`.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_munmap,
-                    self.base + part.start,
-                    part.end - part.start,
-                )
-            };
-            assert_eq!(
-                rc,
-                0,
-                "munmap of a region failed: {}",
-                std::io::Error::last_os_error()
-            );
+            // more (`as_slice` borrows the region).
+            let result = unsafe { sys::munmap(self.base + part.start, part.end - part.start) };
+            if let Err(error) = result {
+                panic!("munmap of a region failed: {error}");
+            }
         }
     }
 }
@@ -1019,7 +1000,7 @@ impl Region {
     /// The rest of the region keeps working.
     pub fn unmap_part(&self, range: Range<u64>) -> Result<(), HintError> {
         self.check(&range)?;
-        let page = page_size();
+        let page = sys::page_size();
         let range = range.start / page * page..range.end.next_multiple_of(page);
         if range.is_empty() {
             return Ok(());

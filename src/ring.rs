@@ -55,7 +55,7 @@ pub struct BufferArena {
 // &self / &mut self of the ring that owns it.
 unsafe impl Send for BufferArena {}
 
-const HUGE_PAGE: usize = 2 << 20;
+const HUGE_PAGE: usize = crate::sys::HUGE_PAGE as usize;
 
 impl BufferArena {
     pub fn new(count: usize, buffer_len: usize) -> io::Result<Self> {
@@ -76,7 +76,7 @@ impl BufferArena {
         let base = raw.next_multiple_of(HUGE_PAGE);
         // Best effort: without THP the buffers still work, in smaller pages.
         // SAFETY: advises our own fresh mapping; MADV_HUGEPAGE discards nothing.
-        let _ = unsafe { crate::sys::madvise(base, len, libc::MADV_HUGEPAGE) };
+        let _ = unsafe { crate::sys::madvise(base, len, crate::sys::Advice::LinuxHugepage) };
         Ok(Self {
             mapping: raw,
             mapped_len,

@@ -32,17 +32,9 @@
 //! reason too.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 
 use crate::sys;
-
-/// Size of the tmpfs mount's huge pages (x86-64 and arm64 with 4 KiB pages).
-pub const HUGE_PAGE: u64 = 2 << 20;
-
-const FSOPEN_CLOEXEC: libc::c_uint = 1;
-const FSMOUNT_CLOEXEC: libc::c_uint = 1;
-const FSCONFIG_SET_STRING: libc::c_uint = 1;
-const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 
 /// A frame handed out for a read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,62 +55,13 @@ pub struct HugeTmpfs {
 impl HugeTmpfs {
     /// Creates the mount. Fails with EPERM without CAP_SYS_ADMIN, ENOSYS before Linux 5.2.
     pub fn new() -> io::Result<Self> {
-        // SAFETY: fsopen takes a NUL-terminated file system name; it returns a new fd
-        // (or -1), which is owned from here on.
-        let context =
-            cvt(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
-        // SAFETY: `context` was just returned by fsopen and is owned by nobody else.
-        let context = unsafe { OwnedFd::from_raw_fd(context as RawFd) };
-        for (key, value) in [(c"huge", c"always"), (c"mode", c"0700")] {
-            // SAFETY: key and value are NUL-terminated strings that outlive the call;
-            // the fd is a live fs context.
-            cvt(unsafe {
-                libc::syscall(
-                    libc::SYS_fsconfig,
-                    context.as_raw_fd(),
-                    FSCONFIG_SET_STRING,
-                    key.as_ptr(),
-                    value.as_ptr(),
-                    0,
-                )
-            })?;
-        }
-        // SAFETY: a create command on a live fs context takes no pointers.
-        cvt(unsafe {
-            libc::syscall(
-                libc::SYS_fsconfig,
-                context.as_raw_fd(),
-                FSCONFIG_CMD_CREATE,
-                std::ptr::null::<libc::c_char>(),
-                std::ptr::null::<libc::c_void>(),
-                0,
-            )
-        })?;
-        // SAFETY: fsmount on a created context returns a new mount fd (or -1).
-        let mount = cvt(unsafe {
-            libc::syscall(libc::SYS_fsmount, context.as_raw_fd(), FSMOUNT_CLOEXEC, 0)
-        })?;
-        // SAFETY: `mount` was just returned by fsmount and is owned by nobody else.
-        let mount = unsafe { OwnedFd::from_raw_fd(mount as RawFd) };
+        let mount = sys::mount_tmpfs(&[(c"huge", c"always"), (c"mode", c"0700")])?;
         Ok(Self { mount })
     }
 
     /// A new unnamed file of `len` bytes (all holes) in the mount.
     pub fn create_file(&self, len: u64) -> io::Result<OwnedFd> {
-        // SAFETY: openat with a NUL-terminated relative path on a live directory fd.
-        let fd = cvt(unsafe {
-            libc::openat(
-                self.mount.as_raw_fd(),
-                c".".as_ptr(),
-                libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
-                0o600,
-            )
-        } as i64)?;
-        // SAFETY: `fd` was just returned by openat and is owned by nobody else.
-        let file = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        // SAFETY: ftruncate on a live fd we own.
-        cvt(unsafe { libc::ftruncate(file.as_raw_fd(), len as libc::off_t) } as i64)?;
-        Ok(file)
+        sys::create_tmpfile(self.mount.as_fd(), len)
     }
 }
 
@@ -172,7 +115,7 @@ impl FrameStore {
         };
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
-        unsafe { sys::madvise(view, len as usize, libc::MADV_DONTFORK) }?;
+        unsafe { sys::madvise(view, len as usize, sys::Advice::LinuxDontFork) }?;
         Ok(store)
     }
 
@@ -230,16 +173,8 @@ impl FrameStore {
         debug_assert!(frame < self.next_fresh && !self.free.contains(&frame));
         if free_memory {
             // Best effort: failing only leaves the memory in use until the store goes.
-            // SAFETY: fallocate on a live fd this value owns; the frame is free, so no
-            // read lands in it and no region maps it.
-            let _ = unsafe {
-                libc::fallocate(
-                    self.file.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    self.offset(frame) as libc::off_t,
-                    self.frame_len as libc::off_t,
-                )
-            };
+            // The frame is free, so no read lands in it and no region maps it.
+            let _ = sys::punch_hole(self.file.as_fd(), self.offset(frame), self.frame_len as u64);
             if std::mem::replace(&mut self.holds_memory[frame as usize], false) {
                 self.memory_frames -= 1;
             }
@@ -285,17 +220,10 @@ impl Drop for FrameStore {
     }
 }
 
-fn cvt(rc: i64) -> io::Result<i64> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sys::HUGE_PAGE;
 
     #[test]
     fn frames_keep_their_bytes_until_freed_and_are_reused_last_freed_first() {

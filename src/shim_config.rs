@@ -126,7 +126,7 @@ impl std::fmt::Display for BudgetSpec {
 /// half its size, 23 blocks of 2 MiB, decodes at 30-38 tok/s with them against 12 with
 /// 4 KiB blocks (`hyperoffload run --block 2M|4K`, llama-bench tg16).
 pub const HUGE_BLOCK_MIN_BUDGET: u64 = 8 * HUGE_BLOCK;
-const HUGE_BLOCK: u64 = crate::shared_store::HUGE_PAGE;
+const HUGE_BLOCK: u64 = crate::sys::HUGE_PAGE;
 /// Most blocks of a file the launcher's block size gives (see `block_size_for`).
 pub const MAX_MAPPED_BLOCKS: u64 = 16 << 10;
 
@@ -327,18 +327,7 @@ fn flag(lookup: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<b
 
 /// Physical RAM of this machine in bytes (0 if unknown).
 pub fn physical_ram() -> u64 {
-    // SAFETY: sysconf has no memory effects.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    if pages > 0 && page > 0 {
-        pages as u64 * page as u64
-    } else {
-        0
-    }
+    crate::sys::physical_ram()
 }
 
 #[cfg(test)]

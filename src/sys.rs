@@ -1,12 +1,45 @@
-//! Memory-management system calls, issued directly rather than through libc's symbols.
+//! The OS layer: the only code in the library and the LD_PRELOAD shim that calls the
+//! kernel (apart from the `userfaultfd` and `io-uring` crates' own ioctls and rings).
 //!
-//! Inside a program run under the LD_PRELOAD shim, `mmap`, `munmap` and `madvise` resolve
-//! to the shim's own interposed functions; the pager's internal calls must reach the
-//! kernel unchanged, so they bypass the symbols. See mmap(2), munmap(2), madvise(2).
+//! Every call goes to the kernel directly, never through a libc symbol: inside a program
+//! run under the shim, `mmap`, `munmap`, `madvise`, `mlock`... resolve to the shim's own
+//! interposed functions, and the pager's internal calls must reach the kernel unchanged.
+//! The calls are made with rustix, whose `linux_raw` backend (the default on Linux; the
+//! `use-libc` feature stays off) issues the system calls itself. The few calls rustix
+//! does not offer are raw `libc::syscall`s, each saying why.
+//!
+//! One error convention: `io::Result`, with the kernel's errno inside
+//! (`io::Error::raw_os_error`). The shim turns it into errno at its C ABI edge.
 
+use std::ffi::{c_void, CStr};
 use std::io;
+use std::num::NonZeroU64;
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 
-/// mmap(2). Returns the address or the error.
+use rustix::fs::{FallocateFlags, Mode, OFlags};
+use rustix::mm::{MapFlags, MlockFlags, MprotectFlags, MremapFlags, ProtFlags};
+use rustix::mount::{FsMountFlags, FsOpenFlags, MountAttrFlags};
+
+pub use rustix::fs::Stat;
+pub use rustix::mm::Advice;
+
+/// Size of a huge page (x86-64 and arm64 with 4 KiB pages): the tmpfs frames' page and
+/// the read ring's buffer alignment.
+pub const HUGE_PAGE: u64 = 2 << 20;
+
+/// The kernel's page size (from the auxiliary vector).
+pub fn page_size() -> u64 {
+    rustix::param::page_size() as u64
+}
+
+fn errno(code: i32) -> io::Error {
+    io::Error::from_raw_os_error(code)
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory mappings
+
+/// mmap(2) with the raw arguments a C caller passes. Returns the address.
 ///
 /// # Safety
 /// As for mmap(2): with `MAP_FIXED`, or a file the caller does not own, the call can
@@ -16,16 +49,34 @@ pub unsafe fn mmap(
     len: usize,
     prot: i32,
     flags: i32,
-    fd: i32,
+    fd: RawFd,
     offset: i64,
 ) -> io::Result<usize> {
-    // SAFETY: the caller upholds mmap(2)'s contract.
-    let rc = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, offset) };
-    if rc < 0 || rc as usize > usize::MAX - 4095 {
-        Err(io::Error::last_os_error())
+    let prot = ProtFlags::from_bits_retain(prot as u32);
+    let flags = MapFlags::from_bits_retain(flags as u32);
+    let addr = addr as *mut c_void;
+    let result = if fd == -1 {
+        // rustix cannot name fd -1 (a `BorrowedFd` never is): an anonymous mapping goes
+        // through `mmap_anonymous`, which passes -1 and adds MAP_ANONYMOUS; the checks
+        // keep the kernel's answers for what it would refuse.
+        let anonymous = MapFlags::from_bits_retain(libc::MAP_ANONYMOUS as u32);
+        if !flags.contains(anonymous) {
+            return Err(errno(libc::EBADF));
+        }
+        if offset as u64 % page_size() != 0 {
+            return Err(errno(libc::EINVAL));
+        }
+        let flags = flags.difference(anonymous);
+        // SAFETY: the caller upholds mmap(2)'s contract.
+        unsafe { rustix::mm::mmap_anonymous(addr, len, prot, flags) }
     } else {
-        Ok(rc as usize)
-    }
+        // SAFETY: `fd` is not -1; the kernel checks that it is open (EBADF otherwise) and
+        // keeps no borrow of it beyond the call.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        // SAFETY: the caller upholds mmap(2)'s contract.
+        unsafe { rustix::mm::mmap(addr, len, prot, flags, fd, offset as u64) }
+    };
+    Ok(result? as usize)
 }
 
 /// munmap(2).
@@ -34,19 +85,40 @@ pub unsafe fn mmap(
 /// Nothing may reference `[addr, addr + len)` afterwards.
 pub unsafe fn munmap(addr: usize, len: usize) -> io::Result<()> {
     // SAFETY: the caller guarantees the range is no longer referenced.
-    let rc = unsafe { libc::syscall(libc::SYS_munmap, addr, len) };
-    if rc != 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    Ok(unsafe { rustix::mm::munmap(addr as *mut c_void, len) }?)
 }
 
-/// getpid(2) from the kernel: right in any child, however it was made (fork, `_Fork`,
-/// a raw clone), where a libc that caches the pid may not have updated it.
-pub fn getpid() -> libc::pid_t {
-    // SAFETY: getpid takes no arguments and has no memory effects.
-    unsafe { libc::syscall(libc::SYS_getpid) as libc::pid_t }
+/// mremap(2); `new_addr` is used with `MREMAP_FIXED` only. Returns the new address.
+///
+/// # Safety
+/// As for mremap(2): the old range must no longer be referenced if it moves, and a fixed
+/// destination replaces whatever was there.
+pub unsafe fn mremap(
+    old: usize,
+    old_len: usize,
+    new_len: usize,
+    flags: i32,
+    new_addr: usize,
+) -> io::Result<usize> {
+    let flags = MremapFlags::from_bits_retain(flags as u32);
+    let old = old as *mut c_void;
+    let fixed = MremapFlags::from_bits_retain(libc::MREMAP_FIXED as u32);
+    let moved = if flags.contains(fixed) {
+        // SAFETY: the caller upholds mremap(2)'s contract; rustix adds MREMAP_FIXED back.
+        unsafe {
+            rustix::mm::mremap_fixed(
+                old,
+                old_len,
+                new_len,
+                flags.difference(fixed),
+                new_addr as *mut c_void,
+            )
+        }
+    } else {
+        // SAFETY: as above.
+        unsafe { rustix::mm::mremap(old, old_len, new_len, flags) }
+    };
+    Ok(moved? as usize)
 }
 
 /// mprotect(2).
@@ -54,22 +126,30 @@ pub fn getpid() -> libc::pid_t {
 /// # Safety
 /// Code relying on the range's current protection must tolerate the new one.
 pub unsafe fn mprotect(addr: usize, len: usize, prot: i32) -> io::Result<()> {
+    let prot = MprotectFlags::from_bits_retain(prot as u32);
     // SAFETY: the caller guarantees the change is harmless to the range's users.
-    let rc = unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) };
-    if rc != 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
+    Ok(unsafe { rustix::mm::mprotect(addr as *mut c_void, len, prot) }?)
 }
 
-/// madvise(2).
+/// madvise(2) with one of the advices rustix names.
 ///
 /// # Safety
 /// Advice that discards contents (`MADV_DONTNEED`, `MADV_FREE`, `MADV_REMOVE`) must only
 /// be given for memory whose contents can be recreated or are no longer needed.
-pub unsafe fn madvise(addr: usize, len: usize, advice: i32) -> io::Result<()> {
+pub unsafe fn madvise(addr: usize, len: usize, advice: Advice) -> io::Result<()> {
     // SAFETY: the caller guarantees the advice is harmless to the range's users.
+    Ok(unsafe { rustix::mm::madvise(addr as *mut c_void, len, advice) }?)
+}
+
+/// madvise(2) with any advice number, passed on unchanged: the shim forwards what a
+/// program asks, and the kernel decides what it means. A raw syscall because rustix's
+/// `Advice` is a closed enum: a number it does not name (a newer kernel's advice, or a
+/// wrong one the kernel must refuse with EINVAL) cannot be made into one.
+///
+/// # Safety
+/// As for madvise(2): destructive advice discards the contents of the range.
+pub unsafe fn madvise_raw(addr: usize, len: usize, advice: i32) -> io::Result<()> {
+    // SAFETY: the caller's request, unchanged; the kernel only changes the range's pages.
     let rc = unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) };
     if rc != 0 {
         Err(io::Error::last_os_error())
@@ -88,11 +168,236 @@ pub unsafe fn madvise(addr: usize, len: usize, advice: i32) -> io::Result<()> {
 /// longer needed.
 pub unsafe fn discard(addr: usize, len: usize) -> io::Result<()> {
     // SAFETY: the caller guarantees the contents may go.
-    match unsafe { madvise(addr, len, libc::MADV_DONTNEED_LOCKED) } {
+    match unsafe { madvise(addr, len, Advice::LinuxDontneedLocked) } {
         // SAFETY: as above.
         Err(error) if error.raw_os_error() == Some(libc::EINVAL) => unsafe {
-            madvise(addr, len, libc::MADV_DONTNEED)
+            madvise(addr, len, Advice::LinuxDontNeed)
         },
         result => result,
     }
+}
+
+/// mlock(2), or mlock2(2) when `flags` is not 0.
+///
+/// # Safety
+/// As for mlock(2): the whole range is faulted in.
+pub unsafe fn mlock(addr: usize, len: usize, flags: u32) -> io::Result<()> {
+    let addr = addr as *mut c_void;
+    if flags == 0 {
+        // SAFETY: the caller's request, unchanged.
+        Ok(unsafe { rustix::mm::mlock(addr, len) }?)
+    } else {
+        // SAFETY: as above.
+        Ok(unsafe { rustix::mm::mlock_with(addr, len, MlockFlags::from_bits_retain(flags)) }?)
+    }
+}
+
+/// munlock(2).
+///
+/// # Safety
+/// As for munlock(2).
+pub unsafe fn munlock(addr: usize, len: usize) -> io::Result<()> {
+    // SAFETY: the caller's request, unchanged.
+    Ok(unsafe { rustix::mm::munlock(addr as *mut c_void, len) }?)
+}
+
+/// Whether the page at `addr` is in the process's page tables (or in swap), by
+/// mincore(2). A raw syscall: rustix has no mincore.
+pub fn page_resident(addr: usize) -> io::Result<bool> {
+    let mut state = 0u8;
+    // SAFETY: mincore reads the page tables of the one page at `addr` (any address is
+    // safe: an unmapped one is ENOMEM) and writes one byte into `state`, which is live.
+    let rc = unsafe { libc::syscall(libc::SYS_mincore, addr, 1usize, &mut state as *mut u8) };
+    if rc != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(state & 1 == 1)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// userfaultfd ioctls the `userfaultfd` crate lacks
+
+#[repr(C)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+/// `struct uffdio_poison` (include/uapi/linux/userfaultfd.h).
+#[repr(C)]
+struct UffdioPoison {
+    range: UffdioRange,
+    mode: u64,
+    updated: i64,
+}
+
+const UFFDIO_POISON: rustix::ioctl::Opcode =
+    rustix::ioctl::opcode::read_write::<UffdioPoison>(0xAA, 0x08);
+
+/// UFFDIO_POISON (Linux 6.6) on `[start, start + len)` of a range registered on `uffd`.
+/// Returns the outcome and the kernel's `updated` field (bytes done, or a negated errno
+/// when none were).
+pub fn uffdio_poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> (io::Result<()>, i64) {
+    let mut arg = UffdioPoison {
+        range: UffdioRange {
+            start: start as u64,
+            len: len as u64,
+        },
+        mode: 0,
+        updated: 0,
+    };
+    // SAFETY: UFFDIO_POISON reads and writes one `struct uffdio_poison`, which `arg` is,
+    // live and correctly laid out for the call. The ioctl changes page tables of a range
+    // registered with this uffd only; it never writes user memory.
+    let result = unsafe {
+        rustix::ioctl::ioctl(
+            uffd,
+            rustix::ioctl::Updater::<UFFDIO_POISON, UffdioPoison>::new(&mut arg),
+        )
+    };
+    (result.map_err(io::Error::from), arg.updated)
+}
+
+// ---------------------------------------------------------------------------------------
+// Files and descriptors
+
+/// A non-blocking, close-on-exec eventfd(2) with counter 0.
+pub fn eventfd() -> io::Result<OwnedFd> {
+    use rustix::event::EventfdFlags;
+    Ok(rustix::event::eventfd(
+        0,
+        EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK,
+    )?)
+}
+
+/// read(2).
+pub fn read(fd: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
+    Ok(rustix::io::read(fd, buffer)?)
+}
+
+/// write(2).
+pub fn write(fd: BorrowedFd<'_>, buffer: &[u8]) -> io::Result<usize> {
+    Ok(rustix::io::write(fd, buffer)?)
+}
+
+/// Writes a whole message to stderr with write(2): no stdio lock (which a thread faulting
+/// on a managed page may hold), no allocation. Best effort.
+pub fn write_stderr(message: &[u8]) {
+    let mut rest = message;
+    while !rest.is_empty() {
+        match rustix::io::write(rustix::stdio::stderr(), rest) {
+            Ok(0) => return,
+            Ok(n) => rest = &rest[n..],
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        }
+    }
+}
+
+/// fstat(2) of a raw descriptor (the shim's callers hand it raw numbers).
+pub fn fstat(fd: RawFd) -> io::Result<Stat> {
+    if fd < 0 {
+        return Err(errno(libc::EBADF));
+    }
+    // SAFETY: `fd` is not -1; the kernel checks it is open and keeps no borrow of it.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(rustix::fs::fstat(fd)?)
+}
+
+/// posix_fadvise(2) with the advice number a C caller passes. Offset and length reach
+/// the kernel bit for bit (it judges negative ones itself).
+pub fn fadvise(fd: RawFd, offset: i64, len: i64, advice: i32) -> io::Result<()> {
+    use rustix::fs::Advice as F;
+    if fd < 0 {
+        return Err(errno(libc::EBADF));
+    }
+    let advice = match advice {
+        libc::POSIX_FADV_NORMAL => F::Normal,
+        libc::POSIX_FADV_SEQUENTIAL => F::Sequential,
+        libc::POSIX_FADV_RANDOM => F::Random,
+        libc::POSIX_FADV_NOREUSE => F::NoReuse,
+        libc::POSIX_FADV_WILLNEED => F::WillNeed,
+        libc::POSIX_FADV_DONTNEED => F::DontNeed,
+        // rustix's Advice is a closed enum; the kernel refuses advice it does not know
+        // with EINVAL too.
+        _ => return Err(errno(libc::EINVAL)),
+    };
+    // SAFETY: `fd` is not -1; the kernel checks it is open and keeps no borrow of it.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    Ok(rustix::fs::fadvise(
+        fd,
+        offset as u64,
+        NonZeroU64::new(len as u64),
+        advice,
+    )?)
+}
+
+/// readlink(2) of `path` into `buffer`; returns the bytes written (possibly truncated:
+/// a result filling the buffer may be cut short).
+pub fn readlink<'b>(path: &CStr, buffer: &'b mut [u8]) -> io::Result<&'b [u8]> {
+    let len = rustix::fs::readlinkat_raw(rustix::fs::CWD, path, &mut *buffer)?;
+    Ok(&buffer[..len])
+}
+
+/// A detached tmpfs mount (fsopen/fsconfig/fsmount, never attached to a directory) with
+/// the given string options. Fails with EPERM without CAP_SYS_ADMIN, ENOSYS before Linux
+/// 5.2.
+pub fn mount_tmpfs(options: &[(&CStr, &CStr)]) -> io::Result<OwnedFd> {
+    let context = rustix::mount::fsopen(c"tmpfs", FsOpenFlags::FSOPEN_CLOEXEC)?;
+    for &(key, value) in options {
+        rustix::mount::fsconfig_set_string(&context, key, value)?;
+    }
+    rustix::mount::fsconfig_create(&context)?;
+    Ok(rustix::mount::fsmount(
+        &context,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        MountAttrFlags::empty(),
+    )?)
+}
+
+/// A new unnamed (O_TMPFILE) read-write file of `len` bytes, all holes, in directory `dir`.
+pub fn create_tmpfile(dir: BorrowedFd<'_>, len: u64) -> io::Result<OwnedFd> {
+    let file = rustix::fs::openat(
+        dir,
+        c".",
+        OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    rustix::fs::ftruncate(&file, len)?;
+    Ok(file)
+}
+
+/// Frees the file's pages in `[offset, offset + len)` (a hole; the size is kept).
+pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+    Ok(rustix::fs::fallocate(
+        fd,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        offset,
+        len,
+    )?)
+}
+
+// ---------------------------------------------------------------------------------------
+// Process and system
+
+/// getpid(2) from the kernel: right in any child, however it was made (fork, `_Fork`,
+/// a raw clone), where a libc that caches the pid may not have updated it.
+pub fn getpid() -> i32 {
+    rustix::process::getpid().as_raw_pid()
+}
+
+/// Sets the calling thread's nice value (nice values are per thread on Linux) and
+/// returns the one it has afterwards (the old one if the change was refused).
+pub fn set_thread_nice(nice: i32) -> io::Result<i32> {
+    // A refusal (EACCES without CAP_SYS_NICE) is answered by the value read back.
+    let _ = rustix::process::setpriority_process(None, nice);
+    Ok(rustix::process::getpriority_process(None)?)
+}
+
+/// Physical RAM of this machine in bytes (0 if unknown), from sysinfo(2), as glibc's
+/// `sysconf(_SC_PHYS_PAGES)` computes it.
+pub fn physical_ram() -> u64 {
+    let info = rustix::system::sysinfo();
+    info.totalram as u64 * u64::from(info.mem_unit.max(1))
 }

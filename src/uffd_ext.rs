@@ -1,9 +1,9 @@
-//! userfaultfd ioctls the `userfaultfd` crate lacks: `UFFDIO_POISON` (Linux 6.6). Layouts from `include/uapi/linux/userfaultfd.h`; see
+//! userfaultfd ioctls the `userfaultfd` crate lacks: `UFFDIO_POISON` (Linux 6.6); see
 //! ioctl_userfaultfd(2).
 //!
-//! This is the only module that issues raw userfaultfd ioctls.
+//! The ioctl itself is issued by the OS layer (`crate::sys`).
 
-use std::os::fd::RawFd;
+use std::os::fd::BorrowedFd;
 
 use nix::errno::Errno;
 
@@ -17,24 +17,6 @@ pub const FEATURE_EXACT_ADDRESS: u64 = 1 << 11;
 
 /// `UFFD_FEATURE_MINOR_SHMEM`: minor-fault mode (and UFFDIO_CONTINUE) on shmem ranges.
 pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
-
-const UFFDIO: u8 = 0xAA;
-const NR_POISON: u8 = 0x08;
-
-#[repr(C)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-#[repr(C)]
-struct UffdioPoison {
-    range: UffdioRange,
-    mode: u64,
-    updated: i64,
-}
-
-nix::ioctl_readwrite!(uffdio_poison, UFFDIO, NR_POISON, UffdioPoison);
 
 /// Outcome of an ioctl that may stop part way.
 #[derive(Debug, PartialEq, Eq)]
@@ -51,33 +33,22 @@ pub enum Partial {
 ///
 /// The range must be page aligned and inside a range registered on `uffd`; pages that
 /// are already present are left as they are (`EEXIST`).
-pub fn poison(uffd: RawFd, start: usize, len: usize) -> Partial {
-    let mut arg = UffdioPoison {
-        range: UffdioRange {
-            start: start as u64,
-            len: len as u64,
-        },
-        mode: 0,
-        updated: 0,
-    };
-    // SAFETY: `arg` is a live, correctly laid out `struct uffdio_poison` for the duration
-    // of the call; the kernel only writes its `updated` field. The ioctl changes page
-    // tables of a range registered with this uffd only; it never writes user memory.
-    let result = unsafe { uffdio_poison(uffd, &mut arg) };
-    partial(result, arg.updated, len)
+pub fn poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> Partial {
+    let (result, updated) = crate::sys::uffdio_poison(uffd, start, len);
+    partial(result, updated, len)
 }
 
-fn partial(result: nix::Result<i32>, done_field: i64, len: usize) -> Partial {
+fn partial(result: std::io::Result<()>, done_field: i64, len: usize) -> Partial {
     match result {
         Ok(_) => Partial::Done,
-        Err(errno) => Partial::Stopped {
+        Err(error) => Partial::Stopped {
             // On failure the kernel stores the bytes done, or a negated errno when none.
             done: if done_field > 0 {
                 (done_field as u64).min(len as u64)
             } else {
                 0
             },
-            errno,
+            errno: Errno::from_i32(error.raw_os_error().unwrap_or(0)),
         },
     }
 }

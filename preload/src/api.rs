@@ -8,7 +8,7 @@ use libc::{c_int, c_uint, c_void, off_t, pid_t, size_t};
 
 use hyperoffload::map_candidate::{screen_request, MapRequest};
 
-use crate::managed::{Errno, Shim, PAGE};
+use crate::managed::{page, Errno, Shim};
 use crate::raw;
 use crate::state::{self, Reentry};
 
@@ -53,7 +53,7 @@ pub unsafe extern "C" fn mmap(
         fd,
         offset,
     };
-    if screen_request(&request, PAGE as u64).is_ok() {
+    if screen_request(&request, page() as u64).is_ok() {
         if let Some(_reentry) = Reentry::enter() {
             if let Some(base) = state::ready_or_init().and_then(|shim| shim.map(&request)) {
                 return base as *mut c_void;

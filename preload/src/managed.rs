@@ -29,6 +29,7 @@ use hyperoffload::policy::AccessHint;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
 use hyperoffload::shim_config::ShimConfig;
 use hyperoffload::size::format_size;
+use hyperoffload::sys;
 use hyperoffload::{MapOptions, Pager, Region};
 use libc::c_int;
 
@@ -37,7 +38,10 @@ use crate::raw;
 use crate::read_ahead;
 use crate::registry::{Piece, Registry};
 
-pub const PAGE: usize = 4096;
+/// The kernel's page size.
+pub fn page() -> usize {
+    sys::page_size() as usize
+}
 
 /// A region the shim made, and which file it presents.
 pub struct ManagedRegion {
@@ -71,7 +75,7 @@ impl Drop for ManagedRegion {
 
 /// A file a mapping request is for, as the shim screened it (see `Shim::take_file`).
 struct MappedFile {
-    stat: libc::stat,
+    stat: sys::Stat,
     /// The kernel's name for it: the one the pager opens.
     path: PathBuf,
     /// The name the program gave it (see `given_name`), else `path`.
@@ -300,7 +304,7 @@ impl Shim {
         let options = MapOptions {
             offset,
             len: Some(data_len),
-            map_len: Some((request.len as u64).next_multiple_of(PAGE as u64)),
+            map_len: Some((request.len as u64).next_multiple_of(page() as u64)),
             prot: request.prot,
         };
         let _layout = lock(&self.layout);
@@ -365,7 +369,7 @@ impl Shim {
     fn screen(
         &self,
         request: &MapRequest,
-        stat: &libc::stat,
+        stat: &sys::Stat,
         path: &[u8],
     ) -> Result<(PathBuf, u64), PassReason> {
         let size = stat.st_size as u64;
@@ -544,10 +548,10 @@ impl Shim {
     }
 
     fn pieces(&self, addr: usize, len: usize) -> Option<Vec<Piece<Arc<ManagedRegion>>>> {
-        if !self.has_mappings() || addr % PAGE != 0 {
+        if !self.has_mappings() || addr % page() != 0 {
             return None;
         }
-        let end = addr.checked_add(len)?.checked_next_multiple_of(PAGE)?;
+        let end = addr.checked_add(len)?.checked_next_multiple_of(page())?;
         let pieces = lock(&self.registry).split(addr..end);
         pieces
             .iter()
@@ -617,7 +621,7 @@ impl Shim {
             |range| {
                 // SAFETY: the program asked for this range to be unmapped; it is not
                 // managed memory.
-                raw::check(unsafe { raw::munmap(range.start as *mut _, range.len()) })
+                raw::check(unsafe { sys::munmap(range.start, range.len()) })
             },
         )
     }
@@ -654,7 +658,7 @@ impl Shim {
             },
             |range| {
                 // SAFETY: the program's own advice on memory the shim does not manage.
-                raw::check(unsafe { raw::madvise(range.start as *mut _, range.len(), advice) })
+                raw::check(unsafe { sys::madvise_raw(range.start, range.len(), advice) })
             },
         )
     }
@@ -690,11 +694,9 @@ impl Shim {
             advice if keeps_contents(advice) => {
                 // The kernel applies it to the region's own memory.
                 let start = region.as_ptr() as usize + range.start as usize;
+                let len = (range.end - range.start) as usize;
                 // SAFETY: advice that keeps the contents, on the region's own pages.
-                let rc = unsafe {
-                    raw::madvise(start as *mut _, (range.end - range.start) as usize, advice)
-                };
-                raw::check(rc)
+                raw::check(unsafe { sys::madvise_raw(start, len, advice) })
             }
             _ => {
                 // Anything else may drop or fence pages the pager counts resident (guard
@@ -725,16 +727,8 @@ impl Shim {
                 })
             },
             |range| {
-                let (start, len) = (range.start as *const _, range.len());
                 // SAFETY: the program's own request on memory the shim does not manage.
-                let rc = unsafe {
-                    if flags == 0 {
-                        raw::mlock(start, len)
-                    } else {
-                        raw::mlock2(start, len, flags)
-                    }
-                };
-                raw::check(rc)
+                raw::check(unsafe { sys::mlock(range.start, range.len(), flags) })
             },
         )
     }
@@ -753,7 +747,7 @@ impl Shim {
             },
             |range| {
                 // SAFETY: unlocking memory the shim does not manage.
-                raw::check(unsafe { raw::munlock(range.start as *const _, range.len()) })
+                raw::check(unsafe { sys::munlock(range.start, range.len()) })
             },
         )
     }
@@ -771,7 +765,7 @@ impl Shim {
         }
         let registry = lock(&self.registry);
         let touches = |addr: usize, len: usize| {
-            let end = addr.saturating_add(len.max(1)).next_multiple_of(PAGE);
+            let end = addr.saturating_add(len.max(1)).next_multiple_of(page());
             registry.overlaps(addr..end)
         };
         let refused = touches(old, old_len) || new_addr.is_some_and(|(a, l)| touches(a, l));
@@ -786,14 +780,14 @@ impl Shim {
 }
 
 /// Whether `path` leads to the file `stat` describes (the same device and inode).
-fn names_file(path: &Path, stat: &libc::stat) -> bool {
+fn names_file(path: &Path, stat: &sys::Stat) -> bool {
     std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
 }
 
 /// `[addr, addr + len)` from the start of its first page, as mlock(2) takes it (the
 /// kernel rounds the start down); None if the end overflows.
 fn page_rounded(addr: usize, len: usize) -> Option<(usize, usize)> {
-    let start = addr - addr % PAGE;
+    let start = addr - addr % page();
     Some((start, len.checked_add(addr - start)?))
 }
 

@@ -1,8 +1,16 @@
-//! The kernel's own behaviour for every interposed call, through the raw system call:
-//! never through a libc symbol (which would be the shim again) and never through the
-//! allocator. Each returns what the libc function would, errno included.
+//! The kernel's own behaviour for every interposed call, at the C ABI edge: the calls
+//! themselves are the library's OS layer (`hyperoffload::sys`), which reaches the kernel
+//! directly (never through a libc symbol, which would be the shim again, and never
+//! through the allocator). Here its `io::Result`s become what the libc function would
+//! return, errno included.
 
-use libc::{c_int, c_long, c_void, off_t, size_t};
+use std::io;
+
+use libc::{c_int, c_uint, c_void, off_t, size_t};
+
+use hyperoffload::sys;
+
+pub use hyperoffload::sys::write_stderr;
 
 /// Sets errno, as libc functions do on failure.
 pub fn set_errno(errno: c_int) {
@@ -10,17 +18,35 @@ pub fn set_errno(errno: c_int) {
     unsafe { *libc::__errno_location() = errno };
 }
 
-pub fn errno() -> c_int {
-    // SAFETY: as in `set_errno`.
-    unsafe { *libc::__errno_location() }
+/// The errno an OS-layer error carries.
+pub fn errno_of(error: io::Error) -> c_int {
+    error.raw_os_error().unwrap_or(libc::EIO)
 }
 
-/// A raw call's return code as a result: `Err(errno)` when it failed.
-pub fn check(rc: c_int) -> Result<(), c_int> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(errno())
+/// An OS-layer result as the shim's internal `Result<(), errno>`.
+pub fn check(result: io::Result<()>) -> Result<(), c_int> {
+    result.map_err(errno_of)
+}
+
+/// A libc-style return: 0, or -1 with errno.
+fn c_int_result(result: io::Result<()>) -> c_int {
+    match result {
+        Ok(()) => 0,
+        Err(error) => {
+            set_errno(errno_of(error));
+            -1
+        }
+    }
+}
+
+/// A libc-style address: the address, or MAP_FAILED with errno.
+fn c_address(result: io::Result<usize>) -> *mut c_void {
+    match result {
+        Ok(address) => address as *mut c_void,
+        Err(error) => {
+            set_errno(errno_of(error));
+            libc::MAP_FAILED
+        }
     }
 }
 
@@ -36,9 +62,8 @@ pub unsafe fn mmap(
     fd: c_int,
     offset: off_t,
 ) -> *mut c_void {
-    // SAFETY: the caller's request, passed on unchanged; syscall(2) sets errno and
-    // returns -1 on failure, which is MAP_FAILED.
-    unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, offset) as *mut c_void }
+    // SAFETY: the caller's request, passed on unchanged.
+    c_address(unsafe { sys::mmap(addr as usize, len, prot, flags, fd, offset) })
 }
 
 /// munmap(2).
@@ -47,7 +72,7 @@ pub unsafe fn mmap(
 /// As munmap(2).
 pub unsafe fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     // SAFETY: the caller's request, unchanged.
-    unsafe { libc::syscall(libc::SYS_munmap, addr, len) as c_int }
+    c_int_result(unsafe { sys::munmap(addr as usize, len) })
 }
 
 /// mremap(2).
@@ -62,9 +87,7 @@ pub unsafe fn mremap(
     new_addr: *mut c_void,
 ) -> *mut c_void {
     // SAFETY: the caller's request, unchanged (new_addr is ignored without MREMAP_FIXED).
-    unsafe {
-        libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) as *mut c_void
-    }
+    c_address(unsafe { sys::mremap(old as usize, old_len, new_len, flags, new_addr as usize) })
 }
 
 /// madvise(2).
@@ -73,7 +96,7 @@ pub unsafe fn mremap(
 /// As madvise(2): destructive advice discards the contents of the range.
 pub unsafe fn madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_int {
     // SAFETY: the caller's request, unchanged.
-    unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as c_int }
+    c_int_result(unsafe { sys::madvise_raw(addr as usize, len, advice) })
 }
 
 /// posix_madvise(3): returns the error number instead of setting errno. glibc makes
@@ -86,22 +109,17 @@ pub unsafe fn posix_madvise(addr: *mut c_void, len: size_t, advice: c_int) -> c_
     if advice == libc::POSIX_MADV_DONTNEED {
         return 0;
     }
-    let saved = errno();
     // SAFETY: non-destructive advice on the caller's range.
-    let rc = unsafe { madvise(addr, len, advice) };
-    let result = if rc == 0 { 0 } else { errno() };
-    set_errno(saved);
-    result
+    check(unsafe { sys::madvise_raw(addr as usize, len, advice) })
+        .err()
+        .unwrap_or(0)
 }
 
 /// posix_fadvise(2): returns the error number instead of setting errno.
 pub fn posix_fadvise(fd: c_int, offset: off_t, len: off_t, advice: c_int) -> c_int {
-    let saved = errno();
-    // SAFETY: fadvise64 only affects the page cache of the file behind `fd`.
-    let rc: c_long = unsafe { libc::syscall(libc::SYS_fadvise64, fd, offset, len, advice) };
-    let result = if rc == 0 { 0 } else { errno() };
-    set_errno(saved);
-    result
+    check(sys::fadvise(fd, offset, len, advice))
+        .err()
+        .unwrap_or(0)
 }
 
 /// mlock(2).
@@ -110,16 +128,16 @@ pub fn posix_fadvise(fd: c_int, offset: off_t, len: off_t, advice: c_int) -> c_i
 /// As mlock(2) (faults the whole range in).
 pub unsafe fn mlock(addr: *const c_void, len: size_t) -> c_int {
     // SAFETY: the caller's request, unchanged.
-    unsafe { libc::syscall(libc::SYS_mlock, addr, len) as c_int }
+    c_int_result(unsafe { sys::mlock(addr as usize, len, 0) })
 }
 
 /// mlock2(2).
 ///
 /// # Safety
 /// As mlock2(2).
-pub unsafe fn mlock2(addr: *const c_void, len: size_t, flags: libc::c_uint) -> c_int {
+pub unsafe fn mlock2(addr: *const c_void, len: size_t, flags: c_uint) -> c_int {
     // SAFETY: the caller's request, unchanged.
-    unsafe { libc::syscall(libc::SYS_mlock2, addr, len, flags) as c_int }
+    c_int_result(unsafe { sys::mlock(addr as usize, len, flags) })
 }
 
 /// munlock(2).
@@ -128,20 +146,16 @@ pub unsafe fn mlock2(addr: *const c_void, len: size_t, flags: libc::c_uint) -> c
 /// As munlock(2).
 pub unsafe fn munlock(addr: *const c_void, len: size_t) -> c_int {
     // SAFETY: the caller's request, unchanged.
-    unsafe { libc::syscall(libc::SYS_munlock, addr, len) as c_int }
+    c_int_result(unsafe { sys::munlock(addr as usize, len) })
 }
 
-/// fstat(2) of a descriptor: `None` if it fails (errno left as the kernel set it).
-pub fn fstat(fd: c_int) -> Option<libc::stat> {
-    // SAFETY: all-zero is a valid `stat` (plain integers).
-    let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes one `struct stat` to a live, correctly typed destination.
-    let rc = unsafe { libc::syscall(libc::SYS_fstat, fd, &mut stat as *mut libc::stat) };
-    (rc == 0).then_some(stat)
+/// fstat(2) of a descriptor: `None` if it fails.
+pub fn fstat(fd: c_int) -> Option<sys::Stat> {
+    sys::fstat(fd).ok()
 }
 
 /// The path behind a descriptor (readlink of /proc/self/fd/N) into `buffer`; `None` if it
-/// has none or does not fit.
+/// has none or does not fit. Built on the stack: no allocation.
 pub fn fd_path(fd: c_int, buffer: &mut [u8; 4096]) -> Option<&[u8]> {
     let mut link = [0u8; 32];
     let mut at = 0;
@@ -165,35 +179,11 @@ pub fn fd_path(fd: c_int, buffer: &mut [u8; 4096]) -> Option<&[u8]> {
         at += 1;
     }
     // `link` stays NUL-terminated: it has room to spare and started zeroed.
-    // SAFETY: readlink reads the NUL-terminated path in `link` and writes at most
-    // `buffer.len()` bytes into `buffer`.
-    let len = unsafe {
-        libc::syscall(
-            libc::SYS_readlink,
-            link.as_ptr(),
-            buffer.as_mut_ptr(),
-            buffer.len(),
-        )
-    };
-    if len <= 0 || len as usize >= buffer.len() || buffer[0] != b'/' {
+    let link = std::ffi::CStr::from_bytes_until_nul(&link).ok()?;
+    let len = buffer.len();
+    let path = sys::readlink(link, buffer).ok()?;
+    if path.is_empty() || path.len() >= len || path[0] != b'/' {
         return None;
     }
-    Some(&buffer[..len as usize])
-}
-
-/// Writes a whole message to stderr with write(2): no stdio lock, which a thread
-/// faulting on a managed page may hold.
-pub fn write_stderr(message: &[u8]) {
-    let mut rest = message;
-    while !rest.is_empty() {
-        // SAFETY: writes from a live slice to fd 2.
-        let n = unsafe { libc::syscall(libc::SYS_write, 2, rest.as_ptr(), rest.len()) };
-        if n <= 0 {
-            if n < 0 && errno() == libc::EINTR {
-                continue;
-            }
-            return;
-        }
-        rest = &rest[n as usize..];
-    }
+    Some(path)
 }

@@ -197,13 +197,7 @@ impl Drop for InstallPool {
 /// spinning at a barrier took as much CPU as the installs they waited for. Measured
 /// (llama-bench tg8, 3 GiB model, budget 50 %): 1.27 tok/s at nice 0, 1.44 at -10.
 pub(crate) fn raise_priority(nice: i32) -> i32 {
-    // SAFETY: setpriority/getpriority on the calling thread (who = 0; nice values are
-    // per thread on Linux) touch no memory.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, 0, nice);
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, 0)
-    }
+    crate::sys::set_thread_nice(nice).unwrap_or(-1)
 }
 
 fn work(shared: &PoolShared) {

@@ -343,7 +343,6 @@ impl FaultService {
 fn fatal(why: &str) -> ! {
     let message =
         format!("hyperoffload: the fault service failed and the process cannot continue: {why}\n");
-    // SAFETY: writes a live buffer to fd 2.
-    unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+    crate::sys::write_stderr(message.as_bytes());
     std::process::abort();
 }

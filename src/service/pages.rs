@@ -3,7 +3,7 @@
 //! poisoning pages whose read failed, dropping pages of evicted blocks.
 
 use std::ops::Range;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 
 use nix::errno::Errno;
 use userfaultfd::{RegisterMode, Uffd};
@@ -156,7 +156,7 @@ pub(super) fn map_frame(
         .map_err(|error| map_error(part.start, error))?;
         // As for the reservation: a forked child must not see the range.
         // SAFETY: advises a mapping of the service's own; DONTFORK discards nothing.
-        unsafe { crate::sys::madvise(part.start, bytes, libc::MADV_DONTFORK) }
+        unsafe { crate::sys::madvise(part.start, bytes, crate::sys::Advice::LinuxDontFork) }
             .map_err(|error| map_error(part.start, error))?;
         uffd.register_with_mode(
             part.start as *mut libc::c_void,
@@ -191,7 +191,7 @@ pub(super) fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -
     let mut at = start;
     let end = start + len;
     while at < end {
-        match uffd_ext::poison(uffd.as_raw_fd(), at, end - at) {
+        match uffd_ext::poison(uffd.as_fd(), at, end - at) {
             Partial::Done => {
                 poisoned += ((end - at) / page) as u64;
                 break;
@@ -225,11 +225,7 @@ pub(super) fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError
 /// Whether the page at `addr` (page aligned, in a region this service serves) is in the
 /// process's page tables (or in swap: a fault there is no userfault).
 pub(super) fn page_present(addr: usize) -> bool {
-    let mut state = 0u8;
-    // SAFETY: mincore reads the page tables of one page of a live mapping and writes one
-    // byte into `state`.
-    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, 1, &mut state) };
     // A failure (the page was unmapped meanwhile) is answered as present: waking the
     // thread is then what the fault needs.
-    rc != 0 || state & 1 == 1
+    crate::sys::page_resident(addr).unwrap_or(true)
 }

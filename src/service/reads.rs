@@ -512,9 +512,8 @@ impl FaultService {
             now.len,
             now.mtime_ns != then.mtime_ns
         );
-        // SAFETY: writes a live buffer to fd 2 (not through stderr's lock, which a
-        // faulting thread may hold).
-        unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
+        // Not through stderr's lock, which a faulting thread may hold.
+        crate::sys::write_stderr(message.as_bytes());
         true
     }
 }
