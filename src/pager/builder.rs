@@ -1,0 +1,356 @@
+//! `PagerBuilder`: the pager's settings, and starting it (the userfaultfd, the frame
+//! store, the install workers and the fault service thread).
+
+#[cfg(feature = "fault-injection")]
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
+
+use super::{
+    default_demand_spin_min_reads, Pager, PagerError, PagerInner, DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEMAND_SPIN, DEFAULT_INSTALL_THREADS, DEFAULT_MAX_READ, DEFAULT_QUEUE_DEPTH,
+    DEFAULT_THREAD_NICE, SPARE_FRAMES,
+};
+use crate::command::Shared;
+use crate::event::EventFd;
+use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
+#[cfg(feature = "fault-injection")]
+use crate::service::InjectedFaults;
+use crate::service::{FaultService, InstallPool, ServiceConfig};
+use crate::shared_store::{FrameStore, HugeTmpfs};
+use crate::sys::HUGE_PAGE;
+use crate::{sys, uffd_ext};
+
+/// Builds a pager.
+pub struct PagerBuilder {
+    budget: u64,
+    block_size: u64,
+    max_read: u64,
+    queue_depth: u32,
+    read_attempts: u32,
+    prefetch: Box<dyn PrefetchPolicy>,
+    eviction: Box<dyn EvictionPolicy>,
+    trace_limit: usize,
+    demand_spin: std::time::Duration,
+    demand_spin_min_reads: u32,
+    install_threads: usize,
+    thread_nice: i32,
+    zero_copy: bool,
+    #[cfg(feature = "fault-injection")]
+    faults: InjectedFaults,
+}
+
+impl Default for PagerBuilder {
+    fn default() -> Self {
+        Self {
+            budget: 1 << 30,
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_read: DEFAULT_MAX_READ,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            read_attempts: 3,
+            prefetch: PrefetchKind::Readahead.build(),
+            eviction: EvictionKind::Fifo.build(),
+            trace_limit: 0,
+            demand_spin: DEFAULT_DEMAND_SPIN,
+            demand_spin_min_reads: default_demand_spin_min_reads(),
+            install_threads: DEFAULT_INSTALL_THREADS,
+            thread_nice: DEFAULT_THREAD_NICE,
+            zero_copy: false,
+            #[cfg(feature = "fault-injection")]
+            faults: InjectedFaults::default(),
+        }
+    }
+}
+
+impl PagerBuilder {
+    /// Resident bytes of all regions together never exceed this.
+    pub fn budget(mut self, bytes: u64) -> Self {
+        self.budget = bytes;
+        self
+    }
+
+    pub fn block_size(mut self, bytes: u64) -> Self {
+        self.block_size = bytes;
+        self
+    }
+
+    /// Largest read; neighbouring prefetched blocks are merged up to it.
+    pub fn max_read(mut self, bytes: u64) -> Self {
+        self.max_read = bytes;
+        self
+    }
+
+    pub fn queue_depth(mut self, depth: u32) -> Self {
+        self.queue_depth = depth;
+        self
+    }
+
+    /// How many times a failed read is tried before its pages are poisoned.
+    pub fn read_attempts(mut self, attempts: u32) -> Self {
+        self.read_attempts = attempts.max(1);
+        self
+    }
+
+    pub fn prefetch(mut self, policy: Box<dyn PrefetchPolicy>) -> Self {
+        self.prefetch = policy;
+        self
+    }
+
+    pub fn eviction(mut self, policy: Box<dyn EvictionPolicy>) -> Self {
+        self.eviction = policy;
+        self
+    }
+
+    /// Test-only: reads of the given file byte range fail with `errno`, to test error
+    /// paths end to end (the read is issued; its result is replaced).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_read_error(mut self, file_range: Range<u64>, errno: i32) -> Self {
+        self.faults.read_error = Some((file_range, errno));
+        self
+    }
+
+    /// Test-only: every read returns at most half of what it asked for (the rest is read
+    /// again by the service's short-read continuation, as after a real short read).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_short_reads(mut self, on: bool) -> Self {
+        self.faults.short_reads = on;
+        self
+    }
+
+    /// Test-only: every read completion is handled `delay` late (the service thread
+    /// sleeps), as if the device were that slow and served one read at a time.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_read_delay(mut self, delay: std::time::Duration) -> Self {
+        self.faults.read_delay = delay;
+        self
+    }
+
+    /// Test-only: the service thread panics on fault number `faults + 1`.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_service_panic_after(mut self, faults: u64) -> Self {
+        self.faults.panic_after_faults = Some(faults);
+        self
+    }
+
+    /// How long the service thread polls for a completion, instead of sleeping, while
+    /// threads wait on demand reads (zero: never); see `demand_spin_min_reads`.
+    pub fn demand_spin(mut self, spin: std::time::Duration) -> Self {
+        self.demand_spin = spin;
+        self
+    }
+
+    /// Poll for completions only while at least this many demand reads are in flight
+    /// (default: `default_demand_spin_min_reads`). Measured on two virtual cores
+    /// (random 4 KiB touches, p50 fault latency, spin 200 us, median of 3): with 8
+    /// threads, 178 us never polling, 158 polling from 1 read in flight, 155 from 5; with
+    /// 4 threads, 101, 130 and 104; with 2 threads, 78, 100 and 80. Polling keeps the
+    /// service's core busy, so an install's wake-up goes to the other core, halted when
+    /// few threads run, and waking a halted virtual CPU costs more than polling saves.
+    pub fn demand_spin_min_reads(mut self, reads: u32) -> Self {
+        self.demand_spin_min_reads = reads.max(1);
+        self
+    }
+
+    /// Threads that install prefetched reads beside the fault service thread (0: the
+    /// service thread installs everything itself). See `service::install_pool`. None run with zero
+    /// copy, where an install maps a frame instead of copying.
+    pub fn install_threads(mut self, threads: usize) -> Self {
+        self.install_threads = threads;
+        self
+    }
+
+    /// Nice value for the service and install threads (-20..19). Raising priority needs
+    /// CAP_SYS_NICE or RLIMIT_NICE; without either they stay at the process's nice value
+    /// and `Stats::thread_nice` says so.
+    pub fn thread_nice(mut self, nice: i32) -> Self {
+        self.thread_nice = nice.clamp(-20, 19);
+        self
+    }
+
+    /// Records every fault (time, thread, block, outcome, latency), keeping at most
+    /// `limit` of them; `Pager::take_trace` hands them over.
+    /// Whether to install blocks without copying them when the blocks are whole huge
+    /// pages (a multiple of 2 MiB): reads land in frames of a file of a private
+    /// huge-page tmpfs, and a block is installed by mapping its frame over its place in
+    /// the region (see `shared_store`). Used only when the blocks allow it and the
+    /// process may create the mount (CAP_SYS_ADMIN); otherwise blocks are copied in and
+    /// `Stats::zero_copy_refused` says why. Off by default: a reused frame's page is
+    /// overwritten even if the kernel still holds it for a `write(2)` from the region.
+    pub fn zero_copy(mut self, on: bool) -> Self {
+        self.zero_copy = on;
+        self
+    }
+
+    pub fn trace(mut self, limit: usize) -> Self {
+        self.trace_limit = limit;
+        self
+    }
+
+    /// The largest read, once the settings are checked to make sense together.
+    fn checked_max_read(&self, page: u64) -> Result<u64, PagerError> {
+        if !self.block_size.is_power_of_two() || self.block_size < page {
+            return Err(PagerError::BadBlockSize(self.block_size));
+        }
+        let max_read = self.max_read.max(self.block_size);
+        if max_read % self.block_size != 0 {
+            return Err(PagerError::BadReadSize {
+                read: self.max_read,
+                block: self.block_size,
+            });
+        }
+        if self.budget < self.block_size {
+            return Err(PagerError::BudgetTooSmall {
+                budget: self.budget,
+                block: self.block_size,
+            });
+        }
+        if self.queue_depth == 0 {
+            return Err(PagerError::BadQueueDepth);
+        }
+        Ok(max_read)
+    }
+
+    /// The userfaultfd and, with zero copy, the frame store; or why blocks are copied.
+    fn uffd_and_frames(&self) -> Result<(Uffd, Option<FrameStore>, Option<String>), PagerError> {
+        let (store, zero_copy_refused) = if !self.zero_copy {
+            (None, Some("turned off".to_string()))
+        } else if self.block_size % HUGE_PAGE != 0 {
+            (
+                None,
+                Some(format!(
+                    "blocks of {} bytes are not whole 2 MiB pages",
+                    self.block_size
+                )),
+            )
+        } else {
+            // Every block held (resident, read or held back) has a frame, and the budget
+            // bounds them, counting a region's short last block at its length: the
+            // spare frames cover those, up to that many regions at once.
+            let frames = (self.budget / self.block_size) as u32 + SPARE_FRAMES;
+            match HugeTmpfs::new()
+                .and_then(|tmpfs| FrameStore::new(&tmpfs, self.block_size, frames))
+            {
+                Ok(store) => (Some(store), None),
+                Err(error) => (
+                    None,
+                    Some(format!(
+                        "cannot create a huge-page tmpfs ({error}; needs CAP_SYS_ADMIN)"
+                    )),
+                ),
+            }
+        };
+        // Evicted blocks stay mapped to their old frames with their pages unmapped:
+        // minor faults must reach the service (see `service::map_frame`).
+        Ok(match store {
+            Some(store) => match create_uffd(uffd_ext::FEATURE_MINOR_SHMEM) {
+                Ok(uffd) => (uffd, Some(store), None),
+                Err(error) => (
+                    create_uffd(0)?,
+                    None,
+                    Some(format!("userfaultfd lacks minor faults on shmem ({error})")),
+                ),
+            },
+            None => (create_uffd(0)?, None, zero_copy_refused),
+        })
+    }
+
+    pub fn build(self) -> Result<Pager, PagerError> {
+        let page = sys::page_size();
+        let max_read = self.checked_max_read(page)?;
+        let (uffd, store, zero_copy_refused) = self.uffd_and_frames()?;
+        let zero_copy = store.is_some();
+        // A read fills one frame: blocks are read one at a time (they are 2 MiB or more).
+        let max_read = if zero_copy { self.block_size } else { max_read };
+        let uffd = Arc::new(uffd);
+        let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
+        let shared = Arc::new(Shared::new(wakeup));
+        // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
+        let install_threads = if zero_copy { 0 } else { self.install_threads };
+        let installs = match install_threads {
+            0 => None,
+            threads => Some(
+                InstallPool::new(threads, uffd.clone(), page as usize, self.thread_nice)
+                    .map_err(PagerError::Spawn)?,
+            ),
+        };
+        let service = FaultService::new(
+            ServiceConfig {
+                budget: self.budget,
+                block_size: self.block_size,
+                max_read,
+                queue_depth: self.queue_depth,
+                read_attempts: self.read_attempts,
+                page_size: page,
+                trace_limit: self.trace_limit,
+                demand_spin: self.demand_spin,
+                demand_spin_min_reads: self.demand_spin_min_reads,
+                thread_nice: self.thread_nice,
+                zero_copy_refused,
+                #[cfg(feature = "fault-injection")]
+                faults: self.faults,
+            },
+            uffd.clone(),
+            shared.clone(),
+            self.prefetch,
+            self.eviction,
+            installs,
+            store,
+        )?;
+        let thread = std::thread::Builder::new()
+            .name("hyperoffload-fault".into())
+            .spawn(move || service.run())
+            .map_err(PagerError::Spawn)?;
+        Ok(Pager {
+            inner: Arc::new(PagerInner {
+                uffd,
+                shared,
+                thread: Mutex::new(Some(thread)),
+                next_region: AtomicU32::new(0),
+                budget: self.budget,
+                block_size: self.block_size,
+                zero_copy,
+                mappings_promised: AtomicU64::new(0),
+                owner: sys::getpid(),
+            }),
+        })
+    }
+}
+
+/// The pager's userfaultfd, with `extra` features beside those always needed.
+fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
+    let build = |features: u64| {
+        UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            // Kernel-mode accesses (write(2) from a region, O_DIRECT into... ) must fault
+            // like user accesses, not fail with EFAULT: needs root or /dev/userfaultfd.
+            .user_mode_only(false)
+            .require_features(FeatureFlags::from_bits_retain(features))
+            .create()
+    };
+    let features = FeatureFlags::THREAD_ID.bits()
+        | uffd_ext::FEATURE_POISON
+        | uffd_ext::FEATURE_EXACT_ADDRESS
+        | extra;
+    match build(features) {
+        Ok(uffd) => Ok(uffd),
+        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
+            PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),
+        ),
+        Err(userfaultfd::Error::OpenDevUserfaultfd(error))
+            if error.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            Err(PagerError::UffdNotPermitted(error.to_string()))
+        }
+        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EINVAL)) => {
+            // The API handshake refused the features: check whether POISON is the reason.
+            match UffdBuilder::new().user_mode_only(false).create() {
+                Ok(_) => Err(PagerError::UffdNoPoison),
+                Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
+            }
+        }
+        Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
+    }
+}
