@@ -198,56 +198,12 @@ impl ModelGraph {
             sparse: None,
         });
 
-        let mut edges: Vec<(NodeIndex, NodeIndex, f64)> = Vec::new();
-        let mut cycle: Vec<&Step> = steps.iter().collect();
-        cycle.extend(rows.iter().filter(|step| !step.groups.is_empty()));
-        for step in &cycle {
-            for group in &step.groups {
-                for pair in group.windows(2) {
-                    edges.push((pair[0], pair[1], 1.0));
-                }
-            }
-        }
-        // Round the cycle: the last step (or the embedding rows) feeds the first.
-        if cycle.len() > 1 {
-            for (i, from) in cycle.iter().enumerate() {
-                connect(&mut edges, from, cycle[(i + 1) % cycle.len()]);
-            }
-        }
+        let edges = step_edges(&steps, rows.as_ref());
         for (from, to, weight) in edges {
             graph.add_edge(from, to, weight);
         }
 
-        // The pieces of work threads share, in execution order, as runs of blocks: a
-        // step, or one expert's matrix of a tensor split by experts that every token
-        // reads whole. The pass is their blocks in turn. The experts a router chooses
-        // among are not part of it: which of them a token reads is not known ahead
-        // (`ExpertMap`); each of their slices is anchored at the unit that follows.
-        let mut units: Vec<Vec<u32>> = Vec::new();
-        let mut sparse_slices: Vec<ExpertSlice> = Vec::new();
-        for step in &steps {
-            if let Some(shares) = &step.sparse {
-                sparse_slices.extend(shares.shares.iter().map(|(expert, range)| ExpertSlice {
-                    layer: shares.layer,
-                    expert: *expert,
-                    file_range: range.clone(),
-                    anchor: units.len() as u32,
-                }));
-                continue;
-            }
-            let blocks_of = |nodes: &[NodeIndex]| -> Vec<u32> {
-                nodes
-                    .iter()
-                    .flat_map(|&node| graph[node].blocks.clone())
-                    .collect()
-            };
-            if step.experts {
-                units.extend(step.groups.iter().map(|group| blocks_of(group)));
-            } else {
-                let nodes: Vec<NodeIndex> = step.groups.iter().flatten().copied().collect();
-                units.push(blocks_of(&nodes));
-            }
-        }
+        let (units, sparse_slices) = work_units(&steps, &graph);
         let order =
             CyclicOrder::from_sequence(units.iter().flatten().copied(), layout.block_count());
         let unit_start = unit_starts(&order, &units);
@@ -264,17 +220,7 @@ impl ModelGraph {
                 .and_then(|block| order.positions(block).first().copied())
                 .unwrap_or(0)
         });
-        // The largest piece of work. Extents of one tensor may share their boundary
-        // blocks: a unit's span, not its length.
-        let lag_guard = units
-            .iter()
-            .map(|blocks| {
-                let start = blocks.iter().min().copied().unwrap_or(0);
-                let end = blocks.iter().max().map_or(0, |&last| last + 1);
-                end.saturating_sub(start)
-            })
-            .max()
-            .unwrap_or(0);
+        let lag_guard = largest_span(&units);
         let mut model = Self::finish(
             layout,
             GraphSource::Architecture(exec.architecture),
@@ -509,6 +455,76 @@ impl ModelGraph {
         }
         total
     }
+}
+
+/// The pieces of work threads share, in execution order, as runs of blocks: a step, or
+/// one expert's matrix of a tensor split by experts that every token reads whole. The
+/// pass is their blocks in turn. The experts a router chooses among are not part of it:
+/// which of them a token reads is not known ahead (`ExpertMap`); each of their slices is
+/// anchored at the unit that follows, returned beside the units.
+fn work_units(steps: &[Step], graph: &DiGraph<Node, f64>) -> (Vec<Vec<u32>>, Vec<ExpertSlice>) {
+    let mut units: Vec<Vec<u32>> = Vec::new();
+    let mut sparse_slices: Vec<ExpertSlice> = Vec::new();
+    for step in steps {
+        if let Some(shares) = &step.sparse {
+            sparse_slices.extend(shares.shares.iter().map(|(expert, range)| ExpertSlice {
+                layer: shares.layer,
+                expert: *expert,
+                file_range: range.clone(),
+                anchor: units.len() as u32,
+            }));
+            continue;
+        }
+        let blocks_of = |nodes: &[NodeIndex]| -> Vec<u32> {
+            nodes
+                .iter()
+                .flat_map(|&node| graph[node].blocks.clone())
+                .collect()
+        };
+        if step.experts {
+            units.extend(step.groups.iter().map(|group| blocks_of(group)));
+        } else {
+            let nodes: Vec<NodeIndex> = step.groups.iter().flatten().copied().collect();
+            units.push(blocks_of(&nodes));
+        }
+    }
+    (units, sparse_slices)
+}
+
+/// The largest piece of work: extents of one tensor may share their boundary blocks, so
+/// a unit's span, not its length.
+fn largest_span(units: &[Vec<u32>]) -> u32 {
+    units
+        .iter()
+        .map(|blocks| {
+            let start = blocks.iter().min().copied().unwrap_or(0);
+            let end = blocks.iter().max().map_or(0, |&last| last + 1);
+            end.saturating_sub(start)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// The edges of one pass: along each group's extents, and from each step (or the
+/// embedding rows) to the next, round the cycle.
+fn step_edges(steps: &[Step], rows: Option<&Step>) -> Vec<(NodeIndex, NodeIndex, f64)> {
+    let mut edges: Vec<(NodeIndex, NodeIndex, f64)> = Vec::new();
+    let mut cycle: Vec<&Step> = steps.iter().collect();
+    cycle.extend(rows.iter().filter(|step| !step.groups.is_empty()));
+    for step in &cycle {
+        for group in &step.groups {
+            for pair in group.windows(2) {
+                edges.push((pair[0], pair[1], 1.0));
+            }
+        }
+    }
+    // Round the cycle: the last step (or the embedding rows) feeds the first.
+    if cycle.len() > 1 {
+        for (i, from) in cycle.iter().enumerate() {
+            connect(&mut edges, from, cycle[(i + 1) % cycle.len()]);
+        }
+    }
+    edges
 }
 
 impl BlockLengths for ModelGraph {
