@@ -194,8 +194,8 @@ impl Drop for InstallPool {
 /// interrupt context and in the faulting thread itself, ahead of any user thread. At
 /// equal priority they share the CPU with the program's threads, and inference
 /// programs spin while they wait (OpenMP barriers): with two cores, llama.cpp's threads
-/// spinning at a barrier took as much CPU as the installs they waited for. Measured
-/// (llama-bench tg8, 3 GiB model, budget 50 %): 1.27 tok/s at nice 0, 1.44 at -10.
+/// spinning at a barrier took as much CPU as the installs they waited for (docs/design.md,
+/// "The fault service, measured").
 pub(crate) fn raise_priority(nice: i32) -> i32 {
     crate::sys::set_thread_nice(nice).unwrap_or(-1)
 }

@@ -108,9 +108,8 @@ impl FaultService {
                 // Nothing resident is worth less than this block. Requests are queued
                 // in the order they are needed, so the rest are worth as little, unless
                 // this one is stale: the program passed it while it waited for the
-                // device. Drop it alone (measured at a quarter of a 3 GiB llama:
-                // dropping the queue on a stale request left runs of the blocks just
-                // ahead to be read on demand).
+                // device. Drop it alone: dropping the whole queue would leave the blocks
+                // just ahead to be read on demand.
                 self.prefetch_queue.pop_front();
                 self.cancel_request(first.block);
                 continue;
@@ -158,14 +157,10 @@ impl FaultService {
                 let frame = store.take().expect("pump checked a frame is free");
                 region.frames[first.index as usize] = Some(frame.index);
                 // A frame's first read faults its pages in, and the kernel clears them
-                // first: inside this thread's submit, which then serves nobody meanwhile.
-                // Slow when the host must back the memory anew (a VM whose freed memory
-                // went back to the host): 2 MiB took 4 ms here, and the cold start to the
-                // first token spent 45 % of all CPU clearing on this thread. The kernel's
-                // io_uring workers clear several frames at once instead. llama-completion
-                // -n 1 cold, 3 GiB llama at 125 %, memory idle 8 s before (three runs
-                // each): 6.66-7.59 s on this thread, 5.17-5.19 punted; memory just freed
-                // by the run before: 1.28 and 1.29-1.33 s.
+                // first: inside this thread's submit, which would serve nobody meanwhile.
+                // A cold frame's read is punted to the kernel's io_uring workers, which
+                // clear several frames at once (docs/design.md, "The fault service,
+                // measured").
                 Some(Landing {
                     dest: store.view(frame.index),
                     len,
