@@ -105,10 +105,41 @@ impl RegionLayout {
     }
 }
 
-/// The parts of `range` outside every hole (ranges the program unmapped), in order.
-///
-/// The service must never touch a hole: the program may have mapped something else
-/// there since, and MADV_DONTNEED on it would zero another mapping's pages.
+/// The ranges of a region (region offsets) the program unmapped: the pager and the
+/// service must never touch them again, since the program may have mapped something
+/// else there since (MADV_DONTNEED on a hole would zero another mapping's pages).
+/// Holes may overlap and come in any order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holes {
+    ranges: Vec<Range<u64>>,
+}
+
+impl Holes {
+    /// The program unmapped `range`.
+    pub fn add(&mut self, range: Range<u64>) {
+        if !range.is_empty() {
+            self.ranges.push(range);
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Whether any of `range` was unmapped.
+    pub fn cuts(&self, range: &Range<u64>) -> bool {
+        self.ranges
+            .iter()
+            .any(|hole| hole.start < range.end && range.start < hole.end)
+    }
+
+    /// The parts of `range` still mapped, in order.
+    pub fn outside(&self, range: Range<u64>) -> Vec<Range<u64>> {
+        outside_holes(range, &self.ranges)
+    }
+}
+
+/// The parts of `range` outside every hole, in order.
 pub fn outside_holes(range: Range<u64>, holes: &[Range<u64>]) -> Vec<Range<u64>> {
     let mut parts = vec![range];
     for hole in holes {
@@ -222,6 +253,21 @@ mod tests {
     fn region(data_len: u64, map_len: u64, block_size: u64) -> RegionLayout {
         let geometry = BlockGeometry::new(0, data_len, block_size).unwrap();
         RegionLayout::new(geometry, map_len, PAGE)
+    }
+
+    #[test]
+    fn holes_cut_and_leave_parts() {
+        let mut holes = Holes::default();
+        assert!(holes.is_empty() && !holes.cuts(&(0..100)));
+        assert_eq!(holes.outside(0..100), vec![0..100]);
+        holes.add(50..60);
+        holes.add(10..20);
+        holes.add(15..25);
+        holes.add(70..70);
+        assert!(holes.cuts(&(24..30)) && !holes.cuts(&(25..50)) && !holes.cuts(&(60..100)));
+        assert_eq!(holes.outside(0..100), vec![0..10, 25..50, 60..100]);
+        holes.add(0..100);
+        assert_eq!(holes.outside(0..100), Vec::<Range<u64>>::new());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use super::{HintError, MapError, Pager};
 use crate::command::{Command, PinRefused};
+use crate::layout::Holes;
 use crate::lock::lock;
 use crate::policy::{AccessHint, RegionId};
 use crate::sys;
@@ -19,7 +20,7 @@ pub(super) struct Mapping {
     pub(super) base: usize,
     pub(super) len: usize,
     /// Offsets the program unmapped, in no particular order.
-    pub(super) holes: Mutex<Vec<Range<usize>>>,
+    pub(super) holes: Mutex<Holes>,
 }
 
 impl Mapping {
@@ -58,7 +59,7 @@ impl Mapping {
         let mapping = Self {
             base,
             len,
-            holes: Mutex::new(Vec::new()),
+            holes: Mutex::new(Holes::default()),
         };
         // A forked child would inherit the range unregistered and read zeros where the
         // parent reads the file. Not inheriting it makes a child's access fault loudly.
@@ -71,20 +72,11 @@ impl Mapping {
 impl Mapping {
     /// The parts of the reservation still mapped, in address order.
     pub(super) fn live_parts(&self) -> Vec<Range<usize>> {
-        let mut holes = lock(&self.holes).clone();
-        holes.sort_by_key(|hole| hole.start);
-        let mut parts = Vec::new();
-        let mut at = 0;
-        for hole in holes {
-            if hole.start > at {
-                parts.push(at..hole.start);
-            }
-            at = at.max(hole.end);
-        }
-        if at < self.len {
-            parts.push(at..self.len);
-        }
-        parts
+        lock(&self.holes)
+            .outside(0..self.len as u64)
+            .into_iter()
+            .map(|part| part.start as usize..part.end as usize)
+            .collect()
     }
 }
 
@@ -97,8 +89,7 @@ impl Mapping {
             .holes
             .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        holes.clear();
-        holes.push(0..self.len);
+        holes.add(0..self.len as u64);
     }
 }
 
@@ -293,7 +284,7 @@ impl Region {
                 (range.end - range.start) as usize,
             )
         };
-        lock(&self.mapping.holes).push(range.start as usize..range.end as usize);
+        lock(&self.mapping.holes).add(range.clone());
         Ok(())
     }
 

@@ -106,7 +106,7 @@ impl FaultService {
         let Some(region) = self.regions.get_mut(&id) else {
             return Ok(());
         };
-        region.holes.push(range.clone());
+        region.holes.add(range.clone());
         let size = region.layout.geometry.block_size;
         let first = (range.start.div_ceil(size) as u32).max(blocks.start);
         let end = ((range.end / size) as u32).min(blocks.end);

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::block_state::{transition, BlockEvent, BlockState};
 use crate::file::BackingFile;
-use crate::layout::{outside_holes, RegionLayout};
+use crate::layout::{Holes, RegionLayout};
 use crate::policy::{RegionId, RegionInfo};
 
 pub(super) struct ServedRegion {
@@ -22,7 +22,7 @@ pub(super) struct ServedRegion {
     pub changed: bool,
     /// Ranges (region offsets) the program unmapped: never installed into or dropped,
     /// since something else may be mapped there now.
-    pub holes: Vec<Range<u64>>,
+    pub holes: Holes,
     /// With zero copy: each block's frame, if it has one; else empty.
     pub frames: Vec<Option<u32>>,
     /// With zero copy: whether each resident block is watched (its pages dropped at the
@@ -54,7 +54,7 @@ impl ServedRegion {
             reads_in_flight: 0,
             removed: false,
             changed: false,
-            holes: Vec::new(),
+            holes: Holes::default(),
             frames,
             watched,
             prot,
@@ -103,9 +103,7 @@ impl ServedRegion {
 
     /// Whether the program unmapped any of `range` (region offsets).
     pub(super) fn cuts(&self, range: Range<u64>) -> bool {
-        self.holes
-            .iter()
-            .any(|hole| hole.start < range.end && range.start < hole.end)
+        self.holes.cuts(&range)
     }
 
     /// The parts of `range` (region offsets) still mapped, as absolute address ranges.
@@ -114,7 +112,8 @@ impl ServedRegion {
         if self.holes.is_empty() {
             return vec![to_addresses(range)];
         }
-        outside_holes(range, &self.holes)
+        self.holes
+            .outside(range)
             .into_iter()
             .map(to_addresses)
             .collect()
