@@ -36,14 +36,18 @@ fn file_error(path: &Path) -> impl FnOnce(io::Error) -> TracefsError + '_ {
     }
 }
 
-/// Mounts tracefs at its usual place unless it is already mounted there.
-pub fn ensure_mounted() -> Result<(), TracefsError> {
+/// Whether tracefs is mounted at its usual place.
+fn mounted() -> Result<bool, TracefsError> {
     let mounts = std::fs::read_to_string("/proc/mounts").map_err(TracefsError::Mount)?;
-    let mounted = mounts.lines().any(|line| {
+    Ok(mounts.lines().any(|line| {
         let mut fields = line.split_whitespace().skip(1);
         fields.next() == Some(TRACEFS) && fields.next() == Some("tracefs")
-    });
-    if mounted {
+    }))
+}
+
+/// Mounts tracefs at its usual place unless it is already mounted there.
+pub fn ensure_mounted() -> Result<(), TracefsError> {
+    if mounted()? {
         return Ok(());
     }
     let target = std::ffi::CString::new(TRACEFS).expect("no NUL in a constant path");
@@ -59,7 +63,13 @@ pub fn ensure_mounted() -> Result<(), TracefsError> {
         )
     };
     if rc != 0 {
-        return Err(TracefsError::Mount(io::Error::last_os_error()));
+        let error = io::Error::last_os_error();
+        // Another process (a second compare, a test beside this one) may have mounted it
+        // between the check and the mount: the kernel then answers EBUSY.
+        if mounted()? {
+            return Ok(());
+        }
+        return Err(TracefsError::Mount(error));
     }
     Ok(())
 }
