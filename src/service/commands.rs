@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState};
-use super::pages::release_frame;
+use super::installs::release_frame;
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
 use crate::command::{Command, PinRefused};

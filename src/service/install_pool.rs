@@ -1,5 +1,5 @@
-//! Worker threads that install prefetched reads into regions (UFFDIO_COPY, `pages::
-//! install`) beside the fault service thread.
+//! Worker threads that install prefetched reads into regions (UFFDIO_COPY,
+//! `installs::install`) beside the fault service thread.
 //!
 //! Installing is most of the pager's CPU time: per 4 KiB page the kernel allocates a
 //! page, charges the memory cgroup, copies, maps and adds the page to an LRU list. Perf
@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use userfaultfd::Uffd;
 
-use super::pages::{install, InstallError};
+use super::installs::{install, InstallError};
 use crate::event::EventFd;
 
 /// One read to install: its ring slot (held by the service until the install is

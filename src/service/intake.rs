@@ -5,7 +5,7 @@ use userfaultfd::Event;
 
 use super::block_state::{BlockEvent, BlockState};
 use super::fault_log::Waiter;
-use super::pages::{discard_pages, map_frame, page_present, poison_range};
+use super::installs::{discard_pages, map_frame, page_present, poison_range};
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
 use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest};

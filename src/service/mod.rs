@@ -13,8 +13,9 @@
 //!   policies hear of it and plan prefetches.
 //! - `reads`: queued blocks become io_uring reads within the queue depth, after `room`
 //!   made space in the `budget`; completions are checked, retried or failed.
-//! - `installs`: finished reads are copied or mapped in (`pages`), waiters woken;
-//!   `staging` holds prefetch markers back until the program touches them.
+//! - `installs`: finished reads are copied or mapped in and waiters woken; the only part
+//!   that changes page tables. `staging` holds prefetch markers back until the program
+//!   touches them.
 //! - `commands`: the API side's requests (`crate::command`): regions, drops, pins.
 //!
 //! Each block's state lives in its `region` and changes only through `block_state`'s
@@ -29,7 +30,6 @@ mod injection;
 mod install_pool;
 mod installs;
 mod intake;
-mod pages;
 mod reads;
 mod region;
 mod room;
@@ -49,7 +49,7 @@ use self::fault_log::{FaultLog, Waiter};
 pub(crate) use self::injection::InjectedFaults;
 pub(crate) use self::install_pool::InstallPool;
 use self::install_pool::{raise_priority, Installed};
-use self::pages::InstallError;
+use self::installs::InstallError;
 use self::reads::ReadTag;
 use self::region::ServedRegion;
 use self::staging::max_staged;

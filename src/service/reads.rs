@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::pages::{poison_range, release_frame};
+use super::installs::{poison_range, release_frame};
 use super::staging::max_staged;
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, Install, ReadKind, RegionId};

@@ -2,7 +2,7 @@
 //! thread's last blocks while anything else can go) and dropping their pages in runs.
 
 use super::block_state::{BlockEvent, BlockState};
-use super::pages::{discard_pages, release_frame};
+use super::installs::{discard_pages, release_frame};
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, ReadKind, RegionId};
 use crate::shared_store::FrameStore;

@@ -4,7 +4,7 @@
 //! reservation in the budget until it is installed or discarded.
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::pages::release_frame;
+use super::installs::release_frame;
 use super::FaultService;
 use crate::policy::BlockRef;
 
