@@ -36,6 +36,7 @@ mod room;
 mod staging;
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -50,7 +51,7 @@ pub(crate) use self::injection::InjectedFaults;
 pub(crate) use self::install_pool::InstallPool;
 use self::install_pool::{raise_priority, Installed};
 use self::installs::InstallError;
-use self::reads::ReadTag;
+use self::reads::{ReadLoad, ReadTag};
 use self::region::ServedRegion;
 use self::staging::max_staged;
 use crate::command::Shared;
@@ -102,11 +103,7 @@ pub(crate) struct FaultService {
     /// Fault times of threads waiting on each block, for the latency histogram.
     waiters: HashMap<BlockRef, Vec<Waiter>>,
     budget: Budget,
-    prefetch_reads_in_flight: u32,
-    /// Bytes of prefetch reads submitted and not yet completed by the device (a read
-    /// completed but not yet installed no longer counts).
-    prefetch_bytes_on_device: u64,
-    demand_reads_in_flight: u32,
+    load: ReadLoad,
     stats: Stats,
     log: FaultLog,
     read_latency: LatencyHistogram,
@@ -192,9 +189,7 @@ impl FaultService {
             staged: VecDeque::new(),
             waiters: HashMap::new(),
             budget,
-            prefetch_reads_in_flight: 0,
-            prefetch_bytes_on_device: 0,
-            demand_reads_in_flight: 0,
+            load: ReadLoad::default(),
             stats,
             log: FaultLog::new(trace_limit),
             read_latency: LatencyHistogram::default(),
@@ -242,6 +237,14 @@ impl FaultService {
         self.start.elapsed().as_nanos() as u64
     }
 
+    /// The blocks of region `id` overlapping `range` (none if it is gone).
+    pub(super) fn blocks_of(&self, id: RegionId, range: &Range<u64>) -> Range<u32> {
+        self.regions
+            .get(&id)
+            .map(|region| region.layout.blocks_overlapping(range.clone()))
+            .unwrap_or(0..0)
+    }
+
     fn serve(&mut self) -> Result<(), ServiceError> {
         self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
         self.ring
@@ -250,7 +253,7 @@ impl FaultService {
             self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
         }
         loop {
-            if self.demand_reads_in_flight >= self.config.demand_spin_min_reads
+            if self.load.demand_in_flight() >= self.config.demand_spin_min_reads
                 && !self.config.demand_spin.is_zero()
             {
                 // Many threads are blocked on reads: reaping their completions (and new

@@ -18,7 +18,7 @@ pub(super) struct ServedRegion {
     pub reads_in_flight: u32,
     pub removed: bool,
     /// The open file was modified in place since it was opened: nothing more is read
-    /// from it (see `FaultService::file_changed`).
+    /// from it (see `file_changed`).
     pub changed: bool,
     /// Ranges (region offsets) the program unmapped: never installed into or dropped,
     /// since something else may be mapped there now.
@@ -127,5 +127,37 @@ impl ServedRegion {
             budget,
             watch_resident,
         }
+    }
+
+    /// Whether the region's file was modified in place (size or mtime of the open
+    /// descriptor differ from when it was opened). Checked after every read, before its
+    /// bytes are installed: a writer updates the mtime before it changes the data, so a
+    /// read that saw new bytes is caught. From the first change on, nothing more is
+    /// installed from the file: the threads waiting get SIGBUS (once, a message says why)
+    /// rather than a mix of old and new bytes. A file replaced by rename is not a change:
+    /// the region keeps reading the inode it opened, as a kernel mapping does.
+    pub(super) fn file_changed(&mut self) -> bool {
+        if self.changed {
+            return true;
+        }
+        let Ok(now) = self.file.open_identity() else {
+            return false;
+        };
+        let then = self.file.identity();
+        if now.len == then.len && now.mtime_ns == then.mtime_ns {
+            return false;
+        }
+        self.changed = true;
+        let message = format!(
+            "hyperoffload: {} was modified while mapped (size {} -> {}, mtime changed: {}); \
+             its pages not yet read raise SIGBUS\n",
+            self.file.path().display(),
+            then.len,
+            now.len,
+            now.mtime_ns != then.mtime_ns
+        );
+        // Not through stderr's lock, which a faulting thread may hold.
+        crate::sys::write_stderr(message.as_bytes());
+        true
     }
 }

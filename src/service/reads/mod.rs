@@ -9,7 +9,7 @@ use super::block_state::{BlockEvent, BlockState, StagedIn};
 use super::installs::{poison_range, release_frame};
 use super::staging::max_staged;
 use super::{FaultService, ServiceError};
-use crate::policy::{BlockRef, Install, ReadKind, RegionId};
+use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind, RegionId};
 use crate::ring::Landing;
 
 /// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
@@ -34,6 +34,149 @@ pub(super) struct ReadTag {
     pub reserved: u64,
     pub install: Install,
     pub prefetch: bool,
+}
+
+/// What a read's completion asks for next (`ReadTag::step`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum ReadStep {
+    /// Every byte the request must deliver has arrived.
+    Complete,
+    /// Short: the rest is read next (`done` already counts what arrived).
+    Continue,
+    /// Failed with attempts left: the rest is read again.
+    Retry,
+    /// The filesystem refused an O_DIRECT read it had accepted at open: the rest is
+    /// read through the page cache, and so is everything after.
+    GoBuffered,
+    /// End of file before the data the region was made for: the file shrank.
+    FileShrank,
+    /// Failed with no attempts left.
+    Fail,
+}
+
+impl ReadTag {
+    /// Takes a completion's result (bytes, or a negative errno) into the request's
+    /// progress and says what comes next. `direct`: whether the file is still read with
+    /// O_DIRECT.
+    pub(super) fn step(&mut self, result: i32, max_attempts: u32, direct: bool) -> ReadStep {
+        if result < 0 {
+            if -result == libc::EINVAL && direct {
+                return ReadStep::GoBuffered;
+            }
+            if self.attempts < max_attempts {
+                self.attempts += 1;
+                return ReadStep::Retry;
+            }
+            return ReadStep::Fail;
+        }
+        if result == 0 && self.done < self.valid {
+            return ReadStep::FileShrank;
+        }
+        self.done += result as usize;
+        if self.done < self.valid {
+            ReadStep::Continue
+        } else {
+            ReadStep::Complete
+        }
+    }
+
+    /// Whether the rest of the request can still be read with O_DIRECT: a short read may
+    /// end off its alignment.
+    pub(super) fn rest_is_aligned(&self) -> bool {
+        self.done as u64 % DIRECT_IO_ALIGN == 0
+    }
+}
+
+/// The reads on the ring, by kind. Demand reads take any free slot; prefetch reads
+/// leave a quarter of the slots to demand and keep at most the prefetch policy's
+/// device share of bytes in flight. Every read counted by `issued` is uncounted by
+/// `finished` exactly once.
+#[derive(Debug, Default)]
+pub(super) struct ReadLoad {
+    demand: u32,
+    prefetch: u32,
+    /// Bytes of prefetch reads submitted and not yet completed by the device (a read
+    /// completed but not yet installed no longer counts).
+    prefetch_bytes_on_device: u64,
+}
+
+impl ReadLoad {
+    /// A read of `len` bytes was submitted.
+    pub(super) fn issued(&mut self, prefetch: bool, len: u64) {
+        if prefetch {
+            self.prefetch += 1;
+            self.prefetch_bytes_on_device += len;
+        } else {
+            self.demand += 1;
+        }
+    }
+
+    /// The rest of a read in flight, `len` bytes, was submitted again.
+    pub(super) fn resubmitted(&mut self, prefetch: bool, len: u64) {
+        if prefetch {
+            self.prefetch_bytes_on_device += len;
+        }
+    }
+
+    /// The device answered the last `len` bytes submitted for a read.
+    pub(super) fn device_answered(&mut self, prefetch: bool, len: u64) {
+        if prefetch {
+            self.prefetch_bytes_on_device = self
+                .prefetch_bytes_on_device
+                .checked_sub(len)
+                .expect("the device answers no more than was submitted");
+        }
+    }
+
+    /// A read's slot was freed, whatever became of the read.
+    pub(super) fn finished(&mut self, prefetch: bool) {
+        let count = match prefetch {
+            true => &mut self.prefetch,
+            false => &mut self.demand,
+        };
+        *count = count.checked_sub(1).expect("a read finishes once");
+    }
+
+    pub(super) fn demand_in_flight(&self) -> u32 {
+        self.demand
+    }
+
+    /// Whether another prefetch read may start on a ring of `queue_depth` slots, with
+    /// at most `device_limit` prefetch bytes on the device.
+    pub(super) fn prefetch_may_start(&self, queue_depth: u32, device_limit: u64) -> bool {
+        let slots = (queue_depth - queue_depth / 4).max(1);
+        self.prefetch < slots && self.prefetch_bytes_on_device < device_limit
+    }
+}
+
+/// How many prefetch requests, `first` and those following it in the queue, one read
+/// takes: the next blocks of the same region, eager all (a marker stays alone, since
+/// it is held back as a unit), at most `max_blocks`, each still `queued`.
+pub(super) fn merged_count<'a>(
+    first: &PrefetchRequest,
+    following: impl Iterator<Item = &'a PrefetchRequest>,
+    max_blocks: u32,
+    block_count: u32,
+    queued: impl Fn(u32) -> bool,
+) -> u32 {
+    let mut count = 1u32;
+    if first.install != Install::Eager {
+        return count;
+    }
+    for next in following {
+        let index = first.block.index + count;
+        if count >= max_blocks
+            || next.block.region != first.block.region
+            || next.block.index != index
+            || next.install != Install::Eager
+            || index >= block_count
+            || !queued(index)
+        {
+            break;
+        }
+        count += 1;
+    }
+    count
 }
 
 impl FaultService {
@@ -63,11 +206,11 @@ impl FaultService {
             self.demand.pop_front();
             self.start_read(slot, block, 1, bytes, Install::Eager, false)?;
         }
-        let prefetch_limit = (self.config.queue_depth - self.config.queue_depth / 4).max(1);
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
         let device_limit = self.prefetch.device_bytes().unwrap_or(u64::MAX);
-        while self.prefetch_reads_in_flight < prefetch_limit
-            && self.prefetch_bytes_on_device < device_limit
+        while self
+            .load
+            .prefetch_may_start(self.config.queue_depth, device_limit)
             && self.ring.has_free_slot()
             && self.frame_free()
         {
@@ -83,24 +226,13 @@ impl FaultService {
                 continue;
             }
             let install = first.install;
-            // Merge following requests for the next blocks into one read; a marker
-            // stays alone, since it is held back as a unit.
-            let mut count = 1u32;
-            if install == Install::Eager {
-                for next in self.prefetch_queue.iter().skip(1) {
-                    let index = first.block.index + count;
-                    if count >= max_blocks
-                        || next.block.region != first.block.region
-                        || next.block.index != index
-                        || next.install != Install::Eager
-                        || index >= region.block_count()
-                        || region.state(index) != BlockState::Queued
-                    {
-                        break;
-                    }
-                    count += 1;
-                }
-            }
+            let count = merged_count(
+                &first,
+                self.prefetch_queue.iter().skip(1),
+                max_blocks,
+                region.block_count(),
+                |index| region.state(index) == BlockState::Queued,
+            );
             let bytes: u64 = (first.block.index..first.block.index + count)
                 .map(|index| region.layout.block_bytes(index))
                 .sum();
@@ -192,12 +324,7 @@ impl FaultService {
             }
             None => self.ring.read(slot, fd, file_offset, 0, len, tag)?,
         }
-        if prefetch {
-            self.prefetch_reads_in_flight += 1;
-            self.prefetch_bytes_on_device += len as u64;
-        } else {
-            self.demand_reads_in_flight += 1;
-        }
+        self.load.issued(prefetch, len as u64);
         self.stats.read_requests += 1;
         Ok(())
     }
@@ -207,10 +334,9 @@ impl FaultService {
             return Ok(());
         };
         let region_id = tag.region;
-        if tag.prefetch {
-            // What was submitted last for this slot: the request's rest.
-            self.prefetch_bytes_on_device -= (tag.len - tag.done) as u64;
-        }
+        // What was submitted last for this slot: the request's rest.
+        self.load
+            .device_answered(tag.prefetch, (tag.len - tag.done) as u64);
         let result = self.injected_read_result(slot, result);
         let live = self
             .regions
@@ -226,38 +352,34 @@ impl FaultService {
             self.finish_read(slot);
             return Ok(());
         }
-        if result < 0 {
-            let errno = -result;
-            let region = self.regions.get_mut(&region_id).expect("checked live");
-            let tag = self.ring.tag_mut(slot).expect("checked above");
-            if errno == libc::EINVAL && region.file.is_direct() {
-                // The filesystem took O_DIRECT at open but refuses the read: go buffered.
+        let region = self.regions.get_mut(&region_id).expect("checked live");
+        let tag = self.ring.tag_mut(slot).expect("checked above");
+        match tag.step(result, self.config.read_attempts, region.file.is_direct()) {
+            ReadStep::Complete => self.read_complete(slot),
+            ReadStep::Continue => self.continue_read(slot),
+            ReadStep::Retry => {
+                self.stats.read_retries += 1;
+                self.continue_read(slot)
+            }
+            ReadStep::GoBuffered => {
                 region.file.give_up_direct(format!(
                     "O_DIRECT read refused ({}); reading through the page cache",
-                    std::io::Error::from_raw_os_error(errno)
+                    std::io::Error::from_raw_os_error(-result)
                 ));
-            } else if tag.attempts < self.config.read_attempts {
-                tag.attempts += 1;
-                self.stats.read_retries += 1;
-            } else {
-                self.fail_read(slot);
-                return Ok(());
+                self.continue_read(slot)
             }
-            return self.continue_read(slot);
+            ReadStep::FileShrank => {
+                // The kernel raises SIGBUS for pages past the end of a file; so do we
+                // (and say why once).
+                region.file_changed();
+                self.fail_read(slot);
+                Ok(())
+            }
+            ReadStep::Fail => {
+                self.fail_read(slot);
+                Ok(())
+            }
         }
-        let tag = self.ring.tag_mut(slot).expect("checked above");
-        if result == 0 && tag.done < tag.valid {
-            // End of file before the data the region was made for: the file shrank under
-            // us. The kernel raises SIGBUS for such pages; so do we (and say why once).
-            self.file_changed(region_id);
-            self.fail_read(slot);
-            return Ok(());
-        }
-        tag.done += result as usize;
-        if tag.done < tag.valid {
-            return self.continue_read(slot);
-        }
-        self.read_complete(slot)
     }
 
     /// Re-issues the unread rest of a request (after a short read or a retry).
@@ -268,7 +390,7 @@ impl FaultService {
             .get(&tag.region)
             .expect("continuing a live region");
         // A short read may end off the direct-I/O alignment; finish such a rest buffered.
-        let fd = if tag.done as u64 % DIRECT_IO_ALIGN == 0 {
+        let fd = if tag.rest_is_aligned() {
             region.file.read_fd()
         } else {
             region.file.buffered_fd()
@@ -286,9 +408,7 @@ impl FaultService {
             off_thread: false,
         });
         let tag = self.ring.reclaim(slot);
-        if tag.prefetch {
-            self.prefetch_bytes_on_device += len as u64;
-        }
+        self.load.resubmitted(tag.prefetch, len as u64);
         match landing {
             Some(landing) => {
                 // SAFETY: as in `start_read`: the rest of the same frame.
@@ -321,7 +441,8 @@ impl FaultService {
         let (region_id, first, count, valid) = (tag.region, tag.first, tag.count, tag.valid);
         let elapsed = now.saturating_sub(tag.submitted_ns);
         let install = tag.install;
-        if self.file_changed(region_id) {
+        let region = self.regions.get_mut(&region_id).expect("checked live");
+        if region.file_changed() {
             self.fail_read(slot);
             return Ok(());
         }
@@ -400,11 +521,7 @@ impl FaultService {
     pub(super) fn finish_read(&mut self, slot: u32) {
         if let Some(tag) = self.ring.checkin(slot) {
             self.budget.unreserve(tag.reserved);
-            if tag.prefetch {
-                self.prefetch_reads_in_flight -= 1;
-            } else {
-                self.demand_reads_in_flight -= 1;
-            }
+            self.load.finished(tag.prefetch);
             if let Some(region) = self.regions.get_mut(&tag.region) {
                 region.reads_in_flight -= 1;
                 if region.removed && region.reads_in_flight == 0 {
@@ -476,39 +593,7 @@ impl FaultService {
         }
         self.finish_read(slot);
     }
-
-    /// Whether the region's file was modified in place (size or mtime of the open
-    /// descriptor differ from when it was opened). Checked after every read, before its
-    /// bytes are installed: a writer updates the mtime before it changes the data, so a
-    /// read that saw new bytes is caught. From the first change on, nothing more is
-    /// installed from the file: the threads waiting get SIGBUS (once, a message says why)
-    /// rather than a mix of old and new bytes. A file replaced by rename is not a change:
-    /// the region keeps reading the inode it opened, as a kernel mapping does.
-    pub(super) fn file_changed(&mut self, id: RegionId) -> bool {
-        let Some(region) = self.regions.get_mut(&id) else {
-            return false;
-        };
-        if region.changed {
-            return true;
-        }
-        let Ok(now) = region.file.open_identity() else {
-            return false;
-        };
-        let then = region.file.identity();
-        if now.len == then.len && now.mtime_ns == then.mtime_ns {
-            return false;
-        }
-        region.changed = true;
-        let message = format!(
-            "hyperoffload: {} was modified while mapped (size {} -> {}, mtime changed: {}); \
-             its pages not yet read raise SIGBUS\n",
-            region.file.path().display(),
-            then.len,
-            now.len,
-            now.mtime_ns != then.mtime_ns
-        );
-        // Not through stderr's lock, which a faulting thread may hold.
-        crate::sys::write_stderr(message.as_bytes());
-        true
-    }
 }
+
+#[cfg(test)]
+mod tests;
