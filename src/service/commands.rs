@@ -117,14 +117,6 @@ impl FaultService {
         Ok(())
     }
 
-    /// The blocks of region `id` overlapping `range` (none if it is gone).
-    pub(super) fn blocks_of(&self, id: RegionId, range: &Range<u64>) -> Range<u32> {
-        self.regions
-            .get(&id)
-            .map(|region| region.layout.blocks_overlapping(range.clone()))
-            .unwrap_or(0..0)
-    }
-
     /// Forgets region `id`: its blocks leave the budget and the policies; reads in
     /// flight into it finish without installing, then the region is gone.
     fn remove_region(&mut self, id: RegionId) {
@@ -161,72 +153,6 @@ impl FaultService {
         if region.reads_in_flight == 0 {
             self.regions.remove(&id);
         }
-    }
-
-    /// Drops the blocks overlapping `range` on `event`: `Released` (they fault back in)
-    /// or `Unmapped` (the program unmapped them and their pages are gone).
-    pub(super) fn drop_blocks(
-        &mut self,
-        id: RegionId,
-        range: &Range<u64>,
-        event: BlockEvent,
-    ) -> Result<(), ServiceError> {
-        debug_assert!(matches!(event, BlockEvent::Released | BlockEvent::Unmapped));
-        let unmapped = event == BlockEvent::Unmapped;
-        for index in self.blocks_of(id, range) {
-            let block = BlockRef::new(id, index);
-            let region = self
-                .regions
-                .get_mut(&id)
-                .expect("blocks_of found the region");
-            let bytes = region.layout.block_bytes(index);
-            if region.pinned[index as usize] {
-                region.pinned[index as usize] = false;
-                self.budget.unpin(bytes);
-            } else if region.state(index) == BlockState::Resident {
-                self.eviction.removed(block);
-            }
-            match region.state(index) {
-                state @ (BlockState::Resident | BlockState::Poisoned) => {
-                    if state == BlockState::Resident {
-                        self.budget.remove_resident(bytes);
-                    }
-                    region.advance(index, event);
-                    // A dropped block's frame is emptied: a drop gives memory back.
-                    release_frame(&mut self.store, region, index, true);
-                    if !unmapped {
-                        let memory = region.layout.block_memory(index);
-                        self.discard_run((id, memory.start, memory.end))?;
-                    }
-                    self.stats.dropped_blocks += 1;
-                }
-                BlockState::Staged(_) => {
-                    // Discarded, it is missing: unmapped too if so.
-                    self.discard_staged(block);
-                    if unmapped {
-                        let region = self.regions.get_mut(&id).expect("still there");
-                        region.advance(index, event);
-                    }
-                }
-                BlockState::Missing => region.advance(index, event),
-                // Unmapped while queued or read: the read is dropped from its queue or
-                // finishes without installing anything (see `installed`). A thread
-                // waiting on it would wait forever: woken, it faults again on whatever
-                // is mapped there now (nothing: SIGSEGV, as without the pager).
-                BlockState::Queued | BlockState::Reading if unmapped => {
-                    region.advance(index, event);
-                    if self.waiters.remove(&block).is_some() {
-                        let memory = region.layout.block_memory(index);
-                        let start = region.base + memory.start as usize;
-                        let len = (memory.end - memory.start) as usize;
-                        let _ = self.uffd.wake(start as *mut libc::c_void, len);
-                    }
-                }
-                // Dropped while queued or read: the read finishes and installs.
-                _ => {}
-            }
-        }
-        Ok(())
     }
 
     /// Pins the blocks overlapping `range`: out of eviction's reach, and read now.

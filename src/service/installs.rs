@@ -26,13 +26,8 @@ impl FaultService {
     /// Installs the finished reads nobody waited for, issuing reads as slots free up.
     pub(super) fn install_ready(&mut self) -> Result<(), ServiceError> {
         if !self.waiters.is_empty() {
-            // Threads that faulted on a finished read since it finished go first.
             let ready = std::mem::take(&mut self.ready);
-            let (mut waited, rest): (VecDeque<u32>, VecDeque<u32>) = ready
-                .into_iter()
-                .partition(|&slot| self.read_has_waiters(slot));
-            waited.extend(rest);
-            self.ready = waited;
+            self.ready = waited_first(ready, |slot| self.read_has_waiters(slot));
         }
         while let Some(slot) = self.ready.pop_front() {
             self.install_read(slot)?;
@@ -90,9 +85,11 @@ impl FaultService {
         }
         let waited = self.read_has_waiters(slot);
         if let Some(pool) = &mut self.installs {
-            // Share the work: a worker takes a prefetch unless the workers already have
-            // one queued each, in which case this thread copies it itself.
-            if prefetch && !waited && !cut && pool.unfinished() < 2 * pool.threads() {
+            let load = WorkerLoad {
+                unfinished: pool.unfinished(),
+                threads: pool.threads(),
+            };
+            if on_a_worker(prefetch && !waited, cut, load) {
                 pool.submit(job);
                 return Ok(());
             }
@@ -227,6 +224,32 @@ impl FaultService {
             }
         }
     }
+}
+
+/// The finished reads in `ready`, those a thread waits on first (threads that faulted on
+/// a read after it finished), each part in its order.
+fn waited_first(ready: VecDeque<u32>, waited: impl Fn(u32) -> bool) -> VecDeque<u32> {
+    let (mut first, rest): (VecDeque<u32>, VecDeque<u32>) =
+        ready.into_iter().partition(|&slot| waited(slot));
+    first.extend(rest);
+    first
+}
+
+/// How busy the install workers are.
+#[derive(Copy, Clone, Debug)]
+struct WorkerLoad {
+    /// Installs submitted and not yet collected.
+    unfinished: usize,
+    threads: usize,
+}
+
+/// Whether a read's copy goes to an install worker rather than this thread: only a
+/// prefetch nobody waits for (a waiting thread is woken soonest from here), installed
+/// whole (a read the program unmapped part of is copied around its holes, here), and
+/// only while the workers have fewer than two installs queued each; past that this
+/// thread shares the copying.
+fn on_a_worker(unwaited_prefetch: bool, cut: bool, workers: WorkerLoad) -> bool {
+    unwaited_prefetch && !cut && workers.unfinished < 2 * workers.threads
 }
 
 // The page-table operations.
@@ -446,4 +469,39 @@ pub(super) fn page_present(addr: usize) -> bool {
     // A failure (the page was unmapped meanwhile) is answered as present: waking the
     // thread is then what the fault needs.
     crate::sys::page_resident(addr).unwrap_or(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_a_thread_waits_on_are_installed_first_in_their_order() {
+        let ready = VecDeque::from([4, 7, 1, 9, 2]);
+        let waited = waited_first(ready, |slot| slot == 9 || slot == 7);
+        assert_eq!(waited, VecDeque::from([7, 9, 4, 1, 2]));
+        let none = waited_first(VecDeque::from([3, 1]), |_| false);
+        assert_eq!(none, VecDeque::from([3, 1]));
+    }
+
+    #[test]
+    fn only_whole_unwaited_prefetches_go_to_workers_with_room() {
+        let idle = WorkerLoad {
+            unfinished: 0,
+            threads: 2,
+        };
+        assert!(on_a_worker(true, false, idle));
+        assert!(!on_a_worker(false, false, idle), "waited on, or demand");
+        assert!(!on_a_worker(true, true, idle), "cut by an unmap");
+        let busy = WorkerLoad {
+            unfinished: 4,
+            threads: 2,
+        };
+        assert!(!on_a_worker(true, false, busy), "two queued per worker");
+        let one_short = WorkerLoad {
+            unfinished: 3,
+            threads: 2,
+        };
+        assert!(on_a_worker(true, false, one_short));
+    }
 }

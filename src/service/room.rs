@@ -1,5 +1,8 @@
 //! Making room in the budget: choosing victims with the eviction policy (sparing each
-//! thread's last blocks while anything else can go) and dropping their pages in runs.
+//! thread's last blocks while anything else can go) and dropping their pages in runs;
+//! dropping the blocks of a range the program released or unmapped.
+
+use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState};
 use super::installs::{discard_pages, release_frame};
@@ -144,6 +147,72 @@ impl FaultService {
         // page-table entries makes the next access a minor fault.
         for part in region.mapped_parts(start..end) {
             discard_pages(part.start, part.end)?;
+        }
+        Ok(())
+    }
+
+    /// Drops the blocks overlapping `range` on `event`: `Released` (they fault back in)
+    /// or `Unmapped` (the program unmapped them and their pages are gone).
+    pub(super) fn drop_blocks(
+        &mut self,
+        id: RegionId,
+        range: &Range<u64>,
+        event: BlockEvent,
+    ) -> Result<(), ServiceError> {
+        debug_assert!(matches!(event, BlockEvent::Released | BlockEvent::Unmapped));
+        let unmapped = event == BlockEvent::Unmapped;
+        for index in self.blocks_of(id, range) {
+            let block = BlockRef::new(id, index);
+            let region = self
+                .regions
+                .get_mut(&id)
+                .expect("blocks_of found the region");
+            let bytes = region.layout.block_bytes(index);
+            if region.pinned[index as usize] {
+                region.pinned[index as usize] = false;
+                self.budget.unpin(bytes);
+            } else if region.state(index) == BlockState::Resident {
+                self.eviction.removed(block);
+            }
+            match region.state(index) {
+                state @ (BlockState::Resident | BlockState::Poisoned) => {
+                    if state == BlockState::Resident {
+                        self.budget.remove_resident(bytes);
+                    }
+                    region.advance(index, event);
+                    // A dropped block's frame is emptied: a drop gives memory back.
+                    release_frame(&mut self.store, region, index, true);
+                    if !unmapped {
+                        let memory = region.layout.block_memory(index);
+                        self.discard_run((id, memory.start, memory.end))?;
+                    }
+                    self.stats.dropped_blocks += 1;
+                }
+                BlockState::Staged(_) => {
+                    // Discarded, it is missing: unmapped too if so.
+                    self.discard_staged(block);
+                    if unmapped {
+                        let region = self.regions.get_mut(&id).expect("still there");
+                        region.advance(index, event);
+                    }
+                }
+                BlockState::Missing => region.advance(index, event),
+                // Unmapped while queued or read: the read is dropped from its queue or
+                // finishes without installing anything (see `installed`). A thread
+                // waiting on it would wait forever: woken, it faults again on whatever
+                // is mapped there now (nothing: SIGSEGV, as without the pager).
+                BlockState::Queued | BlockState::Reading if unmapped => {
+                    region.advance(index, event);
+                    if self.waiters.remove(&block).is_some() {
+                        let memory = region.layout.block_memory(index);
+                        let start = region.base + memory.start as usize;
+                        let len = (memory.end - memory.start) as usize;
+                        let _ = self.uffd.wake(start as *mut libc::c_void, len);
+                    }
+                }
+                // Dropped while queued or read: the read finishes and installs.
+                _ => {}
+            }
         }
         Ok(())
     }
