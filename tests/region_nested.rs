@@ -98,21 +98,32 @@ fn check_nested(outer_path: &Path, inner_path: &Path, hole_start: usize) {
 /// Maps `path` until the kernel places a region at `at`, and returns it with the copies
 /// it placed elsewhere first (kept mapped, so the next attempt goes lower). There is no
 /// fixed-address mapping in the API; the kernel takes the highest gap that fits, and the
-/// hole is one.
+/// hole is one. Gaps above it (memory other threads freed) are filled first, however
+/// large: the attempts stop only once a copy lands below the hole, which means the
+/// kernel passed it over.
 fn map_at(pager: &Pager, path: &Path, at: usize) -> (Region, Vec<Region>) {
     let mut others = Vec::new();
-    for _ in 0..64 {
+    for _ in 0..16_384 {
         let region = pager.map_file(path, MapOptions::default()).unwrap();
-        if region.as_ptr() as usize == at {
+        let placed = region.as_ptr() as usize;
+        if placed == at {
             return (region, others);
         }
         others.push(region);
+        if placed < at {
+            break;
+        }
     }
     let placed: Vec<String> = others
         .iter()
+        .rev()
+        .take(8)
         .map(|region| format!("{:#x}", region.as_ptr() as usize))
         .collect();
-    panic!("the kernel never placed a region at {at:#x} (placed at {placed:?})");
+    panic!(
+        "the kernel never placed a region at {at:#x} ({} copies placed, the last at {placed:?})",
+        others.len()
+    );
 }
 
 /// Reads `offsets` of the region at `base` (some bytes of every page, and both ends) and
