@@ -34,8 +34,22 @@ impl FaultLog {
         }
     }
 
-    /// `waiter`'s thread was woken (or told of an error) at `now`.
+    /// The threads of `waiters`, waiting on `block`, were woken (or told of an error) at
+    /// `now`.
     pub(super) fn served(
+        &mut self,
+        block: BlockRef,
+        file_offset: u64,
+        block_size: u64,
+        waiters: impl IntoIterator<Item = Waiter>,
+        now: u64,
+    ) {
+        for waiter in waiters {
+            self.served_one(block, file_offset, block_size, waiter, now);
+        }
+    }
+
+    fn served_one(
         &mut self,
         block: BlockRef,
         file_offset: u64,

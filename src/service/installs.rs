@@ -212,16 +212,13 @@ impl FaultService {
                 continue;
             }
             let block = BlockRef::new(region_id, index);
-            let file_offset = region.block_file_offset(index);
-            for waiter in self.waiters.remove(&block).into_iter().flatten() {
-                self.log.served(
-                    block,
-                    file_offset,
-                    region.layout.geometry.block_size,
-                    waiter,
-                    now,
-                );
-            }
+            self.log.served(
+                block,
+                region.block_file_offset(index),
+                region.layout.geometry.block_size,
+                self.waiters.remove(&block).into_iter().flatten(),
+                now,
+            );
         }
     }
 }

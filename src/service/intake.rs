@@ -132,7 +132,7 @@ impl FaultService {
             };
             let done = self.now_ns();
             self.log
-                .served(block, file_offset, self.config.block_size, waiter, done);
+                .served(block, file_offset, self.config.block_size, [waiter], done);
         }
         self.tell_policies(&FaultEvent {
             block,

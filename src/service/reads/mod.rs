@@ -580,16 +580,13 @@ impl FaultService {
             } else {
                 region.advance(index, BlockEvent::ReadFailed);
             }
-            let file_offset = region.block_file_offset(index);
-            for waiter in waited.into_iter().flatten() {
-                self.log.served(
-                    block,
-                    file_offset,
-                    region.layout.geometry.block_size,
-                    waiter,
-                    now,
-                );
-            }
+            self.log.served(
+                block,
+                region.block_file_offset(index),
+                region.layout.geometry.block_size,
+                waited.into_iter().flatten(),
+                now,
+            );
         }
         self.finish_read(slot);
     }
