@@ -125,6 +125,11 @@ pub struct Stats {
     /// read), now and at most. Bounded by the budget plus a region's short last block.
     pub frame_memory_bytes: u64,
     pub peak_frame_memory_bytes: u64,
+    /// With a prefetch policy that follows a prediction (the graph's): how often the
+    /// program landed where it said, and how many parts of the order it has left to
+    /// demand paging because the program did not follow them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<crate::policy::ConfidenceSummary>,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

@@ -22,6 +22,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use self::confidence::ConfidenceSummary;
+use self::confidence::{lands_as_planned, Confidence, Planned};
 use self::expert_use::ExpertUse;
 use self::streaming::{plan_streaming, StreamPlan};
 use super::{BlockRef, FaultEvent, RegionId, RegionInfo};
@@ -29,6 +31,7 @@ use crate::geometry::BlockGeometry;
 use crate::graph::expert_store::{ExpertCount, ExpertCounts};
 use crate::graph::{CyclicOrder, ModelGraph};
 
+mod confidence;
 mod eviction;
 mod expert_blocks;
 mod expert_use;
@@ -60,6 +63,12 @@ struct Progress {
     stream: StreamPlan,
     /// How often a token uses each routed expert (nothing for a dense model).
     experts: ExpertUse,
+    /// How well the program follows each part of the order (`confidence`).
+    confidence: Confidence,
+    /// What the latest prefetch plan covered: where the next fault should land.
+    planned: Option<Planned>,
+    /// The latest fault judged: both policies hear of each fault, it is judged once.
+    judged: Option<(u64, BlockRef)>,
 }
 
 impl GraphPrediction {
@@ -73,6 +82,9 @@ impl GraphPrediction {
                 lag_seen: 0,
                 stream: StreamPlan::default(),
                 experts: ExpertUse::new(graph.experts(), |block| is_routed_expert(&graph, block)),
+                confidence: Confidence::new(graph.order().len()),
+                planned: None,
+                judged: None,
             }),
             graph,
         })
@@ -178,6 +190,12 @@ impl GraphPrediction {
         matched
     }
 
+    /// How often the program landed where the prefetch plans said, and how many parts
+    /// of the order prefetch leaves to demand paging now.
+    pub fn confidence(&self) -> ConfidenceSummary {
+        self.lock().confidence.summary()
+    }
+
     /// The streamed set chosen for the bound model (empty until a region binds).
     pub fn stream_plan(&self) -> StreamPlan {
         self.lock().stream.clone()
@@ -257,8 +275,27 @@ impl Progress {
         if let Some(behind) = lag {
             self.lag_seen = self.lag_seen.max(behind);
         }
+        self.judge(graph, fault, position);
         self.cursor = position;
         Some(position)
+    }
+
+    /// Judges whether the fault that put the program at `position` landed where the
+    /// latest plan said (once per fault, whichever policy hears of it first).
+    fn judge(&mut self, graph: &ModelGraph, fault: &FaultEvent, position: u32) {
+        let order = graph.order();
+        let key = (fault.time_ns, fault.block);
+        let Some(planned) = self.planned.filter(|_| self.judged != Some(key)) else {
+            return;
+        };
+        self.judged = Some(key);
+        let ahead = order.distance(planned.from, position);
+        let behind = lag_behind(order, planned.from, position);
+        let into_step = graph.lag_guard_at(position);
+        self.confidence.judge(
+            position,
+            lands_as_planned(planned, ahead, into_step, behind),
+        );
     }
 
     /// For a block of routed experts (outside the order), the experts a fault at

@@ -29,7 +29,7 @@ mod readahead;
 mod recording;
 
 pub use fifo::FifoEviction;
-pub use graph::{graph_policies, GraphEviction, GraphPrediction, GraphPrefetch};
+pub use graph::{graph_policies, ConfidenceSummary, GraphEviction, GraphPrediction, GraphPrefetch};
 pub use lru::{ClockEviction, LruEviction};
 pub use readahead::{NoPrefetch, SequentialReadahead};
 pub use recording::RecordingEviction;
@@ -178,6 +178,12 @@ pub trait PrefetchPolicy: Send {
     }
 
     fn hint(&mut self, _region: RegionId, _blocks: std::ops::Range<u32>, _hint: AccessHint) {}
+
+    /// For a policy that follows a prediction: how often the program landed where it
+    /// said, and where the policy has stopped reading ahead because it did not.
+    fn confidence(&self) -> Option<ConfidenceSummary> {
+        None
+    }
 }
 
 /// Ranks resident blocks for eviction.

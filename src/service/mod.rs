@@ -321,6 +321,7 @@ impl FaultService {
         stats.fault_latency_us = self.log.latency.summary();
         stats.read_latency_us = self.read_latency.summary();
         stats.elapsed_s = self.start.elapsed().as_secs_f64();
+        stats.prediction = self.prefetch.confidence();
         let refused = self
             .regions
             .values()

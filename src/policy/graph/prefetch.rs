@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
+use super::confidence::{ConfidenceSummary, Planned};
 use super::{progress_steps, GraphPrediction};
+use crate::graph::CyclicOrder;
 use crate::policy::{BlockRef, FaultEvent, PrefetchPolicy, PrefetchRequest, RegionId, RegionInfo};
 
 /// Prefetch along the predicted order.
@@ -131,6 +133,10 @@ impl PrefetchPolicy for GraphPrefetch {
         self.read_ns = ewma(self.read_ns, elapsed_ns as f64);
     }
 
+    fn confidence(&self) -> Option<ConfidenceSummary> {
+        Some(self.prediction.confidence())
+    }
+
     fn device_bytes(&self) -> Option<u64> {
         // Not in the first pass: every block is missing then, the kept ones too, and
         // the program waits on the device throughout, so its full depth is what pays.
@@ -195,6 +201,7 @@ impl PrefetchPolicy for GraphPrefetch {
         let stride = prev_power_of_two((window / self.markers_per_window.max(1)).max(1));
         let mut counted = 0u64;
         let mut after_resident_stretch = false;
+        let mut reach = order.len() as u64;
         for step in 1..order.len() as u64 {
             let at = ((position as u64 + step) % order.len() as u64) as u32;
             let block = order.block_at(at);
@@ -207,9 +214,14 @@ impl PrefetchPolicy for GraphPrefetch {
             }
             counted += 1;
             if counted > window {
+                reach =
+                    step - 1 + resident_run(order, at, |block| progress.resident[block as usize]);
                 break;
             }
-            if resident || self.target[block as usize] == target {
+            // Where the program has not followed the order, reading ahead along it
+            // only reads what is evicted unused: demand paging there (`confidence`).
+            if resident || self.target[block as usize] == target || progress.confidence.failing(at)
+            {
                 continue;
             }
             // A part of the model no region presents (not mapped yet, or any more).
@@ -225,7 +237,23 @@ impl PrefetchPolicy for GraphPrefetch {
                 PrefetchRequest::eager(block_ref)
             });
         }
+        // The next fault should land within what this plan covered (the window, and
+        // the blocks resident after it, which the program runs through without a fault),
+        // or one window more: a program briefly ahead of its reads.
+        progress.planned = Some(Planned {
+            from: position,
+            reach: (reach + window).min(u32::MAX as u64) as u32,
+        });
     }
+}
+
+/// How many blocks from position `at` on are resident: the stretch the program runs
+/// through without a fault from there (at most the whole order).
+fn resident_run(order: &CyclicOrder, at: u32, resident: impl Fn(u32) -> bool) -> u64 {
+    let len = order.len() as u64;
+    (0..len)
+        .take_while(|&step| resident(order.block_at(((at as u64 + step) % len) as u32)))
+        .count() as u64
 }
 
 fn prev_power_of_two(n: u64) -> u64 {
