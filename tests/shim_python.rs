@@ -385,6 +385,7 @@ fn a_learned_order_the_program_no_longer_follows_reads_no_more_than_lru() {
     let file = ShuffledFile::new("shim-python-unfollowed");
     file.run(7, "record.json");
     let (lru, belady) = file.lru_and_belady(8);
+    file.lru_and_belady(7);
     let other = file.run(8, "other.json");
     assert!(
         other.policy_in_use.contains("learned graph"),
@@ -410,6 +411,26 @@ fn a_learned_order_the_program_no_longer_follows_reads_no_more_than_lru() {
         prediction["surprise_faults"].as_u64().unwrap()
             > prediction["expected_faults"].as_u64().unwrap(),
         "{prediction}"
+    );
+    // The simulator, learning from the order recorded and replaying the other, predicts
+    // the real pager's bytes within 10 %.
+    let output = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .args(["simulate", "--budget", "96M", "--policy", "graph", "--json"])
+        .arg("--trace")
+        .arg(file.dir.path("order-8.csv"))
+        .arg("--learn-from")
+        .arg(file.dir.path("order-7.csv"))
+        .output()
+        .unwrap();
+    assert_success(&output, "simulate --learn-from");
+    let json: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    let simulated = json["report"]["bytes_read"].as_u64().unwrap();
+    eprintln!("simulated {simulated}, real {}", other.bytes_read);
+    let error = (simulated as f64 - other.bytes_read as f64).abs() / other.bytes_read as f64;
+    assert!(
+        error <= 0.10,
+        "simulated {simulated}, the pager read {}",
+        other.bytes_read
     );
 }
 

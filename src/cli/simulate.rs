@@ -60,6 +60,11 @@ pub struct SimulateArgs {
     /// from the whole trace, as if from an earlier identical run.
     #[arg(long)]
     learn: Option<usize>,
+    /// Learn the graph from this other trace (as a recording run of the same file would
+    /// have), then replay --trace against it: a program that no longer follows the
+    /// order it was learned on.
+    #[arg(long, requires = "trace", conflicts_with_all = ["learn", "model"])]
+    learn_from: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -78,6 +83,21 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             transitions.observe_all(workload.tokens(0..tokens).accesses);
             let rest = workload.tokens(tokens..workload.token_starts.len());
             (rest, ModelGraph::learned(workload.layout, &transitions))
+        }
+        None if args.learn_from.is_some() => {
+            let path = args.learn_from.as_deref().expect("checked");
+            let recorded = read_trace(path, None)?;
+            if recorded.layout != workload.layout {
+                bail!(
+                    "{} was recorded on another file or block size than {}",
+                    path.display(),
+                    args.trace.as_deref().expect("required by clap").display()
+                );
+            }
+            let mut transitions = Transitions::new();
+            transitions.observe_all(recorded.accesses.iter().copied());
+            let graph = ModelGraph::learned(workload.layout, &transitions);
+            (workload, graph)
         }
         None => {
             let graph = tensor_graph.unwrap_or_else(|| {

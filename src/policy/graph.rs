@@ -29,7 +29,7 @@ use self::streaming::{plan_streaming, StreamPlan};
 use super::{BlockRef, FaultEvent, RegionId, RegionInfo};
 use crate::geometry::BlockGeometry;
 use crate::graph::expert_store::{ExpertCount, ExpertCounts};
-use crate::graph::{CyclicOrder, ModelGraph};
+use crate::graph::{CyclicOrder, GraphSource, ModelGraph};
 
 mod confidence;
 mod eviction;
@@ -82,7 +82,10 @@ impl GraphPrediction {
                 lag_seen: 0,
                 stream: StreamPlan::default(),
                 experts: ExpertUse::new(graph.experts(), |block| is_routed_expert(&graph, block)),
-                confidence: Confidence::new(graph.order().len()),
+                confidence: Confidence::new(
+                    graph.order().len(),
+                    graph.source() == GraphSource::Learned,
+                ),
                 planned: None,
                 judged: None,
             }),

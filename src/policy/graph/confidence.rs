@@ -34,8 +34,10 @@ const PART: Scoring = Scoring {
 /// few surprises in one part do not stop prefetch everywhere else.
 const WHOLE: Scoring = Scoring {
     weight: 1.0 / 8.0,
-    min_judged: 6,
+    min_judged: 4,
 };
+/// Where the whole order's score starts for a learned order.
+const LEARNED_PRIOR: f32 = 0.6;
 /// A part fails below this score and recovers above `RECOVER` (hysteresis: a part does
 /// not flip back and forth on every fault near the threshold).
 const FAIL: f32 = 0.5;
@@ -105,10 +107,22 @@ pub struct ConfidenceSummary {
 }
 
 impl Confidence {
-    pub fn new(len: u32) -> Self {
+    /// Scores for an order of `len` positions. A `learned` order (one recording run's)
+    /// is a guess where a tensor table is knowledge: the whole order starts at half
+    /// trust, so that a program that no longer follows it is found out within
+    /// `WHOLE.min_judged` faults.
+    pub fn new(len: u32, learned: bool) -> Self {
+        let whole = if learned {
+            Part {
+                score: LEARNED_PRIOR,
+                ..Part::TRUSTED
+            }
+        } else {
+            Part::TRUSTED
+        };
         Self {
             len,
-            whole: Part::TRUSTED,
+            whole,
             parts: vec![Part::TRUSTED; SECTIONS.min(len.max(1)) as usize],
             expected: 0,
             surprises: 0,
@@ -181,7 +195,7 @@ mod tests {
 
     #[test]
     fn a_program_that_follows_the_order_keeps_every_part() {
-        let mut confidence = Confidence::new(256);
+        let mut confidence = Confidence::new(256, false);
         for position in 0..256 * 4 {
             confidence.judge(position % 256, true);
         }
@@ -191,7 +205,7 @@ mod tests {
 
     #[test]
     fn a_part_fails_on_surprises_and_recovers_when_followed_again() {
-        let mut confidence = Confidence::new(256);
+        let mut confidence = Confidence::new(256, false);
         // The rest of the order is followed.
         for position in (16..256).step_by(2) {
             confidence.judge(position, true);
@@ -227,7 +241,7 @@ mod tests {
         // A plan reaching 16 of 256 positions: a program landing at random is expected
         // one time in 16.
         let planned = Planned { from: 0, reach: 16 };
-        let mut confidence = Confidence::new(256);
+        let mut confidence = Confidence::new(256, false);
         let mut state = 1u32;
         for _ in 0..2000 {
             state = state.wrapping_mul(1_103_515_245).wrapping_add(12345);
@@ -239,6 +253,18 @@ mod tests {
             "{:?}",
             confidence.summary()
         );
+    }
+
+    #[test]
+    fn a_learned_order_is_given_up_sooner_than_a_tensor_table() {
+        let mut table = Confidence::new(256, false);
+        let mut learned = Confidence::new(256, true);
+        for part in 0..4 {
+            table.judge(part * 8, false);
+            learned.judge(part * 8, false);
+        }
+        assert!(!table.failing(100));
+        assert!(learned.failing(100));
     }
 
     #[test]
@@ -254,7 +280,7 @@ mod tests {
 
     #[test]
     fn parts_not_judged_yet_go_by_the_whole_order() {
-        let mut confidence = Confidence::new(256);
+        let mut confidence = Confidence::new(256, false);
         // Eight surprises, each in another part: no part has its own verdict yet.
         for part in 0..8 {
             confidence.judge(part * 8, false);
@@ -265,7 +291,7 @@ mod tests {
 
     #[test]
     fn short_orders_have_a_part_per_position() {
-        let mut confidence = Confidence::new(3);
+        let mut confidence = Confidence::new(3, false);
         assert_eq!(confidence.summary().parts, 3);
         for _ in 0..8 {
             confidence.judge(1, true);
@@ -275,6 +301,6 @@ mod tests {
         }
         assert!(confidence.failing(2));
         assert!(!confidence.failing(1));
-        assert_eq!(Confidence::new(0).summary().parts, 1);
+        assert_eq!(Confidence::new(0, false).summary().parts, 1);
     }
 }
