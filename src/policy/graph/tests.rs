@@ -681,3 +681,63 @@ fn a_watched_expert_left_unused_goes_before_one_used_every_token() {
         );
     }
 }
+
+/// Hears of a fault as the service does (eviction first, then prefetch) and returns how
+/// many blocks the plan asked for.
+fn heard(prefetch: &mut GraphPrefetch, eviction: &mut GraphEviction, event: &FaultEvent) -> usize {
+    eviction.touched(event);
+    let mut out = Vec::new();
+    prefetch.plan(event, &mut out);
+    out.len()
+}
+
+#[test]
+fn prefetch_stops_where_the_program_leaves_the_order_and_resumes_when_it_returns() {
+    let pass: Vec<u32> = (0..256).collect();
+    // 2 MiB blocks under a quarter of the order: plans read a few blocks ahead.
+    let block = 2 << 20;
+    let (mut prefetch, mut eviction) = bound_policies(&pass, 256, block, 0, 64 * block);
+    let mut time = 0;
+    let mut next_fault = |index: u32| {
+        time += 1_000_000;
+        fault(index, time)
+    };
+    // In order: every plan reads ahead, and nothing is a surprise.
+    for index in 0..64 {
+        let event = next_fault(index);
+        assert!(
+            heard(&mut prefetch, &mut eviction, &event) > 0,
+            "at {index}"
+        );
+    }
+    assert_eq!(prefetch.confidence().unwrap().surprise_faults, 0);
+    // Jumping about the order: within a few faults, plans landing in parts the program
+    // never followed read nothing. (The parts it followed, 0..64, keep their own
+    // scores: each needs a few surprises of its own.)
+    let mut state = 7u32;
+    let mut asked = Vec::new();
+    for _ in 0..64 {
+        state = state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        let at = (state >> 8) % 256;
+        let event = next_fault(at);
+        asked.push((at, heard(&mut prefetch, &mut eviction, &event)));
+    }
+    let late_unfollowed = asked[16..].iter().filter(|&&(at, _)| at >= 64);
+    assert!(late_unfollowed.clone().count() > 20, "{asked:?}");
+    assert!(late_unfollowed.clone().all(|&(_, n)| n == 0), "{asked:?}");
+    let confidence = prefetch.confidence().unwrap();
+    // At least every part the program never followed (8..32 of 32).
+    assert!(confidence.failing_parts >= 24, "{confidence:?}");
+    // Following the order again, from where it left off: each part is trusted again
+    // once it has been followed a few times (a pass, reading on demand), and then
+    // reading ahead resumes everywhere.
+    let start = (state >> 8) % 256;
+    let resumed = (1..=512)
+        .map(|step| {
+            let event = next_fault((start + step) % 256);
+            heard(&mut prefetch, &mut eviction, &event)
+        })
+        .collect::<Vec<_>>();
+    assert!(resumed[256..].iter().all(|&n| n > 0), "{resumed:?}");
+    assert_eq!(prefetch.confidence().unwrap().failing_parts, 0);
+}
