@@ -81,7 +81,7 @@ pub struct RunArgs {
 }
 
 fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
-    BudgetSpec::parse(text)
+    BudgetSpec::parse(text).map_err(|error| error.to_string())
 }
 
 fn policy_arg(text: &str) -> Result<String, String> {
