@@ -19,9 +19,11 @@ use std::process::{Command, ExitCode, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Context};
+use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
-use hyperoffload::shim_config::{physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
+use hyperoffload::shim_config::{parse_block_size, physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
 use hyperoffload::size::format_size;
+use hyperoffload::{budget_floor, memory_limits};
 
 use super::child::{end_with_this_process, ignore_interrupts, restore_interrupts, Handlers};
 use super::exec_check::{check_reachable, resolve_program};
@@ -48,9 +50,9 @@ pub struct RunArgs {
     /// Prefetch and eviction policy.
     #[arg(long, default_value = DEFAULT_POLICY, value_parser = policy_arg)]
     policy: String,
-    /// Block size (a power of two, at least 4K). Default: 2M with zero copy and a budget
-    /// of at least 16M, else 4K.
-    #[arg(long, value_parser = super::size_arg)]
+    /// Block size (a power of two from 4K to 1G). Default: 2M with zero copy and a
+    /// budget of at least 16M, else 4K.
+    #[arg(long, value_parser = block_arg)]
     block: Option<u64>,
     /// Threads installing prefetched reads beside the fault service thread (0: none).
     /// Default: the pager's.
@@ -82,6 +84,10 @@ pub struct RunArgs {
 
 fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
     BudgetSpec::parse(text).map_err(|error| error.to_string())
+}
+
+fn block_arg(text: &str) -> Result<u64, String> {
+    parse_block_size(text).map_err(|error| error.to_string())
 }
 
 fn policy_arg(text: &str) -> Result<String, String> {
@@ -166,10 +172,25 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
+    config.budget = checked_budget(&config)?;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.
     check_as_the_shim_reads_it(&config)?;
     Ok(config)
+}
+
+/// The budget to run with: refused, raised to what the pager needs or warned of before
+/// the program starts (see `budget_check`), each with one line.
+fn checked_budget(config: &ShimConfig) -> anyhow::Result<BudgetSpec> {
+    let checked = check_budget(config, budget_floor::threads(), &memory_limits::read())
+        .context("cannot run with this --budget and --block")?;
+    if let Some(raise) = checked.raised {
+        eprintln!("hyperoffload: {raise}");
+    }
+    if let Some(warning) = checked.warning {
+        eprintln!("hyperoffload: {warning}");
+    }
+    Ok(checked.budget)
 }
 
 /// The user's command with the shim preloaded (ahead of any LD_PRELOAD of theirs) and
