@@ -12,6 +12,7 @@
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
 //! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
+//! | `HYPEROFFLOAD_SNAPSHOTS` | a directory where, while the pager runs, its stats JSON is written every half second as `snapshot-<pid>.json` (replaced atomically each time), so that a program killed by a signal, which runs no exit handlers, still leaves what it did | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
 //! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
@@ -32,6 +33,7 @@ pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
 pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
 pub const ENV_ZERO_COPY: &str = "HYPEROFFLOAD_ZERO_COPY";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
+pub const ENV_SNAPSHOTS: &str = "HYPEROFFLOAD_SNAPSHOTS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
 pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
@@ -46,6 +48,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_INSTALL_THREADS,
     ENV_ZERO_COPY,
     ENV_STATS,
+    ENV_SNAPSHOTS,
     ENV_TRACE,
     ENV_VERBOSE,
     ENV_INHERIT,
@@ -230,6 +233,8 @@ pub struct ShimConfig {
     pub install_threads: Option<usize>,
     pub zero_copy: bool,
     pub stats_path: Option<PathBuf>,
+    /// Where the stats are written while the pager runs (see `ENV_SNAPSHOTS`).
+    pub snapshot_dir: Option<PathBuf>,
     pub trace_path: Option<PathBuf>,
     pub verbose: bool,
     pub inherit: bool,
@@ -284,6 +289,7 @@ impl ShimConfig {
             install_threads: None,
             zero_copy: true,
             stats_path: None,
+            snapshot_dir: None,
             trace_path: None,
             verbose: false,
             inherit: false,
@@ -367,6 +373,7 @@ impl ShimConfig {
             config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
         }
         config.stats_path = path(ENV_STATS)?;
+        config.snapshot_dir = path(ENV_SNAPSHOTS)?;
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
         config.inherit = flag(&lookup, ENV_INHERIT)?;
@@ -392,6 +399,9 @@ impl ShimConfig {
         }
         if let Some(path) = &self.stats_path {
             env.push((ENV_STATS, path.display().to_string()));
+        }
+        if let Some(path) = &self.snapshot_dir {
+            env.push((ENV_SNAPSHOTS, path.display().to_string()));
         }
         if let Some(path) = &self.trace_path {
             env.push((ENV_TRACE, path.display().to_string()));
@@ -564,6 +574,7 @@ mod tests {
         config.policy = "demand".into();
         config.block_size = Some(1 << 20);
         config.stats_path = Some("/tmp/s.json".into());
+        config.snapshot_dir = Some("/tmp/snapshots".into());
         config.trace_path = Some("/tmp/t.jsonl".into());
         config.verbose = true;
         config.inherit = true;
@@ -601,6 +612,10 @@ mod tests {
             Some(0)
         );
         assert_eq!(read(&[(ENV_STATS, "rel.json")]).unwrap_err().var, ENV_STATS);
+        assert_eq!(
+            read(&[(ENV_SNAPSHOTS, "rel")]).unwrap_err().var,
+            ENV_SNAPSHOTS
+        );
         assert_eq!(read(&[(ENV_VERBOSE, "yes")]).unwrap_err().var, ENV_VERBOSE);
     }
 
