@@ -38,9 +38,11 @@ pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
 #[derive(clap::Args)]
 #[command(trailing_var_arg = true)]
 pub struct RunArgs {
-    /// RAM for the model's pages: a size (48M, 2G) or a percentage of the size of the
-    /// model of the first file the program maps (50%): that file, or every part of the
-    /// split GGUF it belongs to. Default: half the physical RAM.
+    /// RAM for the model's pages: a size (48M, 2G; a number without a unit is bytes,
+    /// from 1M) or a percentage of the size of the model of the first file the program
+    /// maps (50%): that file, or every part of the split GGUF it belongs to. Raised to
+    /// two blocks for each CPU, below which the program could not make progress.
+    /// Default: half the physical RAM.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
