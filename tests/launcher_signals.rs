@@ -9,9 +9,12 @@
 mod common;
 mod shim_support;
 
+use std::io::Read;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::TempDir;
@@ -66,12 +69,34 @@ fn ended(pid: i32) -> bool {
     }
 }
 
-/// Waits until `launcher`'s shim has served bytes (its snapshot says so), then sends
-/// `signal` to the launcher; returns the launcher's status and its stderr, once both it
-/// and its program have ended.
-fn signal_once_served(mut launcher: Child, temp: &Path, signal: i32) -> (ExitStatus, String) {
+/// Waits until `launcher`'s shim has served bytes (its snapshot says so) and the
+/// program has printed something (so it is past installing any signal handler of its
+/// own: llama-completion installs its SIGINT handler just before it generates), then
+/// sends `signal` to the launcher; returns the launcher's status and its stderr, once
+/// both it and its program have ended.
+fn signal_once_served(launcher: Child, temp: &Path, signal: i32) -> (ExitStatus, String) {
+    signal_once_served_checking(launcher, temp, signal, |_| {})
+}
+
+/// `signal_once_served`, calling `check` with the program's pid before the signal.
+fn signal_once_served_checking(
+    mut launcher: Child,
+    temp: &Path,
+    signal: i32,
+    check: impl FnOnce(i32),
+) -> (ExitStatus, String) {
+    let printed = Arc::new(AtomicBool::new(false));
+    let mut stdout = launcher.stdout.take().expect("stdout piped");
+    let seen = Arc::clone(&printed);
+    // Drained to the end, so the program never blocks on a full pipe.
+    let drain = std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(1..) = stdout.read(&mut buffer) {
+            seen.store(true, Ordering::Release);
+        }
+    });
     let deadline = Instant::now() + LIMIT;
-    while snapshot_bytes(launcher.id(), temp) == 0 {
+    while snapshot_bytes(launcher.id(), temp) == 0 || !printed.load(Ordering::Acquire) {
         if Instant::now() > deadline || launcher.try_wait().unwrap().is_some() {
             let _ = launcher.kill();
             let output = launcher.wait_with_output().unwrap();
@@ -84,6 +109,7 @@ fn signal_once_served(mut launcher: Child, temp: &Path, signal: i32) -> (ExitSta
         std::thread::sleep(Duration::from_millis(20));
     }
     let program = program_of(&launcher).expect("the program runs");
+    check(program);
     // SAFETY: signals our own child process, not yet reaped.
     unsafe { libc::kill(launcher.id() as i32, signal) };
     let pid = launcher.id() as i32;
@@ -103,6 +129,7 @@ fn signal_once_served(mut launcher: Child, temp: &Path, signal: i32) -> (ExitSta
         );
     }
     let output = waiter.join().unwrap();
+    drain.join().unwrap();
     assert!(
         ended(program),
         "signal {signal}: the program {program} outlived the launcher"
@@ -120,15 +147,17 @@ fn closing_line(stderr: &str) -> &str {
 }
 
 /// `hyperoffload run` for these tests: its temp directory `temp` (where its private
-/// directory goes), no core file if it dies of SIGQUIT, stdin closed.
+/// directory goes), no core file if it dies of SIGQUIT, the four signals at their
+/// default action, stdin closed, stdout piped.
 fn launcher_in(temp: &Path) -> std::process::Command {
     let mut command = launcher();
     command
         .env("TMPDIR", temp)
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: between fork and exec, only setrlimit(2) on a value on the stack.
+    // SAFETY: between fork and exec, only setrlimit(2) on a value on the stack and
+    // signal(2), both async-signal-safe.
     unsafe {
         command.pre_exec(|| {
             let none = libc::rlimit {
@@ -136,6 +165,12 @@ fn launcher_in(temp: &Path) -> std::process::Command {
                 rlim_max: 0,
             };
             libc::setrlimit(libc::RLIMIT_CORE, &none);
+            // The launcher leaves a signal it was started ignoring ignored in the
+            // program (a suite run as a script's background job ignores SIGINT and
+            // SIGQUIT): these tests are about signals that are not.
+            for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT, libc::SIGQUIT] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
             Ok(())
         });
     }
@@ -241,4 +276,58 @@ fn llama_completion_stopped_through_the_launcher_is_reported_with_its_stats() {
             assert_stats_name(&stats, name);
         }
     }
+}
+
+/// Whether process `pid` ignores `signal` (its SigIgn mask in /proc/PID/status).
+fn ignores(pid: i32, signal: i32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let mask = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigIgn:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap())
+        .unwrap();
+    mask & (1 << (signal - 1)) != 0
+}
+
+/// A launcher started ignoring SIGHUP (under `nohup`) leaves the program ignoring it, as
+/// it would without the launcher (whose handler used to reset it to the default at the
+/// program's exec); the signals it handles are the default in the program.
+#[test]
+fn a_signal_the_launcher_was_started_ignoring_stays_ignored_in_the_program() {
+    let dir = TempDir::new("launcher-signals-nohup");
+    let victim = compile_c(&dir.0, "victim", include_str!("victims/victim.c"));
+    let model = dir.path("weights.bin");
+    common::pattern_file(&model, 4 << 20);
+    let mut command = launcher_in(&dir.0);
+    // SAFETY: between fork and exec, only signal(2); after launcher_in's own closure.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let launcher = command
+        .args([
+            "-q",
+            "--budget",
+            "2M",
+            "--min-size",
+            "1M",
+            "--match",
+            "*.bin",
+        ])
+        .arg("--")
+        .arg(&victim)
+        .arg("read-forever")
+        .arg(&model)
+        .spawn()
+        .unwrap();
+    let (status, stderr) = signal_once_served_checking(launcher, &dir.0, libc::SIGTERM, |pid| {
+        assert!(
+            ignores(pid, libc::SIGHUP),
+            "the program does not ignore SIGHUP"
+        );
+        assert!(!ignores(pid, libc::SIGTERM) && !ignores(pid, libc::SIGINT));
+    });
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status}\n{stderr}");
 }

@@ -1,5 +1,5 @@
 //! llama.cpp's binaries and the small real model for the tests that run them: from
-//! LLAMA_BIN_DIR and HYPEROFFLOAD_TEST_MODEL, else what tools/build-llama.sh and
+//! HYPEROFFLOAD_LLAMA_BIN (or LLAMA_BIN_DIR) and HYPEROFFLOAD_TEST_MODEL, else what tools/build-llama.sh and
 //! tools/fetch-model.sh print (building or fetching into the cache if need be), else
 //! the cache under ${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload.
 
@@ -37,8 +37,11 @@ pub fn from_script(script: &str) -> Option<PathBuf> {
 }
 
 pub fn llama_bin_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("LLAMA_BIN_DIR") {
-        return Some(dir.into());
+    // tools/test.sh sets the first.
+    for var in ["HYPEROFFLOAD_LLAMA_BIN", "LLAMA_BIN_DIR"] {
+        if let Some(dir) = std::env::var_os(var) {
+            return Some(dir.into());
+        }
     }
     if let Some(dir) = from_script("build-llama.sh") {
         return Some(dir);
