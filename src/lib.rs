@@ -3,6 +3,8 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
+pub mod budget_check;
+pub mod budget_floor;
 mod command;
 mod event;
 pub mod file;
@@ -13,6 +15,7 @@ pub mod layout;
 mod lock;
 pub mod map_candidate;
 pub mod map_count;
+pub mod memory_limits;
 pub mod model;
 pub mod pager;
 pub mod policy;

@@ -4,14 +4,15 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF) | half the physical RAM |
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); raised to what the pager needs to make progress (`budget_floor`) | half the physical RAM |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
-//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two of at least 4K | 2M with zero copy and a budget of at least 16M, else the pager's default (4K) |
+//! | `HYPEROFFLOAD_BLOCK` | block size, a power of two from 4K to 1G | 2M with zero copy and a budget of at least 16M, else the pager's default (4K) |
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
 //! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
+//! | `HYPEROFFLOAD_SNAPSHOTS` | a directory where, while the pager runs, its stats JSON is written every half second as `snapshot-<pid>.json` (replaced atomically each time), so that a program killed by a signal, which runs no exit handlers, still leaves what it did | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
 //! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
@@ -20,8 +21,9 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
+use crate::budget_floor::{self, Raise};
 use crate::policy_name::{check_policy_name, DEFAULT_POLICY};
-use crate::size::{format_size, parse_size};
+use crate::size::{format_size, parse_size, SizeError};
 
 pub const ENV_BUDGET: &str = "HYPEROFFLOAD_BUDGET";
 pub const ENV_MATCH: &str = "HYPEROFFLOAD_MATCH";
@@ -31,6 +33,7 @@ pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
 pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
 pub const ENV_ZERO_COPY: &str = "HYPEROFFLOAD_ZERO_COPY";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
+pub const ENV_SNAPSHOTS: &str = "HYPEROFFLOAD_SNAPSHOTS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
 pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
@@ -45,6 +48,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_INSTALL_THREADS,
     ENV_ZERO_COPY,
     ENV_STATS,
+    ENV_SNAPSHOTS,
     ENV_TRACE,
     ENV_VERBOSE,
     ENV_INHERIT,
@@ -64,6 +68,81 @@ pub struct ConfigError {
     pub reason: String,
 }
 
+/// A budget that could not be understood.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BudgetError {
+    #[error("`{0}` is not a whole percentage (e.g. 50%)")]
+    Percentage(String),
+    #[error("percentage {0} is not within 1..=100")]
+    PercentageRange(u32),
+    #[error("the budget must be more than zero")]
+    Zero,
+    /// A number with no unit, too small to be meant as bytes: most likely a percentage.
+    #[error(
+        "`{0}` has no unit, so it would be {0} bytes, too little to serve anything: give a \
+         percentage of the model (`{0}%`) or a size with a unit (`{0}M`, `{0}G`)"
+    )]
+    NoUnit(u64),
+    #[error("{0}; give a size (48M, 2G) or a percentage of the model (50%)")]
+    Size(#[from] SizeError),
+}
+
+/// Block sizes the pager takes: powers of two from one page to a gigabyte (the largest
+/// huge page; larger blocks buy nothing, since reads merge neighbouring blocks anyway,
+/// and cost a read buffer of one block for every slot of the ring).
+pub const MIN_BLOCK: u64 = 4 << 10;
+pub const MAX_BLOCK: u64 = 1 << 30;
+
+/// A block size the pager cannot take.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BlockError {
+    #[error("{0}; {BLOCK_FORMS}")]
+    Size(#[from] SizeError),
+    #[error("a block of {bytes} bytes is smaller than a page{}; {BLOCK_FORMS}",
+        if *.meant_kib { format!(" (did you mean {bytes}K?)") } else { String::new() })]
+    TooSmall { bytes: u64, meant_kib: bool },
+    #[error("a block of {} is not a power of two; {BLOCK_FORMS}", format_size(*.0))]
+    NotPowerOfTwo(u64),
+    #[error("a block of {} is larger than 1 GiB; {BLOCK_FORMS}", format_size(*.0))]
+    TooLarge(u64),
+}
+
+const BLOCK_FORMS: &str = "a block size is a power of two from 4K to 1G (4K, 64K, 2M, 16M)";
+
+/// Checks a block size in bytes.
+pub fn check_block_size(bytes: u64) -> Result<u64, BlockError> {
+    if bytes < MIN_BLOCK {
+        Err(BlockError::TooSmall {
+            bytes,
+            meant_kib: false,
+        })
+    } else if !bytes.is_power_of_two() {
+        Err(BlockError::NotPowerOfTwo(bytes))
+    } else if bytes > MAX_BLOCK {
+        Err(BlockError::TooLarge(bytes))
+    } else {
+        Ok(bytes)
+    }
+}
+
+/// Parses and checks a block size as users write it (`64K`, `2M`); a plain number too
+/// small for a block is answered with the unit it probably lacks.
+pub fn parse_block_size(text: &str) -> Result<u64, BlockError> {
+    let bytes = parse_size(text)?;
+    // `--block 64` meant 64K: said so where that would be a block size.
+    let meant_kib = text.trim().bytes().all(|b| b.is_ascii_digit())
+        && bytes
+            .checked_mul(1 << 10)
+            .is_some_and(|kib| check_block_size(kib).is_ok());
+    check_block_size(bytes).map_err(|error| match error {
+        BlockError::TooSmall { bytes, .. } => BlockError::TooSmall { bytes, meant_kib },
+        other => other,
+    })
+}
+
+/// Plain numbers (no unit) below this are refused as budgets (see `BudgetError::NoUnit`).
+pub const MIN_PLAIN_BUDGET: u64 = 1 << 20;
+
 /// How much RAM the managed mappings may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetSpec {
@@ -75,23 +154,26 @@ pub enum BudgetSpec {
 }
 
 impl BudgetSpec {
-    /// Parses `48M`, `1.5G`, `4096` or `50%`.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    /// Parses `48M`, `1.5G`, `16384B`, `1073741824` or `50%`. A number with no unit must
+    /// be at least `MIN_PLAIN_BUDGET`: `--budget 50` means 50 %, not 50 bytes, far more
+    /// often than not.
+    pub fn parse(text: &str) -> Result<Self, BudgetError> {
         let text = text.trim();
         if let Some(percent) = text.strip_suffix('%') {
             let value: u32 = percent
                 .trim()
                 .parse()
-                .map_err(|_| format!("`{text}` is not a whole percentage (e.g. 50%)"))?;
+                .map_err(|_| BudgetError::Percentage(text.to_string()))?;
             if !(1..=100).contains(&value) {
-                return Err(format!("percentage {value} is not within 1..=100"));
+                return Err(BudgetError::PercentageRange(value));
             }
             return Ok(BudgetSpec::ModelPercent(value));
         }
-        match parse_size(text) {
-            Ok(0) => Err("the budget must be more than zero".into()),
-            Ok(bytes) => Ok(BudgetSpec::Bytes(bytes)),
-            Err(error) => Err(error.to_string()),
+        let plain = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+        match parse_size(text)? {
+            0 => Err(BudgetError::Zero),
+            bytes if plain && bytes < MIN_PLAIN_BUDGET => Err(BudgetError::NoUnit(bytes)),
+            bytes => Ok(BudgetSpec::Bytes(bytes)),
         }
     }
 
@@ -103,10 +185,11 @@ impl BudgetSpec {
         }
     }
 
-    /// The form `parse` reads back.
+    /// The form `parse` reads back (bytes with their unit: a plain number that small
+    /// would be refused).
     pub fn to_env_value(self) -> String {
         match self {
-            BudgetSpec::Bytes(bytes) => bytes.to_string(),
+            BudgetSpec::Bytes(bytes) => format!("{bytes}B"),
             BudgetSpec::ModelPercent(percent) => format!("{percent}%"),
         }
     }
@@ -130,6 +213,15 @@ const HUGE_BLOCK: u64 = crate::sys::HUGE_PAGE;
 /// Most blocks of a file the launcher's block size gives (see `block_size_for`).
 pub const MAX_MAPPED_BLOCKS: u64 = 16 << 10;
 
+/// What a pager starts with (`ShimConfig::sizing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizing {
+    pub block_size: u64,
+    pub budget: u64,
+    /// The budget asked for was below the pager's floor, and raised to it.
+    pub raised: Option<Raise>,
+}
+
 /// What the shim does, as configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShimConfig {
@@ -141,6 +233,8 @@ pub struct ShimConfig {
     pub install_threads: Option<usize>,
     pub zero_copy: bool,
     pub stats_path: Option<PathBuf>,
+    /// Where the stats are written while the pager runs (see `ENV_SNAPSHOTS`).
+    pub snapshot_dir: Option<PathBuf>,
     pub trace_path: Option<PathBuf>,
     pub verbose: bool,
     pub inherit: bool,
@@ -166,6 +260,24 @@ impl ShimConfig {
         }
     }
 
+    /// The block size and budget a pager of `budget` bytes starts with, for a model of
+    /// `model_len` bytes (see `block_size_for`) and `threads` threads faulting at once:
+    /// the budget is raised to what the pager needs to make progress (see
+    /// `budget_floor`), and huge-page blocks the configuration did not ask for give way
+    /// to the default ones where the budget would have to be raised for them.
+    pub fn sizing(&self, budget: u64, model_len: u64, threads: usize) -> Sizing {
+        let mut block_size = self.block_size_for(budget, model_len);
+        if self.block_size.is_none() && budget < budget_floor::floor(block_size, threads) {
+            block_size = crate::pager::DEFAULT_BLOCK_SIZE;
+        }
+        let (budget, raised) = budget_floor::raise_to_floor(budget, block_size, threads);
+        Sizing {
+            block_size,
+            budget,
+            raised,
+        }
+    }
+
     /// The configuration with every variable unset, on a machine with `physical_ram` bytes.
     pub fn defaults(physical_ram: u64) -> Self {
         Self {
@@ -177,6 +289,7 @@ impl ShimConfig {
             install_threads: None,
             zero_copy: true,
             stats_path: None,
+            snapshot_dir: None,
             trace_path: None,
             verbose: false,
             inherit: false,
@@ -196,8 +309,8 @@ impl ShimConfig {
             reason,
         };
         if let Some(value) = lookup(ENV_BUDGET) {
-            config.budget =
-                BudgetSpec::parse(&value).map_err(|reason| bad(ENV_BUDGET, &value, reason))?;
+            config.budget = BudgetSpec::parse(&value)
+                .map_err(|error| bad(ENV_BUDGET, &value, error.to_string()))?;
         }
         if let Some(value) = lookup(ENV_MATCH) {
             let patterns: Vec<String> = value
@@ -225,15 +338,8 @@ impl ShimConfig {
             config.policy = name.to_string();
         }
         if let Some(value) = lookup(ENV_BLOCK) {
-            let size =
-                parse_size(&value).map_err(|error| bad(ENV_BLOCK, &value, error.to_string()))?;
-            if !size.is_power_of_two() || size < 4096 {
-                return Err(bad(
-                    ENV_BLOCK,
-                    &value,
-                    "the block size must be a power of two of at least 4K".into(),
-                ));
-            }
+            let size = parse_block_size(&value)
+                .map_err(|error| bad(ENV_BLOCK, &value, error.to_string()))?;
             config.block_size = Some(size);
         }
         if let Some(value) = lookup(ENV_INSTALL_THREADS) {
@@ -267,6 +373,7 @@ impl ShimConfig {
             config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
         }
         config.stats_path = path(ENV_STATS)?;
+        config.snapshot_dir = path(ENV_SNAPSHOTS)?;
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
         config.inherit = flag(&lookup, ENV_INHERIT)?;
@@ -292,6 +399,9 @@ impl ShimConfig {
         }
         if let Some(path) = &self.stats_path {
             env.push((ENV_STATS, path.display().to_string()));
+        }
+        if let Some(path) = &self.snapshot_dir {
+            env.push((ENV_SNAPSHOTS, path.display().to_string()));
         }
         if let Some(path) = &self.trace_path {
             env.push((ENV_TRACE, path.display().to_string()));
@@ -367,6 +477,78 @@ mod tests {
     }
 
     #[test]
+    fn a_plain_number_too_small_for_bytes_is_refused_with_a_percentage_suggested() {
+        let error = BudgetSpec::parse("50").unwrap_err();
+        assert_eq!(error, BudgetError::NoUnit(50));
+        let message = error.to_string();
+        assert!(
+            message.contains("`50%`") && message.contains("50 bytes"),
+            "{message}"
+        );
+        assert_eq!(
+            BudgetSpec::parse("1048575"),
+            Err(BudgetError::NoUnit(1048575))
+        );
+        // With a unit, or large enough to be meant as bytes, a size is taken as given.
+        assert_eq!(BudgetSpec::parse("1048576"), Ok(BudgetSpec::Bytes(1 << 20)));
+        assert_eq!(BudgetSpec::parse("4K"), Ok(BudgetSpec::Bytes(4096)));
+        assert_eq!(BudgetSpec::parse("50B"), Ok(BudgetSpec::Bytes(50)));
+        // What the launcher writes for the shim reads back, however small.
+        let small = BudgetSpec::Bytes(16 << 10);
+        assert_eq!(BudgetSpec::parse(&small.to_env_value()), Ok(small));
+    }
+
+    #[test]
+    fn block_sizes_are_powers_of_two_from_a_page_to_a_gigabyte() {
+        assert_eq!(parse_block_size("4K"), Ok(4096));
+        assert_eq!(parse_block_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_block_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_block_size("2G"), Err(BlockError::TooLarge(2 << 30)));
+        assert_eq!(
+            parse_block_size("3M"),
+            Err(BlockError::NotPowerOfTwo(3 << 20))
+        );
+        assert_eq!(
+            parse_block_size("2K"),
+            Err(BlockError::TooSmall {
+                bytes: 2048,
+                meant_kib: false
+            })
+        );
+        assert_eq!(
+            parse_block_size("3000"),
+            Err(BlockError::TooSmall {
+                bytes: 3000,
+                meant_kib: false
+            })
+        );
+        let error = parse_block_size("64").unwrap_err();
+        assert!(error.to_string().contains("did you mean 64K?"), "{error}");
+        assert!(error.to_string().contains("4K to 1G"), "{error}");
+        assert!(matches!(parse_block_size("64Q"), Err(BlockError::Size(_))));
+    }
+
+    #[test]
+    fn the_sizing_raises_the_budget_to_the_floor_and_prefers_small_blocks_to_a_raise() {
+        let mut config = ShimConfig::defaults(8 << 30);
+        let gib = 1u64 << 30;
+        // 4 KiB blocks, two threads: 16 KiB at least.
+        let sizing = config.sizing(4096, gib, 2);
+        assert_eq!((sizing.block_size, sizing.budget), (4096, 16 << 10));
+        assert_eq!(sizing.raised.map(|raise| raise.asked), Some(4096));
+        assert_eq!(config.sizing(gib, gib, 2).raised, None);
+        // Huge blocks chosen by themselves for 16 MiB, but 8 threads would need 32 MiB
+        // of them: 4 KiB blocks instead, and no raise.
+        assert_eq!(config.sizing(16 << 20, gib, 4).block_size, 2 << 20);
+        let sizing = config.sizing(16 << 20, gib, 8);
+        assert_eq!((sizing.block_size, sizing.raised), (4096, None));
+        // A block the user asked for stays; the budget grows to hold it.
+        config.block_size = Some(64 << 20);
+        let sizing = config.sizing(32 << 20, gib, 2);
+        assert_eq!((sizing.block_size, sizing.budget), (64 << 20, 256 << 20));
+    }
+
+    #[test]
     fn huge_blocks_only_with_zero_copy_a_large_enough_budget_and_few_enough_blocks() {
         let mut config = ShimConfig::defaults(1 << 30);
         let gib = 1u64 << 30;
@@ -392,6 +574,7 @@ mod tests {
         config.policy = "demand".into();
         config.block_size = Some(1 << 20);
         config.stats_path = Some("/tmp/s.json".into());
+        config.snapshot_dir = Some("/tmp/snapshots".into());
         config.trace_path = Some("/tmp/t.jsonl".into());
         config.verbose = true;
         config.inherit = true;
@@ -429,6 +612,10 @@ mod tests {
             Some(0)
         );
         assert_eq!(read(&[(ENV_STATS, "rel.json")]).unwrap_err().var, ENV_STATS);
+        assert_eq!(
+            read(&[(ENV_SNAPSHOTS, "rel")]).unwrap_err().var,
+            ENV_SNAPSHOTS
+        );
         assert_eq!(read(&[(ENV_VERBOSE, "yes")]).unwrap_err().var, ENV_VERBOSE);
     }
 

@@ -1,6 +1,8 @@
 //! The files written when the program exits: the stats JSON, the optional fault trace
 //! with the shim's own events beside it, and what was learned for the next run (a
-//! graph, or how often a mixture of experts' experts ran).
+//! graph, or how often a mixture of experts' experts ran); and the stats snapshots
+//! written while it runs (`write_snapshot`), for a program that ends without running
+//! exit handlers (killed by a signal, or `_exit`).
 //!
 //! A leaf: it knows nothing of the shim's state. The exit handler (`state`) gathers a
 //! `Run` from the shim and calls `write`; regions are not dropped at exit (other
@@ -96,6 +98,27 @@ fn stats_json(run: &Run<'_>) -> serde_json::Value {
     json["pid"] = getpid().into();
     json["managed_mappings"] = run.managed_mappings.into();
     json
+}
+
+/// Writes the stats as they are now (with `"snapshot": true`) to
+/// `dir/snapshot-<pid>.json`, replacing the previous snapshot: written to a temporary
+/// file in `dir` and renamed over it, so a reader finds a whole snapshot, this one or
+/// the one before, whenever the process dies.
+pub fn write_snapshot(run: &Run<'_>, dir: &Path) -> std::io::Result<()> {
+    let mut json = stats_json(run);
+    json["snapshot"] = true.into();
+    let pid = getpid();
+    let path = dir.join(format!("snapshot-{pid}.json"));
+    let temporary = dir.join(format!(".snapshot-{pid}.json.tmp"));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&temporary)?
+        .write_all(json.to_string().as_bytes())?;
+    std::fs::rename(&temporary, &path)
 }
 
 /// Saves the access order of the model's first region (region ids count from 0: the

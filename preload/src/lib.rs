@@ -19,11 +19,13 @@
 //! 1. Leaves, using no other module: `raw` (the kernel's own calls), `heap` (the counting
 //!    allocator), `registry` (the managed address ranges), `read_ahead` (how far a hint
 //!    reads), `given_name` (the program's name for a file), `env_scrub` (LD_PRELOAD for
-//!    children), `exit_report` (the files written at exit, from what it is given).
+//!    children), `exit_report` (the files written at exit, and the stats snapshots
+//!    written while the program runs, from what it is given), `periodic` (a thread of
+//!    the shim's own, calling a function at a period).
 //! 2. `managed` (the shim: what it does to each call it takes over) uses `raw`,
 //!    `registry`, `read_ahead`, `given_name`.
-//! 3. `state` (the life cycle: the init state, the re-entry guard, the exit handler)
-//!    uses `managed`, `exit_report`, `heap`, `raw`.
+//! 3. `state` (the life cycle: the init state, the re-entry guard, the exit handler,
+//!    the snapshots) uses `managed`, `exit_report`, `periodic`, `heap`, `raw`.
 //! 4. `api` (every exported C symbol) uses `state`, `managed`, `raw`.
 
 // In unit-test builds the C entry points are not exported, so nothing calls them.
@@ -35,6 +37,7 @@ mod exit_report;
 mod given_name;
 mod heap;
 mod managed;
+mod periodic;
 mod raw;
 mod read_ahead;
 mod registry;

@@ -24,11 +24,16 @@
 //! pager starting its thread, Rust's runtime mapping a signal stack) passes through.
 //!
 //! When the shim's pager starts, an atexit handler is registered (once) that writes the
-//! exit report (`exit_report`) in the owner; a child never writes it.
+//! exit report (`exit_report`) in the owner; a child never writes it. And where the
+//! configuration names a snapshot directory, a thread of the shim's own (`periodic`)
+//! writes the stats there every `SNAPSHOT_PERIOD`: a program killed by a signal runs no
+//! exit handler, and its launcher then reports the last snapshot.
 
 use std::cell::Cell;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use hyperoffload::shim_config::{physical_ram, ShimConfig};
 use libc::{c_char, c_int};
@@ -38,6 +43,7 @@ use hyperoffload::sys::getpid;
 use crate::exit_report;
 use crate::heap;
 use crate::managed::Shim;
+use crate::periodic;
 use crate::raw;
 
 const UNINIT: u8 = 0;
@@ -102,7 +108,7 @@ pub fn ready_or_init() -> Option<&'static Shim> {
             let next = match read_config() {
                 Some(config) => {
                     // Only this thread gets here, once.
-                    let _ = SHIM.set(Shim::new(config, register_exit_report));
+                    let _ = SHIM.set(Shim::new(config, on_pager_start));
                     READY
                 }
                 None => DISABLED,
@@ -196,12 +202,84 @@ impl Drop for Reentry {
 }
 
 static EXIT_REPORT_REGISTERED: AtomicBool = AtomicBool::new(false);
+static SNAPSHOTS_STARTED: AtomicBool = AtomicBool::new(false);
 
-/// Registers the exit report's handler (once): the shim calls it when its pager starts.
-fn register_exit_report() {
+/// How often the stats snapshot is written: the most the report of a killed program
+/// lags behind what it did. Each costs one stats request to the service and a small
+/// file written, nothing near a fault's path.
+const SNAPSHOT_PERIOD: Duration = Duration::from_millis(500);
+
+/// What the shim calls when its pager starts (in the owner, with the pager slot's lock
+/// held: nothing here may wait for it).
+fn on_pager_start() {
     if !EXIT_REPORT_REGISTERED.swap(true, Ordering::AcqRel) {
         // SAFETY: registers a plain extern "C" function with no arguments.
         unsafe { libc::atexit(write_exit_report) };
+    }
+    start_snapshots();
+}
+
+/// Starts the snapshot thread (once), if the configuration names a directory.
+fn start_snapshots() {
+    let Some(shim) = SHIM.get() else {
+        return;
+    };
+    let Some(dir) = shim.config.snapshot_dir.clone() else {
+        return;
+    };
+    if SNAPSHOTS_STARTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let started = periodic::every("hyperoffload-snap", SNAPSHOT_PERIOD, move || {
+        write_snapshot(&dir)
+    });
+    if let Err(error) = started {
+        shim.say(&format!(
+            "cannot start the stats snapshots ({error}): if a signal kills the program, \
+             its stats are lost"
+        ));
+    }
+}
+
+/// One snapshot of the pager's stats into `dir`; false once there is no point in more
+/// (the directory cannot be written: said once).
+fn write_snapshot(dir: &Path) -> bool {
+    // Threads do not survive a fork: only the owner runs this; checked all the same.
+    if is_forked_child() {
+        return false;
+    }
+    let Some(shim) = SHIM.get() else {
+        return false;
+    };
+    // The thread starts when the pager does: it runs.
+    let Some(pager) = shim.pager_if_running() else {
+        return true;
+    };
+    let _reentry = Reentry::enter();
+    let written = exit_report::write_snapshot(
+        &exit_report::Run {
+            config: &shim.config,
+            pager: &pager,
+            files: shim.files(),
+            policy_in_use: shim.policy_in_use(),
+            managed_mappings: shim.managed_count(),
+            heap_bytes: (heap::in_use(), heap::peak()),
+            learning: None,
+            experts: None,
+            take_events: &Vec::new,
+            say: &|message| shim.say(message),
+        },
+        dir,
+    );
+    match written {
+        Ok(()) => true,
+        Err(error) => {
+            shim.say(&format!(
+                "cannot write a stats snapshot in {}: {error}; no more are written",
+                dir.display()
+            ));
+            false
+        }
     }
 }
 

@@ -13,6 +13,35 @@ pub enum Ending {
     Signal(i32),
 }
 
+/// A signal's name for people: `SIGTERM`, or `signal 42` for one without a name here.
+pub fn signal_name(signal: i32) -> String {
+    const NAMES: [(i32, &str); 19] = [
+        (libc::SIGHUP, "SIGHUP"),
+        (libc::SIGINT, "SIGINT"),
+        (libc::SIGQUIT, "SIGQUIT"),
+        (libc::SIGILL, "SIGILL"),
+        (libc::SIGTRAP, "SIGTRAP"),
+        (libc::SIGABRT, "SIGABRT"),
+        (libc::SIGBUS, "SIGBUS"),
+        (libc::SIGFPE, "SIGFPE"),
+        (libc::SIGKILL, "SIGKILL"),
+        (libc::SIGUSR1, "SIGUSR1"),
+        (libc::SIGSEGV, "SIGSEGV"),
+        (libc::SIGUSR2, "SIGUSR2"),
+        (libc::SIGPIPE, "SIGPIPE"),
+        (libc::SIGALRM, "SIGALRM"),
+        (libc::SIGTERM, "SIGTERM"),
+        (libc::SIGXCPU, "SIGXCPU"),
+        (libc::SIGXFSZ, "SIGXFSZ"),
+        (libc::SIGSYS, "SIGSYS"),
+        (libc::SIGSTKFLT, "SIGSTKFLT"),
+    ];
+    NAMES
+        .iter()
+        .find(|(number, _)| *number == signal)
+        .map_or_else(|| format!("signal {signal}"), |(_, name)| name.to_string())
+}
+
 /// How `status` ended.
 pub fn ending(status: ExitStatus) -> Ending {
     match (status.code(), status.signal()) {
@@ -56,5 +85,12 @@ mod tests {
             ending(ExitStatus::from_raw(libc::SIGTERM)),
             Ending::Signal(libc::SIGTERM)
         );
+    }
+
+    #[test]
+    fn signals_have_their_names() {
+        assert_eq!(signal_name(libc::SIGTERM), "SIGTERM");
+        assert_eq!(signal_name(libc::SIGINT), "SIGINT");
+        assert_eq!(signal_name(64), "signal 64");
     }
 }

@@ -9,10 +9,12 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod child;
+mod closing;
 mod compare;
 mod device;
 mod exec_check;
 mod exit_status;
+mod forward;
 mod inspect;
 mod run;
 mod scan;

@@ -8,6 +8,9 @@
 //!   them.
 //! - Programs the target executes do not get the shim (each would get a budget of its
 //!   own) unless `--inherit`; forked children that do not exec never use it.
+//! - SIGTERM, SIGHUP, SIGINT and SIGQUIT sent to the launcher go to the program (see
+//!   `forward`). When a signal ends it, the shim has run no exit handler: the summary
+//!   comes from the stats snapshot it wrote last (`closing`), and names the signal.
 //! - The exit status is the program's; if a signal killed it, the launcher kills itself
 //!   with the same signal (so a shell sees the same thing), or exits with 128 + N if it
 //!   survives that.
@@ -16,15 +19,18 @@ use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
-use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{bail, Context};
+use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
-use hyperoffload::shim_config::{physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
-use hyperoffload::size::format_size;
+use hyperoffload::shim_config::{parse_block_size, physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
+use hyperoffload::{budget_floor, memory_limits};
 
-use super::child::{end_with_this_process, ignore_interrupts, restore_interrupts, Handlers};
+use super::child::end_with_this_process;
+use super::closing::{closing_line, kept_stats, Outcome};
 use super::exec_check::{check_reachable, resolve_program};
+use super::exit_status::ending;
+use super::forward;
 
 /// The shim's file name.
 pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
@@ -32,9 +38,11 @@ pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
 #[derive(clap::Args)]
 #[command(trailing_var_arg = true)]
 pub struct RunArgs {
-    /// RAM for the model's pages: a size (48M, 2G) or a percentage of the size of the
-    /// model of the first file the program maps (50%): that file, or every part of the
-    /// split GGUF it belongs to. Default: half the physical RAM.
+    /// RAM for the model's pages: a size (48M, 2G; a number without a unit is bytes,
+    /// from 1M) or a percentage of the size of the model of the first file the program
+    /// maps (50%): that file, or every part of the split GGUF it belongs to. Raised to
+    /// two blocks for each CPU, below which the program could not make progress.
+    /// Default: half the physical RAM.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
@@ -48,9 +56,9 @@ pub struct RunArgs {
     /// Prefetch and eviction policy.
     #[arg(long, default_value = DEFAULT_POLICY, value_parser = policy_arg)]
     policy: String,
-    /// Block size (a power of two, at least 4K). Default: 2M with zero copy and a budget
-    /// of at least 16M, else 4K.
-    #[arg(long, value_parser = super::size_arg)]
+    /// Block size (a power of two from 4K to 1G). Default: 2M with zero copy and a
+    /// budget of at least 16M, else 4K.
+    #[arg(long, value_parser = block_arg)]
     block: Option<u64>,
     /// Threads installing prefetched reads beside the fault service thread (0: none).
     /// Default: the pager's.
@@ -81,7 +89,11 @@ pub struct RunArgs {
 }
 
 fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
-    BudgetSpec::parse(text)
+    BudgetSpec::parse(text).map_err(|error| error.to_string())
+}
+
+fn block_arg(text: &str) -> Result<u64, String> {
+    parse_block_size(text).map_err(|error| error.to_string())
 }
 
 fn policy_arg(text: &str) -> Result<String, String> {
@@ -106,25 +118,50 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let shim_stats = private.0.join("stats.json");
     let config = shim_config(&args, &shim_stats)?;
     let command = program_command(&args, &config, &shim);
-    let status = run_supervised(command, &program)?;
+    let ended = run_supervised(command, &program)?;
     let stats = std::fs::read_to_string(&shim_stats).ok();
+    let snapshot = stats
+        .is_none()
+        .then(|| last_snapshot(&private.0, ended.pid))
+        .flatten();
+    let how = ending(ended.status);
+    let outcome = Outcome {
+        ending: &how,
+        passed_on: ended.passed_on,
+        stats: stats.as_deref(),
+        snapshot: snapshot.as_deref(),
+        patterns: &config.patterns,
+        min_size: config.min_size,
+    };
     if !args.quiet {
-        match &stats {
-            Some(json) => eprintln!("hyperoffload: {}", summary(json)),
-            None => eprintln!(
-                "hyperoffload: no stats: the program mapped no file matching {} of at least {} \
-                 (or exited without running exit handlers)",
-                config.patterns.join(","),
-                format_size(config.min_size)
-            ),
-        }
+        eprintln!("hyperoffload: {}", closing_line(&outcome));
     }
-    if let (Some(json), Some(path)) = (&stats, &args.stats) {
+    if let (Some(json), Some(path)) = (kept_stats(&outcome), &args.stats) {
         write_new(path, json.as_bytes())
             .with_context(|| format!("cannot write --stats {}", path.display()))?;
     }
     drop(private);
-    Ok(super::exit_status::pass_through(status))
+    Ok(super::exit_status::pass_through(ended.status))
+}
+
+/// The last stats snapshot the shim wrote in `dir` (see `ShimConfig::snapshot_dir`):
+/// the program's (`pid`), else the newest of the programs it ran with `--inherit`.
+fn last_snapshot(dir: &Path, pid: u32) -> Option<String> {
+    let own = dir.join(format!("snapshot-{pid}.json"));
+    if let Ok(json) = std::fs::read_to_string(own) {
+        return Some(json);
+    }
+    let newest = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("snapshot-") && name.ends_with(".json")
+        })
+        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
+        .max()?;
+    std::fs::read_to_string(newest.1).ok()
 }
 
 /// Refuses a run that would overwrite a file: the shim refuses to (with a message on
@@ -163,13 +200,29 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.install_threads = args.install_threads.map(usize::from);
     config.zero_copy = !args.no_zero_copy;
     config.stats_path = Some(shim_stats.to_path_buf());
+    config.snapshot_dir = shim_stats.parent().map(Path::to_path_buf);
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
+    config.budget = checked_budget(&config)?;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.
     check_as_the_shim_reads_it(&config)?;
     Ok(config)
+}
+
+/// The budget to run with: refused, raised to what the pager needs or warned of before
+/// the program starts (see `budget_check`), each with one line.
+fn checked_budget(config: &ShimConfig) -> anyhow::Result<BudgetSpec> {
+    let checked = check_budget(config, budget_floor::threads(), &memory_limits::read())
+        .context("cannot run with this --budget and --block")?;
+    if let Some(raise) = checked.raised {
+        eprintln!("hyperoffload: {raise}");
+    }
+    if let Some(warning) = checked.warning {
+        eprintln!("hyperoffload: {warning}");
+    }
+    Ok(checked.budget)
 }
 
 /// The user's command with the shim preloaded (ahead of any LD_PRELOAD of theirs) and
@@ -194,37 +247,43 @@ fn program_command(args: &RunArgs, config: &ShimConfig, shim: &Path) -> Command 
     command
 }
 
-/// Runs the program to its end, passing termination signals on, and returns how it
-/// ended.
-fn run_supervised(mut command: Command, program: &Path) -> anyhow::Result<ExitStatus> {
+/// How the program ended: its status, its pid, and the last signal passed on to it.
+struct Ended {
+    status: ExitStatus,
+    pid: u32,
+    passed_on: Option<libc::c_int>,
+}
+
+/// Runs the program to its end, passing termination signals on (see `forward`), and
+/// returns how it ended.
+fn run_supervised(mut command: Command, program: &Path) -> anyhow::Result<Ended> {
     // If the launcher dies without passing a signal on (SIGKILL, a crash), the program
     // goes too rather than run on unsupervised, its stats unreported.
     end_with_this_process(&mut command, libc::SIGKILL);
-    // A SIGTERM or SIGHUP sent to the launcher alone (a service manager, `kill`) is
-    // passed on to the program, whose end is then reported as any other. Installed
-    // before the program starts (one arriving meanwhile is passed on once it has);
-    // handlers, unlike ignored signals, do not survive its exec.
-    let forwarding = forward_terminations();
+    let forwarding = forward::start();
+    forwarding.keep_ignored(&mut command);
     let child = command
         .spawn()
         .with_context(|| format!("cannot start {}", program.display()));
     let mut child = match child {
         Ok(child) => child,
         Err(error) => {
-            restore_forwarding(forwarding);
+            forwarding.stop();
             return Err(error);
         }
     };
-    pass_on_to(child.id() as libc::pid_t);
-    // The terminal's ^C and ^\ reach the program too: let it decide, and report after.
-    let previous = ignore_interrupts();
-    // The handler stops passing signals on before the program is reaped: its pid can be
-    // reused only after that.
-    wait_without_reaping(child.id() as libc::pid_t);
-    restore_forwarding(forwarding);
+    let pid = child.id();
+    forward::to(pid as libc::pid_t);
+    // Signals stop being passed on before the program is reaped: its pid can be reused
+    // only after that.
+    wait_without_reaping(pid as libc::pid_t);
+    let passed_on = forwarding.stop();
     let status = child.wait().context("waiting for the program")?;
-    restore_interrupts(previous);
-    Ok(status)
+    Ok(Ended {
+        status,
+        pid,
+        passed_on,
+    })
 }
 
 /// The shim beside this executable, or where `HYPEROFFLOAD_SHIM` says.
@@ -362,34 +421,6 @@ fn write_new(path: &Path, contents: &[u8]) -> std::io::Result<()> {
         .write_all(contents)
 }
 
-/// The program's pid, for the signal handler that passes terminations on to it.
-static PROGRAM: AtomicI32 = AtomicI32::new(0);
-/// A termination that arrived before the program started.
-static PENDING: AtomicI32 = AtomicI32::new(0);
-
-extern "C" fn pass_on(signal: libc::c_int) {
-    let pid = PROGRAM.load(Ordering::SeqCst);
-    if pid > 0 {
-        // SAFETY: kill is async-signal-safe; `pid` is the launcher's own child, not yet
-        // reaped (the handler is removed before it is: `wait_without_reaping`).
-        unsafe { libc::kill(pid, signal) };
-    } else {
-        PENDING.store(signal, Ordering::SeqCst);
-    }
-}
-
-/// From now on terminations go to `program`, and one that came before goes now.
-fn pass_on_to(program: libc::pid_t) {
-    PROGRAM.store(program, Ordering::SeqCst);
-    let pending = PENDING.swap(0, Ordering::SeqCst);
-    if pending != 0 {
-        // SAFETY: signals our own child, just started.
-        unsafe { libc::kill(program, pending) };
-    }
-}
-
-const PASSED_ON: [libc::c_int; 2] = [libc::SIGTERM, libc::SIGHUP];
-
 /// Waits until the program has ended, leaving it to be reaped (`Child::wait`).
 fn wait_without_reaping(pid: libc::pid_t) {
     loop {
@@ -408,71 +439,6 @@ fn wait_without_reaping(pid: libc::pid_t) {
             return;
         }
     }
-}
-
-fn forward_terminations() -> Handlers {
-    // SAFETY: installs a handler that only calls kill (async-signal-safe); the previous
-    // handlers are returned.
-    PASSED_ON.map(|signal| unsafe {
-        libc::signal(
-            signal,
-            pass_on as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        )
-    })
-}
-
-fn restore_forwarding(previous: Handlers) {
-    for (signal, handler) in PASSED_ON.into_iter().zip(previous) {
-        // SAFETY: puts back the handler `forward_terminations` replaced.
-        unsafe { libc::signal(signal, handler) };
-    }
-    PROGRAM.store(0, Ordering::SeqCst);
-    PENDING.store(0, Ordering::SeqCst);
-}
-
-/// One line for people from the shim's stats JSON.
-fn summary(json: &str) -> String {
-    let Ok(stats) = serde_json::from_str::<serde_json::Value>(json) else {
-        return "the shim's stats are not valid JSON".into();
-    };
-    let number = |key: &str| stats[key].as_f64().unwrap_or(0.0);
-    let bytes_read = number("bytes_read");
-    let faults = number("faults");
-    // Faults on watched blocks needed no data: not counted for or against read-ahead.
-    let watch_faults = number("watch_faults");
-    let data_faults = faults - watch_faults;
-    let hit_rate = if data_faults > 0.0 {
-        100.0 * number("prefetch_hits") / data_faults
-    } else {
-        0.0
-    };
-    let watched = if watch_faults > 0.0 {
-        format!(", {} on watched blocks", watch_faults as u64)
-    } else {
-        String::new()
-    };
-    let elapsed = number("elapsed_s");
-    let rate = if elapsed > 0.0 {
-        bytes_read / elapsed
-    } else {
-        0.0
-    };
-    format!(
-        "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read \
-         ahead{}); peak resident {} of a {} budget, the pager's own heap {} at most; {}/s average read \
-         rate over {:.2} s",
-        format_size(bytes_read as u64),
-        number("read_requests") as u64,
-        faults as u64,
-        number("demand_faults") as u64,
-        hit_rate,
-        watched,
-        format_size(number("peak_resident_bytes") as u64),
-        format_size(number("budget_bytes") as u64),
-        format_size(number("pager_heap_peak_bytes") as u64),
-        format_size(rate as u64),
-        elapsed
-    )
 }
 
 #[cfg(test)]

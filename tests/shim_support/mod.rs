@@ -2,6 +2,8 @@
 //! building) the shim, compiling victim programs, running them with and without it.
 #![allow(dead_code)]
 
+pub mod llama;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;

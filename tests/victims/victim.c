@@ -6,10 +6,12 @@
 #include <pthread.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -63,6 +65,20 @@ static void *reader(void *arg) {
     s += shared_p[(seed >> 16) % shared_len];
   }
   return (void *)(long)s;
+}
+
+/* For "straddle": loads that each need two pages at once. */
+typedef uint64_t unaligned_u64 __attribute__((aligned(1), may_alias));
+static size_t straddle_threads;
+
+static void *straddler(void *arg) {
+  size_t first = (size_t)arg, pages = shared_len / 4096;
+  unsigned long long s = 0;
+  /* One unaligned 8-byte load across each page boundary this thread takes: a single
+   * instruction that faults on the page before, then, retried, on the page after. */
+  for (size_t page = 1 + first; page < pages; page += straddle_threads)
+    s += *(volatile const unaligned_u64 *)(shared_p + page * 4096 - 4);
+  return (void *)(uintptr_t)s;
 }
 
 /* For "sum-then-wait-for-sigint". */
@@ -298,6 +314,36 @@ int main(int argc, char **argv) {
     printf("system %d\n", WEXITSTATUS(system("exit 3")));
     fflush(stdout);
     return 0;
+  }
+  if (!strcmp(mode, "straddle") && argc > 3) {
+    /* argv[3] threads straddle the file's page boundaries together, each its own. */
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    shared_p = p;
+    shared_len = len;
+    straddle_threads = strtoul(argv[3], NULL, 0);
+    pthread_t t[64];
+    unsigned long long total = 0;
+    for (size_t i = 0; i < straddle_threads && i < 64; i++)
+      pthread_create(&t[i], NULL, straddler, (void *)i);
+    for (size_t i = 0; i < straddle_threads && i < 64; i++) {
+      void *s;
+      pthread_join(t[i], &s);
+      total += (uintptr_t)s;
+    }
+    printf("straddled %llx\n", total);
+    return 0;
+  }
+  if (!strcmp(mode, "read-forever")) {
+    /* Reads the whole file over and over, with no signal handler: a signal's default
+     * action ends it, exit handlers unrun (no core file for SIGQUIT). */
+    struct rlimit no_core = {0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    unsigned char *p = map(path, PROT_READ, MAP_SHARED, &len);
+    printf("sum %llx\n", sum(p, len));
+    fflush(stdout);
+    /* The sum is used, so every pass reads the file. */
+    for (unsigned long long first = sum(p, len);;)
+      if (sum(p, len) != first) printf("the file changed\n");
   }
   if (!strcmp(mode, "nest")) {
     /* Unmaps the head of one model mapping (as llama.cpp does), then maps a second model

@@ -22,11 +22,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use hyperoffload::budget_floor;
 use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
+use hyperoffload::memory_limits::{self, budget_warning};
 use hyperoffload::model::split::model_len;
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
-use hyperoffload::shim_config::ShimConfig;
+use hyperoffload::shim_config::{BudgetSpec, ShimConfig, Sizing};
 use hyperoffload::size::format_size;
 use hyperoffload::sys;
 use hyperoffload::{MapOptions, Pager, Region};
@@ -238,16 +240,27 @@ impl Shim {
         std::mem::take(&mut *lock(&self.trace))
     }
 
-    /// The process's pager, created at the first managed mapping (whose model's size, all
-    /// its files for a split GGUF, sets a percentage budget).
-    fn pager(&self, first: &ModelHint<'_>, model_len: u64) -> Option<Pager> {
+    /// The process's pager, created at the first managed mapping as `sizing` says (its
+    /// model's size, all its files for a split GGUF, sets a percentage budget: see
+    /// `pager_for`). The one thread that starts it says first if the budget was raised
+    /// to what the pager needs, or, for a percentage (a budget in bytes was checked by
+    /// the launcher), if it is more than the machine can give.
+    fn pager(&self, first: &ModelHint<'_>, sizing: &Sizing) -> Option<Pager> {
         let mut slot = lock(&self.pager);
         match &*slot {
             PagerSlot::Running(pager) => return Some(pager.clone()),
             PagerSlot::Failed => return None,
             PagerSlot::NotYet => {}
         }
-        let budget = self.config.budget.resolve(model_len);
+        let budget = sizing.budget;
+        if let Some(raise) = sizing.raised {
+            self.say(&raise.to_string());
+        }
+        if matches!(self.config.budget, BudgetSpec::ModelPercent(_)) {
+            if let Some(warning) = budget_warning(budget, &memory_limits::read()) {
+                self.say(&warning.to_string());
+            }
+        }
         let built = policies_by_name(&self.config.policy, Some(first))
             .map_err(|error| error.to_string())
             .and_then(|policies| {
@@ -415,18 +428,24 @@ impl Shim {
     /// The pager, to map `data_len` bytes at `offset` of `file`: started if this is the
     /// first mapping (its model sets the budget, and the budget the block size).
     fn pager_for(&self, file: &MappedFile, offset: u64, data_len: u64) -> Option<Pager> {
+        match &*lock(&self.pager) {
+            PagerSlot::Running(pager) => return Some(pager.clone()),
+            PagerSlot::Failed => return None,
+            PagerSlot::NotYet => {}
+        }
+        // Another thread may start it meanwhile: `pager` then returns that one.
+        let sizing = self.config.sizing(
+            self.config.budget.resolve(file.model_len),
+            file.model_len,
+            budget_floor::threads(),
+        );
         let hint = ModelHint {
             path: &file.name,
             file_offset: offset,
             data_len,
-            block_size: match &*lock(&self.pager) {
-                PagerSlot::Running(pager) => pager.block_size(),
-                _ => self
-                    .config
-                    .block_size_for(self.config.budget.resolve(file.model_len), file.model_len),
-            },
+            block_size: sizing.block_size,
         };
-        self.pager(&hint, file.model_len)
+        self.pager(&hint, &sizing)
     }
 
     /// Maps `file` through the pager and registers the region as managed memory; `None`

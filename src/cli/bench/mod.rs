@@ -241,7 +241,8 @@ fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::R
         let status = Command::new(&launcher)
             .arg("run")
             .arg("--budget")
-            .arg(budget.to_string())
+            // With its unit: `run` refuses a plain number below 1 MiB.
+            .arg(format!("{budget}B"))
             .arg("--stats")
             .arg(&stats)
             .arg("--")

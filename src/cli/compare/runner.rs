@@ -332,7 +332,8 @@ fn program_command(spec: &RunSpec, files: &RunFiles) -> Result<Command, RunError
             command
                 .arg("run")
                 .arg("--budget")
-                .arg(spec.budget_bytes.to_string())
+                // With its unit: `run` refuses a plain number below 1 MiB.
+                .arg(format!("{}B", spec.budget_bytes))
                 .arg("--stats")
                 .arg(out(&files.stats))
                 .arg("--trace")

@@ -1,0 +1,218 @@
+//! The launcher's closing line and the stats it keeps: what the pager did, from the
+//! shim's stats, and how the program ended wherever that explains stats that are
+//! partial or missing. A program killed by a signal runs no exit handlers, so the shim
+//! wrote no final stats: its last snapshot (written every half second while the pager
+//! ran) stands in for them, and the line says so and names the signal.
+
+use hyperoffload::size::format_size;
+
+use super::exit_status::{signal_name, Ending};
+
+/// What the launcher knows once the program has ended.
+pub struct Outcome<'a> {
+    pub ending: &'a Ending,
+    /// The last signal the launcher passed on to the program.
+    pub passed_on: Option<i32>,
+    /// The stats the shim wrote at exit.
+    pub stats: Option<&'a str>,
+    /// The last snapshot of the stats, written while the pager ran.
+    pub snapshot: Option<&'a str>,
+    /// What the shim serves, for the line saying nothing was.
+    pub patterns: &'a [String],
+    pub min_size: u64,
+}
+
+/// The closing line (without the `hyperoffload: ` prefix).
+pub fn closing_line(outcome: &Outcome<'_>) -> String {
+    let killed = match outcome.ending {
+        Ending::Signal(signal) => Some(format!("killed by {}", signal_name(*signal))),
+        Ending::Code(_) => None,
+    };
+    match (outcome.stats, outcome.snapshot) {
+        (Some(json), _) => match killed {
+            Some(killed) => format!("{killed}; {}", summary(json)),
+            None => summary(json),
+        },
+        (None, Some(json)) => {
+            let how = match (outcome.ending, outcome.passed_on) {
+                (Ending::Signal(_), _) => killed.unwrap_or_default(),
+                (Ending::Code(code), Some(signal)) => format!(
+                    "the program exited with status {code} after the {} passed on to it, \
+                     without running exit handlers",
+                    signal_name(signal)
+                ),
+                (Ending::Code(code), None) => {
+                    format!("the program exited with status {code} without running exit handlers")
+                }
+            };
+            format!("{how}; as of its last stats snapshot: {}", summary(json))
+        }
+        (None, None) => {
+            let files = format!(
+                "no file matching {} of at least {}",
+                outcome.patterns.join(","),
+                format_size(outcome.min_size)
+            );
+            match killed {
+                Some(killed) => {
+                    format!("{killed} before the pager started: the program had mapped {files}")
+                }
+                None => format!(
+                    "no stats: the program mapped {files} (or exited without running exit \
+                     handlers)"
+                ),
+            }
+        }
+    }
+}
+
+/// The stats JSON to keep for `--stats`: the final stats, else the last snapshot; with
+/// the signal that killed the program (`ended_by_signal`) where one did.
+pub fn kept_stats(outcome: &Outcome<'_>) -> Option<String> {
+    let json = outcome.stats.or(outcome.snapshot)?;
+    let Ending::Signal(signal) = outcome.ending else {
+        return Some(json.to_string());
+    };
+    let Ok(mut stats) = serde_json::from_str::<serde_json::Value>(json) else {
+        return Some(json.to_string());
+    };
+    stats["ended_by_signal"] = signal_name(*signal).into();
+    Some(stats.to_string())
+}
+
+/// One line for people from the shim's stats JSON.
+pub fn summary(json: &str) -> String {
+    let Ok(stats) = serde_json::from_str::<serde_json::Value>(json) else {
+        return "the shim's stats are not valid JSON".into();
+    };
+    let number = |key: &str| stats[key].as_f64().unwrap_or(0.0);
+    let bytes_read = number("bytes_read");
+    let faults = number("faults");
+    // Faults on watched blocks needed no data: not counted for or against read-ahead.
+    let watch_faults = number("watch_faults");
+    let data_faults = faults - watch_faults;
+    let hit_rate = if data_faults > 0.0 {
+        100.0 * number("prefetch_hits") / data_faults
+    } else {
+        0.0
+    };
+    let watched = if watch_faults > 0.0 {
+        format!(", {} on watched blocks", watch_faults as u64)
+    } else {
+        String::new()
+    };
+    let elapsed = number("elapsed_s");
+    let rate = if elapsed > 0.0 {
+        bytes_read / elapsed
+    } else {
+        0.0
+    };
+    format!(
+        "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read \
+         ahead{}); peak resident {} of a {} budget, the pager's own heap {} at most; {}/s average read \
+         rate over {:.2} s",
+        format_size(bytes_read as u64),
+        number("read_requests") as u64,
+        faults as u64,
+        number("demand_faults") as u64,
+        hit_rate,
+        watched,
+        format_size(number("peak_resident_bytes") as u64),
+        format_size(number("budget_bytes") as u64),
+        format_size(number("pager_heap_peak_bytes") as u64),
+        format_size(rate as u64),
+        elapsed
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATS: &str = r#"{"bytes_read": 1048576, "read_requests": 4, "faults": 4,
+        "demand_faults": 4, "elapsed_s": 2.0, "budget_bytes": 2097152}"#;
+
+    fn outcome<'a>(
+        ending: &'a Ending,
+        stats: Option<&'a str>,
+        snapshot: Option<&'a str>,
+        patterns: &'a [String],
+    ) -> Outcome<'a> {
+        Outcome {
+            ending,
+            passed_on: None,
+            stats,
+            snapshot,
+            patterns,
+            min_size: 64 << 20,
+        }
+    }
+
+    #[test]
+    fn a_normal_end_is_the_summary_alone() {
+        let patterns = ["*.gguf".to_string()];
+        let line = closing_line(&outcome(&Ending::Code(0), Some(STATS), None, &patterns));
+        assert!(line.starts_with("read 1.00 MiB in 4 requests"), "{line}");
+        assert_eq!(line, summary(STATS));
+    }
+
+    #[test]
+    fn a_program_killed_by_a_signal_is_reported_from_its_last_snapshot() {
+        let patterns = ["*.gguf".to_string()];
+        let ending = Ending::Signal(libc::SIGTERM);
+        let killed = outcome(&ending, None, Some(STATS), &patterns);
+        let line = closing_line(&killed);
+        assert!(
+            line.starts_with("killed by SIGTERM; as of its last stats snapshot: read 1.00 MiB"),
+            "{line}"
+        );
+        let kept: serde_json::Value = serde_json::from_str(&kept_stats(&killed).unwrap()).unwrap();
+        assert_eq!(kept["ended_by_signal"], "SIGTERM");
+        assert_eq!(kept["bytes_read"], 1048576);
+        // Final stats (its exit handlers ran after all) come first.
+        let line = closing_line(&outcome(&ending, Some(STATS), Some("{}"), &patterns));
+        assert!(
+            line.starts_with("killed by SIGTERM; read 1.00 MiB"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn an_exit_without_exit_handlers_after_a_passed_on_signal_says_so() {
+        let patterns = ["*.gguf".to_string()];
+        let ending = Ending::Code(130);
+        let mut interrupted = outcome(&ending, None, Some(STATS), &patterns);
+        interrupted.passed_on = Some(libc::SIGINT);
+        let line = closing_line(&interrupted);
+        assert!(
+            line.starts_with(
+                "the program exited with status 130 after the SIGINT passed on to it, \
+                 without running exit handlers; as of its last stats snapshot: read"
+            ),
+            "{line}"
+        );
+        assert_eq!(kept_stats(&interrupted).as_deref(), Some(STATS));
+        interrupted.passed_on = None;
+        assert!(closing_line(&interrupted)
+            .starts_with("the program exited with status 130 without running exit handlers"));
+    }
+
+    #[test]
+    fn no_stats_at_all_say_why_as_far_as_known() {
+        let patterns = ["*.gguf".to_string(), "*.safetensors".to_string()];
+        let ending = Ending::Signal(libc::SIGINT);
+        let line = closing_line(&outcome(&ending, None, None, &patterns));
+        assert_eq!(
+            line,
+            "killed by SIGINT before the pager started: the program had mapped no file \
+             matching *.gguf,*.safetensors of at least 64.0 MiB"
+        );
+        let ending = Ending::Code(0);
+        let line = closing_line(&outcome(&ending, None, None, &patterns));
+        assert!(
+            line.starts_with("no stats: the program mapped no file"),
+            "{line}"
+        );
+        assert_eq!(kept_stats(&outcome(&ending, None, None, &patterns)), None);
+    }
+}

@@ -1,0 +1,198 @@
+//! `hyperoffload run` checks the budget and block size before the program starts: what
+//! the pager could not take is an error (and the program never runs), a budget too
+//! small for the pager to make progress in is raised with one line (it used to
+//! livelock), and a budget above the machine's or the cgroup's memory is warned of.
+
+mod common;
+mod shim_support;
+
+// The memory cgroup `hyperoffload compare` uses, which belongs to the binary: its file
+// compiled here.
+#[allow(dead_code)]
+#[path = "../src/cli/compare/cgroup.rs"]
+mod cgroup;
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::TempDir;
+use shim_support::*;
+
+/// Runs `command` to its end, collecting its output; fails if it runs past `limit` (a
+/// livelocked program is killed and reported, never waited out).
+fn output_within(command: &mut Command, limit: Duration) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let (done, finished) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let output = child.wait_with_output().unwrap();
+        let _ = done.send(());
+        output
+    });
+    if finished.recv_timeout(limit).is_err() {
+        // SAFETY: signals our own child, not yet reaped (the waiter has not returned).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        let output = waiter.join().unwrap();
+        panic!(
+            "still running after {limit:?} (a livelock?); stderr:\n{}",
+            stderr(&output)
+        );
+    }
+    waiter.join().unwrap()
+}
+
+/// `run ARGS -- touch MARKER`: whether the program ran is whether the marker exists.
+fn refused(args: &[&str]) -> String {
+    let dir = TempDir::new("launcher-budget-refused");
+    let marker = dir.path("ran");
+    let output = output_within(
+        launcher().args(args).arg("--").arg("touch").arg(&marker),
+        Duration::from_secs(30),
+    );
+    assert!(!output.status.success(), "{args:?} accepted");
+    assert!(
+        !marker.exists(),
+        "{args:?}: the program ran although the settings were refused"
+    );
+    stderr(&output)
+}
+
+/// `--budget 50` meant 50 %: it used to be 50 bytes, and the pager silently did not
+/// start (exit status 0).
+#[test]
+fn a_budget_with_no_unit_and_too_small_for_bytes_is_refused_with_the_percentage_suggested() {
+    let message = refused(&["--budget", "50"]);
+    assert!(message.contains("`50`"), "{message}");
+    assert!(message.contains("`50%`"), "{message}");
+}
+
+/// Block sizes the pager cannot take are refused, naming the problem and the accepted
+/// forms; a block larger than the budget too (the pager used to refuse to start, and
+/// the program ran unpaged with exit status 0).
+#[test]
+fn block_sizes_the_pager_cannot_take_are_refused_before_the_program_starts() {
+    for (args, problem) in [
+        (&["--block", "64"][..], "did you mean 64K?"),
+        (&["--block", "3M"][..], "not a power of two"),
+        (&["--block", "2G"][..], "larger than 1 GiB"),
+        (&["--block", "64Q"][..], "64Q"),
+    ] {
+        let message = refused(args);
+        assert!(message.contains(problem), "{args:?}: {message}");
+        assert!(message.contains("from 4K to 1G"), "{args:?}: {message}");
+    }
+    let message = refused(&["--budget", "32M", "--block", "64M"]);
+    assert!(
+        message.contains("a block of 64.0 MiB does not fit in a budget of 32.0 MiB"),
+        "{message}"
+    );
+}
+
+fn threads_counted() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A budget below two blocks for each thread faulting at once used to livelock (every
+/// load straddling two blocks evicted the block it needed first). It is raised to that
+/// floor, with one line, and the program finishes with the file's bytes.
+#[test]
+fn a_budget_too_small_to_make_progress_in_is_raised_and_the_program_finishes() {
+    let dir = TempDir::new("launcher-budget-raise");
+    let victim = compile_c(&dir.0, "victim", include_str!("victims/victim.c"));
+    let file = dir.path("weights.bin");
+    common::pattern_file(&file, 1 << 20);
+    let threads = threads_counted().min(4);
+    let plain = Command::new(&victim)
+        .args(["straddle", file.to_str().unwrap(), &threads.to_string()])
+        .output()
+        .unwrap();
+    assert_success(&plain, "the victim without the pager");
+    for budget in ["4K", "8K"] {
+        let stats = dir.path(&format!("stats-{budget}.json"));
+        let output = output_within(
+            launcher()
+                .args(["--budget", budget, "--block", "4K", "--min-size", "1M"])
+                .args(["--match", "*.bin", "--stats"])
+                .arg(&stats)
+                .arg("--")
+                .arg(&victim)
+                .args(["straddle", file.to_str().unwrap(), &threads.to_string()]),
+            Duration::from_secs(120),
+        );
+        assert_success(&output, budget);
+        assert_eq!(stdout(&output), stdout(&plain), "{budget}: other bytes");
+        let message = stderr(&output);
+        let asked: u64 = if budget == "4K" { 4 << 10 } else { 8 << 10 };
+        let floor = 2 * 4096 * threads_counted().clamp(1, 64) as u64;
+        let stats = read_stats(&stats);
+        let raised = message.matches("the pager needs to make progress").count();
+        if asked < floor {
+            assert_eq!(raised, 1, "{budget}: one line saying so: {message}");
+            assert_eq!(stats["budget_bytes"], floor, "{budget}");
+        } else {
+            assert_eq!(raised, 0, "{budget}: {message}");
+            assert_eq!(stats["budget_bytes"], asked, "{budget}");
+        }
+        assert!(stats["bytes_read"].as_u64().unwrap() >= 1 << 20, "{stats}");
+    }
+}
+
+fn mem_total() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let (total, _) = hyperoffload::memory_limits::parse_meminfo(&meminfo);
+    total.unwrap()
+}
+
+/// `--budget 1T` on a smaller machine was taken silently.
+#[test]
+fn a_budget_above_the_machines_ram_is_warned_of() {
+    let budget = format!("{}M", (mem_total() >> 20) * 4);
+    let output = output_within(
+        launcher().args(["--budget", &budget, "--", "true"]),
+        Duration::from_secs(30),
+    );
+    assert_success(&output, "a run with a large budget");
+    let message = stderr(&output);
+    assert!(
+        message.contains("warning: the budget of") && message.contains("this machine's RAM"),
+        "{message}"
+    );
+}
+
+/// Within a memory cgroup, a budget above its limit is warned of (a smaller one not).
+#[test]
+fn a_budget_above_the_cgroups_limit_is_warned_of() {
+    let name = format!("hyperoffload-test-budget-{}", std::process::id());
+    let cgroup = match cgroup::MemoryCgroup::create(&name, Some(256 << 20)) {
+        Ok(cgroup) => cgroup,
+        Err(error) if skip_allowed() => {
+            eprintln!("skipped: {error}");
+            return;
+        }
+        Err(error) => panic!("{error} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"),
+    };
+    for (budget, warned) in [("1G", true), ("128M", false)] {
+        let mut procs = cgroup.procs_file().unwrap();
+        let mut command = launcher();
+        command.args(["--budget", budget, "--", "true"]);
+        // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
+        unsafe {
+            command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
+        }
+        let output = output_within(&mut command, Duration::from_secs(30));
+        assert_success(&output, budget);
+        let message = stderr(&output);
+        assert_eq!(
+            message.contains("the memory limit of this process's cgroup (256.0 MiB)"),
+            warned,
+            "{budget}: {message}"
+        );
+    }
+    drop(cgroup);
+}
