@@ -1,7 +1,7 @@
 //! Policies by the names users give them (`hyperoffload run --policy`, the shim's
 //! `HYPEROFFLOAD_POLICY`). One table, so a new policy is added in one place.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use thiserror::Error;
@@ -9,7 +9,7 @@ use thiserror::Error;
 use crate::geometry::BlockGeometry;
 use crate::graph::expert_store::{self, LoadedCounts};
 use crate::graph::store::{self, Loaded};
-use crate::graph::{ModelGraph, PartTensors};
+use crate::graph::{GraphSource, ModelGraph, PartTensors};
 use crate::model::split::split_parts;
 use crate::model::ModelFile;
 use crate::policy::graph::GraphPrediction;
@@ -33,6 +33,10 @@ pub struct PolicyPair {
     /// from counts an earlier run saved: save `expert_counts` at the end
     /// (`graph::expert_store::save`) for the next run.
     pub experts: Option<Arc<GraphPrediction>>,
+    /// The graph saved by an earlier run that this run follows (a learned order), to
+    /// forget at the end if the program did not follow it
+    /// (`ConfidenceSummary::not_followed`): the next run then records the order again.
+    pub followed_graph: Option<PathBuf>,
 }
 
 /// The names accepted, the default first, with what each means.
@@ -90,10 +94,14 @@ pub fn policies_by_name(
             description: name.to_string(),
             learn: None,
             experts: None,
+            followed_graph: None,
         });
     }
     match model.map(model_graph) {
         Some(Ok((graph, source))) => {
+            let followed_graph = (graph.source() == GraphSource::Learned)
+                .then(|| model.map(|hint| store::graph_path(hint.path)))
+                .flatten();
             let blocks = graph.geometry().block_count();
             let has_experts = !graph.experts().is_empty();
             let prediction = GraphPrediction::new(Arc::new(graph));
@@ -131,6 +139,7 @@ pub fn policies_by_name(
                 // until the model changes (its key no longer matches) or the graph file
                 // is deleted, which makes the next run record again.
                 learn: None,
+                followed_graph,
             })
         }
         failed => {
@@ -165,6 +174,7 @@ pub fn policies_by_name(
                 description: format!("{what} (graph unavailable: {why})"),
                 learn,
                 experts: None,
+                followed_graph: None,
             })
         }
     }

@@ -254,6 +254,7 @@ struct ShuffledFile {
 /// What one run of `READ_SHUFFLED` under the shim did.
 struct ShuffledRun {
     bytes_read: u64,
+    stderr: String,
     policy_in_use: String,
     stats: serde_json::Value,
 }
@@ -299,6 +300,7 @@ impl ShuffledFile {
         let stats = read_stats(&stats);
         ShuffledRun {
             bytes_read: stats["bytes_read"].as_u64().unwrap(),
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
             policy_in_use: stats["config"]["policy_in_use"]
                 .as_str()
                 .unwrap_or_default()
@@ -379,7 +381,8 @@ fn a_graph_learned_from_a_recording_run_beats_demand_paging() {
 /// was learned on (another seed). Following the learned order, prefetch would read
 /// blocks that are evicted unused (9.3 GiB against LRU's 1.7 measured without the
 /// check); the graph policy finds the program does not land where its plans say and
-/// reads nothing ahead there, so it reads no more than LRU on the new order.
+/// reads nothing ahead there, so it reads no more than LRU on the new order, and forgets
+/// the order learned: the next run records the new one.
 #[test]
 fn a_learned_order_the_program_no_longer_follows_reads_no_more_than_lru() {
     let file = ShuffledFile::new("shim-python-unfollowed");
@@ -412,6 +415,20 @@ fn a_learned_order_the_program_no_longer_follows_reads_no_more_than_lru() {
             > prediction["expected_faults"].as_u64().unwrap(),
         "{prediction}"
     );
+    // The order learned is forgotten, and the next run records the new one.
+    assert!(
+        other.stderr.contains("did not follow the order learned"),
+        "{}",
+        other.stderr
+    );
+    assert!(!file.dir.path("data.bin.hyperoffload-graph").exists());
+    let again = file.run(8, "again.json");
+    assert!(
+        again.policy_in_use.contains("recording"),
+        "{}",
+        again.policy_in_use
+    );
+    assert!(file.dir.path("data.bin.hyperoffload-graph").is_file());
     // The simulator, learning from the order recorded and replaying the other, predicts
     // the real pager's bytes within 10 %.
     let output = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))

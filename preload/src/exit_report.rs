@@ -46,6 +46,8 @@ pub struct Run<'a> {
     pub learning: Option<(PathBuf, BlockGeometry)>,
     /// A mixture of experts' model, and the prediction whose expert counts are saved.
     pub experts: Option<(PathBuf, Arc<GraphPrediction>)>,
+    /// The learned graph the run followed: removed if the program did not follow it.
+    pub followed_graph: Option<PathBuf>,
     /// Takes the shim's own events (one JSON a line), when the trace is written.
     pub take_events: &'a dyn Fn() -> Vec<String>,
     /// Tells the user something (a file that could not be written, what was saved).
@@ -69,6 +71,9 @@ pub fn write(run: &Run<'_>) {
     }
     if let Some((model, prediction)) = &run.experts {
         save_expert_counts(run, model, prediction);
+    }
+    if let Some(graph) = &run.followed_graph {
+        forget_unfollowed(run, graph);
     }
     if let Some(path) = &config.trace_path {
         write_trace(run, path, &records, untraced);
@@ -139,6 +144,32 @@ fn save_graph(run: &Run<'_>, model: &Path, layout: BlockGeometry, records: &[Tra
             saved.display()
         )),
         Err(error) => (run.say)(&format!("cannot save the learned graph: {error}")),
+    }
+}
+
+/// Removes the learned graph `graph` if the program did not follow it (the run read
+/// ahead in few or none of its parts): the next run records the order again.
+fn forget_unfollowed(run: &Run<'_>, graph: &Path) {
+    let Some(prediction) = run.pager.stats().prediction else {
+        return;
+    };
+    if !prediction.not_followed() {
+        return;
+    }
+    let what = format!(
+        "the program did not follow the order learned in {} ({} of {} parts; {} of {} \
+         faults elsewhere than planned)",
+        graph.display(),
+        prediction.failing_parts,
+        prediction.parts,
+        prediction.surprise_faults,
+        prediction.surprise_faults + prediction.expected_faults,
+    );
+    match std::fs::remove_file(graph) {
+        Ok(()) => (run.say)(&format!(
+            "{what}; removed it, so the next run records the order again"
+        )),
+        Err(error) => (run.say)(&format!("{what}; cannot remove it: {error}")),
     }
 }
 

@@ -266,6 +266,7 @@ fn write_snapshot(dir: &Path) -> bool {
             heap_bytes: (heap::in_use(), heap::peak()),
             learning: None,
             experts: None,
+            followed_graph: None,
             take_events: &Vec::new,
             say: &|message| shim.say(message),
         },
@@ -308,6 +309,7 @@ extern "C" fn write_exit_report() {
         heap_bytes: (heap::in_use(), heap::peak()),
         learning: shim.learning(),
         experts: shim.expert_learning(),
+        followed_graph: shim.followed_graph(),
         take_events: &|| shim.take_trace(),
         say: &|message| shim.say(message),
     });

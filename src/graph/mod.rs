@@ -74,7 +74,10 @@ pub struct Node {
 #[serde(rename_all = "snake_case")]
 pub enum GraphSource {
     Architecture(Architecture),
+    /// Learned from the faults of a recording run: one run's observation.
     Learned,
+    /// An order given whole by the caller (`from_pass`).
+    Given,
 }
 
 /// Options for building a graph from a tensor table.
@@ -307,6 +310,7 @@ impl ModelGraph {
         }
         let mut graph = Self::learned(layout, &transitions);
         graph.order = order;
+        graph.source = GraphSource::Given;
         graph
     }
 

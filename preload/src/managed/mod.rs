@@ -130,6 +130,8 @@ pub struct Shim {
     /// A mixture of experts' model, and the prediction whose expert counts are saved
     /// for its next run.
     experts: Mutex<Option<(PathBuf, Arc<GraphPrediction>)>>,
+    /// The saved graph this run follows, if it is a learned one (`PolicyPair`).
+    followed_graph: Mutex<Option<PathBuf>>,
     start: Instant,
     warned_mremap: AtomicBool,
     warned_advice: AtomicBool,
@@ -166,6 +168,7 @@ impl Shim {
             policy_in_use: Mutex::new(String::new()),
             learning: Mutex::new(None),
             experts: Mutex::new(None),
+            followed_graph: Mutex::new(None),
             start: Instant::now(),
             warned_mremap: AtomicBool::new(false),
             warned_advice: AtomicBool::new(false),
@@ -236,6 +239,11 @@ impl Shim {
         lock(&self.experts).clone()
     }
 
+    /// The learned graph this run follows, if it follows one.
+    pub fn followed_graph(&self) -> Option<PathBuf> {
+        lock(&self.followed_graph).clone()
+    }
+
     pub fn take_trace(&self) -> Vec<String> {
         std::mem::take(&mut *lock(&self.trace))
     }
@@ -277,13 +285,15 @@ impl Shim {
                     builder = builder.trace(TRACE_LIMIT);
                 }
                 let (learn, experts) = (policies.learn, policies.experts);
+                let followed = policies.followed_graph;
                 builder
                     .build()
-                    .map(|pager| (pager, policies.description, learn, experts))
+                    .map(|pager| (pager, policies.description, learn, experts, followed))
                     .map_err(|error| error.to_string())
             });
         match built {
-            Ok((pager, policy, learn, experts)) => {
+            Ok((pager, policy, learn, experts, followed)) => {
+                *lock(&self.followed_graph) = followed;
                 *slot = PagerSlot::Running(pager.clone());
                 *lock(&self.policy_in_use) = policy.clone();
                 *lock(&self.learning) = learn.map(|layout| (first.path.to_path_buf(), layout));

@@ -37,7 +37,7 @@ const WHOLE: Scoring = Scoring {
     min_judged: 4,
 };
 /// Where the whole order's score starts for a learned order.
-const LEARNED_PRIOR: f32 = 0.6;
+const LEARNED_PRIOR: f32 = 0.75;
 /// A part fails below this score and recovers above `RECOVER` (hysteresis: a part does
 /// not flip back and forth on every fault near the threshold).
 const FAIL: f32 = 0.5;
@@ -106,16 +106,26 @@ pub struct ConfidenceSummary {
     pub parts: u32,
 }
 
+impl ConfidenceSummary {
+    /// Whether the program did not follow the order: most parts failing now, and more
+    /// surprises than landings as planned. A saved (learned) order it did not follow is
+    /// worth recording again rather than following in the next run.
+    pub fn not_followed(&self) -> bool {
+        self.failing_parts * 2 >= self.parts && self.surprise_faults > self.expected_faults
+    }
+}
+
 impl Confidence {
     /// Scores for an order of `len` positions. A `learned` order (one recording run's)
-    /// is a guess where a tensor table is knowledge: the whole order starts at half
-    /// trust, so that a program that no longer follows it is found out within
-    /// `WHOLE.min_judged` faults.
+    /// is a guess where a tensor table is knowledge: prefetch waits until the program
+    /// is seen following it (the whole order's score starts failing, a few landings as
+    /// planned below recovering), so an order it no longer follows costs no read ahead.
     pub fn new(len: u32, learned: bool) -> Self {
         let whole = if learned {
             Part {
                 score: LEARNED_PRIOR,
-                ..Part::TRUSTED
+                judged: 0,
+                failing: true,
             }
         } else {
             Part::TRUSTED
@@ -265,6 +275,29 @@ mod tests {
         }
         assert!(!table.failing(100));
         assert!(learned.failing(100));
+        // Followed, a learned order is trusted within a few faults.
+        let mut followed = Confidence::new(256, true);
+        assert!(followed.failing(0));
+        for position in 0..4 {
+            followed.judge(position, true);
+        }
+        assert!(!followed.failing(100));
+    }
+
+    #[test]
+    fn an_order_is_not_followed_when_most_parts_fail_on_more_surprises_than_not() {
+        let summary = |failing_parts, surprise_faults, expected_faults| ConfidenceSummary {
+            expected_faults,
+            surprise_faults,
+            failing_parts,
+            parts: 32,
+        };
+        assert!(summary(32, 565, 180).not_followed());
+        assert!(summary(16, 100, 99).not_followed());
+        // A few parts failing, or a program mostly where planned, is followed.
+        assert!(!summary(15, 565, 180).not_followed());
+        assert!(!summary(32, 100, 100).not_followed());
+        assert!(!summary(0, 0, 0).not_followed());
     }
 
     #[test]
