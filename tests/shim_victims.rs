@@ -684,9 +684,21 @@ fn trace_model(path: &Path) {
 
 /// `hyperoffload trace --out OUT -- victim sum-exit MODEL CODE` in the setup's directory.
 fn traced_sum_exit(setup: &Setup, out: &Path, model: &Path, code: &str) -> Output {
+    traced_sum_exit_with(setup, &[], out, model, code)
+}
+
+/// As `traced_sum_exit`, with `options` for `trace` before `--out`.
+fn traced_sum_exit_with(
+    setup: &Setup,
+    options: &[&str],
+    out: &Path,
+    model: &Path,
+    code: &str,
+) -> Output {
     Command::new(LAUNCHER)
         .env("HYPEROFFLOAD_SHIM", shim())
         .arg("trace")
+        .args(options)
         .arg("--out")
         .arg(out)
         .arg("--")
@@ -697,6 +709,36 @@ fn traced_sum_exit(setup: &Setup, out: &Path, model: &Path, code: &str) -> Outpu
         .current_dir(&setup.dir.0)
         .output()
         .unwrap()
+}
+
+/// `trace` takes `run`'s options and passes them on: the recording is made with the
+/// policy and block size given.
+#[test]
+fn trace_runs_the_program_with_runs_policy_block_and_budget() {
+    let setup = setup("shim-trace-options");
+    let model = setup.dir.path("m.gguf");
+    trace_model(&model);
+    let out = setup.dir.path("t.json");
+    let options = ["--policy", "demand", "--block", "64K", "--budget", "8M"];
+    let output = traced_sum_exit_with(&setup, &options, &out, &model, "0");
+    let messages = stderr(&output);
+    assert!(output.status.success(), "{messages}");
+    let csv = std::fs::read_to_string(setup.dir.path("t.csv")).unwrap();
+    assert!(
+        csv.lines().any(|line| line.contains("block_size=65536")),
+        "{csv}"
+    );
+    // Demand paging at 8 MiB of a 64 MiB model: every block faults, none is prefetched.
+    let blocks: std::collections::HashSet<&str> = csv
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.starts_with("t_ns"))
+        .filter_map(|line| line.split(',').nth(4))
+        .collect();
+    assert!(blocks.len() >= 1000, "{} blocks faulted", blocks.len());
+    // A bad value is refused before anything runs, with `run`'s message.
+    let refused = traced_sum_exit_with(&setup, &["--policy", "nope"], &out, &model, "0");
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains("unknown policy `nope`"));
 }
 
 #[test]

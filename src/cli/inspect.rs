@@ -25,7 +25,7 @@ pub struct InspectArgs {
     /// A GGUF or safetensors file (any part of a split GGUF: the whole model is shown).
     model: PathBuf,
     /// Block size the graph is built for (the pager's block size).
-    #[arg(long, value_parser = size_arg, default_value = "64K")]
+    #[arg(long, value_parser = size_arg, default_value = "2M")]
     block: u64,
     /// How many of the most central nodes to list.
     #[arg(long, default_value_t = 15)]
@@ -91,7 +91,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         format!("a {} file", format_size(file_len))
     };
     println!(
-        "{}: {} tensors, {} of weights in {holder}, graph of {} nodes ({:?})",
+        "{}: {} tensors, {} of weights in {holder}, graph of {} nodes ({})",
         args.model.display(),
         all_tensors.len(),
         format_size(weights),
@@ -173,11 +173,29 @@ fn print_order_and_centrality(graph: &ModelGraph, tensors: &[TensorInfo], top: u
         println!("{step:5}  {name}");
     }
     println!("\n## most central nodes (PageRank)\n");
+    let all = top_nodes(graph, usize::MAX);
+    if ranks_alike(all.iter().map(|&(_, rank, _)| rank)) {
+        // A plain cycle of tensors (a dense model, each tensor once per token): every
+        // node ranks the same, and a table of equal ranks would say nothing.
+        println!(
+            "every node ranks the same: each runs once per token, one after the other, \
+             so eviction goes by the predicted order alone"
+        );
+        return;
+    }
     println!("| node | rank | size |");
     println!("|---|---|---|");
-    for (name, rank, bytes) in top_nodes(graph, top) {
+    for (name, rank, bytes) in all.into_iter().take(top) {
         println!("| {name} | {rank:.5} | {} |", format_size(bytes));
     }
+}
+
+/// Whether the ranks differ by less than 1 % (or there are none).
+fn ranks_alike(ranks: impl Iterator<Item = f64>) -> bool {
+    let (low, high) = ranks.fold((f64::INFINITY, 0.0f64), |(low, high), rank| {
+        (low.min(rank), high.max(rank))
+    });
+    high <= low * 1.01 || high == 0.0
 }
 
 /// Writes the heat map of expert use to `out`, and prints per layer the experts used most.

@@ -88,15 +88,15 @@ pub struct RunArgs {
     command: Vec<OsString>,
 }
 
-fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
+pub(super) fn budget_arg(text: &str) -> Result<BudgetSpec, String> {
     BudgetSpec::parse(text).map_err(|error| error.to_string())
 }
 
-fn block_arg(text: &str) -> Result<u64, String> {
+pub(super) fn block_arg(text: &str) -> Result<u64, String> {
     parse_block_size(text).map_err(|error| error.to_string())
 }
 
-fn policy_arg(text: &str) -> Result<String, String> {
+pub(super) fn policy_arg(text: &str) -> Result<String, String> {
     check_policy_name(text)
         .map(|_| text.to_string())
         .map_err(|error| {

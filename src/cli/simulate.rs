@@ -15,7 +15,7 @@ use hyperoffload::trace::TraceReader;
 
 #[derive(clap::Args)]
 pub struct SimulateArgs {
-    /// A recorded fault trace (see `src/trace.rs`). With --model, replayed against the
+    /// A recorded fault trace (the CSV `hyperoffload trace` or `run --trace` writes). With --model, replayed against the
     /// graph the pager builds from that model's tensor table (its experts included), as
     /// a run of the model under the pager would be; without, against a graph learned
     /// from the trace.

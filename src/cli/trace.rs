@@ -29,9 +29,19 @@ pub struct TraceArgs {
     /// beside the CSV (`.csv.events.jsonl`) from an earlier run.
     #[arg(long, default_value = "trace.json")]
     out: PathBuf,
-    /// RAM budget for the pager (a size or `N%` of the model).
-    #[arg(long, default_value = "50%")]
-    budget: String,
+    /// RAM for the model's pages, as `run --budget` takes it (a size, or `N%` of the
+    /// model). Default: `run`'s.
+    #[arg(long, value_parser = checked(super::run::budget_arg))]
+    budget: Option<String>,
+    /// Prefetch and eviction policy, as `run --policy` takes it. Default: `run`'s.
+    #[arg(long, value_parser = super::run::policy_arg)]
+    policy: Option<String>,
+    /// Block size, as `run --block` takes it. Default: `run`'s.
+    #[arg(long, value_parser = checked(super::run::block_arg))]
+    block: Option<String>,
+    /// Let programs the target executes use the shim too, as `run --inherit`.
+    #[arg(long)]
+    inherit: bool,
     /// Convert this recorded fault trace CSV instead of running a program. It is copied
     /// to the CSV beside --out unless it is that file (by any name); it may not be the
     /// JSON or the tensor-named CSV, which would overwrite it.
@@ -45,6 +55,14 @@ pub struct TraceArgs {
     /// The program and its arguments.
     #[arg(last = true, required_unless_present = "from")]
     program: Vec<OsString>,
+}
+
+/// A value parser that checks an argument with `parse` and keeps its text, to be passed
+/// on to `hyperoffload run` as it was given.
+fn checked<T>(
+    parse: fn(&str) -> Result<T, String>,
+) -> impl Fn(&str) -> Result<String, String> + Clone {
+    move |text| parse(text).map(|_| text.to_string())
 }
 
 /// Records (or takes `--from`) the CSV and converts it. The exit status is the
@@ -83,10 +101,21 @@ pub fn run(args: TraceArgs) -> anyhow::Result<ExitCode> {
 /// the shim's events beside it).
 fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
     let mut command = Command::new(std::env::current_exe()?);
+    command.arg("run");
+    let given = [
+        ("--budget", &args.budget),
+        ("--policy", &args.policy),
+        ("--block", &args.block),
+    ];
+    for (option, value) in given {
+        if let Some(value) = value {
+            command.arg(option).arg(value);
+        }
+    }
+    if args.inherit {
+        command.arg("--inherit");
+    }
     command
-        .arg("run")
-        .arg("--budget")
-        .arg(&args.budget)
         .arg("--trace")
         .arg(csv)
         .arg("--")

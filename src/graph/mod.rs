@@ -80,6 +80,24 @@ pub enum GraphSource {
     Given,
 }
 
+impl std::fmt::Display for GraphSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GraphSource::Architecture(Architecture::LlamaGguf) => {
+                "llama execution order, from the GGUF tensor names"
+            }
+            GraphSource::Architecture(Architecture::LlamaHf) => {
+                "llama execution order, from the Hugging Face tensor names"
+            }
+            GraphSource::Architecture(Architecture::FileOrder) => {
+                "file order: no architecture recognised in the tensor names"
+            }
+            GraphSource::Learned => "learned from a recording run",
+            GraphSource::Given => "an order given whole",
+        })
+    }
+}
+
 /// Options for building a graph from a tensor table.
 #[derive(Copy, Clone, Debug)]
 pub struct BuildOptions {

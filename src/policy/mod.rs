@@ -232,7 +232,8 @@ pub enum PrefetchKind {
     None,
     /// Read the blocks following a fault, growing the window while faults stay sequential.
     Readahead,
-    /// Read ahead along the model graph's predicted order (needs a graph: `build_with`).
+    /// Read ahead along the model graph's predicted order (with no graph of the file,
+    /// nothing is read ahead).
     Graph,
 }
 
@@ -245,7 +246,8 @@ pub enum EvictionKind {
     Lru,
     /// Second chance (in the pager: reference bits set by faults only).
     Clock,
-    /// Evict the block whose predicted next use is furthest (needs a graph: `build_with`).
+    /// Evict the block whose predicted next use is furthest (with no graph of the file,
+    /// in the order blocks became resident).
     Graph,
 }
 
