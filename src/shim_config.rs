@@ -250,14 +250,8 @@ impl ShimConfig {
     /// block is a mapping of its own, and a process may have only so many
     /// (`vm.max_map_count`, 65530 by default).
     pub fn block_size_for(&self, budget: u64, file_len: u64) -> u64 {
-        match self.block_size {
-            Some(size) => size,
-            None if self.zero_copy && budget >= HUGE_BLOCK_MIN_BUDGET => {
-                let blocks = file_len.div_ceil(HUGE_BLOCK).max(1);
-                HUGE_BLOCK * blocks.div_ceil(MAX_MAPPED_BLOCKS).next_power_of_two()
-            }
-            None => crate::pager::DEFAULT_BLOCK_SIZE,
-        }
+        self.block_size
+            .unwrap_or_else(|| default_block_size(self.zero_copy, budget, file_len))
     }
 
     /// The block size and budget a pager of `budget` bytes starts with, for a model of
@@ -436,6 +430,18 @@ fn flag(lookup: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<b
 }
 
 /// Physical RAM of this machine in bytes (0 if unknown).
+/// The block size for a file of `file_len` bytes under `budget` when none is given:
+/// with zero copy and a budget of at least `HUGE_BLOCK_MIN_BUDGET`, whole huge pages
+/// (more of them for a file of more than `MAX_MAPPED_BLOCKS` of them), else the page.
+pub fn default_block_size(zero_copy: bool, budget: u64, file_len: u64) -> u64 {
+    if zero_copy && budget >= HUGE_BLOCK_MIN_BUDGET {
+        let blocks = file_len.div_ceil(HUGE_BLOCK).max(1);
+        HUGE_BLOCK * blocks.div_ceil(MAX_MAPPED_BLOCKS).next_power_of_two()
+    } else {
+        crate::pager::DEFAULT_BLOCK_SIZE
+    }
+}
+
 pub fn physical_ram() -> u64 {
     crate::sys::physical_ram()
 }

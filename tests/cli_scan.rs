@@ -70,6 +70,31 @@ fn scan_verifies_every_pattern_and_prints_json_stats() {
     }
 }
 
+/// scan takes `run`'s budget syntax (a share of the file) and policy names.
+#[test]
+fn scan_takes_runs_budgets_and_policy_names() {
+    let dir = TempDir::new("cli-scan-names");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 12 << 20);
+    let file = path.to_str().unwrap();
+    let output = scan(&[
+        file, "--budget", "25%", "--policy", "demand", "--verify", "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(json["budget_bytes"], 3 << 20);
+    assert_eq!(json["mismatches"], 0);
+    // Demand paging reads nothing ahead: every block read is a demand fault's.
+    assert_eq!(json["blocks_prefetched"], 0, "{json}");
+    let refused = scan(&[file, "--budget", "25%", "--policy", "nope"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("unknown policy `nope`"));
+    let unitless = scan(&[file, "--budget", "50"]);
+    assert!(!unitless.status.success());
+    assert!(String::from_utf8_lossy(&unitless.stderr).contains("50%"));
+}
+
 #[test]
 fn scan_refuses_bad_arguments_with_a_message() {
     let output = scan(&["/nonexistent/model.gguf", "--budget", "1G"]);

@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use hyperoffload::policy::{EvictionKind, PrefetchKind};
+use hyperoffload::policy_name::{policies_by_name, ModelHint};
+use hyperoffload::shim_config::{default_block_size, BudgetSpec};
 use hyperoffload::size::format_size;
 use hyperoffload::{MapOptions, Pager, Stats};
 use rand::rngs::SmallRng;
@@ -33,12 +34,18 @@ pub enum ScanPattern {
 pub struct ScanArgs {
     /// The file to read.
     file: PathBuf,
-    /// Most bytes of the file resident at once (K/M/G suffixes).
-    #[arg(long, value_parser = size_arg)]
-    budget: u64,
-    /// Block size: the unit of residency and demand reads.
-    #[arg(long, value_parser = size_arg, default_value = "4K")]
-    block: u64,
+    /// Most bytes of the file resident at once, as `run --budget` takes it: a size
+    /// (48M, 2G) or a percentage of the file (50%).
+    #[arg(long, value_parser = super::run::budget_arg)]
+    budget: BudgetSpec,
+    /// Block size, as `run --block` takes it. Default: `run`'s (2M with zero copy and a
+    /// budget of at least 16M, else 4K).
+    #[arg(long, value_parser = super::run::block_arg)]
+    block: Option<u64>,
+    /// Prefetch and eviction policy, by `run`'s names (graph needs a GGUF or
+    /// safetensors file to predict anything).
+    #[arg(long, default_value = "readahead", value_parser = super::run::policy_arg)]
+    policy: String,
     #[arg(long, default_value_t = 1)]
     threads: u32,
     /// Threads installing prefetched reads beside the fault service thread.
@@ -48,10 +55,11 @@ pub struct ScanArgs {
         value_parser = clap::value_parser!(u16).range(0..=16)
     )]
     install_threads: u16,
-    /// Map blocks from a huge-page store instead of copying them in (blocks of a
-    /// multiple of 2M, run as root); see `PagerBuilder::zero_copy`.
+    /// Copy blocks in rather than map them from a huge-page store, as `run
+    /// --no-zero-copy` (zero copy needs blocks of a multiple of 2M and CAP_SYS_ADMIN;
+    /// without either it copies anyway).
     #[arg(long)]
-    zero_copy: bool,
+    no_zero_copy: bool,
     #[arg(long, value_enum, default_value_t = ScanPattern::Seq)]
     pattern: ScanPattern,
     #[arg(long, default_value_t = 1)]
@@ -63,10 +71,6 @@ pub struct ScanArgs {
     /// Print the stats as one JSON object.
     #[arg(long)]
     json: bool,
-    #[arg(long, value_enum, default_value_t = PrefetchKind::Readahead)]
-    prefetch: PrefetchKind,
-    #[arg(long, value_enum, default_value_t = EvictionKind::Fifo)]
-    eviction: EvictionKind,
     /// Largest read: neighbouring prefetched blocks are merged up to this size.
     #[arg(long, value_parser = size_arg, default_value = "1M")]
     max_read: u64,
@@ -81,15 +85,32 @@ const CHUNK: u64 = 1 << 20;
 pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.threads >= 1, "--threads must be at least 1");
     anyhow::ensure!(args.passes >= 1, "--passes must be at least 1");
+    // The pager opens it again; this gives its size, with the pager's errors.
+    let file_len = hyperoffload::file::BackingFile::open(&args.file)?.len();
+    let budget = args.budget.resolve(file_len);
+    let zero_copy = !args.no_zero_copy;
+    let block = args
+        .block
+        .unwrap_or_else(|| default_block_size(zero_copy, budget, file_len));
+    let hint = ModelHint {
+        path: &args.file,
+        file_offset: 0,
+        data_len: file_len,
+        block_size: block,
+    };
+    let policies = policies_by_name(&args.policy, Some(&hint))?;
+    if !args.json {
+        println!("policy {}", policies.description);
+    }
     let pager = Pager::builder()
-        .budget(args.budget)
-        .block_size(args.block)
+        .budget(budget)
+        .block_size(block)
         .queue_depth(args.queue_depth)
         .max_read(args.max_read)
         .install_threads(usize::from(args.install_threads))
-        .zero_copy(args.zero_copy)
-        .prefetch(args.prefetch.build())
-        .eviction(args.eviction.build())
+        .zero_copy(zero_copy)
+        .prefetch(policies.prefetch)
+        .eviction(policies.eviction)
         .build()?;
     let region = pager.map_file(&args.file, MapOptions::default())?;
     let file = File::open(&args.file)
