@@ -198,7 +198,16 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
         .arg(&trace_json));
     check_chrome_trace(&trace_json);
     run(Command::new(BIN)
-        .args(["simulate", "--budget", "50%", "--policy", "lru", "--trace"])
+        .args([
+            "simulate",
+            "--budget",
+            "50%",
+            "--policy",
+            "lru",
+            "--prefetch",
+            "none",
+            "--trace",
+        ])
         .arg(trace_json.with_extension("csv")));
     // Kept only when the test fails, for the report: with its model copy it is over
     // 100 MiB, and every run left one behind.

@@ -485,7 +485,15 @@ fn replay_lru_and_belady(trace: &Path, blocks: &[u32], len: u64) -> (u64, u64) {
     writer.into_inner().unwrap();
     let output = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
         .args([
-            "simulate", "--budget", "96M", "--policy", "lru", "--json", "--trace",
+            "simulate",
+            "--budget",
+            "96M",
+            "--policy",
+            "lru",
+            "--prefetch",
+            "none",
+            "--json",
+            "--trace",
         ])
         .arg(trace)
         .output()

@@ -47,9 +47,11 @@ pub struct SimulateArgs {
     /// Resident budget: a size (`128M`) or a share of the model (`50%`).
     #[arg(long)]
     budget: String,
+    /// The policy, by `run`'s names and meanings, or one of the offline floors.
     #[arg(long, value_enum)]
-    policy: SimPolicy,
-    /// Prefetch policy (default: graph for the graph policy, none for the others).
+    policy: SimulatedPolicy,
+    /// Prefetch policy, in place of the one the policy name implies (`--policy lru
+    /// --prefetch none`: LRU eviction alone).
     #[arg(long, value_enum)]
     prefetch: Option<PrefetchKind>,
     /// Block size (synthetic workloads; a trace says its own).
@@ -67,6 +69,46 @@ pub struct SimulateArgs {
     learn_from: Option<PathBuf>,
     #[arg(long)]
     json: bool,
+}
+
+/// What `simulate --policy` names: `run`'s policies, which pair a prefetch policy with
+/// an eviction policy (see `policy_name::POLICY_NAMES`), and the offline floors.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimulatedPolicy {
+    /// As run's: prefetch along the model's predicted order, evict the block used
+    /// furthest ahead.
+    Graph,
+    /// As run's: sequential readahead on faults, FIFO eviction.
+    Readahead,
+    /// As run's: read only what faults, FIFO eviction.
+    Demand,
+    /// As run's: sequential readahead, evict the least recently used block.
+    Lru,
+    /// As run's: sequential readahead, CLOCK eviction.
+    Clock,
+    /// The offline optimum, demand reads only: the floor.
+    Belady,
+    /// Offline: evict the block the whole sequence uses least, demand reads only. The
+    /// floor for a policy that learns how often blocks are used but cannot foresee the
+    /// sequence (exact when accesses are drawn independently, as routed experts nearly
+    /// are).
+    Frequency,
+}
+
+impl SimulatedPolicy {
+    /// The eviction side and the prefetch policy the name implies (`None`: the
+    /// simulator's default for that eviction side).
+    fn parts(self) -> (SimPolicy, Option<PrefetchKind>) {
+        match self {
+            SimulatedPolicy::Graph => (SimPolicy::Graph, None),
+            SimulatedPolicy::Readahead => (SimPolicy::Fifo, Some(PrefetchKind::Readahead)),
+            SimulatedPolicy::Demand => (SimPolicy::Fifo, Some(PrefetchKind::None)),
+            SimulatedPolicy::Lru => (SimPolicy::Lru, Some(PrefetchKind::Readahead)),
+            SimulatedPolicy::Clock => (SimPolicy::Clock, Some(PrefetchKind::Readahead)),
+            SimulatedPolicy::Belady => (SimPolicy::Belady, None),
+            SimulatedPolicy::Frequency => (SimPolicy::Frequency, None),
+        }
+    }
 }
 
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
@@ -119,11 +161,12 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         1
     };
     let workload = workload.repeated(copies);
+    let (policy, implied_prefetch) = args.policy.parts();
     let report = simulate(
         &workload,
         budget,
-        args.policy,
-        args.prefetch,
+        policy,
+        args.prefetch.or(implied_prefetch),
         Some(&graph),
         timing,
     )?;
