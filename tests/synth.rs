@@ -291,3 +291,44 @@ fn fine_grained_experts_are_narrow_and_bad_expert_counts_are_refused() {
         assert!(error.contains("expert"), "{experts}/{used}: {error}");
     }
 }
+
+/// The binary never overwrites a file without `--force`, and never its `--like` input
+/// (whatever the path names it by), `--force` or not.
+#[test]
+fn synth_replaces_a_file_only_with_force_and_never_its_input() {
+    let Some(like) = common::test_model() else {
+        return;
+    };
+    let dir = common::TempDir::new("synth-force");
+    let out = dir.path("big.gguf");
+    std::fs::write(&out, b"someone's file").unwrap();
+    let synth = |extra: &[&str], out: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+            .args(["synth", "--size", "64M", "--like"])
+            .arg(&like)
+            .arg("--out")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = synth(&[], &out);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("give --force"));
+    assert_eq!(std::fs::read(&out).unwrap(), b"someone's file");
+    let forced = synth(&["--force"], &out);
+    assert!(
+        forced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    GgufFile::open(&out).unwrap();
+    // The input by another name (a symlink to it): refused even with --force.
+    let alias = dir.path("alias.gguf");
+    std::os::unix::fs::symlink(&like, &alias).unwrap();
+    let before = std::fs::metadata(&like).unwrap().len();
+    let itself = synth(&["--force"], &alias);
+    assert!(!itself.status.success());
+    assert!(String::from_utf8_lossy(&itself.stderr).contains("the --like model itself"));
+    assert_eq!(std::fs::metadata(&like).unwrap().len(), before);
+}

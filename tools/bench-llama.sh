@@ -20,7 +20,7 @@ model="$models/synth-llama-$size-q8_0.gguf"
 if [ ! -f "$model" ]; then
   mkdir -p "$models"
   target/release/hyperoffload synth --like "$small" --size "$size" --type Q8_0 \
-    --order file --out "$model.tmp"
+    --order file --force --out "$model.tmp"
   mv "$model.tmp" "$model"
 fi
 exec target/release/hyperoffload bench --model "$model" --llama-bin "$bin" \

@@ -24,9 +24,12 @@ pub struct SynthArgs {
     /// Approximate size of the new file (e.g. 3G, 512M).
     #[arg(long, value_parser = parse_size)]
     size: u64,
-    /// Where to write the new model.
+    /// Where to write the new model (a new file, unless --force).
     #[arg(long)]
     out: PathBuf,
+    /// Replace --out if it exists (never the --like model itself).
+    #[arg(long)]
+    force: bool,
     /// The order of the tensors in the file.
     #[arg(long, value_enum, default_value_t = Order::File)]
     order: Order,
@@ -154,16 +157,25 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writing the model over the small one it imitates would destroy the input while it
-/// is being read.
+/// A file at --out is replaced only with --force, and never when it is the small model
+/// being imitated: that would destroy the input while it is being read.
 fn refuse_overwriting_input(args: &SynthArgs) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let (Ok(like), Ok(out)) = (std::fs::metadata(&args.like), std::fs::metadata(&args.out)) else {
+    let Ok(out) = std::fs::symlink_metadata(&args.out) else {
         return Ok(());
     };
-    if like.dev() == out.dev() && like.ino() == out.ino() {
+    if let Ok(like) = std::fs::metadata(&args.like) {
+        let target = std::fs::metadata(&args.out).unwrap_or(out.clone());
+        if like.dev() == target.dev() && like.ino() == target.ino() {
+            anyhow::bail!(
+                "--out {} is the --like model itself; choose another path",
+                args.out.display()
+            );
+        }
+    }
+    if !args.force {
         anyhow::bail!(
-            "--out {} is the --like model itself; choose another path",
+            "--out {} exists; give --force to replace it",
             args.out.display()
         );
     }
