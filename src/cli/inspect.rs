@@ -17,6 +17,7 @@ use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::policy::graph::expert_counts_from_faults;
 use hyperoffload::size::format_size;
+use serde_json::json;
 
 use super::size_arg;
 
@@ -31,8 +32,11 @@ pub struct InspectArgs {
     #[arg(long, default_value_t = 15)]
     top: usize,
     /// Print the model graph in Graphviz dot format instead of the summary.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "json")]
     dot: bool,
+    /// Print the summary as one JSON object, for scripts.
+    #[arg(long)]
+    json: bool,
     /// Also list every tensor.
     #[arg(long)]
     tensors: bool,
@@ -81,6 +85,14 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         .iter()
         .map(|t| t.file_range.end - t.file_range.start)
         .sum();
+    if args.json {
+        let summary = json_summary(&args, &files, &graph, &tensors, weights);
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+        if let Some(out) = &args.heat_map {
+            write_heat_map(&args, &graph, out)?;
+        }
+        return Ok(());
+    }
     let holder = if split {
         format!(
             "a model split in {} files of {} in all",
@@ -117,6 +129,72 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     }
     print_order_and_centrality(&graph, &all_tensors, args.top);
     Ok(())
+}
+
+/// What the text summary shows, as JSON: the files, the graph, bytes per layer and
+/// kind, the experts, the predicted order, and with --tensors every tensor.
+fn json_summary(
+    args: &InspectArgs,
+    files: &[ModelFile],
+    graph: &ModelGraph,
+    tensors: &[(usize, &TensorInfo)],
+    weights: u64,
+) -> serde_json::Value {
+    let all: Vec<TensorInfo> = tensors.iter().map(|(_, t)| (*t).clone()).collect();
+    let layout = graph.geometry();
+    let layers: Vec<serde_json::Value> = bytes_per_layer(&all)
+        .into_iter()
+        .map(|(layer, (bytes, count))| json!({"layer": layer, "tensors": count, "bytes": bytes}))
+        .collect();
+    let kinds: Vec<serde_json::Value> = bytes_per_kind(&all)
+        .into_iter()
+        .map(|(kind, (bytes, count, types))| {
+            json!({"kind": kind, "tensors": count, "bytes": bytes, "types": types})
+        })
+        .collect();
+    let experts = graph.experts();
+    let experts = (!experts.is_empty()).then(|| {
+        let routed: u64 = (experts.groups().iter())
+            .flat_map(|group| group.bytes.iter().map(|range| range.end - range.start))
+            .sum();
+        json!({
+            "per_layer": experts.experts_per_layer(),
+            "used_per_token": experts.used_per_token(),
+            "routed_bytes": routed,
+        })
+    });
+    let mut summary = json!({
+        "model": args.model,
+        "files": files.iter().map(|file| json!({"path": file.path, "size": file.file_len})).collect::<Vec<_>>(),
+        "tensors": all.len(),
+        "weights_bytes": weights,
+        "graph": {
+            "source": graph.source().to_string(),
+            "nodes": graph.graph().node_count(),
+            "block_size": layout.block_size,
+            "lag_guard_bytes": graph.lag_guard() as u64 * layout.block_size,
+        },
+        "layers": layers,
+        "kinds": kinds,
+        "experts": experts,
+        "order": predicted_order(&all),
+    });
+    if args.tensors {
+        summary["tensor_table"] = tensors
+            .iter()
+            .map(|(part, tensor)| {
+                json!({
+                    "name": tensor.name,
+                    "type": tensor.dtype.to_string(),
+                    "shape": tensor.shape,
+                    "offset": tensor.file_range.start,
+                    "bytes": tensor.file_range.end - tensor.file_range.start,
+                    "part": part,
+                })
+            })
+            .collect();
+    }
+    summary
 }
 
 /// Every tensor in file order, with the part holding it for a split model.
