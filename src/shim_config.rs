@@ -244,7 +244,7 @@ impl ShimConfig {
     /// The block size for a pager of `budget` bytes whose model is `file_len` bytes (its
     /// first file, with all its parts for a split GGUF): the one configured, else
     /// huge-page blocks when zero copy is on and the budget holds at least 8 of them
-    /// (zero copy needs whole huge pages; measured in the README), else the pager's
+    /// (zero copy needs whole huge pages; measured in docs/measurements.md), else the pager's
     /// default. Huge-page blocks are 2 MiB, or larger for models of more than
     /// `MAX_MAPPED_BLOCKS` of them: with zero copy each resident
     /// block is a mapping of its own, and a process may have only so many
