@@ -11,6 +11,7 @@
 mod common;
 mod shim_support;
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -21,7 +22,7 @@ use shim_support::llama::llama_and_model;
 use shim_support::server::{free_loopback_addr, Server};
 use shim_support::*;
 
-/// Distinct prompts, one request each, all sent at once.
+/// Distinct prompts, one request each, all sent at once (twice the slots, so some wait).
 const PROMPTS: [&str; 8] = [
     "The capital of France is",
     "Water boils at a temperature of",
@@ -62,11 +63,12 @@ fn server_args(model: &Path, addr: SocketAddr) -> Vec<String> {
     args.iter().map(|arg| arg.to_string()).collect()
 }
 
-/// What one server did: the texts in the order of PROMPTS, the batch's wall time, the
-/// server process's peak RSS (VmHWM) and file-backed RSS just before SIGTERM, how it
-/// ended, its output.
+/// What one server did: the texts in the order of PROMPTS, the slots that generated
+/// them, the batch's wall time, the server process's peak RSS (VmHWM) and file-backed
+/// RSS just before SIGTERM, how it ended, its output.
 struct Batch {
     texts: Vec<String>,
+    slots: BTreeSet<u64>,
     wall: Duration,
     peak_rss_kib: u64,
     file_rss_kib: u64,
@@ -74,8 +76,8 @@ struct Batch {
     output: String,
 }
 
-/// One greedy completion of `prompt`.
-fn complete(addr: SocketAddr, prompt: &str) -> Result<String, String> {
+/// One greedy completion of `prompt`: its text and the slot that generated it.
+fn complete(addr: SocketAddr, prompt: &str) -> Result<(String, u64), String> {
     let body = serde_json::json!({
         "prompt": prompt,
         "n_predict": N_PREDICT,
@@ -89,14 +91,14 @@ fn complete(addr: SocketAddr, prompt: &str) -> Result<String, String> {
         return Err(format!("{prompt:?}: {} {}", response.status, response.body));
     }
     let json = response.json();
-    json["content"]
-        .as_str()
-        .map(str::to_string)
-        .ok_or_else(|| format!("{prompt:?}: no content in {json}"))
+    match (json["content"].as_str(), json["id_slot"].as_u64()) {
+        (Some(text), Some(slot)) => Ok((text.to_string(), slot)),
+        _ => Err(format!("{prompt:?}: no content or id_slot in {json}")),
+    }
 }
 
-/// Every prompt at once, one thread each; the texts in the order of PROMPTS.
-fn complete_all(addr: SocketAddr) -> Vec<Result<String, String>> {
+/// Every prompt at once, one thread each; the results in the order of PROMPTS.
+fn complete_all(addr: SocketAddr) -> Vec<Result<(String, u64), String>> {
     std::thread::scope(|scope| {
         let requests: Vec<_> = PROMPTS
             .iter()
@@ -141,16 +143,25 @@ fn serve_batch(command: Command, addr: SocketAddr, log: PathBuf, under_launcher:
     let started = Instant::now();
     let results = complete_all(addr);
     let wall = started.elapsed();
-    let texts = results
+    let (texts, slots): (Vec<String>, BTreeSet<u64>) = results
         .into_iter()
         .map(|result| result.unwrap_or_else(|error| panic!("{error}\n{}", server.output())))
-        .collect();
+        .unzip();
+    // Eight requests sent at once to four idle slots, each request holding its slot for
+    // many tokens: several slots generate together, batched (what the pager must serve
+    // as the plain server does). All on one slot would mean they were not concurrent.
+    assert!(
+        slots.len() > 1,
+        "every request went to slot {slots:?}\n{}",
+        server.output()
+    );
     server.assert_healthy();
     let pid = server_pid(server.pid(), under_launcher);
     let (peak_rss_kib, file_rss_kib) = (status_kib(pid, "VmHWM"), status_kib(pid, "RssFile"));
     let (status, output) = server.terminate(LIMIT);
     Batch {
         texts,
+        slots,
         wall,
         peak_rss_kib,
         file_rss_kib,
@@ -257,17 +268,20 @@ fn llama_server_answers_the_same_under_the_pager_and_stops_cleanly_on_sigterm() 
     assert!(json.get("ended_by_signal").is_none(), "{json}");
 
     eprintln!(
-        "plain: {} requests in {:.2} s; server peak RSS {} KiB, file-backed RSS {} KiB \
-         (the model through the page cache)",
+        "plain: {} requests on slots {:?} in {:.2} s; server peak RSS {} KiB, file-backed \
+         RSS {} KiB (the model through the page cache)",
         PROMPTS.len(),
+        plain.slots,
         plain.wall.as_secs_f64(),
         plain.peak_rss_kib,
         plain.file_rss_kib
     );
     eprintln!(
-        "pager: {} requests in {:.2} s; server peak RSS {} KiB, file-backed RSS {} KiB; \
-         read {bytes_read} bytes, peak resident {peak} of a {budget} budget ({} faults)",
+        "pager: {} requests on slots {:?} in {:.2} s; server peak RSS {} KiB, file-backed \
+         RSS {} KiB; read {bytes_read} bytes, peak resident {peak} of a {budget} budget \
+         ({} faults)",
         PROMPTS.len(),
+        paged.slots,
         paged.wall.as_secs_f64(),
         paged.peak_rss_kib,
         paged.file_rss_kib,
