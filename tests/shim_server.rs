@@ -185,11 +185,18 @@ fn llama_server_answers_the_same_under_the_pager_and_stops_cleanly_on_sigterm() 
         return;
     };
     let server = bin.join("llama-server");
-    assert!(
-        server.is_file(),
-        "{} is missing: run tools/build-llama.sh (it builds llama-server now)",
-        server.display()
-    );
+    if !server.is_file() {
+        let why = format!(
+            "{} is missing: run tools/build-llama.sh (it builds llama-server now)",
+            server.display()
+        );
+        assert!(
+            skip_allowed(),
+            "{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"
+        );
+        eprintln!("skipped: {why}");
+        return;
+    }
     let model_size = std::fs::metadata(&model).unwrap().len();
     let dir = TempDir::new("shim-server");
 
