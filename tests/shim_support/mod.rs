@@ -2,7 +2,9 @@
 //! building) the shim, compiling victim programs, running them with and without it.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod llama;
+pub mod server;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
