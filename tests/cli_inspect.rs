@@ -34,7 +34,10 @@ fn inspect_prints_the_model_for_people_and_as_json() {
     assert!(json.status.success());
     let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let tensors = json["tensors"].as_u64().unwrap();
-    assert_eq!(json["tensor_table"].as_array().unwrap().len() as u64, tensors);
+    assert_eq!(
+        json["tensor_table"].as_array().unwrap().len() as u64,
+        tensors
+    );
     assert_eq!(json["graph"]["block_size"], 2 << 20);
     assert!(json["graph"]["source"].as_str().unwrap().contains("llama"));
     let layers: u64 = (json["layers"].as_array().unwrap().iter())

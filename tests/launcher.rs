@@ -57,20 +57,9 @@ fn launch_sleeper(temp: &Path) -> (Child, i32) {
     }
 }
 
-/// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
-fn ended(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        // The state follows the command name in parentheses.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
-    }
-}
-
 fn wait_ended(pid: i32, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !ended(pid) {
+    while !common::process_ended(pid) {
         assert!(
             Instant::now() < deadline,
             "{what}: process {pid} still runs"

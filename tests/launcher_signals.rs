@@ -59,16 +59,6 @@ fn program_of(launcher: &Child) -> Option<i32> {
         .ok()
 }
 
-/// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
-fn ended(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
-    }
-}
-
 /// Waits until `launcher`'s shim has served bytes (its snapshot says so) and the
 /// program has printed something (so it is past installing any signal handler of its
 /// own: llama-completion installs its SIGINT handler just before it generates), then
@@ -131,7 +121,7 @@ fn signal_once_served_checking(
     let output = waiter.join().unwrap();
     drain.join().unwrap();
     assert!(
-        ended(program),
+        common::process_ended(program),
         "signal {signal}: the program {program} outlived the launcher"
     );
     (output.status, stderr(&output))

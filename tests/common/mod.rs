@@ -366,3 +366,14 @@ pub fn zero_copy_pager(budget: u64) -> Option<Pager> {
     );
     Some(pager)
 }
+
+/// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
+pub fn process_ended(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
