@@ -277,6 +277,8 @@ fn bad_configuration_leaves_the_program_running_unpaged() {
     }
 }
 
+/// A program the launched process executes in its own pid (a wrapper's exec) keeps the
+/// shim; a child process has it only with `--inherit`.
 #[test]
 fn children_inherit_the_shim_only_when_asked() {
     let setup = setup("shim-inherit");
@@ -284,21 +286,27 @@ fn children_inherit_the_shim_only_when_asked() {
         (None, "child has shim 0"),
         (Some("--inherit"), "child has shim 1"),
     ] {
-        let mut command = launcher();
-        command.args(["-q"]);
-        command.args(flag);
-        let output = command
-            .arg("--")
-            .arg(&setup.victim)
-            .arg("exec-child")
-            .output()
-            .unwrap();
-        assert_success(&output, "exec-child");
-        assert!(
-            stdout(&output).contains(expected),
-            "{flag:?}: {}",
+        let run = |mode: &str| {
+            let mut command = launcher();
+            command.args(["-q"]);
+            command.args(flag);
+            let output = command
+                .arg("--")
+                .arg(&setup.victim)
+                .arg(mode)
+                .output()
+                .unwrap();
+            assert_success(&output, mode);
             stdout(&output)
+        };
+        let exec = run("exec-child");
+        assert!(
+            exec.contains("own LD_PRELOAD has shim 1"),
+            "{flag:?}: {exec}"
         );
+        assert!(exec.contains("child has shim 1"), "{flag:?}: {exec}");
+        let spawned = run("spawn-child");
+        assert!(spawned.contains(expected), "{flag:?}: {spawned}");
     }
 }
 

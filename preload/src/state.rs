@@ -40,6 +40,7 @@ use libc::{c_char, c_int};
 
 use hyperoffload::sys::getpid;
 
+use crate::env_scrub;
 use crate::exit_report;
 use crate::heap;
 use crate::managed::Shim;
@@ -100,7 +101,9 @@ pub fn ready() -> Option<&'static Shim> {
 /// The shim, initialising it first if this is the first candidate mapping. A child never
 /// initialises it: it would write the state a vfork-like child shares with its parent.
 pub fn ready_or_init() -> Option<&'static Shim> {
-    if !in_owner() {
+    // A child (another pid than the launched process's, see `process_claim`) stays
+    // inert for good, without reading the configuration.
+    if !in_owner() || !env_scrub::serves_this_process() {
         return None;
     }
     match STATE.compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire) {

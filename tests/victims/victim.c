@@ -371,5 +371,11 @@ int main(int argc, char **argv) {
     execlp("sh", "sh", "-c", "case \"$LD_PRELOAD\" in *hyperoffload*) echo child has shim 1;; *) echo child has shim 0;; esac", (char *)NULL);
     return 3;
   }
+  if (!strcmp(mode, "spawn-child")) {
+    /* Does a child process (another pid, through system's posix_spawn) see the shim? */
+    fflush(stdout);
+    int status = system("case \"$LD_PRELOAD\" in *hyperoffload*) echo child has shim 1;; *) echo child has shim 0;; esac");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 4;
+  }
   return 2;
 }
