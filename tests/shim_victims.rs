@@ -194,6 +194,38 @@ fn a_forked_child_reads_the_files_bytes_never_zeros() {
     );
 }
 
+/// A forked child's kernel mappings follow the parent's live ranges: a mapping at a file
+/// offset whose head was unmapped, and a second mapping of the file, both read right.
+#[test]
+fn a_forked_child_sees_every_live_range_at_its_file_offset() {
+    let setup = setup("shim-fork-partial");
+    let model = setup.dir.path("m.gguf");
+    pattern_file(&model, (8 << 20) + 4321);
+    let model = model.to_str().unwrap();
+    let expected = stdout(&plain(&setup.victim, &["fork-partial", model]));
+    let stats = setup.dir.path("stats.json");
+    let output = shimmed(&setup, &stats, &["fork-partial", model]);
+    assert_success(&output, "fork-partial");
+    let seen = stdout(&output);
+    assert_eq!(lines_with(&seen, "kind"), vec!["kind anon"], "{seen}");
+    let sums = lines_with(&expected, "parent sums")[0].replace("parent sums ", "");
+    assert_eq!(
+        lines_with(&seen, "child sums"),
+        vec![format!("child sums {sums}")],
+        "{seen}"
+    );
+    assert_eq!(
+        lines_with(&seen, "child exit"),
+        vec!["child exit 0"],
+        "{seen}"
+    );
+    assert_eq!(
+        lines_with(&seen, "parent sums"),
+        lines_with(&expected, "parent sums")
+    );
+    assert!(read_stats(&stats)["bytes_read"].as_u64().unwrap() > 0);
+}
+
 #[test]
 fn mlock_pins_within_the_budget_and_mremap_is_refused() {
     let setup = setup("shim-lock");

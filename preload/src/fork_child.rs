@@ -74,8 +74,8 @@ extern "C" fn prepare() {
     } else {
         format!(
             "hyperoffload: a forked child of pid {} maps its {} model range(s) ({}) from \
-             the kernel's page cache, outside the budget: the pager serves only the \
-             process it started (said for the first child)\n",
+             the kernel's page cache, outside the budget, until it execs: the pager \
+             serves only the process it started (said for the first child)\n",
             getpid(),
             plan.ranges.len(),
             format_size(plan.bytes())
