@@ -15,6 +15,11 @@
 //! other process counts as a forked child, without writing anything (a vfork-like child
 //! shares the parent's memory, and the parent's state must stay as it is).
 //!
+//! An image `env_scrub` decided not to serve (a child of the launched process, see
+//! `process_claim`) never leaves `Uninit`: `ready_or_init` refuses it before reading any
+//! configuration. A child of `fork` first gets kernel mappings of the managed ranges
+//! (`fork_child`).
+//!
 //! Every hook passes straight through unless the state is `Ready`. Configuration is
 //! read on the first mapping that could be managed (not in a constructor: the
 //! environment and allocator are certainly usable by then). A hook re-entered during
