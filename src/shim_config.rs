@@ -16,6 +16,7 @@
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
 //! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
+//! | `HYPEROFFLOAD_PROCESS` | which process the launcher started: the launcher sets it to [`PROCESS_UNCLAIMED`], the first program image that loads the shim overwrites it in place with its own identity, and every later image in that same process (exec through a wrapper) finds its own there and keeps the pager; any other process is a child (see the shim's `process_claim`) | unset: the process that loads the shim is served, its children are not |
 
 use std::path::PathBuf;
 
@@ -37,6 +38,11 @@ pub const ENV_SNAPSHOTS: &str = "HYPEROFFLOAD_SNAPSHOTS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
 pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
+pub const ENV_PROCESS: &str = "HYPEROFFLOAD_PROCESS";
+
+/// `HYPEROFFLOAD_PROCESS` as the launcher sets it: a placeholder as wide as any identity
+/// the shim writes over it (environment strings can be edited in place, never grown).
+pub const PROCESS_UNCLAIMED: &str = "unclaimed-process-id-placeholder";
 
 /// Every variable the shim reads, for launchers that clear them.
 pub const ALL_VARS: &[&str] = &[
@@ -52,6 +58,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_TRACE,
     ENV_VERBOSE,
     ENV_INHERIT,
+    ENV_PROCESS,
 ];
 
 pub const DEFAULT_PATTERNS: &[&str] = &["*.gguf", "*.safetensors"];
@@ -384,6 +391,8 @@ impl ShimConfig {
             (ENV_VERBOSE, u8::from(self.verbose).to_string()),
             (ENV_INHERIT, u8::from(self.inherit).to_string()),
             (ENV_ZERO_COPY, u8::from(self.zero_copy).to_string()),
+            // Not configuration: filled by the process the launcher starts.
+            (ENV_PROCESS, PROCESS_UNCLAIMED.to_string()),
         ];
         if let Some(block) = self.block_size {
             env.push((ENV_BLOCK, block.to_string()));

@@ -271,6 +271,16 @@ pub fn eventfd() -> io::Result<OwnedFd> {
     )?)
 }
 
+/// open(2) of `path` for reading, close-on-exec (no allocation: usable in a
+/// constructor and in a child after fork).
+pub fn open_read(path: &CStr) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
 /// read(2).
 pub fn read(fd: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::io::read(fd, buffer)?)

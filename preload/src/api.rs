@@ -8,6 +8,7 @@ use libc::{c_int, c_uint, c_void, off_t, pid_t, size_t};
 
 use hyperoffload::map_candidate::{screen_request, MapRequest};
 
+use crate::fork_child;
 use crate::managed::{page, Errno, Shim};
 use crate::raw;
 use crate::state::{self, Reentry};
@@ -56,6 +57,7 @@ pub unsafe extern "C" fn mmap(
     if screen_request(&request, page() as u64).is_ok() {
         if let Some(_reentry) = Reentry::enter() {
             if let Some(base) = state::ready_or_init().and_then(|shim| shim.map(&request)) {
+                fork_child::register_once();
                 return base as *mut c_void;
             }
         }
@@ -197,9 +199,10 @@ pub unsafe extern "C" fn munlock(addr: *const c_void, len: size_t) -> c_int {
     unsafe { raw::munlock(addr, len) }
 }
 
-/// fork through libc's own (it runs the atfork handlers); the child runs unpaged. Only
-/// calls through this symbol get here; `state` recognises children made any other way
-/// by their pid and treats them the same.
+/// fork through libc's own (it runs the atfork handlers, among them `fork_child`'s,
+/// which give the child kernel mappings of the model files); the child runs unpaged.
+/// Only calls through this symbol get here; `state` recognises children made any other
+/// way by their pid and treats them the same.
 #[cfg_attr(not(test), no_mangle)]
 pub extern "C" fn fork() -> pid_t {
     let Some(real_fork) = real_fork() else {

@@ -1,49 +1,173 @@
-//! Child processes do not inherit the shim unless `HYPEROFFLOAD_INHERIT=1`: each process
-//! under the shim gets its own pager and budget, so a program that starts others would
-//! otherwise multiply the memory the budget is meant to bound.
+//! `LD_PRELOAD` for what a process executes, and whether this image is served: the
+//! constructor that carries out `process_claim`'s decision before `main`.
 //!
-//! A constructor removes this library from `LD_PRELOAD` in the process's own
-//! environment before `main` runs, so that whatever the program executes starts without
-//! it. It edits the string in place (it only gets shorter): no allocation, no libc
-//! environment functions, nothing that could run before libc is ready.
+//! Each process under the shim gets its own pager and budget, so children (other pids)
+//! do not use it unless `HYPEROFFLOAD_INHERIT=1`: the budget is meant to bound one
+//! process's memory, not to be multiplied by every program it starts. The process the
+//! launcher started keeps it through every `exec` (same pid): a wrapper script that
+//! execs the real program is the same process, and the real program is the one to serve.
+//!
+//! The constructor edits the environment strings in place: it claims the placeholder
+//! (an identity is never longer than it), and takes the shim out of `LD_PRELOAD` where
+//! the decision says so (the list only gets shorter). No allocation, no libc
+//! environment functions, nothing that could run before libc is ready. Whatever exec
+//! path a program takes (execve and its libc variants, fexecve, posix_spawn, vfork,
+//! system, libc's internal calls), the next image decides afresh from what it was given.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use hyperoffload::shim_config::{ENV_PROCESS, PROCESS_UNCLAIMED};
+use hyperoffload::sys;
 use libc::{c_char, c_int};
+
+use crate::process_claim::{self, Decision, IDENTITY_MAX};
 
 /// The shared object's file name, as the launcher puts it in LD_PRELOAD.
 const SHIM_NAME: &[u8] = b"libhyperoffload_preload";
+
+const UNDECIDED: u8 = 0;
+const DECIDING: u8 = 1;
+const SERVE: u8 = 2;
+const INERT: u8 = 3;
+
+// An identity and its terminator fit in the placeholder (see `carry_out`).
+const _: () = assert!(IDENTITY_MAX < PROCESS_UNCLAIMED.len());
+
+/// This image's decision, made once.
+static DECIDED: AtomicU8 = AtomicU8::new(UNDECIDED);
 
 #[used]
 #[link_section = ".init_array"]
 static SCRUB_AT_LOAD: extern "C" fn(c_int, *const *const c_char, *const *mut c_char) = scrub;
 
 extern "C" fn scrub(_argc: c_int, _argv: *const *const c_char, envp: *const *mut c_char) {
-    if envp.is_null() {
+    decide_once(envp);
+}
+
+extern "C" {
+    /// libc's environment: for a hook called before this library's constructor (from an
+    /// earlier library's), when the decision is made from it instead.
+    static environ: *const *mut c_char;
+}
+
+/// Whether the shim serves this image. Made by the constructor; a hook called before it
+/// (another library's constructor mapping a file) makes it from libc's `environ`, which
+/// is the same array. The caller is the shim's owner (not a vfork-like child sharing its
+/// memory): the decision may edit the environment.
+pub fn serves_this_process() -> bool {
+    match DECIDED.load(Ordering::Acquire) {
+        SERVE => true,
+        INERT | DECIDING => false,
+        _ => {
+            // SAFETY: reads libc's `environ` pointer, set before any constructor runs.
+            decide_once(unsafe { environ });
+            DECIDED.load(Ordering::Acquire) == SERVE
+        }
+    }
+}
+
+/// Decides (once, whoever calls first) and carries the decision out on `envp`.
+fn decide_once(envp: *const *mut c_char) {
+    if DECIDED
+        .compare_exchange(UNDECIDED, DECIDING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
         return;
     }
-    let mut preload: Option<*mut c_char> = None;
-    let mut index = 0;
-    loop {
-        // SAFETY: glibc passes the NULL-terminated environment array to constructors;
-        // each entry is a NUL-terminated string in writable memory.
-        let entry = unsafe { *envp.add(index) };
-        if entry.is_null() {
-            break;
+    // SAFETY: `envp` is libc's NULL-terminated environment (or NULL), as above.
+    let serve = unsafe { decide_on(envp) };
+    DECIDED.store(if serve { SERVE } else { INERT }, Ordering::Release);
+}
+
+/// The variables of `envp` the decision reads.
+#[derive(Default)]
+struct Found {
+    preload: Option<*mut c_char>,
+    marker: Option<*mut c_char>,
+    inherit: bool,
+}
+
+/// Walks the environment, decides, and edits it in place as decided; returns whether
+/// the image is served.
+///
+/// # Safety
+/// `envp` must be NULL or a NULL-terminated array of writable NUL-terminated strings.
+unsafe fn decide_on(envp: *const *mut c_char) -> bool {
+    let mut found = Found::default();
+    if !envp.is_null() {
+        let mut index = 0;
+        loop {
+            // SAFETY: the caller guarantees a NULL-terminated array of NUL-terminated
+            // strings.
+            let entry = unsafe { *envp.add(index) };
+            if entry.is_null() {
+                break;
+            }
+            // SAFETY: as above.
+            let bytes = unsafe { std::ffi::CStr::from_ptr(entry) }.to_bytes();
+            if bytes == b"HYPEROFFLOAD_INHERIT=1" {
+                found.inherit = true;
+            } else if bytes.starts_with(b"LD_PRELOAD=") {
+                found.preload = Some(entry);
+            } else if value_of(bytes, ENV_PROCESS.as_bytes()).is_some() {
+                found.marker = Some(entry);
+            }
+            index += 1;
         }
-        // SAFETY: as above.
-        let bytes = unsafe { std::ffi::CStr::from_ptr(entry) }.to_bytes();
-        if bytes == b"HYPEROFFLOAD_INHERIT=1" {
-            return;
-        }
-        if bytes.starts_with(b"LD_PRELOAD=") {
-            preload = Some(entry);
-        }
-        index += 1;
     }
-    if let Some(entry) = preload {
+    let marker_value = found.marker.map(|entry| {
+        // SAFETY: `entry` is one of the environment's NUL-terminated strings (above).
+        let bytes = unsafe { std::ffi::CStr::from_ptr(entry) }.to_bytes();
+        &bytes[ENV_PROCESS.len() + 1..]
+    });
+    let marker = process_claim::marker(marker_value, PROCESS_UNCLAIMED.as_bytes());
+    let mut me = [0u8; IDENTITY_MAX];
+    let me_len = own_identity(&mut me);
+    // SAFETY: getauxval only reads the auxiliary vector.
+    let secure = unsafe { libc::getauxval(libc::AT_SECURE) } != 0;
+    let decision = process_claim::decide(marker, &me[..me_len], found.inherit, secure);
+    carry_out(decision, &found, &me[..me_len]);
+    decision.serve
+}
+
+/// Edits the environment as `decision` says.
+fn carry_out(decision: Decision, found: &Found, me: &[u8]) {
+    if let (true, Some(entry)) = (decision.claim, found.marker) {
+        // SAFETY: the entry is `HYPEROFFLOAD_PROCESS=` and the placeholder, writable;
+        // the identity and its terminator fit in the placeholder's bytes (IDENTITY_MAX
+        // is less than its length), so nothing is written past the string's end.
+        unsafe {
+            let value = entry.add(ENV_PROCESS.len() + 1).cast::<u8>();
+            std::ptr::copy_nonoverlapping(me.as_ptr(), value, me.len());
+            *value.add(me.len()) = 0;
+        }
+    }
+    if let (false, Some(entry)) = (decision.keep_preload, found.preload) {
         // SAFETY: `entry` is a writable NUL-terminated string (above); the value starts
         // after the 11-byte "LD_PRELOAD=" prefix.
         unsafe { remove_shim(entry.add(11)) };
     }
+}
+
+/// `NAME=value`'s value if `entry` is that variable.
+fn value_of<'a>(entry: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    entry
+        .strip_prefix(name)
+        .and_then(|rest| rest.strip_prefix(b"="))
+}
+
+/// This process's identity (see `process_claim`) into `out`; its length.
+fn own_identity(out: &mut [u8; IDENTITY_MAX]) -> usize {
+    let mut stat = [0u8; 1024];
+    let start = sys::open_read(c"/proc/self/stat")
+        .and_then(|file| {
+            use std::os::fd::AsFd;
+            sys::read(file.as_fd(), &mut stat)
+        })
+        .ok()
+        .and_then(|len| process_claim::start_time(&stat[..len]))
+        .unwrap_or(0);
+    process_claim::format_identity(sys::getpid() as u32, start, out)
 }
 
 /// Removes the shim's entries from a `:`/space separated list, in place.

@@ -11,7 +11,8 @@
 //! The JSON holds the pager's `Stats` fields, plus `files` (path, size of every managed
 //! file), `config` (the budget as given and in bytes, policy, patterns, minimum size),
 //! `pager_heap_bytes` and `pager_heap_peak_bytes` (the pager's own heap, see `heap`),
-//! `pid` and `managed_mappings` (still mapped at exit).
+//! `pid`, `program` (the executable it runs, through any wrapper's exec) and
+//! `managed_mappings` (still mapped at exit).
 //!
 //! Files are created with O_EXCL|O_NOFOLLOW, mode 0600: never clobbered, never through a
 //! symlink. With inheritance on, several processes may share one stats path: the first
@@ -101,6 +102,11 @@ fn stats_json(run: &Run<'_>) -> serde_json::Value {
     json["pager_heap_bytes"] = run.heap_bytes.0.into();
     json["pager_heap_peak_bytes"] = run.heap_bytes.1.into();
     json["pid"] = getpid().into();
+    // The program this process runs now: after a wrapper's exec, the real one.
+    json["program"] = std::fs::read_link("/proc/self/exe")
+        .map(|exe| exe.display().to_string())
+        .unwrap_or_default()
+        .into();
     json["managed_mappings"] = run.managed_mappings.into();
     json
 }

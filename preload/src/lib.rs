@@ -4,11 +4,16 @@
 //! everything else to the kernel through the raw system call.
 //!
 //! Behaviour chosen where the kernel's cannot be kept:
-//! - fork: managed regions are MADV_DONTFORK, so a child does not have them (an access
-//!   faults SIGSEGV; it never reads zeros). A forked child runs with the shim in
-//!   pass-through for good: the parent's pager thread does not exist there. Children made
-//!   without our `fork` (daemon, _Fork, raw clone, vfork) are told apart by pid (`state`).
-//! - exec: children do not inherit the shim unless HYPEROFFLOAD_INHERIT=1 (`env_scrub`).
+//! - fork: managed regions are MADV_DONTFORK (the child has no fault service); a child
+//!   made by fork (ours or libc's, which run the atfork handlers) maps the files in
+//!   their place from the kernel's page cache (`fork_child`). A forked child runs with
+//!   the shim in pass-through for good: the parent's pager thread does not exist there.
+//!   Children made without the handlers (_Fork, raw clone, vfork) are told apart by pid
+//!   (`state`); the first two lack the managed ranges (an access faults SIGSEGV, never
+//!   zeros).
+//! - exec: the process the launcher started keeps the shim through every exec (same
+//!   pid: wrappers, `env`); children (other pids) do not, unless HYPEROFFLOAD_INHERIT=1
+//!   (`process_claim`, `env_scrub`).
 //! - mremap of managed memory: refused with EINVAL (and a warning once).
 //! - mlock of managed memory: pins within the budget; beyond it, ENOMEM and a warning.
 //! - MAP_FIXED requests pass through; one over managed memory releases that part first.
@@ -18,15 +23,20 @@
 //! depends on one that depends back on it:
 //! 1. Leaves, using no other module: `raw` (the kernel's own calls), `heap` (the counting
 //!    allocator), `registry` (the managed address ranges), `read_ahead` (how far a hint
-//!    reads), `given_name` (the program's name for a file), `env_scrub` (LD_PRELOAD for
-//!    children), `exit_report` (the files written at exit, and the stats snapshots
+//!    reads), `given_name` (the program's name for a file), `process_claim` (which
+//!    process is served, as pure functions), `fork_plan` (what a forked child maps in
+//!    place of the managed ranges), `exit_report` (the files written at exit, and the stats snapshots
 //!    written while the program runs, from what it is given), `periodic` (a thread of
 //!    the shim's own, calling a function at a period).
-//! 2. `managed` (the shim: what it does to each call it takes over) uses `raw`,
-//!    `registry`, `read_ahead`, `given_name`.
-//! 3. `state` (the life cycle: the init state, the re-entry guard, the exit handler,
-//!    the snapshots) uses `managed`, `exit_report`, `periodic`, `heap`, `raw`.
-//! 4. `api` (every exported C symbol) uses `state`, `managed`, `raw`.
+//! 2. `env_scrub` (the constructor deciding whether this image is served, and
+//!    LD_PRELOAD for what it executes) uses `process_claim`.
+//! 3. `managed` (the shim: what it does to each call it takes over) uses `raw`,
+//!    `registry`, `read_ahead`, `given_name`, `fork_plan`.
+//! 4. `state` (the life cycle: the init state, the re-entry guard, the exit handler,
+//!    the snapshots) uses `managed`, `env_scrub`, `exit_report`, `periodic`, `heap`,
+//!    `raw`.
+//! 5. `fork_child` (the atfork handlers) uses `state`, `fork_plan`, `raw`.
+//! 6. `api` (every exported C symbol) uses `state`, `fork_child`, `managed`, `raw`.
 
 // In unit-test builds the C entry points are not exported, so nothing calls them.
 #![cfg_attr(test, allow(dead_code))]
@@ -34,10 +44,13 @@
 mod api;
 mod env_scrub;
 mod exit_report;
+mod fork_child;
+mod fork_plan;
 mod given_name;
 mod heap;
 mod managed;
 mod periodic;
+mod process_claim;
 mod raw;
 mod read_ahead;
 mod registry;

@@ -100,6 +100,16 @@ impl<T: Clone> Registry<T> {
         pieces
     }
 
+    /// Every live part of every mapping: (the mapping's base, the part, its value).
+    pub fn live_parts(&self) -> impl Iterator<Item = (usize, Range<usize>, &T)> {
+        self.mappings.iter().flat_map(|mapping| {
+            mapping
+                .live
+                .iter()
+                .map(move |part| (mapping.base, part.clone(), &mapping.value))
+        })
+    }
+
     /// Whether any live managed page lies in `range`.
     pub fn overlaps(&self, range: Range<usize>) -> bool {
         self.mappings.iter().any(|mapping| mapping.overlaps(&range))
@@ -146,6 +156,26 @@ mod tests {
 
     fn managed(value: u32, base: usize, range: Range<usize>) -> Piece<u32> {
         Piece::Managed { value, base, range }
+    }
+
+    #[test]
+    fn live_parts_are_what_is_still_mapped() {
+        let mut registry = Registry::default();
+        registry.insert(0x10000, 0x4000, 1);
+        registry.insert(0x20000, 0x2000, 2);
+        assert!(registry.unmapped(0x10000, 0x11000..0x12000).is_none());
+        let parts: Vec<_> = registry
+            .live_parts()
+            .map(|(base, part, value)| (base, part, *value))
+            .collect();
+        assert_eq!(
+            parts,
+            vec![
+                (0x10000, 0x10000..0x11000, 1),
+                (0x10000, 0x12000..0x14000, 1),
+                (0x20000, 0x20000..0x22000, 2),
+            ]
+        );
     }
 
     #[test]

@@ -15,6 +15,11 @@
 //! other process counts as a forked child, without writing anything (a vfork-like child
 //! shares the parent's memory, and the parent's state must stay as it is).
 //!
+//! An image `env_scrub` decided not to serve (a child of the launched process, see
+//! `process_claim`) never leaves `Uninit`: `ready_or_init` refuses it before reading any
+//! configuration. A child of `fork` first gets kernel mappings of the managed ranges
+//! (`fork_child`).
+//!
 //! Every hook passes straight through unless the state is `Ready`. Configuration is
 //! read on the first mapping that could be managed (not in a constructor: the
 //! environment and allocator are certainly usable by then). A hook re-entered during
@@ -40,6 +45,7 @@ use libc::{c_char, c_int};
 
 use hyperoffload::sys::getpid;
 
+use crate::env_scrub;
 use crate::exit_report;
 use crate::heap;
 use crate::managed::Shim;
@@ -100,7 +106,9 @@ pub fn ready() -> Option<&'static Shim> {
 /// The shim, initialising it first if this is the first candidate mapping. A child never
 /// initialises it: it would write the state a vfork-like child shares with its parent.
 pub fn ready_or_init() -> Option<&'static Shim> {
-    if !in_owner() {
+    // A child (another pid than the launched process's, see `process_claim`) stays
+    // inert for good, without reading the configuration.
+    if !in_owner() || !env_scrub::serves_this_process() {
         return None;
     }
     match STATE.compare_exchange(UNINIT, INITIALIZING, Ordering::AcqRel, Ordering::Acquire) {

@@ -122,7 +122,17 @@ pub fn summary(json: &str) -> String {
         format_size(number("pager_heap_peak_bytes") as u64),
         format_size(rate as u64),
         elapsed
-    )
+    ) + &served_process(&stats)
+}
+
+/// Which process the stats are of (`; served pid 4242 (llama-completion)`): through a
+/// wrapper that execs the real program, the real one; empty for stats without it.
+fn served_process(stats: &serde_json::Value) -> String {
+    let (Some(pid), Some(program)) = (stats["pid"].as_u64(), stats["program"].as_str()) else {
+        return String::new();
+    };
+    let name = program.rsplit('/').next().unwrap_or(program);
+    format!("; served pid {pid} ({name})")
 }
 
 #[cfg(test)]
@@ -146,6 +156,17 @@ mod tests {
             patterns,
             min_size: 64 << 20,
         }
+    }
+
+    #[test]
+    fn the_summary_names_the_process_served() {
+        let stats = r#"{"bytes_read": 1, "pid": 4242, "program": "/opt/llama/llama-completion"}"#;
+        assert!(
+            summary(stats).ends_with("; served pid 4242 (llama-completion)"),
+            "{}",
+            summary(stats)
+        );
+        assert!(!summary(STATS).contains("served pid"));
     }
 
     #[test]

@@ -371,5 +371,41 @@ int main(int argc, char **argv) {
     execlp("sh", "sh", "-c", "case \"$LD_PRELOAD\" in *hyperoffload*) echo child has shim 1;; *) echo child has shim 0;; esac", (char *)NULL);
     return 3;
   }
+  if (!strcmp(mode, "fork-partial")) {
+    /* A mapping at a file offset with its head unmapped (as llama.cpp unmaps the GGUF
+     * metadata) and a second mapping of the same file; the parent reads a little, forks;
+     * the child sums what is still mapped of both, the parent the same after it. */
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { perror(path); return 2; }
+    struct stat st;
+    fstat(fd, &st);
+    size_t offset = 1 << 20, head = 64 << 10, first_len = st.st_size - offset;
+    unsigned char *a = mmap(NULL, first_len, PROT_READ, MAP_PRIVATE, fd, offset);
+    unsigned char *b = mmap(NULL, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (a == MAP_FAILED || b == MAP_FAILED) { perror("mmap"); return 2; }
+    close(fd);
+    printf("munmap head %d\n", munmap(a, head));
+    printf("kind %s\n", kind(b));
+    printf("parent first byte %x\n", a[head + 4096]);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+      printf("child sums %llx %llx\n", sum(a + head, first_len - head), sum(b, st.st_size));
+      fflush(stdout);
+      _exit(0);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) printf("child signal %d\n", WTERMSIG(status));
+    else printf("child exit %d\n", WEXITSTATUS(status));
+    printf("parent sums %llx %llx\n", sum(a + head, first_len - head), sum(b, st.st_size));
+    return 0;
+  }
+  if (!strcmp(mode, "spawn-child")) {
+    /* Does a child process (another pid, through system's posix_spawn) see the shim? */
+    fflush(stdout);
+    int status = system("case \"$LD_PRELOAD\" in *hyperoffload*) echo child has shim 1;; *) echo child has shim 0;; esac");
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 4;
+  }
   return 2;
 }

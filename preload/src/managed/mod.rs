@@ -40,6 +40,7 @@ use crate::read_ahead;
 use crate::registry::{Piece, Registry};
 
 mod calls;
+mod fork;
 
 /// The kernel's page size.
 pub fn page() -> usize {
@@ -50,6 +51,10 @@ pub fn page() -> usize {
 pub struct ManagedRegion {
     region: Region,
     file: usize,
+    /// Where the region starts in its file, and the protection the program asked for:
+    /// what a forked child maps in its place (see `fork`).
+    file_offset: u64,
+    prot: c_int,
     /// The loading hints granted this region (see `read_ahead`): how far, and what they
     /// took of the process's allowance, given back when the region goes.
     read_ahead: Mutex<RegionReadAhead>,
@@ -483,6 +488,8 @@ impl Shim {
         let managed = Arc::new(ManagedRegion {
             region,
             file: index,
+            file_offset: offset,
+            prot: request.prot,
             read_ahead: Mutex::default(),
             allowance: Arc::clone(&self.read_ahead),
         });

@@ -1,0 +1,39 @@
+//! The parent's side of a fork: what its child maps in place of the managed mappings it
+//! does not inherit (see `fork_plan`).
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::MutexGuard;
+
+use super::{lock, Shim};
+use crate::fork_plan::{ForkPlan, PlanFile, PlanRange};
+
+impl Shim {
+    /// Just before a fork: holds `layout`, so that no managed mapping is made or removed
+    /// until the guard is dropped (after the fork, in the parent and in the child), and
+    /// writes down every live managed range. Must not be called by a thread holding
+    /// `layout` (one inside the shim).
+    pub fn prepare_fork(&'static self) -> (MutexGuard<'static, ()>, ForkPlan) {
+        let layout = lock(&self.layout);
+        let files = lock(&self.files)
+            .iter()
+            .map(|file| PlanFile {
+                // A path from the kernel (readlink) holds no NUL; one that did would
+                // name no file, and its ranges fail in the child with the rest.
+                path: CString::new(file.path.as_os_str().as_bytes()).unwrap_or_default(),
+                dev: file.dev,
+                ino: file.ino,
+            })
+            .collect();
+        let ranges = lock(&self.registry)
+            .live_parts()
+            .map(|(base, part, managed)| PlanRange {
+                offset: managed.file_offset + (part.start - base) as u64,
+                range: part,
+                prot: managed.prot,
+                file: managed.file,
+            })
+            .collect();
+        (layout, ForkPlan { files, ranges })
+    }
+}

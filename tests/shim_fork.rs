@@ -1,0 +1,211 @@
+//! fork under the pager: a forked child sees the file's bytes at every address of
+//! every served mapping (pages the parent touched and pages it did not), never a crash,
+//! and the parent goes on being served. Python as the client (`os.fork`,
+//! `multiprocessing` with the fork start method, fork then exec), under a budget of a
+//! quarter of a 128 MiB model.
+
+mod common;
+mod shim_support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{pattern_file, TempDir};
+use shim_support::*;
+
+const MODEL_LEN: u64 = (128 << 20) + 4321;
+
+/// `plain FILE`: the SHA-256 of each quarter of the file, read with read(2).
+/// `fork FILE`: maps the file, reads the first quarter, forks; the child hashes every
+/// quarter through the mapping; the parent waits, then hashes them too.
+/// `pool FILE`: maps the file, reads the first quarter, then 3 workers of a
+/// multiprocessing pool (fork start method) hash the quarters through the mapping.
+/// `exec FILE`: maps the file, reads it, forks; the child execs this interpreter in
+/// `plain` mode.
+const SCRIPT: &str = r#"
+import sys, os, mmap, hashlib
+mode, path = sys.argv[1], sys.argv[2]
+
+def quarters(n):
+    q = n // 4
+    return [(i * q, n if i == 3 else (i + 1) * q) for i in range(4)]
+
+def hashes(buf):
+    return " ".join(hashlib.sha256(buf[a:b]).hexdigest()[:16] for a, b in quarters(len(buf)))
+
+if mode == "plain":
+    print("plain", hashes(open(path, "rb").read()), flush=True)
+    sys.exit(0)
+
+f = open(path, "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+a, b = quarters(len(m))[0]
+hashlib.sha256(m[a:b]).digest()  # the parent touches the first quarter only
+
+if mode == "fork":
+    pid = os.fork()
+    if pid == 0:
+        print("child sees", hashes(m), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    print("parent", hashes(m), flush=True)
+elif mode == "pool":
+    import multiprocessing as mp
+    def work(part):
+        a, b = part
+        return hashlib.sha256(m[a:b]).hexdigest()[:16]
+    with mp.get_context("fork").Pool(3) as pool:
+        print("pool", " ".join(pool.map(work, quarters(len(m)))), flush=True)
+    print("parent", hashes(m), flush=True)
+elif mode == "exec":
+    hashes(m)
+    pid = os.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", sys.argv[3], "plain", path])
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    print("parent", hashes(m), flush=True)
+"#;
+
+/// The Python interpreter itself, not a wrapper of it.
+fn python() -> PathBuf {
+    let output = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3");
+    assert_success(&output, "python3");
+    PathBuf::from(stdout(&output).trim())
+}
+
+struct Setup {
+    dir: TempDir,
+    model: PathBuf,
+    python: PathBuf,
+    /// The quarters' hashes as `plain` prints them.
+    expected: String,
+}
+
+fn setup(name: &str) -> Setup {
+    let dir = TempDir::new(name);
+    let model = dir.path("m.gguf");
+    pattern_file(&model, MODEL_LEN);
+    let python = python();
+    let output = Command::new(&python)
+        .args(["-c", SCRIPT, "plain"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&output, "plain read");
+    let expected = stdout(&output)
+        .trim()
+        .strip_prefix("plain ")
+        .unwrap()
+        .to_string();
+    Setup {
+        dir,
+        model,
+        python,
+        expected,
+    }
+}
+
+/// The script in `mode` under `hyperoffload run --budget 32M`, killed after 120 s.
+fn under_pager(setup: &Setup, mode: &str, stats: &Path) -> Output {
+    Command::new("timeout")
+        .arg("120")
+        .arg(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .args(["run", "--budget", "32M", "--min-size", "1M", "--stats"])
+        .arg(stats)
+        .arg("--")
+        .arg(&setup.python)
+        .args(["-c", SCRIPT, mode])
+        .arg(&setup.model)
+        .arg(SCRIPT)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn line<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix(prefix))
+        .collect()
+}
+
+/// The parent read the file's bytes through the pager after the fork.
+fn assert_parent_served(setup: &Setup, output: &Output, stats: &Path) {
+    let seen = stdout(output);
+    assert_eq!(
+        line(&seen, "parent "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    let json = read_stats(stats);
+    assert!(json["bytes_read"].as_u64().unwrap() >= MODEL_LEN, "{json}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= 32 << 20,
+        "{json}"
+    );
+}
+
+#[test]
+fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
+    let setup = setup("fork-os");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "fork", &stats);
+    assert_success(&output, "fork");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "child sees "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_parent_served(&setup, &output, &stats);
+    let messages = stderr(&output);
+    assert_eq!(
+        messages.matches("from the kernel's page cache").count(),
+        1,
+        "{messages}"
+    );
+}
+
+#[test]
+fn multiprocessing_fork_workers_read_chunks_of_the_mapping() {
+    let setup = setup("fork-pool");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "pool", &stats);
+    assert_success(&output, "pool");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "pool "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_parent_served(&setup, &output, &stats);
+    // Three workers, one message.
+    let messages = stderr(&output);
+    assert_eq!(
+        messages.matches("from the kernel's page cache").count(),
+        1,
+        "{messages}"
+    );
+}
+
+#[test]
+fn a_forked_child_that_execs_another_program_runs_it_unchanged() {
+    let setup = setup("fork-exec");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "exec", &stats);
+    assert_success(&output, "exec");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "plain "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_parent_served(&setup, &output, &stats);
+}
