@@ -82,7 +82,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn config(budget: BudgetSpec, block_size: Option<u64>) -> ShimConfig {
-        let mut config = ShimConfig::defaults(16 * GIB);
+        let mut config = ShimConfig::defaults();
         config.budget = budget;
         config.block_size = block_size;
         config
@@ -93,6 +93,7 @@ mod tests {
             total: Some(16 * GIB),
             available: Some(12 * GIB),
             cgroup: None,
+            cgroup_spare: None,
         }
     }
 

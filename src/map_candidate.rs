@@ -167,7 +167,7 @@ mod tests {
     }
 
     fn decide(request: MapRequest, file: FileFacts<'_>) -> Result<(), PassReason> {
-        let config = ShimConfig::defaults(8 << 30);
+        let config = ShimConfig::defaults();
         screen_request(&request, PAGE)?;
         screen_file(&request, &file, &config)
     }

@@ -19,6 +19,9 @@ pub struct MemoryLimits {
     pub available: Option<u64>,
     /// The tightest memory limit of this process's cgroup and its ancestors.
     pub cgroup: Option<u64>,
+    /// The least a cgroup of this process's (it or an ancestor) can still give: its
+    /// limit less what it holds now (v2 `memory.current`, v1 `memory.usage_in_bytes`).
+    pub cgroup_spare: Option<u64>,
 }
 
 /// Which limit a budget is above.
@@ -153,6 +156,42 @@ pub fn tightest_limit(
         .min()
 }
 
+/// The least room left in any of `dirs`: the limit in `limit_file` less the usage in
+/// `usage_file`, for each directory that has a limit and says its usage.
+pub fn least_spare(
+    dirs: &[PathBuf],
+    limit_file: &str,
+    usage_file: &str,
+    read: impl Fn(&Path) -> Option<String>,
+) -> Option<u64> {
+    dirs.iter()
+        .filter_map(|dir| {
+            let limit = parse_limit(&read(&dir.join(limit_file))?)?;
+            let usage: u64 = read(&dir.join(usage_file))?.trim().parse().ok()?;
+            Some(limit.saturating_sub(usage))
+        })
+        .min()
+}
+
+/// Least headroom `auto_budget` leaves beside the budget.
+pub const AUTO_HEADROOM_MIN: u64 = 256 << 20;
+
+/// The budget `--budget auto` starts from: what this process can have now (the memory
+/// available, and what its cgroup can still give) less a headroom for the program's own
+/// memory (a quarter of that, at least `AUTO_HEADROOM_MIN`: llama.cpp allocates its
+/// context after mapping the model), and at most half the machine's RAM (the fixed
+/// default before, which the measurements were made with). `None` when nothing is
+/// known.
+pub fn auto_budget(limits: &MemoryLimits) -> Option<u64> {
+    let spare = [limits.available, limits.cgroup_spare]
+        .into_iter()
+        .flatten()
+        .min()?;
+    let headroom = (spare / 4).max(AUTO_HEADROOM_MIN);
+    let half_ram = limits.total.map_or(u64::MAX, |total| total / 2);
+    Some(spare.saturating_sub(headroom).min(half_ram))
+}
+
 const V2_ROOTS: &[&str] = &["/sys/fs/cgroup", "/sys/fs/cgroup/unified"];
 const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
 
@@ -166,22 +205,41 @@ pub fn read() -> MemoryLimits {
     let place = text(Path::new("/proc/self/cgroup"))
         .map(|cgroup| parse_proc_cgroup(&cgroup))
         .unwrap_or_default();
-    let v2 = place.v2.as_deref().and_then(|path| {
-        V2_ROOTS
-            .iter()
-            .map(|root| cgroup_dirs(Path::new(root), path))
-            .filter_map(|dirs| tightest_limit(&dirs, "memory.max", text))
-            .min()
-    });
-    let v1 = place.v1_memory.as_deref().and_then(|path| {
-        let dirs = cgroup_dirs(Path::new(V1_MEMORY_ROOT), path);
-        tightest_limit(&dirs, "memory.limit_in_bytes", text)
-    });
+    let v2_dirs: Vec<Vec<PathBuf>> = (place.v2.as_deref())
+        .map(|path| {
+            (V2_ROOTS.iter())
+                .map(|root| cgroup_dirs(Path::new(root), path))
+                .collect()
+        })
+        .unwrap_or_default();
+    let v1_dirs = (place.v1_memory.as_deref())
+        .map(|path| cgroup_dirs(Path::new(V1_MEMORY_ROOT), path))
+        .unwrap_or_default();
+    let v2 = (v2_dirs.iter())
+        .filter_map(|dirs| tightest_limit(dirs, "memory.max", text))
+        .min();
+    let v1 = tightest_limit(&v1_dirs, "memory.limit_in_bytes", text);
+    let v2_spare = (v2_dirs.iter())
+        .filter_map(|dirs| least_spare(dirs, "memory.max", "memory.current", text))
+        .min();
+    let v1_spare = least_spare(
+        &v1_dirs,
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        text,
+    );
     MemoryLimits {
         total,
         available,
         cgroup: v2.into_iter().chain(v1).min(),
+        cgroup_spare: v2_spare.into_iter().chain(v1_spare).min(),
     }
+}
+
+/// `--budget auto` for this process now (the thin layer over `auto_budget`): half the
+/// RAM when nothing is known.
+pub fn auto_budget_now() -> u64 {
+    auto_budget(&read()).unwrap_or_else(|| crate::sys::physical_ram() / 2)
 }
 
 #[cfg(test)]
@@ -190,6 +248,50 @@ mod tests {
     use std::collections::HashMap;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn auto_budget_is_what_the_process_can_have_less_a_headroom() {
+        let machine = |available, cgroup_spare| MemoryLimits {
+            total: Some(24 * GIB),
+            available,
+            cgroup: None,
+            cgroup_spare,
+        };
+        // A 2 GiB cgroup holding 100 MiB: three quarters of the 1.9 GiB left.
+        let in_cgroup = auto_budget(&machine(Some(23 * GIB), Some(2 * GIB - (100 << 20))));
+        let spare = 2 * GIB - (100 << 20);
+        assert_eq!(in_cgroup, Some(spare - spare / 4));
+        // No cgroup limit: half the RAM caps what is available.
+        assert_eq!(auto_budget(&machine(Some(23 * GIB), None)), Some(12 * GIB));
+        // Little to spare: the headroom stays at least 256 MiB.
+        assert_eq!(
+            auto_budget(&machine(Some(512 << 20), None)),
+            Some(256 << 20)
+        );
+        assert_eq!(auto_budget(&machine(Some(100 << 20), None)), Some(0));
+        assert_eq!(auto_budget(&machine(None, None)), None);
+    }
+
+    #[test]
+    fn the_least_spare_is_of_the_tightest_cgroup_by_room_left() {
+        let files: HashMap<PathBuf, &str> = [
+            ("/cg/a/b/memory.max", "max"),
+            ("/cg/a/b/memory.current", "100"),
+            ("/cg/a/memory.max", "1000"),
+            ("/cg/a/memory.current", "900"),
+            ("/cg/memory.max", "500"),
+            ("/cg/memory.current", "0"),
+        ]
+        .into_iter()
+        .map(|(path, text)| (PathBuf::from(path), text))
+        .collect();
+        let read = |path: &Path| files.get(path).map(|text| text.to_string());
+        let dirs = cgroup_dirs(Path::new("/cg"), "/a/b");
+        assert_eq!(
+            least_spare(&dirs, "memory.max", "memory.current", read),
+            Some(100)
+        );
+    }
 
     #[test]
     fn meminfo_gives_total_and_available_in_bytes() {
@@ -258,6 +360,7 @@ mod tests {
             total: Some(16 * GIB),
             available: Some(10 * GIB),
             cgroup: Some(4 * GIB),
+            cgroup_spare: None,
         };
         assert_eq!(budget_warning(3 * GIB, &limits), None);
         let warning = budget_warning(5 * GIB, &limits).unwrap();

@@ -4,7 +4,7 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); raised to what the pager needs to make progress (`budget_floor`) | half the physical RAM |
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget_floor`) | `auto`: what the process can have less a headroom, at most half the RAM (`memory_limits::auto_budget`) |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
@@ -153,6 +153,10 @@ pub const MIN_PLAIN_BUDGET: u64 = 1 << 20;
 /// How much RAM the managed mappings may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetSpec {
+    /// What the process can have when the pager starts, less a headroom
+    /// (`memory_limits::auto_budget`): the machine's available memory and its memory
+    /// cgroup's room, at most half the RAM. The default.
+    Auto,
     Bytes(u64),
     /// Percent (1..=100) of the size of the model: the first file the shim manages, with
     /// all its parts when it is part of a split GGUF (`model::split::model_len`). Known
@@ -166,6 +170,9 @@ impl BudgetSpec {
     /// often than not.
     pub fn parse(text: &str) -> Result<Self, BudgetError> {
         let text = text.trim();
+        if text == "auto" {
+            return Ok(BudgetSpec::Auto);
+        }
         if let Some(percent) = text.strip_suffix('%') {
             let value: u32 = percent
                 .trim()
@@ -184,9 +191,12 @@ impl BudgetSpec {
         }
     }
 
-    /// The budget in bytes, given the size of the model (see `ModelPercent`).
-    pub fn resolve(self, model_len: u64) -> u64 {
+    /// The budget in bytes, given the size of the model (see `ModelPercent`) and, for
+    /// `Auto`, what the process can have (`auto`: `memory_limits::auto_budget`, or a
+    /// fallback when nothing is known).
+    pub fn resolve(self, model_len: u64, auto: impl FnOnce() -> u64) -> u64 {
         match self {
+            BudgetSpec::Auto => auto(),
             BudgetSpec::Bytes(bytes) => bytes,
             BudgetSpec::ModelPercent(percent) => (model_len as u128 * percent as u128 / 100) as u64,
         }
@@ -196,6 +206,7 @@ impl BudgetSpec {
     /// would be refused).
     pub fn to_env_value(self) -> String {
         match self {
+            BudgetSpec::Auto => "auto".to_string(),
             BudgetSpec::Bytes(bytes) => format!("{bytes}B"),
             BudgetSpec::ModelPercent(percent) => format!("{percent}%"),
         }
@@ -205,6 +216,7 @@ impl BudgetSpec {
 impl std::fmt::Display for BudgetSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            BudgetSpec::Auto => write!(f, "what this process can spare"),
             BudgetSpec::Bytes(bytes) => write!(f, "{}", format_size(*bytes)),
             BudgetSpec::ModelPercent(percent) => write!(f, "{percent}% of the model"),
         }
@@ -279,10 +291,10 @@ impl ShimConfig {
         }
     }
 
-    /// The configuration with every variable unset, on a machine with `physical_ram` bytes.
-    pub fn defaults(physical_ram: u64) -> Self {
+    /// The configuration with every variable unset.
+    pub fn defaults() -> Self {
         Self {
-            budget: BudgetSpec::Bytes((physical_ram / 2).max(1 << 20)),
+            budget: BudgetSpec::Auto,
             patterns: DEFAULT_PATTERNS.iter().map(|p| p.to_string()).collect(),
             min_size: DEFAULT_MIN_SIZE,
             policy: DEFAULT_POLICY.to_string(),
@@ -299,11 +311,8 @@ impl ShimConfig {
 
     /// Reads the configuration through `lookup` (a variable's value, or `None` when
     /// unset). The first bad value is the error.
-    pub fn from_lookup(
-        lookup: impl Fn(&str) -> Option<String>,
-        physical_ram: u64,
-    ) -> Result<Self, ConfigError> {
-        let mut config = Self::defaults(physical_ram);
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut config = Self::defaults();
         let bad = |var: &'static str, value: &str, reason: String| ConfigError {
             var,
             value: value.to_string(),
@@ -465,14 +474,14 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        ShimConfig::from_lookup(|var| map.get(var).cloned(), 8 << 30)
+        ShimConfig::from_lookup(|var| map.get(var).cloned())
     }
 
     #[test]
     fn defaults_when_nothing_is_set() {
         let config = read(&[]).unwrap();
-        assert_eq!(config, ShimConfig::defaults(8 << 30));
-        assert_eq!(config.budget, BudgetSpec::Bytes(4 << 30));
+        assert_eq!(config, ShimConfig::defaults());
+        assert_eq!(config.budget, BudgetSpec::Auto);
         assert!(config.matches(b"/models/x.gguf"));
         assert!(config.matches(b"model.safetensors"));
         assert!(!config.matches(b"/models/x.bin"));
@@ -483,8 +492,10 @@ mod tests {
     fn budgets_as_sizes_and_percentages() {
         assert_eq!(BudgetSpec::parse("48M"), Ok(BudgetSpec::Bytes(48 << 20)));
         assert_eq!(BudgetSpec::parse("50%"), Ok(BudgetSpec::ModelPercent(50)));
-        assert_eq!(BudgetSpec::ModelPercent(50).resolve(1000), 500);
-        assert_eq!(BudgetSpec::Bytes(7).resolve(1000), 7);
+        assert_eq!(BudgetSpec::ModelPercent(50).resolve(1000, || 1), 500);
+        assert_eq!(BudgetSpec::Bytes(7).resolve(1000, || 1), 7);
+        assert_eq!(BudgetSpec::Auto.resolve(1000, || 3), 3);
+        assert_eq!(BudgetSpec::parse("auto"), Ok(BudgetSpec::Auto));
         assert!(BudgetSpec::parse("0").is_err());
         assert!(BudgetSpec::parse("0%").is_err());
         assert!(BudgetSpec::parse("101%").is_err());
@@ -545,7 +556,7 @@ mod tests {
 
     #[test]
     fn the_sizing_raises_the_budget_to_the_floor_and_prefers_small_blocks_to_a_raise() {
-        let mut config = ShimConfig::defaults(8 << 30);
+        let mut config = ShimConfig::defaults();
         let gib = 1u64 << 30;
         // 4 KiB blocks, two threads: 16 KiB at least.
         let sizing = config.sizing(4096, gib, 2);
@@ -565,7 +576,7 @@ mod tests {
 
     #[test]
     fn huge_blocks_only_with_zero_copy_a_large_enough_budget_and_few_enough_blocks() {
-        let mut config = ShimConfig::defaults(1 << 30);
+        let mut config = ShimConfig::defaults();
         let gib = 1u64 << 30;
         assert_eq!(config.block_size_for(gib, 3 * gib), 2 << 20);
         assert_eq!(config.block_size_for(16 << 20, 3 * gib), 2 << 20);
@@ -582,7 +593,7 @@ mod tests {
 
     #[test]
     fn round_trips_through_the_environment() {
-        let mut config = ShimConfig::defaults(1 << 30);
+        let mut config = ShimConfig::defaults();
         config.budget = BudgetSpec::ModelPercent(25);
         config.patterns = vec!["*.bin".into(), "/data/*.gguf".into()];
         config.min_size = 1 << 20;
@@ -599,7 +610,7 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect();
-        let back = ShimConfig::from_lookup(|var| env.get(var).cloned(), 1 << 30).unwrap();
+        let back = ShimConfig::from_lookup(|var| env.get(var).cloned()).unwrap();
         assert_eq!(back, config);
     }
 

@@ -196,3 +196,86 @@ fn a_budget_above_the_cgroups_limit_is_warned_of() {
     }
     drop(cgroup);
 }
+
+/// Reads a file through one read-only mapping, twice, and prints a checksum.
+const READ_TWICE: &str = r#"
+import sys, mmap, hashlib
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+h = hashlib.sha256()
+for _ in range(2):
+    for at in range(0, len(m), 1 << 20):
+        h.update(m[at:at + (1 << 20)])
+print(h.hexdigest())
+"#;
+
+/// The default budget (`auto`) follows the memory cgroup the program runs in: a 512 MiB
+/// model read through a 384 MiB cgroup. With the old default (half the machine's RAM)
+/// the pager's frames, which the cgroup is charged for and cannot reclaim, outgrew the
+/// limit and the program was OOM-killed; now the budget is what the cgroup can still
+/// give less a quarter, and the program reads the file's bytes to the end.
+#[test]
+fn with_no_budget_the_pager_fits_the_memory_cgroup_it_runs_in() {
+    let limit: u64 = 384 << 20;
+    let name = format!("hyperoffload-test-auto-{}", std::process::id());
+    let cgroup = match cgroup::MemoryCgroup::create(&name, Some(limit)) {
+        Ok(cgroup) => cgroup,
+        Err(error) if skip_allowed() => {
+            eprintln!("skipped: {error}");
+            return;
+        }
+        Err(error) => panic!("{error} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"),
+    };
+    let dir = TempDir::new("launcher-auto-budget");
+    let model = dir.path("big.gguf");
+    common::pattern_file(&model, 512 << 20);
+    // The interpreter itself, not a wrapper script (pyenv's) in front of it.
+    let found = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3");
+    let python = stdout(&found).trim().to_string();
+    let plain = Command::new(&python)
+        .args(["-c", READ_TWICE])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&plain, "python");
+    let stats = dir.path("stats.json");
+    let mut procs = cgroup.procs_file().unwrap();
+    let mut command = launcher();
+    command
+        .arg("--stats")
+        .arg(&stats)
+        .args(["--", &python, "-c", READ_TWICE])
+        .arg(&model);
+    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
+    unsafe {
+        command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
+    }
+    let output = output_within(&mut command, Duration::from_secs(300));
+    let events = std::fs::read_to_string(cgroup.dir().join("memory.events")).unwrap_or_default();
+    assert_success(&output, "python under the pager with no --budget");
+    assert_eq!(
+        stdout(&output),
+        stdout(&plain),
+        "different bytes under the pager"
+    );
+    let json = read_stats(&stats);
+    let budget = json["budget_bytes"].as_u64().unwrap();
+    assert!(
+        budget <= limit / 4 * 3,
+        "budget {budget} in a cgroup of {limit}"
+    );
+    assert!(budget >= 64 << 20, "budget {budget}: too little of {limit}");
+    assert_eq!(json["config"]["budget"], "auto");
+    assert!(json["bytes_read"].as_u64().unwrap() >= 2 * (512 << 20) - budget);
+    assert!(
+        !events
+            .lines()
+            .any(|line| line.starts_with("oom_kill ") && line != "oom_kill 0"),
+        "{events}"
+    );
+    assert!(cgroup.peak_bytes().unwrap() <= limit);
+    drop(cgroup);
+}

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use hyperoffload::shim_config::{physical_ram, ShimConfig};
+use hyperoffload::shim_config::ShimConfig;
 use libc::{c_char, c_int};
 
 use hyperoffload::sys::getpid;
@@ -147,7 +147,7 @@ fn read_config() -> Option<ShimConfig> {
         // A setuid/setgid program: its environment is the caller's, not to be trusted.
         return None;
     }
-    match ShimConfig::from_lookup(getenv, physical_ram()) {
+    match ShimConfig::from_lookup(getenv) {
         Ok(config) => Some(config),
         Err(error) => {
             raw::write_stderr(

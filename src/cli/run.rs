@@ -23,7 +23,7 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{bail, Context};
 use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
-use hyperoffload::shim_config::{parse_block_size, physical_ram, BudgetSpec, ShimConfig, ALL_VARS};
+use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VARS};
 use hyperoffload::{budget_floor, memory_limits};
 
 use super::child::end_with_this_process;
@@ -42,7 +42,9 @@ pub struct RunArgs {
     /// from 1M) or a percentage of the size of the model of the first file the program
     /// maps (50%): that file, or every part of the split GGUF it belongs to. Raised to
     /// two blocks for each CPU, below which the program could not make progress.
-    /// Default: half the physical RAM.
+    /// `auto` (the default): what the process can have when the pager starts (the
+    /// memory available, and what its memory cgroup can still give) less a quarter of
+    /// that (at least 256M) for the program's own memory, at most half the RAM.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
@@ -187,7 +189,7 @@ fn refuse_existing_outputs(args: &RunArgs) -> anyhow::Result<()> {
 
 /// The shim's configuration for this run, checked as the shim will read it.
 fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> {
-    let mut config = ShimConfig::defaults(physical_ram());
+    let mut config = ShimConfig::defaults();
     if let Some(budget) = args.budget {
         config.budget = budget;
     }
@@ -404,7 +406,7 @@ fn check_as_the_shim_reads_it(config: &ShimConfig) -> anyhow::Result<()> {
             .find(|(name, _)| *name == var)
             .map(|(_, value)| value.clone())
     };
-    ShimConfig::from_lookup(lookup, physical_ram())
+    ShimConfig::from_lookup(lookup)
         .map(|_| ())
         .map_err(|error| anyhow::anyhow!("the shim would refuse this configuration: {error}"))
 }
@@ -457,7 +459,7 @@ mod tests {
 
     #[test]
     fn the_shims_refusals_are_the_launchers() {
-        let mut config = ShimConfig::defaults(8 << 30);
+        let mut config = ShimConfig::defaults();
         assert!(check_as_the_shim_reads_it(&config).is_ok());
         config.block_size = Some(3000);
         let error = check_as_the_shim_reads_it(&config).unwrap_err().to_string();

@@ -450,7 +450,9 @@ impl Shim {
         }
         // Another thread may start it meanwhile: `pager` then returns that one.
         let sizing = self.config.sizing(
-            self.config.budget.resolve(file.model_len),
+            self.config
+                .budget
+                .resolve(file.model_len, hyperoffload::memory_limits::auto_budget_now),
             file.model_len,
             budget_floor::threads(),
         );
