@@ -229,12 +229,7 @@ fn with_no_budget_the_pager_fits_the_memory_cgroup_it_runs_in() {
     let dir = TempDir::new("launcher-auto-budget");
     let model = dir.path("big.gguf");
     common::pattern_file(&model, 512 << 20);
-    // The interpreter itself, not a wrapper script (pyenv's) in front of it.
-    let found = Command::new("python3")
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()
-        .expect("python3");
-    let python = stdout(&found).trim().to_string();
+    let python = python();
     let plain = Command::new(&python)
         .args(["-c", READ_TWICE])
         .arg(&model)
@@ -247,7 +242,9 @@ fn with_no_budget_the_pager_fits_the_memory_cgroup_it_runs_in() {
     command
         .arg("--stats")
         .arg(&stats)
-        .args(["--", &python, "-c", READ_TWICE])
+        .arg("--")
+        .arg(&python)
+        .args(["-c", READ_TWICE])
         .arg(&model);
     // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
     unsafe {

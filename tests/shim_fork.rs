@@ -68,16 +68,6 @@ elif mode == "exec":
     print("parent", hashes(m), flush=True)
 "#;
 
-/// The Python interpreter itself, not a wrapper of it.
-fn python() -> PathBuf {
-    let output = Command::new("python3")
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()
-        .expect("python3");
-    assert_success(&output, "python3");
-    PathBuf::from(stdout(&output).trim())
-}
-
 struct Setup {
     dir: TempDir,
     model: PathBuf,

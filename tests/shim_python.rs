@@ -56,27 +56,6 @@ print("safetensors", h.hexdigest())
 
 /// The python3 with the clients: the virtual environment tools/setup.sh makes when
 /// the system's Python refuses pip installs (PEP 668), else the one on PATH.
-fn python3() -> Command {
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")));
-    let venv = cache.map(|cache| cache.join("hyperoffload/python/bin/python3"));
-    match venv.filter(|venv| venv.is_file()) {
-        Some(venv) => Command::new(venv),
-        None => Command::new("python3"),
-    }
-}
-
-/// The Python interpreter itself (not a wrapper script such as pyenv's, which would
-/// exec it without the shim).
-fn python() -> PathBuf {
-    let output = python3()
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()
-        .expect("python3");
-    PathBuf::from(stdout(&output).trim())
-}
-
 /// Whether python3 has numpy and safetensors; without them the test fails saying how
 /// to get them, unless HYPEROFFLOAD_ALLOW_SKIP=1 (then false, after saying why).
 fn python_clients_or_skip() -> bool {

@@ -24,16 +24,6 @@ print("sha256", hashlib.sha256(m).hexdigest())
 print("preload has shim", int("hyperoffload" in os.environ.get("LD_PRELOAD", "")))
 "#;
 
-/// The Python interpreter itself, not a wrapper of it.
-fn python() -> PathBuf {
-    let output = Command::new("python3")
-        .args(["-c", "import sys; print(sys.executable)"])
-        .output()
-        .expect("python3");
-    assert_success(&output, "python3");
-    PathBuf::from(stdout(&output).trim())
-}
-
 fn sha256(path: &Path) -> String {
     let output = Command::new("sha256sum").arg(path).output().unwrap();
     assert_success(&output, "sha256sum");

@@ -95,3 +95,27 @@ pub fn read_stats(path: &Path) -> serde_json::Value {
 pub fn skip_allowed() -> bool {
     std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1")
 }
+
+/// `python3`: the virtual environment under the cache, where tools/setup.sh puts numpy
+/// and safetensors when the system's Python refuses pip installs, else the one on the
+/// PATH.
+pub fn python3() -> Command {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")));
+    let venv = cache.map(|cache| cache.join("hyperoffload/python/bin/python3"));
+    match venv.filter(|venv| venv.is_file()) {
+        Some(venv) => Command::new(venv),
+        None => Command::new("python3"),
+    }
+}
+
+/// The Python interpreter itself (not a wrapper script such as pyenv's, which would
+/// exec it without the shim).
+pub fn python() -> PathBuf {
+    let output = python3()
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .expect("python3");
+    PathBuf::from(stdout(&output).trim())
+}
