@@ -37,6 +37,9 @@ pub struct FileFacts<'a> {
     /// that does not match the patterns and an argument of the program's leads to it
     /// through symlinks.
     pub path: &'a [u8],
+    /// Whether the file starts as a model does (`model::has_model_header`): served
+    /// whatever its name (Ollama keeps models as blobs named `sha256-<hash>`).
+    pub model_header: bool,
 }
 
 /// Why a request is left to the kernel.
@@ -128,7 +131,7 @@ pub fn screen_file(
     if !file.is_regular {
         return Err(PassReason::NotRegularFile);
     }
-    if !config.matches(file.path) {
+    if !config.matches(file.path) && !file.model_header {
         return Err(PassReason::NameNotMatched);
     }
     if file.model_len < config.min_size {
@@ -163,6 +166,7 @@ mod tests {
             size: 100 << 20,
             model_len: 100 << 20,
             path: b"/models/m.gguf",
+            model_header: false,
         }
     }
 
@@ -270,6 +274,13 @@ mod tests {
             decide(model_request(), other_name),
             Err(PassReason::NameNotMatched)
         );
+        // A blob that starts as a model does is one, whatever its name.
+        let blob = FileFacts {
+            path: b"/ollama/blobs/sha256-3f2a",
+            model_header: true,
+            ..model_file()
+        };
+        assert_eq!(decide(model_request(), blob), Ok(()));
         let small = FileFacts {
             size: 1 << 20,
             model_len: 1 << 20,

@@ -286,6 +286,11 @@ pub fn read(fd: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::io::read(fd, buffer)?)
 }
 
+/// pread(2).
+pub fn pread(fd: BorrowedFd<'_>, buffer: &mut [u8], offset: u64) -> io::Result<usize> {
+    Ok(rustix::io::pread(fd, buffer, offset)?)
+}
+
 /// write(2).
 pub fn write(fd: BorrowedFd<'_>, buffer: &[u8]) -> io::Result<usize> {
     Ok(rustix::io::write(fd, buffer)?)

@@ -612,3 +612,48 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         stderr(&wrong)
     );
 }
+
+/// A model file named as Ollama names its blobs (`blobs/sha256-<hash>`, no extension) is
+/// served because it starts as a GGUF does: the same text, bytes read through the
+/// pager, no `--match` needed. A large file of another kind under such a name is not.
+#[test]
+fn a_model_named_without_an_extension_is_served_by_its_content() {
+    let Some((bin, model)) = llama_and_model() else {
+        return;
+    };
+    let dir = TempDir::new("shim-llama-blob");
+    std::fs::create_dir_all(dir.path("blobs")).unwrap();
+    let blob = dir.path("blobs/sha256-6a1f0c2d9e3b");
+    std::fs::copy(&model, &blob).unwrap();
+    let completion = bin.join("llama-completion");
+    let args = completion_args(&blob);
+    let plain = Command::new(&completion)
+        .args(&args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&plain, "plain llama-completion on the blob");
+    let stats = dir.path("stats.json");
+    let output = under_pager(&[], "50%", &stats, &completion, &args);
+    assert_success(&output, "llama-completion on the blob under the pager");
+    assert_eq!(stdout(&output), stdout(&plain), "different text");
+    let json = read_stats(&stats);
+    assert!(json["bytes_read"].as_u64().unwrap() > 0, "{json}");
+    let size = std::fs::metadata(&blob).unwrap().len();
+    assert_eq!(json["budget_bytes"].as_u64().unwrap(), size / 2);
+    // Not a model: a 96 MiB file of other bytes under such a name, mapped by Python.
+    let other = dir.path("blobs/sha256-0b7e");
+    common::pattern_file(&other, 96 << 20);
+    let script = "import mmap, sys\nf = open(sys.argv[1], 'rb')\nm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\nprint(sum(m[::4096]))";
+    let output = launcher()
+        .args(["--stats"])
+        .arg(dir.path("other.json"))
+        .arg("--")
+        .arg(python())
+        .args(["-c", script])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert_success(&output, "python on a blob that is no model");
+    assert!(!dir.path("other.json").exists(), "{}", stderr(&output));
+}

@@ -48,7 +48,8 @@ pub struct RunArgs {
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
-    /// for several. Default: *.gguf and *.safetensors.
+    /// for several. Default: *.gguf and *.safetensors. A file of any name that starts
+    /// as a GGUF or safetensors file does is served too.
     #[arg(long = "match", value_name = "GLOB")]
     patterns: Vec<String>,
     /// Smaller files are left to the kernel (a part of a split GGUF counts the whole

@@ -77,6 +77,25 @@ pub enum ModelErrorKind {
     Safetensors(#[from] SafetensorsError),
 }
 
+/// Bytes `has_model_header` looks at.
+pub const MODEL_HEADER_LEN: usize = 9;
+
+/// Whether a file starting with `start` (its first `MODEL_HEADER_LEN` bytes) is a model
+/// this crate reads: GGUF's magic, or a safetensors header (a little-endian length of
+/// at most 100 MiB, then the JSON's `{`), as `ModelFile::open` tells them apart.
+pub fn has_model_header(start: &[u8]) -> bool {
+    if start.starts_with(gguf::MAGIC) {
+        return true;
+    }
+    match (start.get(..8), start.get(8)) {
+        (Some(length), Some(b'{')) => {
+            let length = u64::from_le_bytes(length.try_into().expect("8 bytes"));
+            (2..=100 << 20).contains(&length)
+        }
+        _ => false,
+    }
+}
+
 impl ModelFile {
     /// Reads the header of a GGUF or safetensors file (told apart by the GGUF magic,
     /// else by the `.safetensors` extension or a header that opens with `{`). Only the
@@ -125,5 +144,27 @@ impl ModelFile {
             tensors,
             format,
         })
+    }
+}
+
+#[cfg(test)]
+mod header_tests {
+    use super::*;
+
+    #[test]
+    fn model_headers_are_told_from_other_files() {
+        assert!(has_model_header(b"GGUF\x03\0\0\0\0"));
+        let mut safetensors = 1234u64.to_le_bytes().to_vec();
+        safetensors.push(b'{');
+        assert!(has_model_header(&safetensors));
+        // A length too large for a header, a missing brace, an ELF file, too short.
+        let mut huge = (1u64 << 40).to_le_bytes().to_vec();
+        huge.push(b'{');
+        assert!(!has_model_header(&huge));
+        let mut no_brace = 1234u64.to_le_bytes().to_vec();
+        no_brace.push(b'[');
+        assert!(!has_model_header(&no_brace));
+        assert!(!has_model_header(b"\x7fELF\x02\x01\x01\0\0"));
+        assert!(!has_model_header(b"GGU"));
     }
 }

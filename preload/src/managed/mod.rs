@@ -425,7 +425,13 @@ impl Shim {
             let given = name.as_os_str().as_bytes();
             (given, given != path && self.config.matches(given))
         };
-        let model_len = if is_regular && wanted && name_matches {
+        // A file of no model name is looked at (its first bytes) only if it is large
+        // enough to be served: few mappings are.
+        let model_header = !name_matches
+            && is_regular
+            && size >= self.config.min_size
+            && starts_as_a_model(request.fd);
+        let model_len = if is_regular && wanted && (name_matches || model_header) {
             self.model_len(&name, size)
         } else {
             size
@@ -435,6 +441,7 @@ impl Shim {
             size,
             model_len,
             path: matched,
+            model_header,
         };
         screen_file(request, &facts, &self.config)?;
         Ok((name, model_len))
@@ -687,4 +694,14 @@ impl Shim {
 /// Whether `path` leads to the file `stat` describes (the same device and inode).
 fn names_file(path: &Path, stat: &sys::Stat) -> bool {
     std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
+}
+
+/// Whether the file open at `fd` starts as a model does (`model::has_model_header`).
+fn starts_as_a_model(fd: i32) -> bool {
+    let mut start = [0u8; hyperoffload::model::MODEL_HEADER_LEN];
+    // SAFETY: `fd` is the descriptor the program passed to mmap, open for the duration
+    // of this call; it is only read from, at an explicit offset (its position is kept).
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    matches!(sys::pread(fd, &mut start, 0), Ok(n) if n == start.len())
+        && hyperoffload::model::has_model_header(&start)
 }
