@@ -32,17 +32,36 @@ fn every_fault_is_traced_in_order_and_round_trips_through_csv() {
     let (trace, untraced) = pager.take_trace();
     assert_eq!(untraced, 0);
     assert_eq!(trace.len() as u64, stats.faults, "one record per fault");
-    // One thread scanning with no prefetch under a small budget: every block faults
-    // once per pass, in file order.
-    assert_eq!(trace.len(), 2 * 128);
+    // One thread scanning with no prefetch under a small budget: every block is read
+    // on demand once per pass, in file order. The kernel may report a fault again when
+    // the faulting thread was interrupted while it waited (it faults anew on the way
+    // back): such a repeat finds its block resident or being read, right after the
+    // fault it repeats.
     let me = nix::unistd::gettid().as_raw() as u32;
-    for (i, record) in trace.iter().enumerate() {
+    let demand: Vec<_> = (trace.iter())
+        .filter(|record| record.outcome == FaultOutcome::Missing)
+        .collect();
+    assert_eq!(demand.len(), 2 * 128);
+    assert_eq!(stats.demand_faults, 2 * 128);
+    for (i, record) in demand.iter().enumerate() {
         assert_eq!(record.block as usize, i % 128);
+    }
+    for (i, record) in trace.iter().enumerate() {
         assert_eq!(record.file_offset, record.block as u64 * (64 << 10));
-        assert_eq!(record.outcome, FaultOutcome::Missing);
         assert_eq!(record.tid, me);
         assert!(record.latency_ns > 0);
+        if record.outcome != FaultOutcome::Missing {
+            assert!(
+                matches!(
+                    record.outcome,
+                    FaultOutcome::Resident | FaultOutcome::InFlight
+                ),
+                "{record:?}"
+            );
+            assert!(i > 0 && trace[i - 1].block == record.block, "{record:?}");
+        }
     }
+    assert!(trace.len() <= 2 * 128 + 4, "{} faults", trace.len());
     assert!(trace.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
     let mut writer = TraceWriter::new(Vec::new(), &[("file", path.display().to_string())]).unwrap();
     for record in &trace {
