@@ -168,7 +168,13 @@ impl Confidence {
 
     /// Whether prefetch should leave the part holding `position` to demand paging.
     pub fn failing(&self, position: u32) -> bool {
-        let part = &self.parts[self.part_of(position)];
+        self.part_failing(self.part_of(position))
+    }
+
+    /// Whether part `index` is left to demand paging: by its own score once judged
+    /// often enough, else by the whole order's.
+    fn part_failing(&self, index: usize) -> bool {
+        let part = &self.parts[index];
         if part.judged >= PART.min_judged {
             part.failing
         } else {
@@ -181,9 +187,7 @@ impl Confidence {
             expected_faults: self.expected,
             surprise_faults: self.surprises,
             failing_parts: (0..self.parts.len())
-                .filter(|&part| {
-                    self.failing((part as u64 * self.len as u64 / self.parts.len() as u64) as u32)
-                })
+                .filter(|&index| self.part_failing(index))
                 .count() as u32,
             parts: self.parts.len() as u32,
         }
@@ -309,6 +313,22 @@ mod tests {
         // 30 positions on, in a step that began 24 positions before: within reach.
         assert!(lands_as_planned(planned, 30, 24, None));
         assert!(!lands_as_planned(planned, 30, 21, None));
+    }
+
+    #[test]
+    fn the_summary_counts_each_failing_part_once() {
+        // 254 positions in 32 parts: parts are not all the same length.
+        let mut confidence = Confidence::new(254, false);
+        for position in 0..254 {
+            confidence.judge(position, true);
+        }
+        // Only the first part (positions 0..8) fails; a part counted by a position of
+        // its neighbour's would count it twice.
+        for _ in 0..6 {
+            confidence.judge(0, false);
+        }
+        assert!(confidence.failing(0));
+        assert_eq!(confidence.summary().failing_parts, 1);
     }
 
     #[test]
