@@ -28,23 +28,12 @@ fn output_within(command: &mut Command, limit: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let pid = child.id() as i32;
-    let (done, finished) = std::sync::mpsc::channel();
-    let waiter = std::thread::spawn(move || {
-        let output = child.wait_with_output().unwrap();
-        let _ = done.send(());
-        output
-    });
-    if finished.recv_timeout(limit).is_err() {
-        // SAFETY: signals our own child, not yet reaped (the waiter has not returned).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        let output = waiter.join().unwrap();
+    wait_within(child, limit).unwrap_or_else(|output| {
         panic!(
             "still running after {limit:?} (a livelock?); stderr:\n{}",
             stderr(&output)
-        );
-    }
-    waiter.join().unwrap()
+        )
+    })
 }
 
 /// `run ARGS -- touch MARKER`: whether the program ran is whether the marker exists.

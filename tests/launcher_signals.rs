@@ -102,23 +102,12 @@ fn signal_once_served_checking(
     check(program);
     // SAFETY: signals our own child process, not yet reaped.
     unsafe { libc::kill(launcher.id() as i32, signal) };
-    let pid = launcher.id() as i32;
-    let (done, finished) = std::sync::mpsc::channel();
-    let waiter = std::thread::spawn(move || {
-        let output = launcher.wait_with_output().unwrap();
-        let _ = done.send(());
-        output
-    });
-    if finished.recv_timeout(LIMIT).is_err() {
-        // SAFETY: signals our own child, not yet reaped (the waiter has not returned).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        let output = waiter.join().unwrap();
+    let output = wait_within(launcher, LIMIT).unwrap_or_else(|output| {
         panic!(
             "the launcher did not end after signal {signal}; stderr:\n{}",
             stderr(&output)
-        );
-    }
-    let output = waiter.join().unwrap();
+        )
+    });
     drain.join().unwrap();
     assert!(
         common::process_ended(program),

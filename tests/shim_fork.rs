@@ -154,12 +154,7 @@ fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
     );
     assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
     assert_parent_served(&setup, &output, &stats);
-    let messages = stderr(&output);
-    assert_eq!(
-        messages.matches("from the kernel's page cache").count(),
-        1,
-        "{messages}"
-    );
+    assert_one_fork_message(&output);
 }
 
 #[test]
@@ -176,12 +171,7 @@ fn multiprocessing_fork_workers_read_chunks_of_the_mapping() {
     );
     assert_parent_served(&setup, &output, &stats);
     // Three workers, one message.
-    let messages = stderr(&output);
-    assert_eq!(
-        messages.matches("from the kernel's page cache").count(),
-        1,
-        "{messages}"
-    );
+    assert_one_fork_message(&output);
 }
 
 #[test]
@@ -198,4 +188,15 @@ fn a_forked_child_that_execs_another_program_runs_it_unchanged() {
     );
     assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
     assert_parent_served(&setup, &output, &stats);
+}
+
+/// The shim said once (for the first child, however many) that forked children read
+/// the model from the kernel's page cache.
+fn assert_one_fork_message(output: &std::process::Output) {
+    let messages = stderr(output);
+    assert_eq!(
+        messages.matches("from the kernel's page cache").count(),
+        1,
+        "{messages}"
+    );
 }

@@ -30,27 +30,9 @@ use common::TempDir;
 use shim_support::llama::*;
 use shim_support::*;
 
+/// The greedy completion these tests compare: 24 tokens.
 fn completion_args(model: &Path) -> Vec<String> {
-    [
-        "-m",
-        model.to_str().unwrap(),
-        "-p",
-        "The capital of France is",
-        "-n",
-        "24",
-        "--temp",
-        "0",
-        "--seed",
-        "1",
-        "-t",
-        "2",
-        "-no-cnv",
-        "--no-display-prompt",
-        "--no-repack",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    greedy_completion_args(model, 24)
 }
 
 /// `completion ARGS` under `hyperoffload run [EXTRA] --budget BUDGET --stats STATS`.

@@ -80,26 +80,7 @@ fn a_sh_wrapper_that_execs_llama_completion_is_served_and_says_the_same() {
         "llama-wrapper",
         &format!("#!/bin/sh\nexec {} \"$@\"\n", completion.display()),
     );
-    let args: Vec<String> = [
-        "-m",
-        model.to_str().unwrap(),
-        "-p",
-        "The capital of France is",
-        "-n",
-        "12",
-        "--temp",
-        "0",
-        "--seed",
-        "1",
-        "-t",
-        "2",
-        "-no-cnv",
-        "--no-display-prompt",
-        "--no-repack",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args = greedy_completion_args(&model, 12);
     let plain = Command::new(&completion)
         .args(&args)
         .stdin(Stdio::null())

@@ -87,3 +87,30 @@ pub fn llama_and_model() -> Option<(PathBuf, PathBuf)> {
     }
     panic!("{why} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)");
 }
+
+/// llama-completion's arguments for a greedy, seeded completion of `tokens` tokens of
+/// "The capital of France is" on `model` (2 threads, no repacking: every token reads the
+/// weights through the mapping), printing only the generated text.
+pub fn greedy_completion_args(model: &Path, tokens: u32) -> Vec<String> {
+    let tokens = tokens.to_string();
+    [
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "The capital of France is",
+        "-n",
+        &tokens,
+        "--temp",
+        "0",
+        "--seed",
+        "1",
+        "-t",
+        "2",
+        "-no-cnv",
+        "--no-display-prompt",
+        "--no-repack",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}

@@ -119,3 +119,25 @@ pub fn python() -> PathBuf {
         .expect("python3");
     PathBuf::from(stdout(&output).trim())
 }
+
+/// Waits for `child` to end and collects its output, for at most `limit`: past it the
+/// child is killed (SIGKILL) and what it wrote is the error, so a hung program fails
+/// its test rather than hanging it.
+pub fn wait_within(
+    child: std::process::Child,
+    limit: std::time::Duration,
+) -> Result<Output, Output> {
+    let pid = child.id() as i32;
+    let (done, finished) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let output = child.wait_with_output().unwrap();
+        let _ = done.send(());
+        output
+    });
+    if finished.recv_timeout(limit).is_err() {
+        // SAFETY: signals our own child, not yet reaped (the waiter has not returned).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        return Err(waiter.join().unwrap());
+    }
+    Ok(waiter.join().unwrap())
+}
