@@ -66,14 +66,24 @@ pub struct UnknownPolicy {
     pub known: String,
 }
 
-/// The model file a policy is for: the file range the first region presents, and the
-/// pager's block size.
+/// The model file a policy is for: the file range the first region presents, the
+/// pager's block size, and where the region's blocks are cut besides
+/// (`MapOptions::block_cuts`).
 #[derive(Debug, Clone, Copy)]
 pub struct ModelHint<'a> {
     pub path: &'a Path,
     pub file_offset: u64,
     pub data_len: u64,
     pub block_size: u64,
+    pub block_cuts: &'a [u64],
+}
+
+impl ModelHint<'_> {
+    /// The geometry of the region the hint describes.
+    pub fn geometry(&self) -> Result<BlockGeometry, crate::geometry::GeometryError> {
+        BlockGeometry::new(self.file_offset, self.data_len, self.block_size)?
+            .with_file_cuts(self.block_cuts.iter().copied())
+    }
 }
 
 /// Whether `name` names a policy.
@@ -151,9 +161,7 @@ pub fn policies_by_name(
             // block fault (once per pass under a budget smaller than the file), so the
             // trace holds the whole access order to learn from; readahead would hide
             // most of it.
-            let learn = model.and_then(|hint| {
-                BlockGeometry::new(hint.file_offset, hint.data_len, hint.block_size).ok()
-            });
+            let learn = model.and_then(|hint| hint.geometry().ok());
             let (prefetch, eviction, what): (_, Box<dyn EvictionPolicy>, _) = match learn {
                 // Resident blocks are watched (with zero copy), so that every access is
                 // recorded, not only the misses.
@@ -186,8 +194,7 @@ const LEARNED: &str = "learned graph";
 /// GGUF), else from a graph saved beside it by an earlier run. Errors say why neither
 /// was usable.
 fn model_graph(hint: &ModelHint<'_>) -> Result<(ModelGraph, String), String> {
-    let layout = BlockGeometry::new(hint.file_offset, hint.data_len, hint.block_size)
-        .map_err(|error| error.to_string())?;
+    let layout = hint.geometry().map_err(|error| error.to_string())?;
     let table = match ModelFile::open(hint.path) {
         Ok(model) => return Ok(table_graph(&model, layout)),
         Err(error) => error.to_string(),
@@ -213,21 +220,28 @@ fn table_graph(model: &ModelFile, layout: BlockGeometry) -> (ModelGraph, String)
 }
 
 fn table_graph_of_parts(model: &ModelFile, layout: BlockGeometry) -> (ModelGraph, String) {
-    let alone = |why: String| (ModelGraph::from_tensors(&model.tensors, layout), why);
+    let block_size = layout.block_size;
+    let whole_file = layout.file_offset == 0 && layout.data_len == model.file_len;
+    let alone = |why: String| {
+        (
+            ModelGraph::from_tensors(&model.tensors, layout.clone()),
+            why,
+        )
+    };
     let parts = match split_parts(model) {
         Ok(None) => return alone("tensor table".to_string()),
         // The parts' graph binds regions presenting whole files (as llama.cpp maps them).
-        Ok(Some(_)) if layout.file_offset != 0 || layout.data_len != model.file_len => {
+        Ok(Some(_)) if !whole_file => {
+            let (offset, len) = (layout.file_offset, layout.data_len);
             return alone(format!(
-                "tensor table of this split file, mapped in part ({} bytes from offset {})",
-                layout.data_len, layout.file_offset
-            ))
+                "tensor table of this split file, mapped in part ({len} bytes from offset {offset})"
+            ));
         }
         Ok(Some(parts)) => parts,
         Err(error) => return alone(format!("tensor table of this split file: {error}")),
     };
     let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
-    match ModelGraph::from_parts(&tables, layout.block_size) {
+    match ModelGraph::from_parts(&tables, block_size) {
         Ok(graph) => (
             graph,
             format!("tensor tables of {} split files", parts.len()),
@@ -281,6 +295,7 @@ mod tests {
             file_offset: 0,
             data_len: 1 << 20,
             block_size: 4096,
+            block_cuts: &[],
         };
         let pair = policies_by_name("graph", Some(&hint)).unwrap();
         assert_eq!(
@@ -307,6 +322,7 @@ mod tests {
             file_offset: 0,
             data_len: 16 * 4096,
             block_size: 4096,
+            block_cuts: &[],
         };
         let recording = policies_by_name("graph", Some(&hint)).unwrap();
         let layout = recording.learn.expect("no graph yet: a recording run");
@@ -334,6 +350,7 @@ mod tests {
             file_offset,
             data_len,
             block_size: 4096,
+            block_cuts: &[],
         };
         let whole = policies_by_name("graph", Some(&hint(0, len))).unwrap();
         assert!(

@@ -46,16 +46,17 @@ pub struct TakenFrame {
     pub warm: bool,
 }
 
-/// A detached tmpfs mount whose files use 2 MiB pages.
+/// A detached tmpfs mount: with `huge`, its files use 2 MiB pages.
 #[derive(Debug)]
-pub struct HugeTmpfs {
+pub struct Tmpfs {
     mount: OwnedFd,
 }
 
-impl HugeTmpfs {
+impl Tmpfs {
     /// Creates the mount. Fails with EPERM without CAP_SYS_ADMIN, ENOSYS before Linux 5.2.
-    pub fn new() -> io::Result<Self> {
-        let mount = sys::mount_tmpfs(&[(c"huge", c"always"), (c"mode", c"0700")])?;
+    pub fn new(huge: bool) -> io::Result<Self> {
+        let pages = if huge { c"always" } else { c"never" };
+        let mount = sys::mount_tmpfs(&[(c"huge", pages), (c"mode", c"0700")])?;
         Ok(Self { mount })
     }
 
@@ -65,30 +66,17 @@ impl HugeTmpfs {
     }
 }
 
-/// The frames: a file of `count` frames of `frame_len` bytes, the service's read-write view
-/// of it (where reads land), and which frames are free.
+/// One file of frames, each `stride` bytes apart, and the service's read-write view of
+/// it.
 #[derive(Debug)]
-pub struct FrameStore {
+struct FrameFile {
     file: OwnedFd,
     view: usize,
-    frame_len: usize,
-    count: u32,
-    /// Free frames; the last freed is taken first (its pages are the most recently used).
-    free: Vec<u32>,
-    /// Frames never taken yet, from `next_fresh` on.
-    next_fresh: u32,
-    /// Per frame taken so far: whether its pages are in memory (not punched).
-    holds_memory: Vec<bool>,
-    /// Frames holding memory now, and at most so far.
-    memory_frames: u32,
-    peak_memory_frames: u32,
+    len: usize,
 }
 
-impl FrameStore {
-    /// A store of `count` frames of `frame_len` bytes (a multiple of `HUGE_PAGE`) in a file
-    /// of `tmpfs`. Memory is used as frames are first filled.
-    pub fn new(tmpfs: &HugeTmpfs, frame_len: u64, count: u32) -> io::Result<Self> {
-        let len = frame_len * count as u64;
+impl FrameFile {
+    fn new(tmpfs: &Tmpfs, len: u64) -> io::Result<Self> {
         let file = tmpfs.create_file(len)?;
         // SAFETY: a new shared mapping of a file this value owns, at a kernel-chosen
         // address (tmpfs aligns it for huge pages); it replaces nothing.
@@ -102,90 +90,282 @@ impl FrameStore {
                 0,
             )
         }?;
-        let store = Self {
+        let frames = Self {
             file,
             view,
-            frame_len: frame_len as usize,
-            count,
-            free: Vec::new(),
-            next_fresh: 0,
-            holds_memory: Vec::new(),
-            memory_frames: 0,
-            peak_memory_frames: 0,
+            len: len as usize,
         };
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
         unsafe { sys::madvise(view, len as usize, sys::Advice::LinuxDontFork) }?;
-        Ok(store)
+        Ok(frames)
+    }
+}
+
+impl Drop for FrameFile {
+    fn drop(&mut self) {
+        // SAFETY: the view is this value's own mapping; the service drops the store only
+        // after its last read completed.
+        let _ = unsafe { sys::munmap(self.view, self.len) };
+    }
+}
+
+/// Where a frame is: which file, and which of its strides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FrameAt {
+    /// A whole huge page in the huge-page file: for blocks of exactly `frame_len`.
+    Huge(u32),
+    /// A slot in the small-page file: for shorter blocks, which cost only the pages
+    /// they fill (a 688 KiB expert slice in a huge page would hold 2 MiB).
+    Pages(u32),
+}
+
+/// The frames blocks are read into and mapped from. Blocks of `frame_len` bytes (whole
+/// huge pages, at huge-page-aligned places) take frames of the huge-page file; shorter
+/// ones (an expert's slice, a region's short last block) take slots of a file of small
+/// pages, `frame_len` apart so that any slot holds any block, each holding memory only
+/// for the pages its reads filled.
+///
+/// Memory: the frames hold at most `memory_limit` bytes (the budget and a few spare
+/// frames): a read that would need more first frees the memory of frames nobody uses,
+/// slots first. The frames in use hold what the budget counts (a slot reused for a
+/// shorter block gives back the pages past it), so the limit is reached only by free
+/// frames kept warm for the next read.
+#[derive(Debug)]
+pub struct FrameStore {
+    huge: FrameFile,
+    pages: FrameFile,
+    frame_len: usize,
+    huge_count: u32,
+    slot_count: u32,
+    memory_limit: u64,
+    /// Free huge frames; the last freed is taken first (its pages are the most recently
+    /// used).
+    free_huge: Vec<u32>,
+    /// Huge frames never taken yet, from `next_huge` on.
+    next_huge: u32,
+    /// Per huge frame taken so far: whether its page is in memory (not punched).
+    huge_holds_memory: Vec<bool>,
+    /// Free slots, last freed first.
+    free_slots: Vec<u32>,
+    next_slot: u32,
+    /// Per slot taken so far: bytes of memory its pages hold (from its start).
+    slot_bytes: Vec<u64>,
+    memory_bytes: u64,
+    peak_memory_bytes: u64,
+}
+
+/// Frame indices at and above this are slots (`FrameAt::Pages`).
+const SLOT_BASE: u32 = 1 << 31;
+
+/// The small-page file is mapped whole, one `frame_len` per slot: its address space
+/// (not its memory) grows with the slots, so they are capped (32 TiB at 2 MiB frames).
+const MAX_SLOTS: u64 = 1 << 24;
+
+impl FrameStore {
+    /// A store of `count` huge frames of `frame_len` bytes (a multiple of `HUGE_PAGE`)
+    /// in a file of `huge` and slots for shorter blocks in a file of `pages`, holding at
+    /// most `count * frame_len` bytes of memory. Memory is used as frames are first
+    /// filled.
+    pub fn new(huge: &Tmpfs, pages: &Tmpfs, frame_len: u64, count: u32) -> io::Result<Self> {
+        let memory_limit = frame_len * count as u64;
+        // Every slot in use holds at least a page of a block the budget counts.
+        let slot_count = (memory_limit / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
+        Ok(Self {
+            huge: FrameFile::new(huge, memory_limit)?,
+            pages: FrameFile::new(pages, frame_len * slot_count as u64)?,
+            frame_len: frame_len as usize,
+            huge_count: count,
+            slot_count,
+            memory_limit,
+            free_huge: Vec::new(),
+            next_huge: 0,
+            huge_holds_memory: Vec::new(),
+            free_slots: Vec::new(),
+            next_slot: 0,
+            slot_bytes: Vec::new(),
+            memory_bytes: 0,
+            peak_memory_bytes: 0,
+        })
     }
 
-    pub fn fd(&self) -> RawFd {
-        self.file.as_raw_fd()
+    fn at(&self, frame: u32) -> FrameAt {
+        if frame >= SLOT_BASE {
+            FrameAt::Pages(frame - SLOT_BASE)
+        } else {
+            FrameAt::Huge(frame)
+        }
+    }
+
+    fn file_of(&self, frame: u32) -> (&FrameFile, u32) {
+        match self.at(frame) {
+            FrameAt::Huge(index) => (&self.huge, index),
+            FrameAt::Pages(index) => (&self.pages, index),
+        }
+    }
+
+    /// The file `frame` is in, to map it from.
+    pub fn fd(&self, frame: u32) -> RawFd {
+        self.file_of(frame).0.file.as_raw_fd()
     }
 
     pub fn frame_len(&self) -> usize {
         self.frame_len
     }
 
-    /// File offset of `frame`.
+    /// Offset of `frame` in its file (`fd`).
     pub fn offset(&self, frame: u32) -> u64 {
-        frame as u64 * self.frame_len as u64
+        self.file_of(frame).1 as u64 * self.frame_len as u64
     }
 
-    /// Whether `take` would find a frame.
-    pub fn has_free(&self) -> bool {
-        !self.free.is_empty() || self.next_fresh < self.count
+    /// Whether `take` would find a frame for a block of `len` bytes.
+    pub fn has_free(&self, len: u64) -> bool {
+        if self.is_huge(len) {
+            !self.free_huge.is_empty() || self.next_huge < self.huge_count
+        } else {
+            !self.free_slots.is_empty() || self.next_slot < self.slot_count
+        }
     }
 
-    /// A free frame, or None when all are taken.
-    pub fn take(&mut self) -> Option<TakenFrame> {
-        let frame = match self.free.pop() {
+    fn is_huge(&self, len: u64) -> bool {
+        len == self.frame_len as u64
+    }
+
+    /// A free frame for a block of `len` bytes (at most `frame_len`), or None when all
+    /// are taken.
+    pub fn take(&mut self, len: u64) -> Option<TakenFrame> {
+        assert!(len <= self.frame_len as u64, "a block longer than a frame");
+        if self.is_huge(len) {
+            self.take_huge()
+        } else {
+            self.take_slot(len)
+        }
+    }
+
+    fn take_huge(&mut self) -> Option<TakenFrame> {
+        let frame = match self.free_huge.pop() {
             Some(frame) => frame,
-            None if self.next_fresh < self.count => {
-                self.next_fresh += 1;
-                self.holds_memory.push(false);
-                self.next_fresh - 1
+            None if self.next_huge < self.huge_count => {
+                self.next_huge += 1;
+                self.huge_holds_memory.push(false);
+                self.next_huge - 1
             }
             None => return None,
         };
-        // The read about to land in it fills it.
-        let warm = std::mem::replace(&mut self.holds_memory[frame as usize], true);
+        let warm = self.huge_holds_memory[frame as usize];
         if !warm {
-            self.memory_frames += 1;
-            self.peak_memory_frames = self.peak_memory_frames.max(self.memory_frames);
+            self.make_memory(self.frame_len as u64);
+            self.huge_holds_memory[frame as usize] = true;
+            self.add_memory(self.frame_len as u64);
         }
         Some(TakenFrame { index: frame, warm })
+    }
+
+    fn take_slot(&mut self, len: u64) -> Option<TakenFrame> {
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None if self.next_slot < self.slot_count => {
+                self.next_slot += 1;
+                self.slot_bytes.push(0);
+                self.next_slot - 1
+            }
+            None => return None,
+        };
+        let needed = len.next_multiple_of(sys::page_size());
+        let held = self.slot_bytes[slot as usize];
+        if held > needed {
+            // Pages past the block would be memory the budget does not count.
+            self.punch_slot(slot, needed);
+        } else if held < needed {
+            self.make_memory(needed - held);
+            self.slot_bytes[slot as usize] = needed;
+            self.add_memory(needed - held);
+        }
+        Some(TakenFrame {
+            index: SLOT_BASE + slot,
+            warm: held >= needed,
+        })
+    }
+
+    fn add_memory(&mut self, bytes: u64) {
+        self.memory_bytes += bytes;
+        self.peak_memory_bytes = self.peak_memory_bytes.max(self.memory_bytes);
+    }
+
+    /// Frees the memory of free frames, slots first, until `bytes` more fit the limit
+    /// (or no free frame holds any).
+    fn make_memory(&mut self, bytes: u64) {
+        let over = |store: &Self| store.memory_bytes + bytes > store.memory_limit;
+        let mut i = 0;
+        while over(self) && i < self.free_slots.len() {
+            let slot = self.free_slots[i];
+            self.punch_slot(slot, 0);
+            i += 1;
+        }
+        let mut i = 0;
+        while over(self) && i < self.free_huge.len() {
+            let frame = self.free_huge[i];
+            self.punch_huge(frame);
+            i += 1;
+        }
+    }
+
+    /// Frees the memory of `slot`'s pages from `keep` bytes on.
+    fn punch_slot(&mut self, slot: u32, keep: u64) {
+        let held = self.slot_bytes[slot as usize];
+        if held <= keep {
+            return;
+        }
+        let offset = slot as u64 * self.frame_len as u64 + keep;
+        // Best effort: failing only leaves the memory in use until the store goes.
+        let _ = sys::punch_hole(self.pages.file.as_fd(), offset, held - keep);
+        self.slot_bytes[slot as usize] = keep;
+        self.memory_bytes -= held - keep;
+    }
+
+    fn punch_huge(&mut self, frame: u32) {
+        if !std::mem::replace(&mut self.huge_holds_memory[frame as usize], false) {
+            return;
+        }
+        let offset = frame as u64 * self.frame_len as u64;
+        // Best effort, as in `punch_slot`.
+        let _ = sys::punch_hole(self.huge.file.as_fd(), offset, self.frame_len as u64);
+        self.memory_bytes -= self.frame_len as u64;
     }
 
     /// Bytes of memory the frames hold now, and at most so far: frames in use, and
     /// free frames kept warm for the next read.
     pub fn memory_bytes(&self) -> (u64, u64) {
-        let frame = self.frame_len as u64;
-        (
-            self.memory_frames as u64 * frame,
-            self.peak_memory_frames as u64 * frame,
-        )
+        (self.memory_bytes, self.peak_memory_bytes)
     }
 
     /// Gives `frame` back. With `free_memory`, its pages are freed too (a drop hint, a
     /// region gone); otherwise they are kept for the next read, as an eviction does.
     pub fn release(&mut self, frame: u32, free_memory: bool) {
-        debug_assert!(frame < self.next_fresh && !self.free.contains(&frame));
-        if free_memory {
-            // Best effort: failing only leaves the memory in use until the store goes.
-            // The frame is free, so no read lands in it and no region maps it.
-            let _ = sys::punch_hole(self.file.as_fd(), self.offset(frame), self.frame_len as u64);
-            if std::mem::replace(&mut self.holds_memory[frame as usize], false) {
-                self.memory_frames -= 1;
+        match self.at(frame) {
+            FrameAt::Huge(index) => {
+                debug_assert!(index < self.next_huge && !self.free_huge.contains(&index));
+                if free_memory {
+                    self.punch_huge(index);
+                }
+                self.free_huge.push(index);
+            }
+            FrameAt::Pages(slot) => {
+                debug_assert!(slot < self.next_slot && !self.free_slots.contains(&slot));
+                if free_memory {
+                    self.punch_slot(slot, 0);
+                }
+                self.free_slots.push(slot);
             }
         }
-        self.free.push(frame);
     }
 
     /// Where `frame`'s bytes are in the service's view.
     pub fn view(&self, frame: u32) -> *mut u8 {
-        assert!(frame < self.count, "frame past the store");
-        (self.view + frame as usize * self.frame_len) as *mut u8
+        let (file, index) = self.file_of(frame);
+        let offset = index as usize * self.frame_len;
+        assert!(offset < file.len, "frame past the store");
+        (file.view + offset) as *mut u8
     }
 
     /// The first `len` bytes of `frame` in the service's view, to fill or check.
@@ -212,29 +392,86 @@ impl FrameStore {
     }
 }
 
-impl Drop for FrameStore {
-    fn drop(&mut self) {
-        // SAFETY: the view is this value's own mapping; the service drops the store only
-        // after its last read completed.
-        let _ = unsafe { sys::munmap(self.view, self.frame_len * self.count as usize) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::sys::HUGE_PAGE;
 
+    /// A store of `count` huge frames, or None where the process may not mount tmpfs
+    /// (unit tests may run unprivileged; the integration tests require it).
+    fn store(count: u32) -> Option<FrameStore> {
+        let (huge, pages) = (Tmpfs::new(true).ok()?, Tmpfs::new(false).ok()?);
+        Some(FrameStore::new(&huge, &pages, HUGE_PAGE, count).unwrap())
+    }
+
+    #[test]
+    fn shorter_blocks_take_slots_that_hold_only_the_pages_they_fill() {
+        let Some(mut store) = store(2) else {
+            return;
+        };
+        let slice = 688 << 10;
+        let a = store.take(slice).unwrap();
+        assert!(a.index >= SLOT_BASE && !a.warm);
+        assert_eq!(store.memory_bytes().0, slice);
+        // SAFETY: no reads are in flight; the slice is the only user.
+        unsafe { store.bytes_mut(a.index, slice as usize) }.fill(3);
+        store.release(a.index, false);
+        // Reused for a shorter block: the pages past it are given back.
+        let again = store.take(4096).unwrap();
+        assert_eq!(again.index, a.index);
+        assert!(again.warm);
+        assert_eq!(store.memory_bytes().0, 4096);
+        // SAFETY: as above.
+        assert!(unsafe { store.bytes_mut(again.index, 4096) }
+            .iter()
+            .all(|&x| x == 3));
+        store.release(again.index, true);
+        assert_eq!(store.memory_bytes().0, 0);
+    }
+
+    #[test]
+    fn memory_stays_within_the_limit_as_blocks_change_kind() {
+        // Two huge frames' worth of memory: fill both huge frames, free them warm, then
+        // take slots: their memory comes from the free huge frames'.
+        let Some(mut store) = store(2) else {
+            return;
+        };
+        let limit = 2 * HUGE_PAGE;
+        let huge: Vec<u32> = (0..2)
+            .map(|_| store.take(HUGE_PAGE).unwrap().index)
+            .collect();
+        for frame in huge {
+            store.release(frame, false);
+        }
+        assert_eq!(store.memory_bytes().0, limit);
+        let slots: Vec<u32> = (0..3).map(|_| store.take(1 << 20).unwrap().index).collect();
+        assert_eq!(
+            store.memory_bytes().0,
+            3 << 20,
+            "a huge frame's memory freed"
+        );
+        assert!(store.memory_bytes().1 <= limit);
+        for slot in slots {
+            store.release(slot, false);
+        }
+        // And back: a huge frame taken again frees warm slots as needed.
+        let frame = store.take(HUGE_PAGE).unwrap();
+        assert!(store.memory_bytes().0 <= limit);
+        assert!(store.memory_bytes().1 <= limit);
+        store.release(frame.index, true);
+    }
+
     #[test]
     fn frames_keep_their_bytes_until_freed_and_are_reused_last_freed_first() {
-        let Ok(tmpfs) = HugeTmpfs::new() else {
-            // Unit tests may run unprivileged; the integration tests require it.
+        let Some(mut store) = store(2) else {
             return;
         };
         let len = HUGE_PAGE as usize;
-        let mut store = FrameStore::new(&tmpfs, HUGE_PAGE, 2).unwrap();
-        let (a, b) = (store.take().unwrap(), store.take().unwrap());
-        assert_eq!(store.take(), None, "two frames only");
+        let (a, b) = (
+            store.take(HUGE_PAGE).unwrap(),
+            store.take(HUGE_PAGE).unwrap(),
+        );
+        assert_eq!(store.take(HUGE_PAGE), None, "two frames only");
         assert!(!a.warm && !b.warm, "fresh frames hold no memory yet");
         let (a, b) = (a.index, b.index);
         // SAFETY: no reads are in flight; the slices are the only users.
@@ -245,7 +482,10 @@ mod tests {
         store.release(a, false);
         store.release(b, true);
         assert_eq!(store.memory_bytes(), (len as u64, 2 * len as u64));
-        let (again_b, again_a) = (store.take().unwrap(), store.take().unwrap());
+        let (again_b, again_a) = (
+            store.take(HUGE_PAGE).unwrap(),
+            store.take(HUGE_PAGE).unwrap(),
+        );
         assert_eq!(again_b.index, b, "the last freed frame comes first");
         assert_eq!(again_a.index, a);
         assert!(again_a.warm, "kept its pages");

@@ -15,6 +15,10 @@
 //! of the experts sharing a block was in use. Traces from before it was recorded have
 //! the first eight columns only (`HEADER_V1`) and read back without offsets. The reader
 //! streams; a malformed line is an error naming its number.
+//!
+//! `block` numbers blocks in the region's geometry: the block-size grid, cut at the
+//! routed experts' slices where the metadata says `expert_blocks=1` (the shim's
+//! default), so a replay must cut the model's blocks the same way.
 
 use std::io::{BufRead, Write};
 
@@ -24,6 +28,9 @@ use crate::policy::FaultOutcome;
 
 pub const HEADER: &str =
     "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns,offset_in_block";
+/// The metadata key saying the blocks were cut at the experts' slices (`1`).
+pub const EXPERT_BLOCKS_KEY: &str = "expert_blocks";
+
 /// The header of traces written before faults kept their offset in the block.
 pub const HEADER_V1: &str = "t_ns,tid,region,file_offset,block,block_size,outcome,latency_ns";
 

@@ -68,7 +68,7 @@ pub fn write(run: &Run<'_>) {
         (Vec::new(), 0)
     };
     if let Some((model, layout)) = &run.learning {
-        save_graph(run, model, *layout, &records);
+        save_graph(run, model, layout.clone(), &records);
     }
     if let Some((model, prediction)) = &run.experts {
         save_expert_counts(run, model, prediction);
@@ -211,6 +211,10 @@ fn save_expert_counts(run: &Run<'_>, model: &Path, prediction: &GraphPrediction)
 fn write_trace(run: &Run<'_>, path: &Path, records: &[TraceRecord], untraced: u64) {
     let mut metadata: Vec<(&str, String)> = vec![
         ("block_size", run.pager.block_size().to_string()),
+        (
+            hyperoffload::trace::EXPERT_BLOCKS_KEY,
+            u8::from(run.config.expert_blocks).to_string(),
+        ),
         ("untraced", untraced.to_string()),
     ];
     if let Some((file, size)) = run.files.first() {

@@ -68,7 +68,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         )
     };
     let graph = graph.with_experts_used(model.experts_used());
-    let layout = *graph.geometry();
+    let layout = graph.geometry().clone();
     // Each tensor with the part (1-based) holding it.
     let tensors: Vec<(usize, &TensorInfo)> = files
         .iter()
@@ -334,8 +334,12 @@ fn write_heat_map(args: &InspectArgs, graph: &ModelGraph, out: &Path) -> anyhow:
 
 /// Expert use counted from a demand trace recorded on `model`.
 fn expert_counts_of_trace(trace: &Path, model: &Path) -> anyhow::Result<ExpertCounts> {
-    let workload = super::simulate::read_trace(trace, None)?;
-    let graph = Arc::new(super::simulate::trace_model_graph(model, &workload)?);
+    let mut workload = super::simulate::read_trace(trace, None)?;
+    let graph = Arc::new(super::simulate::trace_model_graph(
+        model,
+        trace,
+        &mut workload,
+    )?);
     let faults = workload
         .accesses
         .iter()

@@ -71,6 +71,11 @@ pub struct RunArgs {
     /// blocks of a multiple of 2M and CAP_SYS_ADMIN; without either it copies anyway).
     #[arg(long)]
     no_zero_copy: bool,
+    /// Cut blocks on the block-size grid alone, not also at each routed expert's slice
+    /// of a mixture-of-experts model (where a block would hold several experts, a token
+    /// then reads the neighbours of the experts it runs).
+    #[arg(long)]
+    no_expert_blocks: bool,
     /// Also write the pager's stats (JSON) to this new file.
     #[arg(long)]
     stats: Option<PathBuf>,
@@ -202,6 +207,7 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.block_size = args.block;
     config.install_threads = args.install_threads.map(usize::from);
     config.zero_copy = !args.no_zero_copy;
+    config.expert_blocks = !args.no_expert_blocks;
     config.stats_path = Some(shim_stats.to_path_buf());
     config.snapshot_dir = shim_stats.parent().map(Path::to_path_buf);
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;

@@ -97,6 +97,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
         file_offset: 0,
         data_len: file_len,
         block_size: block,
+        block_cuts: &[],
     };
     let policies = policies_by_name(&args.policy, Some(&hint))?;
     if !args.json {

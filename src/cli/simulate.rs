@@ -8,10 +8,11 @@ use anyhow::{bail, Context};
 
 use super::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::{ModelGraph, PartTensors, Transitions};
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::size::{format_size, parse_size};
-use hyperoffload::trace::TraceReader;
+use hyperoffload::trace::{TraceReader, EXPERT_BLOCKS_KEY};
 
 #[derive(clap::Args)]
 pub struct SimulateArgs {
@@ -138,14 +139,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             }
             let mut transitions = Transitions::new();
             transitions.observe_all(recorded.accesses.iter().copied());
-            let graph = ModelGraph::learned(workload.layout, &transitions);
+            let graph = ModelGraph::learned(workload.layout.clone(), &transitions);
             (workload, graph)
         }
         None => {
             let graph = tensor_graph.unwrap_or_else(|| {
                 let mut transitions = Transitions::new();
                 transitions.observe_all(workload.accesses.iter().copied());
-                ModelGraph::learned(workload.layout, &transitions)
+                ModelGraph::learned(workload.layout.clone(), &transitions)
             });
             (workload, graph)
         }
@@ -190,10 +191,10 @@ fn workload_and_graph(
     let mut model_len = None;
     let (workload, tensor_graph) = match (&args.trace, &args.synthetic_llama) {
         (Some(path), _) => {
-            let workload = read_trace(path, args.tokens)?;
+            let mut workload = read_trace(path, args.tokens)?;
             match &args.model {
                 Some(model_path) => {
-                    let graph = trace_model_graph(model_path, &workload)?;
+                    let graph = trace_model_graph(model_path, path, &mut workload)?;
                     (workload.with_tokens_from_order(graph.order()), Some(graph))
                 }
                 None => (workload, None),
@@ -211,8 +212,11 @@ fn workload_and_graph(
                     let tables: Vec<PartTensors> = parts.iter().map(PartTensors::from).collect();
                     ModelGraph::from_parts(&tables, block)?.into_one_region()
                 }
+                // Cut at the experts' slices, as the pager cuts them.
                 None => {
-                    let layout = BlockGeometry::new(0, model.file_len, block)?;
+                    let cuts = model_block_cuts(&model, hyperoffload::sys::page_size());
+                    let layout =
+                        BlockGeometry::new(0, model.file_len, block)?.with_file_cuts(cuts)?;
                     ModelGraph::from_tensors(&model.tensors, layout)
                 }
             };
@@ -228,7 +232,7 @@ fn workload_and_graph(
                 bail!("--block must be positive");
             }
             let workload = shape.workload(block, args.tokens.unwrap_or(16));
-            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout);
+            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout.clone());
             (workload, Some(graph))
         }
         (None, None) => {
@@ -238,23 +242,43 @@ fn workload_and_graph(
     Ok((workload, tensor_graph, model_len))
 }
 
-/// The graph the pager would build for `path` mapped whole in blocks of the trace's
-/// size: its tensor table's order, and its experts with the model's used count.
-pub(super) fn trace_model_graph(path: &Path, workload: &Workload) -> anyhow::Result<ModelGraph> {
+/// The graph the pager would build for `path` mapped whole in the blocks the trace at
+/// `trace` was recorded in (`workload`, read from it): the trace's block size, cut at
+/// the experts' slices where the run cut them; its tensor table's order, and its
+/// experts with the model's used count. The workload takes the graph's geometry.
+pub(super) fn trace_model_graph(
+    path: &Path,
+    trace: &Path,
+    workload: &mut Workload,
+) -> anyhow::Result<ModelGraph> {
     let model = hyperoffload::model::ModelFile::open(path)?;
     let block = workload.layout.block_size;
-    let recorded = workload.layout.data_len;
-    if recorded.div_ceil(block) > model.file_len.div_ceil(block) {
+    let cuts = if recorded_expert_blocks(trace)? {
+        model_block_cuts(&model, hyperoffload::sys::page_size())
+    } else {
+        Vec::new()
+    };
+    let layout = BlockGeometry::new(0, model.file_len, block)?.with_file_cuts(cuts)?;
+    let reached = workload.accesses.iter().copied().max().unwrap_or(0);
+    if reached >= layout.block_count() {
         bail!(
-            "the trace reaches block {} but {} has only {} blocks of {}: recorded on another model?",
-            recorded.div_ceil(block) - 1,
+            "the trace reaches block {reached} but {} has only {} blocks of at most {}: \
+             recorded on another model?",
             path.display(),
-            model.file_len.div_ceil(block),
+            layout.block_count(),
             format_size(block)
         );
     }
-    let layout = BlockGeometry::new(0, model.file_len, block)?;
+    workload.layout = layout.clone();
     Ok(ModelGraph::from_tensors(&model.tensors, layout).with_experts_used(model.experts_used()))
+}
+
+/// Whether the run that recorded the trace at `path` cut its blocks at the experts'
+/// slices (`expert_blocks=1` in its header; traces from before say nothing: no).
+fn recorded_expert_blocks(path: &Path) -> anyhow::Result<bool> {
+    let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+    let reader = TraceReader::new(BufReader::new(file))?;
+    Ok(reader.metadata_value(EXPERT_BLOCKS_KEY) == Some("1"))
 }
 
 fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {

@@ -13,6 +13,44 @@
 use std::ops::Range;
 
 use crate::geometry::BlockGeometry;
+use crate::model::TensorInfo;
+
+/// `expert_block_cuts` for a model file, or none for a part of a split GGUF: its graph
+/// spans all the parts in uniform blocks (`ModelGraph::from_parts`), and a region cut
+/// otherwise would not be the one the graph describes.
+pub fn model_block_cuts(model: &crate::model::ModelFile, page: u64) -> Vec<u64> {
+    match crate::model::split::split_parts(model) {
+        Ok(None) => expert_block_cuts(&model.tensors, page),
+        Ok(Some(_)) | Err(_) => Vec::new(),
+    }
+}
+
+/// File offsets where blocks should start so that each routed expert's slice of a
+/// tensor is blocks of its own (`BlockGeometry::with_file_cuts`): a token that runs the
+/// expert then reads its bytes, not the neighbouring experts' that share a block with
+/// them. Every slice boundary, rounded out to pages (multiples of `page`, a power of
+/// two): a page two slices share becomes a block of its own, read by either, so a slice
+/// costs at most its bytes plus two pages. Sorted, without repeats.
+pub fn expert_block_cuts(tensors: &[TensorInfo], page: u64) -> Vec<u64> {
+    debug_assert!(page.is_power_of_two());
+    let mut cuts: Vec<u64> = tensors
+        .iter()
+        .filter_map(crate::graph::arch::expert_slices)
+        .flat_map(|experts| experts.shares.into_iter().map(|(_, range)| range))
+        .flat_map(|range| {
+            let (start, end) = (range.start, range.end);
+            [
+                start & !(page - 1),
+                start.next_multiple_of(page),
+                end & !(page - 1),
+                end.next_multiple_of(page),
+            ]
+        })
+        .collect();
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts
+}
 
 /// One expert of one layer: the blocks of each of its slices, in execution order.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -145,15 +183,23 @@ impl ExpertMap {
         &self.group_ids[start as usize..end as usize]
     }
 
-    /// The groups a fault in `block` shows in use. With the faulting byte's offset in
-    /// its block (`offset`, in blocks of `block_size`), the one group whose slice holds
+    /// The groups a fault in `block` (region offsets `block_range`) shows in use. With
+    /// the faulting byte's offset in its block (`offset`), the one group whose slice holds
     /// it. Without, every group that has its slice's start or middle in the block: a
     /// block that holds only the tail of a slice is reached by a token that uses the
     /// expert only after the expert's first block, so a fault there more likely belongs
     /// to the slice that starts in it.
-    pub fn groups_in_use(&self, block: u32, offset: Option<u32>, block_size: u64) -> Vec<u32> {
+    pub fn groups_in_use(
+        &self,
+        block: u32,
+        offset: Option<u32>,
+        block_range: Range<u64>,
+    ) -> Vec<u32> {
         let groups = self.groups_of(block);
-        let block_start = block as u64 * block_size;
+        let Range {
+            start: block_start,
+            end: block_end,
+        } = block_range;
         match offset {
             Some(offset) => {
                 let at = block_start + offset as u64;
@@ -165,7 +211,6 @@ impl ExpertMap {
                     .collect()
             }
             None => {
-                let block_end = block_start + block_size;
                 let not_tail = |g: &u32| {
                     self.group(*g)
                         .bytes
@@ -213,6 +258,46 @@ impl ExpertMap {
 mod tests {
     use super::*;
 
+    #[test]
+    fn cuts_isolate_each_experts_slice_and_the_pages_slices_share() {
+        // Four experts of 10_000 bytes from offset 8192 (outermost dimension first, as
+        // the tensor table gives shapes), then a dense tensor.
+        let tensors = [
+            TensorInfo {
+                name: "blk.0.ffn_up_exps.weight".into(),
+                dtype: "F32".into(),
+                shape: vec![4, 50, 50],
+                file_range: 8192..48_192,
+            },
+            TensorInfo {
+                name: "blk.0.ffn_norm.weight".into(),
+                dtype: "F32".into(),
+                shape: vec![50],
+                file_range: 48_192..48_392,
+            },
+        ];
+        let cuts = expert_block_cuts(&tensors, 4096);
+        // Boundaries 8192 (aligned), 18_192, 28_192, 38_192, 48_192, each rounded out.
+        assert_eq!(
+            cuts,
+            [8192, 16_384, 20_480, 24_576, 28_672, 36_864, 40_960, 45_056, 49_152]
+        );
+        let geometry = BlockGeometry::new(0, 60_000, 1 << 20)
+            .unwrap()
+            .with_file_cuts(cuts)
+            .unwrap();
+        // Expert 1 (18_192..28_192) reads the page it shares with expert 0, its own
+        // pages, and the page it shares with expert 2: its bytes and less than 2 pages.
+        let blocks = geometry.blocks_of_file_range(&(18_192..28_192)).unwrap();
+        let read = geometry.data_range(blocks);
+        assert_eq!(read, 16_384..28_672);
+        assert!(read.end - read.start < 10_000 + 2 * 4096);
+        assert!(
+            expert_block_cuts(&tensors[1..], 4096).is_empty(),
+            "dense: no cut"
+        );
+    }
+
     fn slice(layer: u32, expert: u32, range: Range<u64>) -> ExpertSlice {
         ExpertSlice {
             layer,
@@ -248,11 +333,11 @@ mod tests {
         assert!((map.prior_use() - 0.5).abs() < 1e-9);
         assert_eq!(map.group(0).blocks().collect::<Vec<_>>(), [0, 1, 3, 4]);
         // Block 1 holds bytes 100..150 of expert 0 and 150..200 of expert 1.
-        assert_eq!(map.groups_in_use(1, Some(20), 100), [0]);
-        assert_eq!(map.groups_in_use(1, Some(60), 100), [1]);
+        assert_eq!(map.groups_in_use(1, Some(20), 100..200), [0]);
+        assert_eq!(map.groups_in_use(1, Some(60), 100..200), [1]);
         // Without the offset: expert 1's slice starts there, expert 0's only ends.
-        assert_eq!(map.groups_in_use(1, None, 100), [1]);
-        assert_eq!(map.groups_in_use(0, None, 100), [0]);
+        assert_eq!(map.groups_in_use(1, None, 100..200), [1]);
+        assert_eq!(map.groups_in_use(0, None, 0..100), [0]);
     }
 
     #[test]

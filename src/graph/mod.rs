@@ -130,7 +130,7 @@ impl GraphPart {
     fn whole(layout: &BlockGeometry) -> Vec<GraphPart> {
         vec![GraphPart {
             path: None,
-            geometry: *layout,
+            geometry: layout.clone(),
             first_block: 0,
         }]
     }
@@ -278,13 +278,13 @@ impl ModelGraph {
                 ..tensor.clone()
             }));
             let geometry = BlockGeometry::new(0, file.file_len, block_size)?;
+            first_block += geometry.block_count() as u64;
             graph_parts.push(GraphPart {
                 path: Some(file.path.to_path_buf()),
                 geometry,
                 first_block: first,
             });
             data_len = base + file.file_len;
-            first_block += geometry.block_count() as u64;
         }
         let layout = BlockGeometry::new(0, data_len, block_size)?;
         let mut graph = Self::from_tensors(&tensors, layout);
@@ -354,8 +354,8 @@ impl ModelGraph {
             }
         }
         Self {
-            layout,
             parts: GraphPart::whole(&layout),
+            layout,
             source,
             graph,
             node_rank,

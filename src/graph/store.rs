@@ -128,7 +128,7 @@ pub fn encode(saved: &SavedGraph) -> String {
         format: FORMAT.into(),
         version: VERSION,
         model: saved.key.clone(),
-        layout: saved.layout,
+        layout: saved.layout.clone(),
         edges,
         lone_blocks: saved
             .transitions
@@ -308,7 +308,7 @@ mod tests {
         let model = dir.join("model.gguf");
         std::fs::write(&model, vec![7u8; 3 * 4096 + 5]).unwrap();
         let (layout, transitions) = sample();
-        let path = save(&model, layout, &transitions).unwrap();
+        let path = save(&model, layout.clone(), &transitions).unwrap();
         assert_eq!(path, dir.join("model.gguf.hyperoffload-graph"));
         match load(&model).unwrap() {
             Loaded::Fresh(saved) => {

@@ -31,7 +31,7 @@ fn one_block_extents(tensors: &[TensorInfo]) -> (ModelGraph, BlockGeometry) {
         max_extent_bytes: 4096,
     };
     (
-        ModelGraph::from_tensors_with(tensors, layout, options),
+        ModelGraph::from_tensors_with(tensors, layout.clone(), options),
         layout,
     )
 }
@@ -129,7 +129,7 @@ fn table_of(names: &[(String, u64)]) -> Vec<TensorInfo> {
 fn llama_order_follows_the_layers_not_the_file() {
     let tensors = table_of(&llama_names(12, false));
     let layout = BlockGeometry::new(0, end_of(&tensors), 4096).unwrap();
-    let graph = ModelGraph::from_tensors(&tensors, layout);
+    let graph = ModelGraph::from_tensors(&tensors, layout.clone());
     assert_eq!(
         graph.source(),
         GraphSource::Architecture(Architecture::LlamaGguf)
@@ -163,7 +163,7 @@ fn llama_order_follows_the_layers_not_the_file() {
     // Cut into extents, the embedding's rows are alternatives: each ranks low.
     let fine = ModelGraph::from_tensors_with(
         &tensors,
-        layout,
+        layout.clone(),
         BuildOptions {
             max_extent_bytes: 8192,
         },

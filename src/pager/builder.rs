@@ -19,7 +19,7 @@ use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
 #[cfg(feature = "fault-injection")]
 use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
-use crate::shared_store::{FrameStore, HugeTmpfs};
+use crate::shared_store::{FrameStore, Tmpfs};
 use crate::sys::HUGE_PAGE;
 use crate::{sys, uffd_ext};
 
@@ -229,9 +229,11 @@ impl PagerBuilder {
             // bounds them, counting a region's short last block at its length: the
             // spare frames cover those, up to that many regions at once.
             let frames = (self.budget / self.block_size) as u32 + SPARE_FRAMES;
-            match HugeTmpfs::new()
-                .and_then(|tmpfs| FrameStore::new(&tmpfs, self.block_size, frames))
-            {
+            let store = Tmpfs::new(true).and_then(|huge| {
+                let pages = Tmpfs::new(false)?;
+                FrameStore::new(&huge, &pages, self.block_size, frames)
+            });
+            match store {
                 Ok(store) => (Some(store), None),
                 Err(error) => (
                     None,

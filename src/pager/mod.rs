@@ -110,6 +110,8 @@ pub enum MapError {
     Open(#[from] OpenError),
     #[error("{path}: offset {offset} is not a multiple of the page size (4096)")]
     UnalignedOffset { path: String, offset: u64 },
+    #[error("{path}: block cut at file offset {offset} is not a multiple of the page size (4096)")]
+    UnalignedCut { path: String, offset: u64 },
     #[error("{path}: range {offset}+{len} is outside the file ({file_len} bytes)")]
     OutOfRange {
         path: String,
@@ -181,6 +183,11 @@ pub struct MapOptions {
     pub map_len: Option<u64>,
     /// `PROT_READ`, optionally with `PROT_EXEC`.
     pub prot: i32,
+    /// File offsets where a block starts besides the block-size grid (page multiples;
+    /// those outside the region are ignored): where the program reads a piece on its
+    /// own, such as one expert's slice of a tensor (`graph::experts::expert_block_cuts`),
+    /// so that a fault there reads that piece and not its neighbours.
+    pub block_cuts: Vec<u64>,
 }
 
 impl Default for MapOptions {
@@ -190,6 +197,7 @@ impl Default for MapOptions {
             len: None,
             map_len: None,
             prot: libc::PROT_READ,
+            block_cuts: Vec::new(),
         }
     }
 }
@@ -291,12 +299,11 @@ impl Pager {
         (trace, untraced)
     }
 
-    /// With zero copy, reserves for a region of `map_len` bytes the most memory mappings
+    /// With zero copy, reserves for a region of `blocks` blocks the most memory mappings
     /// it can take (see `map_count`), or refuses it if the process cannot have them:
     /// reaching the limit later would stop the program. Returns what was reserved, to
     /// give back when the region goes.
-    fn promise_mappings(&self, path: &str, map_len: u64) -> Result<MappingPromise, MapError> {
-        let blocks = map_len.div_ceil(self.inner.block_size);
+    fn promise_mappings(&self, path: &str, blocks: u64) -> Result<MappingPromise, MapError> {
         let needed = if self.inner.zero_copy {
             map_count::zero_copy_mappings(blocks)
         } else {
@@ -367,14 +374,22 @@ impl Pager {
         if map_len < needed {
             return Err(MapError::MapTooShort { map_len, needed });
         }
-        let geometry = BlockGeometry::new(options.offset, len, self.inner.block_size)?;
+        if let Some(&offset) = options.block_cuts.iter().find(|&&cut| cut % page != 0) {
+            return Err(MapError::UnalignedCut {
+                path: name(),
+                offset,
+            });
+        }
+        let geometry = BlockGeometry::new(options.offset, len, self.inner.block_size)?
+            .with_file_cuts(options.block_cuts.iter().copied())?;
         // Mapped from frames, blocks are huge pages only at huge-page-aligned addresses.
         let align = if self.inner.zero_copy {
             self.inner.block_size as usize
         } else {
             page as usize
         };
-        let mappings = self.promise_mappings(&name(), map_len)?;
+        // The blocks, and a piece of the reservation past the data.
+        let mappings = self.promise_mappings(&name(), geometry.block_count() as u64 + 1)?;
         // Reserved inaccessible, registered, and only then given the program's
         // protection. Under mlockall(MCL_FUTURE) the kernel fills every new accessible
         // mapping as it creates it: a readable reservation got zero pages before it was

@@ -96,11 +96,7 @@ impl GraphPrediction {
     /// A prediction of nothing: the graph policies built without a graph.
     pub fn empty() -> Arc<Self> {
         // A zero-length layout is always valid.
-        let layout = BlockGeometry {
-            file_offset: 0,
-            data_len: 0,
-            block_size: 1,
-        };
+        let layout = BlockGeometry::new(0, 0, 1).expect("a zero-length layout is valid");
         Self::new(Arc::new(ModelGraph::from_tensors(&[], layout)))
     }
 
@@ -312,9 +308,10 @@ impl Progress {
         if !is_routed_expert(graph, global) {
             return None;
         }
-        let groups = graph
-            .experts()
-            .groups_in_use(global, offset, graph.geometry().block_size);
+        let groups =
+            graph
+                .experts()
+                .groups_in_use(global, offset, graph.geometry().block_range(global));
         (!groups.is_empty()).then_some(groups)
     }
 

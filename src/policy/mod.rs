@@ -53,7 +53,7 @@ impl BlockRef {
 }
 
 /// What a policy is told about a region when it is added to the pager.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RegionInfo<'a> {
     pub id: RegionId,
     /// The file the region presents.

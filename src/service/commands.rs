@@ -107,11 +107,12 @@ impl FaultService {
             return Ok(());
         };
         region.holes.add(range.clone());
-        let size = region.layout.geometry.block_size;
-        let first = (range.start.div_ceil(size) as u32).max(blocks.start);
-        let end = ((range.end / size) as u32).min(blocks.end);
+        let geometry = &region.layout.geometry;
+        let within = geometry.blocks_within(range.clone());
+        let first = within.start.max(blocks.start);
+        let end = within.end.min(blocks.end);
         if first < end {
-            let whole = first as u64 * size..end as u64 * size;
+            let whole = geometry.block_start(first)..geometry.block_start(end);
             self.drop_blocks(id, &whole, BlockEvent::Unmapped)?;
         }
         Ok(())

@@ -387,7 +387,7 @@ pub(super) fn map_frame(
                 bytes,
                 region.prot,
                 libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                store.fd(),
+                store.fd(frame),
                 offset as i64,
             )
         }

@@ -123,7 +123,7 @@ impl ServedRegion {
         RegionInfo {
             id,
             path: self.file.path(),
-            geometry: self.layout.geometry,
+            geometry: self.layout.geometry.clone(),
             budget,
             watch_resident,
         }

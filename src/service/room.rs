@@ -8,13 +8,13 @@ use super::block_state::{BlockEvent, BlockState};
 use super::installs::{discard_pages, release_frame};
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, ReadKind, RegionId};
-use crate::shared_store::FrameStore;
 
 impl FaultService {
-    /// Whether a read can have a frame (always, without zero copy). Frames run out
-    /// only if more regions than the spare frames hold a short last block each.
-    pub(super) fn frame_free(&self) -> bool {
-        self.store.as_ref().is_none_or(FrameStore::has_free)
+    /// Whether a read of a block of `len` bytes can have a frame (always, without zero
+    /// copy). Huge frames run out only if more regions than the spare frames hold a
+    /// short last block each; slots, never while the budget holds (see `FrameStore`).
+    pub(super) fn frame_free(&self, len: u64) -> bool {
+        self.store.as_ref().is_none_or(|store| store.has_free(len))
     }
 
     /// Forgets a prefetch request taken off the queue: its block is missing again

@@ -329,12 +329,14 @@ impl Shim {
         let file = self.take_file(request)?;
         let offset = request.offset as u64;
         let data_len = (request.len as u64).min(file.size - offset);
-        let pager = self.pager_for(&file, offset, data_len)?;
+        let block_cuts = self.block_cuts(&file);
+        let pager = self.pager_for(&file, offset, data_len, &block_cuts)?;
         let options = MapOptions {
             offset,
             len: Some(data_len),
             map_len: Some((request.len as u64).next_multiple_of(page() as u64)),
             prot: request.prot,
+            block_cuts,
         };
         let _layout = lock(&self.layout);
         let managed = self.map_region(&pager, &file, options, request)?;
@@ -447,9 +449,29 @@ impl Shim {
         Ok((name, model_len))
     }
 
-    /// The pager, to map `data_len` bytes at `offset` of `file`: started if this is the
-    /// first mapping (its model sets the budget, and the budget the block size).
-    fn pager_for(&self, file: &MappedFile, offset: u64, data_len: u64) -> Option<Pager> {
+    /// Where the blocks of a region of `file` are cut besides the block-size grid: at
+    /// its routed experts' slices, for a mixture-of-experts model whose tensor table
+    /// reads (see `ENV_EXPERT_BLOCKS`).
+    fn block_cuts(&self, file: &MappedFile) -> Vec<u64> {
+        if !self.config.expert_blocks {
+            return Vec::new();
+        }
+        match hyperoffload::model::ModelFile::open(&file.name) {
+            Ok(model) => hyperoffload::graph::experts::model_block_cuts(&model, page() as u64),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// The pager, to map `data_len` bytes at `offset` of `file` (blocks cut at
+    /// `block_cuts`): started if this is the first mapping (its model sets the budget,
+    /// and the budget the block size).
+    fn pager_for(
+        &self,
+        file: &MappedFile,
+        offset: u64,
+        data_len: u64,
+        block_cuts: &[u64],
+    ) -> Option<Pager> {
         match &*lock(&self.pager) {
             PagerSlot::Running(pager) => return Some(pager.clone()),
             PagerSlot::Failed => return None,
@@ -468,6 +490,7 @@ impl Shim {
             file_offset: offset,
             data_len,
             block_size: sizing.block_size,
+            block_cuts,
         };
         self.pager(&hint, &sizing)
     }

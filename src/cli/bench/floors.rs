@@ -76,8 +76,9 @@ impl Floors {
                 "bench: mixture of experts ({experts} experts in all): floors from {}",
                 trace.display()
             );
-            let workload = crate::cli::simulate::read_trace(&trace, None)?;
-            let graph = crate::cli::simulate::trace_model_graph(&args.model, &workload)?;
+            let mut workload = crate::cli::simulate::read_trace(&trace, None)?;
+            let graph =
+                crate::cli::simulate::trace_model_graph(&args.model, &trace, &mut workload)?;
             let workload = workload.with_tokens_from_order(graph.order());
             let passes = workload.token_starts.len();
             if passes < (args.tokens + TRACE_EXTRA_TOKENS) as usize {

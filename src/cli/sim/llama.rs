@@ -150,11 +150,8 @@ impl LlamaShape {
     pub fn workload(&self, block_size: u64, tokens: u32) -> Workload {
         let tensors = self.tensors();
         // The whole file is one region, so its geometry is valid for any non-zero size.
-        let layout = BlockGeometry {
-            file_offset: 0,
-            data_len: self.file_len(),
-            block_size: block_size.max(1),
-        };
+        let layout = BlockGeometry::new(0, self.file_len(), block_size.max(1))
+            .expect("a synthetic model's geometry is valid");
         let range_of = |name: &str| {
             tensors
                 .iter()

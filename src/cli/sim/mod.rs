@@ -134,12 +134,12 @@ pub fn replay(
     watch_resident: bool,
     timing: Timing,
 ) -> Result<SimReport, SimError> {
-    let layout = workload.layout;
+    let layout = workload.layout.clone();
     let region = RegionId(0);
     let info = RegionInfo {
         id: region,
         path: Path::new("<simulated>"),
-        geometry: layout,
+        geometry: layout.clone(),
         budget: budget_bytes,
         watch_resident,
     };
@@ -147,7 +147,7 @@ pub fn replay(
     eviction.region_added(&info);
 
     let mut replay = Replay {
-        layout,
+        layout: layout.clone(),
         budget_bytes,
         timing,
         every_access,

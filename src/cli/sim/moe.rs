@@ -139,11 +139,9 @@ impl MoeShape {
     /// whole file in blocks of `block_size`, each token's experts drawn with `seed`.
     pub fn workload(&self, block_size: u64, tokens: u32, seed: u64) -> Workload {
         let tensors = self.tensors();
-        let layout = BlockGeometry {
-            file_offset: 0,
-            data_len: self.file_len(),
-            block_size: block_size.max(1),
-        };
+        // A synthetic file is far from 2^32 blocks of any size.
+        let layout = BlockGeometry::new(0, self.file_len(), block_size.max(1))
+            .expect("a synthetic model's geometry is valid");
         let range_of = |name: &str| {
             tensors
                 .iter()

@@ -30,7 +30,7 @@ impl Workload {
             accesses.extend_from_slice(&pass);
         }
         Workload {
-            layout: *graph.geometry(),
+            layout: graph.geometry().clone(),
             accesses,
             token_starts,
             offsets: Vec::new(),
@@ -80,7 +80,7 @@ impl Workload {
     pub fn repeated(&self, copies: usize) -> Workload {
         let len = self.accesses.len();
         Workload {
-            layout: self.layout,
+            layout: self.layout.clone(),
             accesses: self.accesses.repeat(copies),
             offsets: self.offsets.repeat(copies),
             token_starts: (0..copies)
@@ -103,7 +103,7 @@ impl Workload {
         };
         let (start, end) = (bound(range.start), bound(range.end));
         Workload {
-            layout: self.layout,
+            layout: self.layout.clone(),
             accesses: self.accesses[start..end].to_vec(),
             offsets: self
                 .offsets

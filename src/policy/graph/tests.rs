@@ -36,7 +36,7 @@ fn bound_policies(
     budget: u64,
 ) -> (GraphPrefetch, GraphEviction) {
     let layout = BlockGeometry::new(0, blocks as u64 * block, block).unwrap();
-    let graph = Arc::new(ModelGraph::from_pass(layout, pass).with_lag_guard(guard));
+    let graph = Arc::new(ModelGraph::from_pass(layout.clone(), pass).with_lag_guard(guard));
     let (mut prefetch, mut eviction) = graph_policies(graph);
     let info = RegionInfo {
         id: RegionId(0),
@@ -551,12 +551,13 @@ fn moe_policies(watch: bool) -> (Arc<ModelGraph>, GraphPrefetch, GraphEviction) 
     let tensors = coarse_moe_tensors();
     let file_len = tensors.iter().map(|t| t.file_range.end).max().unwrap();
     let layout = BlockGeometry::new(0, file_len, 1 << 20).unwrap();
-    let graph = Arc::new(ModelGraph::from_tensors(&tensors, layout).with_experts_used(Some(2)));
+    let graph =
+        Arc::new(ModelGraph::from_tensors(&tensors, layout.clone()).with_experts_used(Some(2)));
     let (mut prefetch, mut eviction) = graph_policies(Arc::clone(&graph));
     let info = RegionInfo {
         id: RegionId(0),
         path: Path::new("/model"),
-        geometry: layout,
+        geometry: layout.clone(),
         budget: layout.data_len / 2,
         watch_resident: watch,
     };

@@ -193,7 +193,7 @@ impl FaultService {
                 continue;
             }
             let bytes = region.layout.block_bytes(block.index);
-            if !self.ring.has_free_slot() || !self.frame_free() {
+            if !self.ring.has_free_slot() || !self.frame_free(bytes) {
                 break;
             }
             if !self.make_room(bytes, block, ReadKind::Demand)? {
@@ -212,7 +212,6 @@ impl FaultService {
             .load
             .prefetch_may_start(self.config.queue_depth, device_limit)
             && self.ring.has_free_slot()
-            && self.frame_free()
         {
             let Some(&first) = self.prefetch_queue.front() else {
                 break;
@@ -236,6 +235,9 @@ impl FaultService {
             let bytes: u64 = (first.block.index..first.block.index + count)
                 .map(|index| region.layout.block_bytes(index))
                 .sum();
+            if !self.frame_free(bytes) {
+                break;
+            }
             if !self.make_room(bytes, first.block, ReadKind::Prefetch)? {
                 // Nothing resident is worth less than this block. Requests are queued
                 // in the order they are needed, so the rest are worth as little, unless
@@ -273,7 +275,7 @@ impl FaultService {
             .regions
             .get_mut(&first.region)
             .expect("reads start only for live regions");
-        let geometry = region.layout.geometry;
+        let geometry = region.layout.geometry.clone();
         let Range { start, end } = geometry.data_range(first.index..first.index + count);
         let valid = (end - start) as usize;
         let len = (end - start).next_multiple_of(DIRECT_IO_ALIGN) as usize;
@@ -286,7 +288,9 @@ impl FaultService {
         let landing = match &mut self.store {
             Some(store) => {
                 debug_assert_eq!(count, 1, "a frame holds one block");
-                let frame = store.take().expect("pump checked a frame is free");
+                let frame = store
+                    .take(len as u64)
+                    .expect("pump checked a frame is free");
                 region.frames[first.index as usize] = Some(frame.index);
                 // A frame's first read faults its pages in, and the kernel clears them
                 // first: inside this thread's submit, which would serve nobody meanwhile.

@@ -38,7 +38,10 @@ fn budgets(model: u64) -> [(u64, &'static str); 3] {
 fn graph_policy_reads_within_5_percent_of_belady_and_lru_reads_the_model() {
     let (shape, workload) = workload();
     let model = workload.layout.data_len;
-    let graph = Arc::new(ModelGraph::from_tensors(&shape.tensors(), workload.layout));
+    let graph = Arc::new(ModelGraph::from_tensors(
+        &shape.tensors(),
+        workload.layout.clone(),
+    ));
     for (budget, label) in budgets(model) {
         let belady = run(&workload, budget, SimPolicy::Belady, None);
         let graph_report = run(&workload, budget, SimPolicy::Graph, Some(&graph));
@@ -66,7 +69,7 @@ fn a_graph_learned_from_two_tokens_alone_is_within_5_percent_of_belady() {
     let learning = workload.tokens(0..2);
     let mut transitions = Transitions::new();
     transitions.observe_all(learning.accesses.iter().copied());
-    let graph = Arc::new(ModelGraph::learned(workload.layout, &transitions));
+    let graph = Arc::new(ModelGraph::learned(workload.layout.clone(), &transitions));
     let rest = workload.tokens(2..TOKENS as usize);
     for (budget, label) in budgets(model) {
         let belady = run(&rest, budget, SimPolicy::Belady, None);

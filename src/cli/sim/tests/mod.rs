@@ -22,7 +22,7 @@ fn cyclic(blocks: u32, tokens: u32) -> Workload {
 
 fn run(workload: &Workload, budget_blocks: u64, policy: SimPolicy) -> SimReport {
     let pass: Vec<u32> = (0..workload.layout.block_count()).collect();
-    let graph = Arc::new(ModelGraph::from_pass(workload.layout, &pass));
+    let graph = Arc::new(ModelGraph::from_pass(workload.layout.clone(), &pass));
     simulate(
         workload,
         budget_blocks * BLOCK,
@@ -119,7 +119,7 @@ fn moe_bytes_per_token(
     policy: SimPolicy,
 ) -> f64 {
     let graph = Arc::new(
-        ModelGraph::from_tensors(&shape.tensors(), workload.layout)
+        ModelGraph::from_tensors(&shape.tensors(), workload.layout.clone())
             .with_experts_used(Some(shape.used)),
     );
     let budget = (workload.layout.data_len as f64 * share) as u64;
@@ -171,7 +171,7 @@ fn on_mixture_of_experts_the_graph_policy_beats_lru_near_the_frequency_floor() {
 fn token_boundaries_are_found_where_the_pass_starts_again() {
     let shape = moe::MoeShape::coarse();
     let workload = shape.workload(1 << 20, 12, 3);
-    let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout)
+    let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout.clone())
         .with_experts_used(Some(shape.used));
     let found = Workload {
         token_starts: Vec::new(),
