@@ -12,6 +12,7 @@ use super::compare::model_summary::{
 use anyhow::{bail, Context};
 use clap::Args;
 use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
 use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
@@ -62,9 +63,11 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
             args.block,
         )?
     } else {
+        // Cut at the experts' slices, as the pager cuts them.
+        let cuts = model_block_cuts(&model, hyperoffload::sys::page_size());
         ModelGraph::from_tensors(
             &model.tensors,
-            BlockGeometry::new(0, model.file_len, args.block)?,
+            BlockGeometry::new(0, model.file_len, args.block)?.with_file_cuts(cuts)?,
         )
     };
     let graph = graph.with_experts_used(model.experts_used());
@@ -367,7 +370,17 @@ fn print_experts(graph: &ModelGraph, weights: u64) {
         slices.iter().copied().min().unwrap_or(0),
         slices.iter().copied().max().unwrap_or(0),
     );
-    let block = graph.geometry().block_size;
+    let geometry = graph.geometry();
+    let block = geometry.block_size;
+    // What a miss on a slice reads: the blocks holding any of it.
+    let worst_read = groups
+        .iter()
+        .flat_map(|g| g.bytes.iter())
+        .map(|slice| {
+            let read = geometry.data_range(geometry.blocks_overlapping(slice.clone()));
+            (read.end - read.start) as f64 / (slice.end - slice.start).max(1) as f64
+        })
+        .fold(0.0, f64::max);
     let used = experts.prior_use();
     let per_token = weights.saturating_sub(expert_bytes) as f64 + expert_bytes as f64 * used;
     println!("\n## experts\n");
@@ -394,5 +407,14 @@ fn print_experts(graph: &ModelGraph, weights: u64) {
         format_size(block),
         format_size(per_token as u64),
         per_token * 100.0 / weights.max(1) as f64
+    );
+    let cut = if geometry.is_uniform() {
+        "blocks follow the grid alone"
+    } else {
+        "blocks are cut at every slice"
+    };
+    println!(
+        "{cut} ({} blocks in all): reading a slice reads at most {worst_read:.2}x its bytes",
+        geometry.block_count()
     );
 }
