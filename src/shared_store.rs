@@ -126,9 +126,9 @@ enum FrameAt {
 /// pages, `frame_len` apart so that any slot holds any block, each holding memory only
 /// for the pages its reads filled.
 ///
-/// Memory: the frames hold at most `memory_limit` bytes (the budget and a few spare
-/// frames): a read that would need more first frees the memory of frames nobody uses,
-/// slots first. The frames in use hold what the budget counts (a slot reused for a
+/// Memory: the frames hold at most `memory_limit` bytes (the budget and a frame): a
+/// read that would need more first frees the memory of frames nobody uses, slots
+/// first. The frames in use hold what the budget counts (a slot reused for a
 /// shorter block gives back the pages past it), so the limit is reached only by free
 /// frames kept warm for the next read.
 #[derive(Debug)]
@@ -165,14 +165,20 @@ const MAX_SLOTS: u64 = 1 << 24;
 impl FrameStore {
     /// A store of `count` huge frames of `frame_len` bytes (a multiple of `HUGE_PAGE`)
     /// in a file of `huge` and slots for shorter blocks in a file of `pages`, holding at
-    /// most `count * frame_len` bytes of memory. Memory is used as frames are first
-    /// filled.
-    pub fn new(huge: &Tmpfs, pages: &Tmpfs, frame_len: u64, count: u32) -> io::Result<Self> {
-        let memory_limit = frame_len * count as u64;
+    /// most `memory_limit` bytes of memory (at least a frame). Memory is used as frames
+    /// are first filled.
+    pub fn new(
+        huge: &Tmpfs,
+        pages: &Tmpfs,
+        frame_len: u64,
+        count: u32,
+        memory_limit: u64,
+    ) -> io::Result<Self> {
+        let memory_limit = memory_limit.max(frame_len);
         // Every slot in use holds at least a page of a block the budget counts.
         let slot_count = (memory_limit / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
         Ok(Self {
-            huge: FrameFile::new(huge, memory_limit)?,
+            huge: FrameFile::new(huge, frame_len * count as u64)?,
             pages: FrameFile::new(pages, frame_len * slot_count as u64)?,
             frame_len: frame_len as usize,
             huge_count: count,
@@ -401,7 +407,7 @@ mod tests {
     /// (unit tests may run unprivileged; the integration tests require it).
     fn store(count: u32) -> Option<FrameStore> {
         let (huge, pages) = (Tmpfs::new(true).ok()?, Tmpfs::new(false).ok()?);
-        Some(FrameStore::new(&huge, &pages, HUGE_PAGE, count).unwrap())
+        Some(FrameStore::new(&huge, &pages, HUGE_PAGE, count, count as u64 * HUGE_PAGE).unwrap())
     }
 
     #[test]

@@ -111,6 +111,7 @@ fn run_readers(
     random_reads: u32,
     path: &std::path::Path,
     zero_copy: bool,
+    block_cuts: &[u64],
 ) {
     for prefetch in [PrefetchKind::Readahead, PrefetchKind::None] {
         let Some(pager) = pager_or_skip(
@@ -129,7 +130,11 @@ fn run_readers(
             "zero copy not as asked: {:?}",
             stats.zero_copy_refused
         );
-        let region = Arc::new(pager.map_file(path, MapOptions::default()).unwrap());
+        let options = MapOptions {
+            block_cuts: block_cuts.to_vec(),
+            ..Default::default()
+        };
+        let region = Arc::new(pager.map_file(path, options).unwrap());
         assert_eq!(region.len() as u64, file_len);
         announce_region(region.as_ptr() as usize, region.map_len());
         std::thread::scope(|scope| {
@@ -221,6 +226,7 @@ fn awkward_size_file_with_a_quarter_budget() {
                 2000,
                 &path,
                 false,
+                &[],
             );
         },
     );
@@ -243,6 +249,7 @@ fn each_pattern_alone_with_eight_threads() {
                 2000,
                 &path,
                 false,
+                &[],
             );
         }
     });
@@ -269,6 +276,50 @@ fn zero_copy_regions_see_the_files_bytes_within_the_budget() {
                 2000,
                 &path,
                 true,
+                &[],
+            );
+        },
+    );
+}
+
+/// Blocks cut besides the huge-page grid, as the shim cuts a mixture of experts' at
+/// each expert's slice: the short blocks take small-page frames, the whole ones huge
+/// frames, and every byte is the file's, within the budget, over 4x the budget.
+#[test]
+fn zero_copy_regions_cut_at_slices_see_the_files_bytes_within_the_budget() {
+    let len = (40 << 20) + 4097;
+    let budget = 10 << 20;
+    // Slices of 172 to 174 pages (an expert of a fine-grained model is about 688 KiB),
+    // so cuts fall on and off the grid, and a few single pages between them.
+    let mut cuts = Vec::new();
+    let mut at = 0u64;
+    for k in 0u64.. {
+        at += (172 + k % 3) * 4096;
+        if at >= len {
+            break;
+        }
+        cuts.push(at);
+        if k % 5 == 0 {
+            cuts.push(at + 4096);
+        }
+    }
+    sampled(
+        "zero_copy_regions_cut_at_slices_see_the_files_bytes_within_the_budget",
+        budget,
+        || {
+            let dir = TempDir::new("zero-copy-cut");
+            let path = dir.path("model.bin");
+            pattern_file(&path, len);
+            run_readers(
+                len,
+                budget,
+                2 << 20,
+                &MIXED,
+                Check::Every,
+                2000,
+                &path,
+                true,
+                &cuts,
             );
         },
     );
@@ -334,7 +385,17 @@ fn file_smaller_than_a_page() {
         pattern_file(&path, 3000);
         // The smallest budget there is: one page-sized block (a quarter of a sub-page file
         // is less than any block).
-        run_readers(3000, 4096, 4096, &MIXED, Check::Every, 200, &path, false);
+        run_readers(
+            3000,
+            4096,
+            4096,
+            &MIXED,
+            Check::Every,
+            200,
+            &path,
+            false,
+            &[],
+        );
         let pager = pager_or_skip(Pager::builder().budget(4096).block_size(4096)).unwrap();
         let region = pager.map_file(&path, MapOptions::default()).unwrap();
         // The rest of the last page reads as zeros, as with mmap.
@@ -376,6 +437,7 @@ fn several_gib_sparse_file() {
             5000,
             &path,
             false,
+            &[],
         );
     });
 }

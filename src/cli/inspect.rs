@@ -12,8 +12,8 @@ use super::compare::model_summary::{
 use anyhow::{bail, Context};
 use clap::Args;
 use hyperoffload::geometry::BlockGeometry;
-use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
+use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
 use hyperoffload::policy::graph::expert_counts_from_faults;

@@ -229,9 +229,12 @@ impl PagerBuilder {
             // bounds them, counting a region's short last block at its length: the
             // spare frames cover those, up to that many regions at once.
             let frames = (self.budget / self.block_size) as u32 + SPARE_FRAMES;
+            // Their memory: the budget, and a frame for the read that finds every
+            // other frame's memory in use (free frames' is given back before).
+            let memory = self.budget + self.block_size;
             let store = Tmpfs::new(true).and_then(|huge| {
                 let pages = Tmpfs::new(false)?;
-                FrameStore::new(&huge, &pages, self.block_size, frames)
+                FrameStore::new(&huge, &pages, self.block_size, frames, memory)
             });
             match store {
                 Ok(store) => (Some(store), None),

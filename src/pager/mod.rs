@@ -390,8 +390,7 @@ impl Pager {
         };
         // The blocks, and the block-sized pieces of the mapping past the data.
         let past_data = (map_len - needed).div_ceil(self.inner.block_size);
-        let mappings =
-            self.promise_mappings(&name(), geometry.block_count() as u64 + past_data)?;
+        let mappings = self.promise_mappings(&name(), geometry.block_count() as u64 + past_data)?;
         // Reserved inaccessible, registered, and only then given the program's
         // protection. Under mlockall(MCL_FUTURE) the kernel fills every new accessible
         // mapping as it creates it: a readable reservation got zero pages before it was
