@@ -54,6 +54,7 @@ mod process_claim;
 mod raw;
 mod read_ahead;
 mod registry;
+mod seen;
 mod state;
 
 /// Counts the heap this library's Rust code holds: the pager's own memory (see `heap`).
