@@ -25,6 +25,8 @@ pub struct Outcome<'a> {
     pub seen: Option<&'a SeenFiles>,
     /// What the shim serves, for the line saying nothing was.
     pub patterns: &'a [String],
+    /// Whether programs the program started were served too (`--inherit`).
+    pub inherit: bool,
 }
 
 impl Outcome<'_> {
@@ -91,12 +93,21 @@ pub fn closing_line(outcome: &Outcome<'_>) -> String {
                 outcome.patterns.join(","),
                 format_size(REPORT_FLOOR)
             );
+            // The shim serves only the process it was started in: a wrapper's child
+            // (a script running python) is the usual program that opened the model.
+            let children = if outcome.inherit {
+                ""
+            } else {
+                "; programs it started are served only with --inherit"
+            };
             match killed {
                 Some(killed) => format!(
                     "{killed} before the pager started: nothing was served; the program had \
-                     opened or mapped {files}"
+                     opened or mapped {files}{children}"
                 ),
-                None => format!("nothing was served: the program opened or mapped {files}"),
+                None => {
+                    format!("nothing was served: the program opened or mapped {files}{children}")
+                }
             }
         }
     }
@@ -206,6 +217,7 @@ mod tests {
             snapshot,
             seen: None,
             patterns,
+            inherit: false,
         }
     }
 
@@ -278,7 +290,8 @@ mod tests {
             line,
             "killed by SIGINT before the pager started: nothing was served; the program had \
              opened or mapped no model file (matching *.gguf,*.safetensors, or starting as a \
-             GGUF or safetensors file does, of at least 1.00 MiB)"
+             GGUF or safetensors file does, of at least 1.00 MiB); programs it started are \
+             served only with --inherit"
         );
         let ending = Ending::Code(0);
         let line = closing_line(&outcome(&ending, None, None, &patterns));
@@ -288,6 +301,11 @@ mod tests {
         );
         assert_eq!(kept_stats(&outcome(&ending, None, None, &patterns)), None);
         assert!(!outcome(&ending, None, None, &patterns).served());
+        let inherited = Outcome {
+            inherit: true,
+            ..outcome(&ending, None, None, &patterns)
+        };
+        assert!(closing_line(&inherited).ends_with("of at least 1.00 MiB)"));
     }
 
     #[test]

@@ -148,6 +148,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         snapshot: snapshot.as_deref(),
         seen: seen.as_ref(),
         patterns: &config.patterns,
+        inherit: config.inherit,
     };
     let refused = args.require_served && !outcome.served();
     if !args.quiet || refused {
