@@ -3,6 +3,10 @@
 //! Each hook first decides cheaply whether the call could concern managed memory; if not
 //! (or the shim is not ready, or this thread is already inside the shim) it makes the
 //! raw system call, exactly as the kernel would see it from libc.
+//!
+//! The open calls (`open`, `openat`, `fopen` and their variants) change nothing: they
+//! make the call as libc would and then let the shim note a model file the program
+//! opened (`served_files`: so that one read rather than mapped can be named at exit).
 
 use libc::{c_char, c_int, c_uint, c_void, off_t, pid_t, size_t, FILE};
 
