@@ -162,6 +162,8 @@ fn never_mapped(program: &str, killed_by: Option<&str>) -> String {
     let hint = if name.starts_with("llama") {
         "; llama.cpp maps it with -lm mmap or the default -lm auto (-lm none, -lm mlock and \
          -lm dio read it; -lm mmap+mlock maps it)"
+    } else if name.starts_with("python") {
+        "; mmap.mmap, numpy.memmap and safetensors.safe_open map it"
     } else {
         ""
     };
@@ -227,8 +229,13 @@ mod tests {
         let line = why(file(None), "/opt/llama/llama-completion", None);
         assert!(line.starts_with("read with read(), not mapped"), "{line}");
         assert!(line.contains("-lm mmap or the default -lm auto"), "{line}");
-        let other = why(file(None), "/usr/bin/python3", None);
-        assert!(!other.contains("-lm"), "{other}");
+        let python = why(file(None), "/usr/bin/python3.11", None);
+        assert!(python.ends_with("; mmap.mmap, numpy.memmap and safetensors.safe_open map it"));
+        let other = why(file(None), "/bin/victim", None);
+        assert_eq!(
+            other,
+            "read with read(), not mapped; the pager serves mapped files only"
+        );
     }
 
     #[test]

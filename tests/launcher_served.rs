@@ -127,39 +127,45 @@ fn require_served_fails_a_run_that_served_nothing_and_passes_one_that_did() {
     );
 }
 
+/// llama.cpp's load modes that read the model: `-lm none` (stdio) and `-lm dio` (the
+/// file opened with O_DIRECT).
 #[test]
 fn llama_cpp_reading_its_model_is_told_which_load_mode_maps_it() {
     let Some((bin, model)) = shim_support::llama::llama_and_model() else {
         return;
     };
-    let mut args = shim_support::llama::greedy_completion_args(&model, 2);
-    args.extend(["-lm".to_string(), "none".to_string()]);
-    let output = launcher()
-        .args(["--budget", "50%", "--require-served", "--"])
-        .arg(bin.join("llama-completion"))
-        .args(&args)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert_eq!(
-        output.status.code(),
-        Some(NOTHING_SERVED),
-        "{}",
-        stderr(&output)
-    );
     let size = hyperoffload::size::format_size(std::fs::metadata(&model).unwrap().len());
-    let why = reason_for(&output, &std::fs::canonicalize(&model).unwrap(), &size);
-    assert_eq!(
-        why,
-        "read with read(), not mapped; the pager serves mapped files only; llama.cpp maps it \
-         with -lm mmap or the default -lm auto (-lm none, -lm mlock and -lm dio read it; -lm \
-         mmap+mlock maps it)"
-    );
-    assert!(
-        last_line(&output).starts_with("hyperoffload: --require-served: the pager served no file"),
-        "{}",
-        stderr(&output)
-    );
+    let canonical = std::fs::canonicalize(&model).unwrap();
+    for mode in ["none", "dio"] {
+        let mut args = shim_support::llama::greedy_completion_args(&model, 2);
+        args.extend(["-lm".to_string(), mode.to_string()]);
+        let output = launcher()
+            .args(["--budget", "50%", "--require-served", "--"])
+            .arg(bin.join("llama-completion"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(
+            output.status.code(),
+            Some(NOTHING_SERVED),
+            "-lm {mode}: {}",
+            stderr(&output)
+        );
+        assert_eq!(
+            reason_for(&output, &canonical, &size),
+            "read with read(), not mapped; the pager serves mapped files only; llama.cpp maps \
+             it with -lm mmap or the default -lm auto (-lm none, -lm mlock and -lm dio read \
+             it; -lm mmap+mlock maps it)",
+            "-lm {mode}"
+        );
+        assert!(
+            last_line(&output)
+                .starts_with("hyperoffload: --require-served: the pager served no file"),
+            "-lm {mode}: {}",
+            stderr(&output)
+        );
+    }
 }
 
 #[test]

@@ -116,3 +116,61 @@ fn write_replacing(dir: &std::path::Path, json: &str) -> std::io::Result<()> {
         .write_all(json.as_bytes())?;
     std::fs::rename(&temporary, &path)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyperoffload::served_files::{FoundBy, Refusal};
+
+    fn record() -> SeenFile {
+        SeenFile {
+            path: "/m/m.gguf".into(),
+            size: 4 << 20,
+            model_len: 4 << 20,
+            found_by: FoundBy::Name,
+            opened: true,
+            served: false,
+            refused: None,
+        }
+    }
+
+    fn written(path: &std::path::Path) -> Option<SeenFiles> {
+        SeenFiles::from_json(&std::fs::read_to_string(path).ok()?)
+    }
+
+    #[test]
+    fn records_are_written_when_they_change_and_only_then() {
+        let dir = std::env::temp_dir().join(format!("hyperoffload-seen-test-{}", getpid()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let seen = Seen::new(Some(dir.clone()), 1 << 20, vec!["*.gguf".into()]);
+        let path = dir.join(format!("seen-{}.json", getpid()));
+        seen.update((1, 2), record, |_| {});
+        let first = written(&path).expect("a new record is written");
+        assert_eq!(first.files, vec![record()]);
+        assert_eq!(first.min_size, 1 << 20);
+        assert!(seen.knows(1, 2) && !seen.knows(1, 3));
+        // Unchanged: not written again (the file removed stays removed).
+        std::fs::remove_file(&path).unwrap();
+        seen.update((1, 2), record, |file| file.opened = true);
+        assert!(!path.exists());
+        // Changed: written, the same file's record changed in place.
+        seen.update((1, 2), record, |file| {
+            file.refused = Some(Refusal::Writable)
+        });
+        let files = written(&path).expect("a changed record is written").files;
+        assert_eq!(files.len(), 1);
+        assert_eq!(files[0].refused, Some(Refusal::Writable));
+        // Another file (another inode) is a record of its own.
+        seen.update((1, 3), record, |_| {});
+        assert_eq!(written(&path).unwrap().files.len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn without_a_directory_nothing_is_kept() {
+        let seen = Seen::new(None, 1 << 20, Vec::new());
+        assert!(!seen.is_on());
+        seen.update((1, 2), record, |_| {});
+        assert!(!seen.knows(1, 2));
+    }
+}
