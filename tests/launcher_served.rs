@@ -115,8 +115,10 @@ fn require_served_fails_a_run_that_served_nothing_and_passes_one_that_did() {
     );
     assert_eq!(
         last_line(&output),
-        "hyperoffload: --require-served: the pager served no file (budget 2.00 MiB); \
-         exiting with status 3"
+        format!(
+            "hyperoffload: --require-served: {path} (4.00 MiB) was not served; budget 2.00 \
+             MiB; exiting with status 3"
+        )
     );
     let output = run_victim(&victim, &required, &["read", path]);
     assert_success(&output, "served under --require-served");
@@ -159,11 +161,15 @@ fn llama_cpp_reading_its_model_is_told_which_load_mode_maps_it() {
              it; -lm mmap+mlock maps it)",
             "-lm {mode}"
         );
-        assert!(
-            last_line(&output)
-                .starts_with("hyperoffload: --require-served: the pager served no file"),
-            "-lm {mode}: {}",
-            stderr(&output)
+        assert_eq!(
+            last_line(&output),
+            format!(
+                "hyperoffload: --require-served: {} ({size}) was not served; budget 50% of the \
+                 model = {}; exiting with status 3",
+                canonical.display(),
+                hyperoffload::size::format_size(std::fs::metadata(&model).unwrap().len() / 2)
+            ),
+            "-lm {mode}"
         );
     }
 }

@@ -8,6 +8,7 @@
 //! served, with the reason (`served_files`): the closing line stays the last one.
 
 use hyperoffload::served_files::{SeenFiles, REPORT_FLOOR};
+use hyperoffload::shim_config::BudgetSpec;
 use hyperoffload::size::format_size;
 
 use super::exit_status::{signal_name, Ending};
@@ -111,6 +112,37 @@ pub fn closing_line(outcome: &Outcome<'_>) -> String {
             }
         }
     }
+}
+
+/// The line of a `--require-served` run that served nothing, ending with `status`: the
+/// model not served, its size and the budget it would have had.
+pub fn require_served_line(seen: Option<&SeenFiles>, budget: BudgetSpec, status: u8) -> String {
+    let unserved: Vec<_> = seen
+        .map(|seen| seen.files.iter().filter(|file| !file.served).collect())
+        .unwrap_or_default();
+    let Some(first) = unserved.first() else {
+        return format!(
+            "--require-served: no model file was served or seen (budget {budget}); exiting \
+             with status {status}"
+        );
+    };
+    let others = match unserved.len() - 1 {
+        0 => String::new(),
+        1 => " (nor 1 other file)".to_string(),
+        more => format!(" (nor {more} other files)"),
+    };
+    let resolved = match budget {
+        BudgetSpec::ModelPercent(_) => {
+            format!(" = {}", format_size(budget.resolve(first.model_len, || 0)))
+        }
+        _ => String::new(),
+    };
+    format!(
+        "--require-served: {} ({}) was not served{others}; budget {budget}{resolved}; exiting \
+         with status {status}",
+        first.path,
+        format_size(first.model_len)
+    )
 }
 
 /// The stats JSON to keep for `--stats`: the final stats, else the last snapshot; with
@@ -349,6 +381,41 @@ mod tests {
             ..outcome(&ending, Some(stats), None, &patterns)
         };
         assert!(served.served());
+    }
+
+    #[test]
+    fn require_served_names_the_model_its_size_and_the_budget() {
+        use hyperoffload::served_files::{FoundBy, SeenFile};
+        let file = |path: &str, served| SeenFile {
+            path: path.into(),
+            size: 100 << 20,
+            model_len: 100 << 20,
+            found_by: FoundBy::Name,
+            opened: true,
+            served,
+            refused: None,
+        };
+        let mut seen = SeenFiles {
+            files: vec![file("/m/a.gguf", false)],
+            ..SeenFiles::default()
+        };
+        assert_eq!(
+            require_served_line(Some(&seen), BudgetSpec::ModelPercent(50), 3),
+            "--require-served: /m/a.gguf (100.0 MiB) was not served; budget 50% of the model = \
+             50.0 MiB; exiting with status 3"
+        );
+        seen.files.push(file("/m/b.gguf", false));
+        seen.files.push(file("/m/c.gguf", true));
+        assert_eq!(
+            require_served_line(Some(&seen), BudgetSpec::Bytes(2 << 20), 3),
+            "--require-served: /m/a.gguf (100.0 MiB) was not served (nor 1 other file); budget \
+             2.00 MiB; exiting with status 3"
+        );
+        assert_eq!(
+            require_served_line(None, BudgetSpec::Auto, 3),
+            "--require-served: no model file was served or seen (budget what this process can \
+             spare); exiting with status 3"
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VA
 use hyperoffload::{budget_floor, memory_limits};
 
 use super::child::end_with_this_process;
-use super::closing::{closing_lines, kept_stats, Outcome};
+use super::closing::{closing_lines, kept_stats, require_served_line, Outcome};
 use super::exec_check::{check_reachable, resolve_program};
 use super::exit_status::ending;
 use super::forward;
@@ -163,9 +163,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     drop(private);
     if refused {
         eprintln!(
-            "hyperoffload: --require-served: the pager served no file (budget {}); exiting \
-             with status {NOTHING_SERVED}",
-            config.budget
+            "hyperoffload: {}",
+            require_served_line(seen.as_ref(), config.budget, NOTHING_SERVED)
         );
         return Ok(ExitCode::from(NOTHING_SERVED));
     }
