@@ -57,27 +57,46 @@ impl Seen {
     /// is none; the file is rewritten if the record changed.
     pub fn update(
         &self,
-        (dev, ino): (u64, u64),
+        key: (u64, u64),
         new: impl FnOnce() -> SeenFile,
         change: impl FnOnce(&mut SeenFile),
     ) {
+        self.apply(key, Some(new), change);
+    }
+
+    /// Changes the record of `(dev, ino)` with `change` if there is one (then true).
+    pub fn change_known(&self, key: (u64, u64), change: impl FnOnce(&mut SeenFile)) -> bool {
+        self.apply(key, None::<fn() -> SeenFile>, change)
+    }
+
+    /// Whether `key` has a record once done (made by `new` if given and needed).
+    fn apply(
+        &self,
+        (dev, ino): (u64, u64),
+        new: Option<impl FnOnce() -> SeenFile>,
+        change: impl FnOnce(&mut SeenFile),
+    ) -> bool {
         let Some(dir) = &self.dir else {
-            return;
+            return false;
         };
         let mut files = self.lock();
         let known = files.iter().position(|e| e.dev == dev && e.ino == ino);
-        let at = known.unwrap_or_else(|| {
-            files.push(Entry {
-                dev,
-                ino,
-                file: new(),
-            });
-            files.len() - 1
-        });
+        let at = match (known, new) {
+            (Some(at), _) => at,
+            (None, Some(new)) => {
+                files.push(Entry {
+                    dev,
+                    ino,
+                    file: new(),
+                });
+                files.len() - 1
+            }
+            (None, None) => return false,
+        };
         let before = files[at].file.clone();
         change(&mut files[at].file);
         if known.is_some() && files[at].file == before {
-            return;
+            return true;
         }
         // Written under the lock: the last write holds the latest records.
         let seen = SeenFiles {
@@ -91,6 +110,7 @@ impl Seen {
         // A file that cannot be written costs the launcher its reasons, not the
         // program anything: the launcher then says it has none.
         let _ = write_replacing(dir, &seen.to_json());
+        true
     }
 
     fn lock(&self) -> MutexGuard<'_, Vec<Entry>> {
@@ -149,9 +169,12 @@ mod tests {
         assert_eq!(first.files, vec![record()]);
         assert_eq!(first.min_size, 1 << 20);
         assert!(seen.knows(1, 2) && !seen.knows(1, 3));
+        assert!(!seen.change_known((1, 3), |file| file.served = true));
+        assert!(!seen.knows(1, 3), "an unknown file is not made by a change");
         // Unchanged: not written again (the file removed stays removed).
         std::fs::remove_file(&path).unwrap();
         seen.update((1, 2), record, |file| file.opened = true);
+        assert!(seen.change_known((1, 2), |file| file.opened = true));
         assert!(!path.exists());
         // Changed: written, the same file's record changed in place.
         seen.update((1, 2), record, |file| {

@@ -150,6 +150,9 @@ pub struct Shim {
     on_pager_start: fn(),
     /// What became of each model file the program opened or mapped.
     seen: Seen,
+    /// The program's arguments (`/proc/self/cmdline`), read once: the names it gave its
+    /// files are those it started with (see `given_name`).
+    cmdline: std::sync::OnceLock<Vec<u8>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -191,6 +194,7 @@ impl Shim {
             warned_mlock: AtomicBool::new(false),
             warned_map: AtomicBool::new(false),
             on_pager_start,
+            cmdline: std::sync::OnceLock::new(),
         }
     }
 
@@ -577,10 +581,14 @@ impl Shim {
     /// The program's name for the mapped file `path`, where one of its arguments leads
     /// there through symlinks, else `path`.
     fn model_name(&self, path: &Path) -> PathBuf {
-        std::fs::read("/proc/self/cmdline")
-            .ok()
-            .and_then(|cmdline| name_given(&cmdline, path, |arg| std::fs::canonicalize(arg).ok()))
+        name_given(self.cmdline(), path, |arg| std::fs::canonicalize(arg).ok())
             .unwrap_or_else(|| path.to_path_buf())
+    }
+
+    /// The program's arguments, NUL-separated (empty if they cannot be read).
+    fn cmdline(&self) -> &[u8] {
+        self.cmdline
+            .get_or_init(|| std::fs::read("/proc/self/cmdline").unwrap_or_default())
     }
 
     /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the

@@ -13,6 +13,7 @@ use hyperoffload::sys;
 use libc::c_int;
 
 use super::{starts_as_a_model, Shim};
+use crate::given_name::name_given;
 use crate::raw;
 
 /// A file as the shim identified it for its record.
@@ -33,6 +34,11 @@ impl Shim {
         let Some(stat) = raw::fstat(fd) else {
             return;
         };
+        // A file opened again (llama.cpp opens its model twice) is known by its inode.
+        let key = (stat.st_dev, stat.st_ino);
+        if self.seen.change_known(key, |record| record.opened = true) {
+            return;
+        }
         let mut buffer = [0u8; 4096];
         let Some(file) = self.identify(fd, &stat, &mut buffer, None) else {
             return;
@@ -140,21 +146,31 @@ impl Shim {
         let kernel_name = Path::new(OsStr::from_bytes(path));
         let (name, found_by) = if self.config.matches(path) {
             (kernel_name.to_path_buf(), FoundBy::Name)
+        } else if let Some(given) = self.matching_name_given(kernel_name) {
+            (given, FoundBy::Name)
+        } else if size >= self.config.min_size && starts_as_a_model(fd) {
+            (kernel_name.to_path_buf(), FoundBy::Header)
         } else {
-            let given = self.model_name(kernel_name);
-            if given.as_path() != kernel_name && self.config.matches(given.as_os_str().as_bytes()) {
-                (given, FoundBy::Name)
-            } else if size >= self.config.min_size && starts_as_a_model(fd) {
-                (given, FoundBy::Header)
-            } else {
-                return None;
-            }
+            return None;
         };
         Some(Identified {
             key: (stat.st_dev, stat.st_ino),
             name,
             size,
             found_by,
+        })
+    }
+
+    /// The program's name for the file the kernel names `path` (see `given_name`), if it
+    /// matches the patterns. Only the arguments that match are resolved: a program
+    /// opening many large files of other names pays a scan of its arguments for each,
+    /// not a path resolution per argument.
+    fn matching_name_given(&self, path: &Path) -> Option<PathBuf> {
+        name_given(self.cmdline(), path, |arg| {
+            self.config
+                .matches(arg.as_os_str().as_bytes())
+                .then(|| std::fs::canonicalize(arg).ok())
+                .flatten()
         })
     }
 
