@@ -80,6 +80,15 @@ fn a_model_read_rather_than_mapped_is_named_with_the_reason() {
         last_line(&output),
         "hyperoffload: nothing was served (see above)"
     );
+    // -v says so as the program opens it.
+    let output = run_victim(&victim, &["--min-size", "1M", "-v"], &["pread", path]);
+    assert!(
+        stderr(&output).contains(&format!(
+            "hyperoffload: {path}: opened, a model by its name; served if the program maps it"
+        )),
+        "{}",
+        stderr(&output)
+    );
     // The same file mapped is served, and named in the summary with its size.
     let output = run_victim(&victim, &["--min-size", "1M"], &["read", path]);
     assert_success(&output, "read victim");

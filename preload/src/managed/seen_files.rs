@@ -43,6 +43,17 @@ impl Shim {
         let Some(file) = self.identify(fd, &stat, &mut buffer, None) else {
             return;
         };
+        self.verbose(|| {
+            let by = match file.found_by {
+                FoundBy::Name => "its name",
+                FoundBy::Header => "its header",
+                FoundBy::Size => "its size",
+            };
+            format!(
+                "{}: opened, a model by {by}; served if the program maps it",
+                file.name.display()
+            )
+        });
         self.seen.update(
             file.key,
             || new_record(&file, true),
