@@ -22,6 +22,7 @@ pub mod policy;
 pub mod policy_name;
 mod recent_faults;
 pub mod ring;
+pub mod served_files;
 mod service;
 pub mod shared_store;
 pub mod shim_config;

@@ -281,6 +281,29 @@ pub fn open_read(path: &CStr) -> io::Result<OwnedFd> {
     )?)
 }
 
+/// openat(2) as a C caller makes it: a raw directory descriptor (`libc::AT_FDCWD` for
+/// the working directory), the flags and mode bit for bit; the new descriptor. The mode
+/// reaches the kernel only where the flags create a file (as libc passes it).
+pub fn openat_raw(dirfd: RawFd, path: &CStr, flags: i32, mode: u32) -> io::Result<RawFd> {
+    use std::os::fd::IntoRawFd;
+    let flags = OFlags::from_bits_retain(flags as u32);
+    let mode = if flags.intersects(OFlags::CREATE | OFlags::TMPFILE) {
+        Mode::from_bits_retain(mode)
+    } else {
+        Mode::empty()
+    };
+    let opened = if dirfd == libc::AT_FDCWD {
+        rustix::fs::openat(rustix::fs::CWD, path, flags, mode)
+    } else if dirfd < 0 {
+        return Err(errno(libc::EBADF));
+    } else {
+        // SAFETY: `dirfd` is not -1; the kernel checks it is open and keeps no borrow.
+        let dirfd = unsafe { BorrowedFd::borrow_raw(dirfd) };
+        rustix::fs::openat(dirfd, path, flags, mode)
+    };
+    Ok(opened?.into_raw_fd())
+}
+
 /// read(2).
 pub fn read(fd: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::io::read(fd, buffer)?)

@@ -27,11 +27,12 @@
 //!    process is served, as pure functions), `fork_plan` (what a forked child maps in
 //!    place of the managed ranges), `exit_report` (the files written at exit, and the stats snapshots
 //!    written while the program runs, from what it is given), `periodic` (a thread of
-//!    the shim's own, calling a function at a period).
+//!    the shim's own, calling a function at a period), `seen` (the records of the model
+//!    files the program opened or mapped, and what became of each).
 //! 2. `env_scrub` (the constructor deciding whether this image is served, and
 //!    LD_PRELOAD for what it executes) uses `process_claim`.
 //! 3. `managed` (the shim: what it does to each call it takes over) uses `raw`,
-//!    `registry`, `read_ahead`, `given_name`, `fork_plan`.
+//!    `registry`, `read_ahead`, `given_name`, `fork_plan`, `seen`.
 //! 4. `state` (the life cycle: the init state, the re-entry guard, the exit handler,
 //!    the snapshots) uses `managed`, `env_scrub`, `exit_report`, `periodic`, `heap`,
 //!    `raw`.
@@ -54,6 +55,7 @@ mod process_claim;
 mod raw;
 mod read_ahead;
 mod registry;
+mod seen;
 mod state;
 
 /// Counts the heap this library's Rust code holds: the pager's own memory (see `heap`).

@@ -18,6 +18,12 @@ pub fn set_errno(errno: c_int) {
     unsafe { *libc::__errno_location() = errno };
 }
 
+/// This thread's errno.
+pub fn errno() -> c_int {
+    // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's life.
+    unsafe { *libc::__errno_location() }
+}
+
 /// The errno an OS-layer error carries.
 pub fn errno_of(error: io::Error) -> c_int {
     error.raw_os_error().unwrap_or(libc::EIO)

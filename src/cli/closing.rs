@@ -3,7 +3,12 @@
 //! partial or missing. A program killed by a signal runs no exit handlers, so the shim
 //! wrote no final stats: its last snapshot (written every half second while the pager
 //! ran) stands in for them, and the line says so and names the signal.
+//!
+//! Before it, one line for each model file the program opened or mapped and was not
+//! served, with the reason (`served_files`): the closing line stays the last one.
 
+use hyperoffload::served_files::{SeenFiles, REPORT_FLOOR};
+use hyperoffload::shim_config::BudgetSpec;
 use hyperoffload::size::format_size;
 
 use super::exit_status::{signal_name, Ending};
@@ -17,9 +22,40 @@ pub struct Outcome<'a> {
     pub stats: Option<&'a str>,
     /// The last snapshot of the stats, written while the pager ran.
     pub snapshot: Option<&'a str>,
+    /// What the shim saw of the program's model files, where it recorded any.
+    pub seen: Option<&'a SeenFiles>,
     /// What the shim serves, for the line saying nothing was.
     pub patterns: &'a [String],
-    pub min_size: u64,
+    /// Whether programs the program started were served too (`--inherit`).
+    pub inherit: bool,
+}
+
+impl Outcome<'_> {
+    /// Whether the pager served any file.
+    pub fn served(&self) -> bool {
+        let stats_name_files = self.stats.or(self.snapshot).is_some_and(|json| {
+            serde_json::from_str::<serde_json::Value>(json)
+                .ok()
+                .and_then(|stats| stats["files"].as_array().map(|files| !files.is_empty()))
+                .unwrap_or(false)
+        });
+        stats_name_files || self.seen.is_some_and(SeenFiles::any_served)
+    }
+}
+
+/// Every line to print at the end (without the `hyperoffload: ` prefix): one for each
+/// model file not served, then the closing line.
+pub fn closing_lines(outcome: &Outcome<'_>) -> Vec<String> {
+    let killed = match outcome.ending {
+        Ending::Signal(signal) => Some(signal_name(*signal)),
+        Ending::Code(_) => None,
+    };
+    let mut lines = outcome
+        .seen
+        .map(|seen| seen.unserved_lines(killed.as_deref()))
+        .unwrap_or_default();
+    lines.push(closing_line(outcome));
+    lines
 }
 
 /// The closing line (without the `hyperoffload: ` prefix).
@@ -47,23 +83,66 @@ pub fn closing_line(outcome: &Outcome<'_>) -> String {
             };
             format!("{how}; as of its last stats snapshot: {}", summary(json))
         }
+        (None, None) if outcome.seen.is_some_and(|seen| !seen.files.is_empty()) => match killed {
+            Some(killed) => format!("{killed}; nothing was served (see above)"),
+            None => "nothing was served (see above)".to_string(),
+        },
         (None, None) => {
             let files = format!(
-                "no file matching {} of at least {}",
+                "no model file (matching {}, or starting as a GGUF or safetensors file \
+                 does, of at least {})",
                 outcome.patterns.join(","),
-                format_size(outcome.min_size)
+                format_size(REPORT_FLOOR)
             );
+            // The shim serves only the process it was started in: a wrapper's child
+            // (a script running python) is the usual program that opened the model.
+            let children = if outcome.inherit {
+                ""
+            } else {
+                "; programs it started are served only with --inherit"
+            };
             match killed {
-                Some(killed) => {
-                    format!("{killed} before the pager started: the program had mapped {files}")
-                }
-                None => format!(
-                    "no stats: the program mapped {files} (or exited without running exit \
-                     handlers)"
+                Some(killed) => format!(
+                    "{killed} before the pager started: nothing was served; the program had \
+                     opened or mapped {files}{children}"
                 ),
+                None => {
+                    format!("nothing was served: the program opened or mapped {files}{children}")
+                }
             }
         }
     }
+}
+
+/// The line of a `--require-served` run that served nothing, ending with `status`: the
+/// model not served, its size and the budget it would have had.
+pub fn require_served_line(seen: Option<&SeenFiles>, budget: BudgetSpec, status: u8) -> String {
+    let unserved: Vec<_> = seen
+        .map(|seen| seen.files.iter().filter(|file| !file.served).collect())
+        .unwrap_or_default();
+    let Some(first) = unserved.first() else {
+        return format!(
+            "--require-served: no model file was served or seen (budget {budget}); exiting \
+             with status {status}"
+        );
+    };
+    let others = match unserved.len() - 1 {
+        0 => String::new(),
+        1 => " (nor 1 other file)".to_string(),
+        more => format!(" (nor {more} other files)"),
+    };
+    let resolved = match budget {
+        BudgetSpec::ModelPercent(_) => {
+            format!(" = {}", format_size(budget.resolve(first.model_len, || 0)))
+        }
+        _ => String::new(),
+    };
+    format!(
+        "--require-served: {} ({}) was not served{others}; budget {budget}{resolved}; exiting \
+         with status {status}",
+        first.path,
+        format_size(first.model_len)
+    )
 }
 
 /// The stats JSON to keep for `--stats`: the final stats, else the last snapshot; with
@@ -122,7 +201,22 @@ pub fn summary(json: &str) -> String {
         format_size(number("pager_heap_peak_bytes") as u64),
         format_size(rate as u64),
         elapsed
-    ) + &served_process(&stats)
+    ) + &served_model(&stats)
+        + &served_process(&stats)
+}
+
+/// The model served (`; model /m/x.gguf (4.00 GiB)`, with `and N more` for more files):
+/// empty for stats without files.
+fn served_model(stats: &serde_json::Value) -> String {
+    let Some(files) = stats["files"].as_array().filter(|files| !files.is_empty()) else {
+        return String::new();
+    };
+    let path = files[0]["path"].as_str().unwrap_or("?");
+    let size = format_size(files[0]["size"].as_u64().unwrap_or(0));
+    match files.len() - 1 {
+        0 => format!("; model {path} ({size})"),
+        more => format!("; model {path} ({size}) and {more} more"),
+    }
 }
 
 /// Which process the stats are of (`; served pid 4242 (llama-completion)`): through a
@@ -153,8 +247,9 @@ mod tests {
             passed_on: None,
             stats,
             snapshot,
+            seen: None,
             patterns,
-            min_size: 64 << 20,
+            inherit: false,
         }
     }
 
@@ -225,15 +320,115 @@ mod tests {
         let line = closing_line(&outcome(&ending, None, None, &patterns));
         assert_eq!(
             line,
-            "killed by SIGINT before the pager started: the program had mapped no file \
-             matching *.gguf,*.safetensors of at least 64.0 MiB"
+            "killed by SIGINT before the pager started: nothing was served; the program had \
+             opened or mapped no model file (matching *.gguf,*.safetensors, or starting as a \
+             GGUF or safetensors file does, of at least 1.00 MiB); programs it started are \
+             served only with --inherit"
         );
         let ending = Ending::Code(0);
         let line = closing_line(&outcome(&ending, None, None, &patterns));
         assert!(
-            line.starts_with("no stats: the program mapped no file"),
+            line.starts_with("nothing was served: the program opened or mapped no model file"),
             "{line}"
         );
         assert_eq!(kept_stats(&outcome(&ending, None, None, &patterns)), None);
+        assert!(!outcome(&ending, None, None, &patterns).served());
+        let inherited = Outcome {
+            inherit: true,
+            ..outcome(&ending, None, None, &patterns)
+        };
+        assert!(closing_line(&inherited).ends_with("of at least 1.00 MiB)"));
+    }
+
+    #[test]
+    fn each_file_not_served_has_its_line_before_the_closing_one() {
+        use hyperoffload::served_files::{FoundBy, Refusal, SeenFile};
+        let patterns = ["*.gguf".to_string()];
+        let file = SeenFile {
+            path: "/m/m.gguf".into(),
+            size: 4 << 20,
+            model_len: 4 << 20,
+            found_by: FoundBy::Name,
+            opened: true,
+            served: false,
+            refused: Some(Refusal::Writable),
+        };
+        let seen = SeenFiles {
+            program: "/bin/victim".into(),
+            min_size: 1 << 20,
+            patterns: patterns.to_vec(),
+            files: vec![file],
+        };
+        let ending = Ending::Signal(libc::SIGTERM);
+        let mut killed = outcome(&ending, None, None, &patterns);
+        killed.seen = Some(&seen);
+        assert!(!killed.served());
+        let lines = closing_lines(&killed);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[0].starts_with("not served: /m/m.gguf (4.00 MiB): mapped writable"),
+            "{lines:?}"
+        );
+        assert_eq!(
+            lines[1],
+            "killed by SIGTERM; nothing was served (see above)"
+        );
+        // A file served (the stats list it) is served, whatever the records say.
+        let stats = r#"{"bytes_read": 1, "files": [{"path": "/m/m.gguf", "size": 4194304}]}"#;
+        let ending = Ending::Code(0);
+        let served = Outcome {
+            seen: Some(&seen),
+            ..outcome(&ending, Some(stats), None, &patterns)
+        };
+        assert!(served.served());
+    }
+
+    #[test]
+    fn require_served_names_the_model_its_size_and_the_budget() {
+        use hyperoffload::served_files::{FoundBy, SeenFile};
+        let file = |path: &str, served| SeenFile {
+            path: path.into(),
+            size: 100 << 20,
+            model_len: 100 << 20,
+            found_by: FoundBy::Name,
+            opened: true,
+            served,
+            refused: None,
+        };
+        let mut seen = SeenFiles {
+            files: vec![file("/m/a.gguf", false)],
+            ..SeenFiles::default()
+        };
+        assert_eq!(
+            require_served_line(Some(&seen), BudgetSpec::ModelPercent(50), 3),
+            "--require-served: /m/a.gguf (100.0 MiB) was not served; budget 50% of the model = \
+             50.0 MiB; exiting with status 3"
+        );
+        seen.files.push(file("/m/b.gguf", false));
+        seen.files.push(file("/m/c.gguf", true));
+        assert_eq!(
+            require_served_line(Some(&seen), BudgetSpec::Bytes(2 << 20), 3),
+            "--require-served: /m/a.gguf (100.0 MiB) was not served (nor 1 other file); budget \
+             2.00 MiB; exiting with status 3"
+        );
+        assert_eq!(
+            require_served_line(None, BudgetSpec::Auto, 3),
+            "--require-served: no model file was served or seen (budget what this process can \
+             spare); exiting with status 3"
+        );
+    }
+
+    #[test]
+    fn the_summary_names_the_model_and_its_size() {
+        let one = r#"{"bytes_read": 1, "files": [{"path": "/m/m.gguf", "size": 4194304}]}"#;
+        assert!(
+            summary(one).ends_with("; model /m/m.gguf (4.00 MiB)"),
+            "{}",
+            summary(one)
+        );
+        let two =
+            r#"{"files": [{"path": "/m/a.gguf", "size": 1024}, {"path": "/m/b.gguf", "size": 1}]}"#;
+        assert!(summary(two).ends_with("; model /m/a.gguf (1.00 KiB) and 1 more"));
+        assert!(!summary(STATS).contains("; model"));
     }
 }

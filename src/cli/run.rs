@@ -11,9 +11,12 @@
 //! - SIGTERM, SIGHUP, SIGINT and SIGQUIT sent to the launcher go to the program (see
 //!   `forward`). When a signal ends it, the shim has run no exit handler: the summary
 //!   comes from the stats snapshot it wrote last (`closing`), and names the signal.
+//! - Each model file the program opened or mapped and the pager did not serve gets a line
+//!   saying why (`served_files`, from what the shim recorded), before the summary.
 //! - The exit status is the program's; if a signal killed it, the launcher kills itself
 //!   with the same signal (so a shell sees the same thing), or exits with 128 + N if it
-//!   survives that.
+//!   survives that. With `--require-served`, a run that served nothing exits with
+//!   `NOTHING_SERVED` instead, whatever the program's status.
 
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -23,17 +26,21 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{bail, Context};
 use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
+use hyperoffload::served_files::SeenFiles;
 use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VARS};
 use hyperoffload::{budget_floor, memory_limits};
 
 use super::child::end_with_this_process;
-use super::closing::{closing_line, kept_stats, Outcome};
+use super::closing::{closing_lines, kept_stats, require_served_line, Outcome};
 use super::exec_check::{check_reachable, resolve_program};
 use super::exit_status::ending;
 use super::forward;
 
 /// The shim's file name.
 pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
+
+/// The exit status of a `--require-served` run that served nothing.
+pub const NOTHING_SERVED: u8 = 3;
 
 #[derive(clap::Args)]
 #[command(trailing_var_arg = true)]
@@ -91,6 +98,11 @@ pub struct RunArgs {
     /// Print no summary.
     #[arg(long, short)]
     quiet: bool,
+    /// Exit with status 3 if the pager served no file (the program read its model
+    /// rather than mapped it, mapped it writable, ...: the lines before the summary say
+    /// why), whatever the program's own status.
+    #[arg(long)]
+    require_served: bool,
     /// The program and its arguments.
     #[arg(required = true, value_name = "PROGRAM")]
     command: Vec<OsString>,
@@ -132,24 +144,61 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .is_none()
         .then(|| last_snapshot(&private.0, ended.pid))
         .flatten();
+    let seen = seen_files(&private.0, ended.pid);
     let how = ending(ended.status);
     let outcome = Outcome {
         ending: &how,
         passed_on: ended.passed_on,
         stats: stats.as_deref(),
         snapshot: snapshot.as_deref(),
+        seen: seen.as_ref(),
         patterns: &config.patterns,
-        min_size: config.min_size,
+        inherit: config.inherit,
     };
-    if !args.quiet {
-        eprintln!("hyperoffload: {}", closing_line(&outcome));
+    let refused = args.require_served && !outcome.served();
+    if !args.quiet || refused {
+        for line in closing_lines(&outcome) {
+            eprintln!("hyperoffload: {line}");
+        }
     }
     if let (Some(json), Some(path)) = (kept_stats(&outcome), &args.stats) {
         write_new(path, json.as_bytes())
             .with_context(|| format!("cannot write --stats {}", path.display()))?;
     }
     drop(private);
+    if refused {
+        eprintln!(
+            "hyperoffload: {}",
+            require_served_line(seen.as_ref(), config.budget, NOTHING_SERVED)
+        );
+        return Ok(ExitCode::from(NOTHING_SERVED));
+    }
     Ok(super::exit_status::pass_through(ended.status))
+}
+
+/// What the shim recorded of the model files (`seen-<pid>.json` in `dir`): the
+/// program's (`pid`) first, then those of the programs it ran with `--inherit`.
+fn seen_files(dir: &Path, pid: u32) -> Option<SeenFiles> {
+    let mut records: Vec<(bool, SeenFiles)> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let own = name == format!("seen-{pid}.json");
+            if !name.starts_with("seen-") || !name.ends_with(".json") {
+                return None;
+            }
+            let json = std::fs::read_to_string(entry.path()).ok()?;
+            Some((own, SeenFiles::from_json(&json)?))
+        })
+        .collect();
+    records.sort_by_key(|(own, _)| !own);
+    let mut records = records.into_iter().map(|(_, seen)| seen);
+    let mut seen = records.next()?;
+    for other in records {
+        seen.files.extend(other.files);
+    }
+    Some(seen)
 }
 
 /// The last stats snapshot the shim wrote in `dir` (see `ShimConfig::snapshot_dir`):

@@ -140,6 +140,30 @@ int main(int argc, char **argv) {
     printf("reuse ok\n");
     return 0;
   }
+  if (!strcmp(mode, "pread")) {
+    /* Reads the file with pread, never mapping it: llama.cpp's -lm none. */
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { perror(path); exit(2); }
+    unsigned char buffer[65536];
+    unsigned long long s = 1469598103934665603ULL;
+    off_t at = 0;
+    ssize_t n;
+    while ((n = pread(fd, buffer, sizeof buffer, at)) > 0) {
+      for (ssize_t i = 0; i < n; i++) s = (s ^ buffer[i]) * 1099511628211ULL;
+      at += n;
+    }
+    printf("sum %llx\n", s);
+    close(fd);
+    return 0;
+  }
+  if (!strcmp(mode, "open-and-wait")) {
+    /* Opens the file and waits, never mapping it, until a signal ends the program. */
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { perror(path); exit(2); }
+    printf("opened\n");
+    fflush(stdout);
+    for (;;) pause();
+  }
   if (!strcmp(mode, "sum-then-wait-for-sigint")) {
     /* Reads the whole file, then waits for ^C and ends normally on it (through exit(),
      * so the shim writes its report), as an interactive program does. */

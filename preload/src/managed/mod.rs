@@ -28,6 +28,7 @@ use hyperoffload::memory_limits::{self, budget_warning};
 use hyperoffload::model::split::model_len;
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
+use hyperoffload::served_files::Refusal;
 use hyperoffload::shim_config::{BudgetSpec, ShimConfig, Sizing};
 use hyperoffload::size::format_size;
 use hyperoffload::sys;
@@ -38,9 +39,11 @@ use crate::given_name::name_given;
 use crate::raw;
 use crate::read_ahead;
 use crate::registry::{Piece, Registry};
+use crate::seen::Seen;
 
 mod calls;
 mod fork;
+mod seen_files;
 
 /// The kernel's page size.
 pub fn page() -> usize {
@@ -113,7 +116,8 @@ pub struct ManagedFile {
 enum PagerSlot {
     NotYet,
     Running(Pager),
-    Failed,
+    /// It could not start: the error, for the record of each file left to the kernel.
+    Failed(String),
 }
 
 pub struct Shim {
@@ -144,6 +148,11 @@ pub struct Shim {
     warned_map: AtomicBool,
     /// Called once the pager runs (the owner registers the exit report then).
     on_pager_start: fn(),
+    /// What became of each model file the program opened or mapped.
+    seen: Seen,
+    /// The program's arguments (`/proc/self/cmdline`), read once: the names it gave its
+    /// files are those it started with (see `given_name`).
+    cmdline: std::sync::OnceLock<Vec<u8>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,6 +171,11 @@ impl Shim {
     /// The shim for `config`; `on_pager_start` is called when its pager starts.
     pub fn new(config: ShimConfig, on_pager_start: fn()) -> Self {
         Self {
+            seen: Seen::new(
+                config.snapshot_dir.clone(),
+                config.min_size,
+                config.patterns.clone(),
+            ),
             config,
             pager: Mutex::new(PagerSlot::NotYet),
             registry: Mutex::new(Registry::default()),
@@ -180,6 +194,7 @@ impl Shim {
             warned_mlock: AtomicBool::new(false),
             warned_map: AtomicBool::new(false),
             on_pager_start,
+            cmdline: std::sync::OnceLock::new(),
         }
     }
 
@@ -262,7 +277,7 @@ impl Shim {
         let mut slot = lock(&self.pager);
         match &*slot {
             PagerSlot::Running(pager) => return Some(pager.clone()),
-            PagerSlot::Failed => return None,
+            PagerSlot::Failed(_) => return None,
             PagerSlot::NotYet => {}
         }
         let budget = sizing.budget;
@@ -315,7 +330,7 @@ impl Shim {
                 Some(pager)
             }
             Err(error) => {
-                *slot = PagerSlot::Failed;
+                *slot = PagerSlot::Failed(error.clone());
                 self.say(&format!(
                     "cannot start the pager: {error}; model files are left to the kernel"
                 ));
@@ -330,7 +345,16 @@ impl Shim {
         let offset = request.offset as u64;
         let data_len = (request.len as u64).min(file.size - offset);
         let block_cuts = self.block_cuts(&file);
-        let pager = self.pager_for(&file, offset, data_len, &block_cuts)?;
+        let Some(pager) = self.pager_for(&file, offset, data_len, &block_cuts) else {
+            let error = match &*lock(&self.pager) {
+                PagerSlot::Failed(error) => error.clone(),
+                _ => "it was not started".to_string(),
+            };
+            let path = file.path.as_os_str().as_bytes();
+            let refusal = Refusal::PagerNotStarted(error);
+            self.note_refused(request.fd, &file.stat, Some(path), refusal);
+            return None;
+        };
         let options = MapOptions {
             offset,
             len: Some(data_len),
@@ -339,7 +363,16 @@ impl Shim {
             block_cuts,
         };
         let _layout = lock(&self.layout);
-        let managed = self.map_region(&pager, &file, options, request)?;
+        let managed = match self.map_region(&pager, &file, options, request) {
+            Ok(managed) => managed,
+            Err(error) => {
+                let path = file.path.as_os_str().as_bytes();
+                let refusal = Refusal::MapFailed(error);
+                self.note_refused(request.fd, &file.stat, Some(path), refusal);
+                return None;
+            }
+        };
+        self.note_served(&file.stat, &file.name, file.model_len);
         if request.flags & libc::MAP_POPULATE != 0 {
             self.bounded_prefetch(&managed, 0..managed.region.map_len() as u64);
         }
@@ -371,6 +404,12 @@ impl Shim {
                         reason.describe()
                     )
                 });
+                let refusal = match reason {
+                    PassReason::TooSmall => Refusal::TooSmall,
+                    PassReason::NameNotMatched => Refusal::NameNotMatched,
+                    other => Refusal::Request(other.describe().to_string()),
+                };
+                self.note_refused(request.fd, &stat, Some(path), refusal);
                 return None;
             }
         };
@@ -384,6 +423,8 @@ impl Shim {
                     path.display()
                 )
             });
+            let kernel_name = path.as_os_str().as_bytes();
+            self.note_refused(request.fd, &stat, Some(kernel_name), Refusal::NameChanged);
             return None;
         }
         Some(MappedFile {
@@ -474,7 +515,7 @@ impl Shim {
     ) -> Option<Pager> {
         match &*lock(&self.pager) {
             PagerSlot::Running(pager) => return Some(pager.clone()),
-            PagerSlot::Failed => return None,
+            PagerSlot::Failed(_) => return None,
             PagerSlot::NotYet => {}
         }
         // Another thread may start it meanwhile: `pager` then returns that one.
@@ -495,7 +536,7 @@ impl Shim {
         self.pager(&hint, &sizing)
     }
 
-    /// Maps `file` through the pager and registers the region as managed memory; `None`
+    /// Maps `file` through the pager and registers the region as managed memory; its error
     /// (and a warning once) if the pager cannot map it. The caller holds `layout`.
     fn map_region(
         &self,
@@ -503,7 +544,7 @@ impl Shim {
         file: &MappedFile,
         options: MapOptions,
         request: &MapRequest,
-    ) -> Option<Arc<ManagedRegion>> {
+    ) -> Result<Arc<ManagedRegion>, String> {
         let offset = options.offset;
         let region = match pager.map_file(&file.path, options) {
             Ok(region) => region,
@@ -511,7 +552,7 @@ impl Shim {
                 self.warn_once(&self.warned_map, || {
                     format!("{error}; this mapping is left to the kernel")
                 });
-                return None;
+                return Err(error.to_string());
             }
         };
         let base = region.as_ptr() as usize;
@@ -541,7 +582,7 @@ impl Shim {
                 "path": file.path.to_string_lossy(), "offset": offset, "len": request.len,
                 "flags": request.flags})
         });
-        Some(managed)
+        Ok(managed)
     }
 
     /// The index of `file` among the managed files, added if new.
@@ -563,10 +604,14 @@ impl Shim {
     /// The program's name for the mapped file `path`, where one of its arguments leads
     /// there through symlinks, else `path`.
     fn model_name(&self, path: &Path) -> PathBuf {
-        std::fs::read("/proc/self/cmdline")
-            .ok()
-            .and_then(|cmdline| name_given(&cmdline, path, |arg| std::fs::canonicalize(arg).ok()))
+        name_given(self.cmdline(), path, |arg| std::fs::canonicalize(arg).ok())
             .unwrap_or_else(|| path.to_path_buf())
+    }
+
+    /// The program's arguments, NUL-separated (empty if they cannot be read).
+    fn cmdline(&self) -> &[u8] {
+        self.cmdline
+            .get_or_init(|| std::fs::read("/proc/self/cmdline").unwrap_or_default())
     }
 
     /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
