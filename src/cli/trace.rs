@@ -42,6 +42,9 @@ pub struct TraceArgs {
     /// Let programs the target executes use the shim too, as `run --inherit`.
     #[arg(long)]
     inherit: bool,
+    /// Blocks on the block-size grid alone, as `run --no-expert-blocks`.
+    #[arg(long)]
+    no_expert_blocks: bool,
     /// Convert this recorded fault trace CSV instead of running a program. It is copied
     /// to the CSV beside --out unless it is that file (by any name); it may not be the
     /// JSON or the tensor-named CSV, which would overwrite it.
@@ -114,6 +117,9 @@ fn record(args: &TraceArgs, csv: &Path) -> anyhow::Result<ExitStatus> {
     }
     if args.inherit {
         command.arg("--inherit");
+    }
+    if args.no_expert_blocks {
+        command.arg("--no-expert-blocks");
     }
     command
         .arg("--trace")
