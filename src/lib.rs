@@ -5,6 +5,7 @@
 
 pub mod budget_check;
 pub mod budget_floor;
+pub mod budget_history;
 mod command;
 mod event;
 pub mod file;
@@ -32,5 +33,5 @@ pub mod sys;
 pub mod trace;
 mod uffd_ext;
 
-pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
+pub use pager::{BudgetError, MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
 pub use stats::Stats;
