@@ -5,6 +5,7 @@
 
 pub mod budget_check;
 pub mod budget_floor;
+pub mod budget_follow;
 pub mod budget_history;
 mod command;
 mod event;
@@ -17,10 +18,13 @@ mod lock;
 pub mod map_candidate;
 pub mod map_count;
 pub mod memory_limits;
+pub mod memory_pressure;
 pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod policy_name;
+pub mod pressure_events;
+pub mod pressure_follower;
 mod recent_faults;
 pub mod ring;
 mod service;
