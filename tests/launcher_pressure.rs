@@ -223,3 +223,36 @@ fn the_budget_gives_memory_back_to_a_hog_and_takes_it_again_after() {
     assert!(cgroup.peak_bytes().unwrap() <= LIMIT);
     drop(cgroup);
 }
+
+/// `--min` and `--max` bound `auto`: with a fixed budget, or crossed, they are refused
+/// before the program runs.
+#[test]
+fn min_and_max_are_refused_where_they_bound_nothing() {
+    let dir = TempDir::new("launcher-pressure-bounds");
+    let marker = dir.path("ran");
+    for (args, problem) in [
+        (
+            &["--budget", "1G", "--max", "2G"][..],
+            "bound --budget auto",
+        ),
+        (
+            &["--min", "2G", "--max", "1G"][..],
+            "--min is more than --max",
+        ),
+    ] {
+        let output = launcher()
+            .args(args)
+            .arg("--")
+            .arg("touch")
+            .arg(&marker)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{args:?} accepted");
+        assert!(!marker.exists(), "{args:?}: the program ran");
+        assert!(
+            stderr(&output).contains(problem),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+}
