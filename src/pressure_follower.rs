@@ -35,6 +35,14 @@ pub fn bounds(pager_bounds: (u64, u64), min: Option<u64>, max: Option<u64>) -> B
     Bounds { min, max }
 }
 
+/// Whether the PSI `some` total rose from `then` to `now` (each (time in ns, total
+/// stall in us)) at a trigger's rate or more: polled totals count as a trigger would.
+pub fn stalled(then: (u64, u64), now: (u64, u64)) -> bool {
+    let elapsed_us = (now.0.saturating_sub(then.0) / 1000).max(1);
+    let stall_us = now.1.saturating_sub(then.1);
+    stall_us as u128 * PSI_WINDOW_US as u128 >= PSI_STALL_US as u128 * elapsed_us as u128
+}
+
 impl PressureFollower {
     /// Follows for `pager`, between `min` and `max` (default: the pager's bounds).
     pub fn new(pager: Pager, min: Option<u64>, max: Option<u64>) -> Self {
@@ -95,12 +103,8 @@ impl PressureFollower {
         }
         if let Some((path, last)) = &mut self.psi_polled {
             if let Some(total) = psi_total_us(path) {
-                // Stalls at the trigger's rate or more count as a trigger would.
-                if let Some((then_ns, then_total)) = *last {
-                    let window_us = (now_ns - then_ns) / 1000;
-                    if (total - then_total) * PSI_WINDOW_US > PSI_STALL_US * window_us.max(1) {
-                        pressure = pressure.max(Pressure::High);
-                    }
+                if last.is_some_and(|then| stalled(then, (now_ns, total))) {
+                    pressure = pressure.max(Pressure::High);
                 }
                 *last = Some((now_ns, total));
             }
@@ -124,6 +128,18 @@ impl PressureFollower {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn polled_psi_totals_count_at_the_trigger_s_rate() {
+        const MS: u64 = 1_000_000;
+        // 100 ms of stall in a second is the trigger; 10 ms in 100 ms the same rate.
+        assert!(stalled((0, 0), (1000 * MS, 100_000)));
+        assert!(stalled((0, 5), (100 * MS, 10_005)));
+        assert!(!stalled((0, 0), (100 * MS, 9_000)));
+        assert!(!stalled((0, 7), (1000 * MS, 7)));
+        // A total that went back (a new cgroup file) is no stall.
+        assert!(!stalled((0, 100), (1000 * MS, 0)));
+    }
 
     #[test]
     fn the_bounds_given_stay_within_the_pager_s() {

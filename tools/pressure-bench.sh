@@ -74,7 +74,8 @@ t0 = time.monotonic()
 def sample(hog_pid=None):
     t = time.monotonic() - t0
     u = usage()
-    samples.append((t, u, u - (rss(hog_pid) if hog_pid else 0)))
+    h = rss(hog_pid) if hog_pid else 0
+    samples.append((t, u, u - h, h))
     time.sleep(0.02)
 while usage() < limit // 2 and victim.poll() is None and time.monotonic() - t0 < 120:
     sample()
@@ -88,17 +89,21 @@ while victim.poll() is None and time.monotonic() - t0 < hog_end + 30 and usage()
 back = time.monotonic() - t0
 open(stop, "w").close()
 victim.wait()
-side = [(t, s) for t, _, s in samples if hog_start <= t <= hog_end]
+side = [(t, s) for t, _, s, _ in samples if hog_start <= t <= hog_end]
+hog_full = next((t for t, _, _, h in samples if h >= 0.95 * hog), None)
 fits = limit - hog
 fitted = next((t for t, s in side if s <= fits), None)
 lowest = min(s for _, s in side) if side else 0
 print(f"cgroup v{2 if v2 else 1} limit {limit // MIB} MiB, model {model_len // MIB} MiB, "
       f"hog {hog // MIB} MiB in {step // MIB} MiB steps every {pause} s, --budget {budget}")
 print(f"reader side before the hog: {before // MIB} MiB; lowest beside it: {lowest // MIB} MiB")
-least_room = min((limit - u for t, u, _ in samples if hog_start <= t <= hog_end), default=0)
+least_room = min((limit - u for t, u, _, _ in samples if hog_start <= t <= hog_end), default=0)
 print(f"least room left in the cgroup while the hog ran: {least_room // MIB} MiB")
 print("fitted beside the full hog (<= %d MiB): %s" % (fits // MIB,
       f"{fitted - hog_start:.2f} s after the hog started" if fitted is not None else "never"))
+if hog_full is not None and fitted is not None:
+    print(f"the hog held 95 % of its share {hog_full - hog_start:.2f} s after it started; "
+          f"the reader fitted beside it {fitted - hog_full:+.2f} s from then")
 print(f"hog ran {hog_end - hog_start:.2f} s (exit {hog_proc.returncode}); reader back to 90 % "
       f"{back - hog_end:.2f} s after it ended" if usage() >= 0.9 * before or back < hog_end + 30
       else "reader not back within 30 s")
