@@ -9,11 +9,12 @@
 //!   available, and the cgroup's limit less what it uses that it cannot reclaim); the
 //!   budget aims at that less the same headroom the starting budget leaves
 //!   (`memory_limits::auto_budget`), within the bounds (`--min`, `--max`).
-//! - Under pressure the kernel reported (a PSI trigger, a v1 pressure level of medium
-//!   or more, v2 `memory.events` high or max), the aim is an eighth below the budget at
-//!   most, whatever the readings say: reclaim is under way, so memory that looks spare
-//!   may be on its way elsewhere. Any pressure (also the v1 `low` level) holds growth
-//!   back for `CALM` after it.
+//! - Under pressure the kernel reported on this process's cgroup (its PSI, a v1
+//!   pressure level of medium or more, v2 `memory.events` high or max), the aim is an
+//!   eighth below the budget at most, whatever the readings say, once every
+//!   `GROW_PERIOD_NS`: reclaim is under way, so memory that looks spare may be on its
+//!   way elsewhere. Any pressure (also the v1 `low` level, and stalls anywhere on the
+//!   machine) holds growth back for `CALM_NS` after it.
 //! - A lower aim is taken at once: the hog's next step could end in the OOM killer. A
 //!   higher one is approached in steps (`GROW_STEP` or a quarter of the aim, whichever is
 //!   more, once every `GROW_PERIOD`), so that a program that allocates again meets a
@@ -48,8 +49,8 @@ pub enum Pressure {
     None,
     /// Reclaim has begun (cgroup v1 `low`): hold growth back.
     Low,
-    /// Tasks stall on memory (a PSI trigger, v1 `medium`/`critical`, v2 `memory.events`
-    /// high or max): give memory back.
+    /// Tasks of this cgroup stall on memory (its PSI, v1 `medium`/`critical`, v2
+    /// `memory.events` high or max): give memory back.
     High,
 }
 
@@ -85,6 +86,8 @@ pub struct BudgetFollow {
     pub bounds: Bounds,
     last_pressure_ns: Option<u64>,
     last_growth_ns: Option<u64>,
+    /// When pressure last took an eighth off.
+    last_cut_ns: Option<u64>,
 }
 
 /// What the pager could have, less the headroom (the starting budget's rule).
@@ -101,6 +104,7 @@ impl BudgetFollow {
             bounds,
             last_pressure_ns: None,
             last_growth_ns: None,
+            last_cut_ns: None,
         }
     }
 
@@ -115,8 +119,15 @@ impl BudgetFollow {
             // Nothing known: stay, unless the kernel says to give back.
             None => self.budget,
         };
-        if reading.pressure == Pressure::High {
-            aim = aim.min(self.budget - self.budget / 8);
+        let since_cut = self
+            .last_cut_ns
+            .map_or(u64::MAX, |at| now_ns.saturating_sub(at));
+        if reading.pressure == Pressure::High && since_cut >= GROW_PERIOD_NS {
+            let cut = self.budget - self.budget / 8;
+            if cut < aim {
+                aim = cut;
+                self.last_cut_ns = Some(now_ns);
+            }
         }
         let aim = self.bounds.clamp(aim);
         let next = if aim < self.budget {
@@ -245,6 +256,19 @@ mod tests {
         assert!(follow
             .next(S + CALM_NS, &reading(GIB, 4 * GIB, Pressure::None))
             .is_some());
+    }
+
+    #[test]
+    fn pressure_that_lasts_takes_an_eighth_a_period() {
+        let mut follow = follow(GIB);
+        let pressed = reading(GIB, 4 * GIB, Pressure::High);
+        let mut budgets = Vec::new();
+        for tenth in 0..10 {
+            if let Some(next) = follow.next(tenth * S / 10, &pressed) {
+                budgets.push(next);
+            }
+        }
+        assert_eq!(budgets, [GIB - GIB / 8, (GIB - GIB / 8) * 7 / 8]);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! - a PSI trigger (Linux 5.2+): `some STALL WINDOW` written to the v2 cgroup's
 //!   `memory.pressure` or the machine's /proc/pressure/memory, then the descriptor
 //!   polls with POLLPRI when tasks stalled on memory for `PSI_STALL_US` within a
-//!   `PSI_WINDOW_US`;
+//!   `PSI_WINDOW_US` (the machine's stalls only hold growth back:
+//!   `memory_pressure::psi_pressure`);
 //! - cgroup v1 `memory.pressure_level` events: an eventfd registered through
 //!   `cgroup.event_control` for the `low` and the `medium` level each.
 //!
@@ -18,7 +19,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::budget_follow::Pressure;
-use crate::memory_pressure::CgroupFiles;
+use crate::memory_pressure::{psi_pressure, CgroupFiles};
 use crate::sys::{self, PollFd, PollFlags};
 
 /// A PSI trigger fires after this much stall...
@@ -75,7 +76,7 @@ impl PressureEvents {
             };
             sources.push(Source {
                 fd,
-                pressure: Pressure::High,
+                pressure: psi_pressure(&psi),
                 counter: false,
                 _level: None,
                 name,

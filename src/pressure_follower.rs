@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::budget_follow::{Bounds, BudgetFollow, Pressure, Reading};
-use crate::memory_pressure::{psi_total_us, CgroupEvents, CgroupFiles};
+use crate::memory_pressure::{psi_pressure, psi_total_us, CgroupEvents, CgroupFiles};
 use crate::pager::Pager;
 use crate::pressure_events::{PressureEvents, PSI_STALL_US, PSI_WINDOW_US};
 
@@ -104,7 +104,7 @@ impl PressureFollower {
         if let Some((path, last)) = &mut self.psi_polled {
             if let Some(total) = psi_total_us(path) {
                 if last.is_some_and(|then| stalled(then, (now_ns, total))) {
-                    pressure = pressure.max(Pressure::High);
+                    pressure = pressure.max(psi_pressure(path));
                 }
                 *last = Some((now_ns, total));
             }
