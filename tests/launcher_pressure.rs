@@ -256,3 +256,39 @@ fn min_and_max_are_refused_where_they_bound_nothing() {
         );
     }
 }
+
+/// `--max` bounds where `auto` starts and how far it grows; `--min` how far it falls.
+#[test]
+fn max_and_min_bound_the_following_budget() {
+    let dir = TempDir::new("launcher-pressure-max");
+    let model = dir.path("model.gguf");
+    common::pattern_file(&model, 96 * MIB);
+    let expected = sha256_of(&model);
+    let stop = dir.path("stop");
+    std::fs::write(&stop, b"").unwrap();
+    let stats = dir.path("stats.json");
+    let output = launcher()
+        .args(["--max", "32M", "--min", "16M", "--stats"])
+        .arg(&stats)
+        .arg("--")
+        .arg(python())
+        .args(["-c", READ_UNTIL_STOPPED])
+        .arg(&model)
+        .arg(&stop)
+        .output()
+        .unwrap();
+    assert_success(&output, "the reader under --max 32M");
+    assert_eq!(stdout(&output).trim(), expected);
+    let json = read_stats(&stats);
+    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
+        .map(|point| point["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(history[0], 32 * MIB, "{history:?}");
+    assert!(
+        history
+            .iter()
+            .all(|&bytes| (16 * MIB..=32 * MIB).contains(&bytes)),
+        "{history:?}"
+    );
+    assert!(json["peak_resident_bytes"].as_u64().unwrap() <= 32 * MIB);
+}
