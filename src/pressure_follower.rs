@@ -14,6 +14,9 @@ use crate::pressure_events::{PressureEvents, PSI_STALL_US, PSI_WINDOW_US};
 /// Longest wait between two readings: a hog that allocates faster than the headroom in
 /// this time can still push the cgroup to its limit before the budget follows.
 pub const PERIOD: Duration = Duration::from_millis(100);
+/// Shortest time between two readings: under lasting reclaim the v1 events come many
+/// times a second, and each reading asks the fault service for its stats.
+pub const MIN_PERIOD: Duration = Duration::from_millis(20);
 
 /// A pager's budget following what its process can spare.
 pub struct PressureFollower {
@@ -22,6 +25,7 @@ pub struct PressureFollower {
     events: PressureEvents,
     follow: BudgetFollow,
     start: Instant,
+    last_step: Instant,
     last_events: Option<CgroupEvents>,
     /// Without a PSI trigger: the PSI file polled, and its last (time, total stall).
     psi_polled: Option<(PathBuf, Option<(u64, u64)>)>,
@@ -57,6 +61,7 @@ impl PressureFollower {
             events,
             follow,
             start: Instant::now(),
+            last_step: Instant::now(),
             psi_polled,
         }
     }
@@ -91,6 +96,8 @@ impl PressureFollower {
     /// once the pager's service is gone (there is nothing more to follow for).
     pub fn step(&mut self) -> bool {
         let mut pressure = self.events.wait(PERIOD);
+        std::thread::sleep(MIN_PERIOD.saturating_sub(self.last_step.elapsed()));
+        self.last_step = Instant::now();
         let now_ns = self.start.elapsed().as_nanos() as u64;
         if let Some(events) = self.files.events() {
             if self
