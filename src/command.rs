@@ -73,6 +73,12 @@ pub(crate) enum Command {
         range: Range<u64>,
         hint: AccessHint,
     },
+    /// Changes the budget (within the pager's bounds); answered with the budget now in
+    /// force once what it holds fits it (see `Pager::set_budget`).
+    SetBudget {
+        bytes: u64,
+        reply: SyncSender<u64>,
+    },
     Stats {
         reply: SyncSender<Stats>,
     },

@@ -5,6 +5,8 @@
 
 pub mod budget_check;
 pub mod budget_floor;
+pub mod budget_follow;
+pub mod budget_history;
 mod command;
 mod event;
 pub mod file;
@@ -16,10 +18,13 @@ mod lock;
 pub mod map_candidate;
 pub mod map_count;
 pub mod memory_limits;
+pub mod memory_pressure;
 pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod policy_name;
+pub mod pressure_events;
+pub mod pressure_follower;
 mod recent_faults;
 pub mod ring;
 pub mod served_files;
@@ -33,5 +38,5 @@ pub mod sys;
 pub mod trace;
 mod uffd_ext;
 
-pub use pager::{MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
+pub use pager::{BudgetError, MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
 pub use stats::Stats;

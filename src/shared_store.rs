@@ -175,8 +175,10 @@ impl FrameStore {
         memory_limit: u64,
     ) -> io::Result<Self> {
         let memory_limit = memory_limit.max(frame_len);
-        // Every slot in use holds at least a page of a block the budget counts.
-        let slot_count = (memory_limit / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
+        // Every slot in use holds at least a page of a block the budget counts, and
+        // the budget may grow to what the huge frames would hold.
+        let most_memory = (frame_len * count as u64).max(memory_limit);
+        let slot_count = (most_memory / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
         Ok(Self {
             huge: FrameFile::new(huge, frame_len * count as u64)?,
             pages: FrameFile::new(pages, frame_len * slot_count as u64)?,
@@ -337,6 +339,14 @@ impl FrameStore {
         // Best effort, as in `punch_slot`.
         let _ = sys::punch_hole(self.huge.file.as_fd(), offset, self.frame_len as u64);
         self.memory_bytes -= self.frame_len as u64;
+    }
+
+    /// Sets the most memory the frames may hold (at least a frame), freeing the memory
+    /// of unused frames until they hold no more (as far as frames in use allow: a
+    /// budget that shrank evicts first).
+    pub fn set_memory_limit(&mut self, limit: u64) {
+        self.memory_limit = limit.max(self.frame_len as u64);
+        self.make_memory(0);
     }
 
     /// Bytes of memory the frames hold now, and at most so far: frames in use, and

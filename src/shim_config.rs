@@ -5,6 +5,7 @@
 //! | variable | meaning | default |
 //! |---|---|---|
 //! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget_floor`) | `auto`: what the process can have less a headroom, at most half the RAM (`memory_limits::auto_budget`) |
+//! | `HYPEROFFLOAD_BUDGET_MIN`, `HYPEROFFLOAD_BUDGET_MAX` | with `auto`: the least and the most the budget follows memory pressure to (sizes) | the pager's floor (`budget_floor`); half the RAM |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
@@ -28,6 +29,8 @@ use crate::policy_name::{check_policy_name, DEFAULT_POLICY};
 use crate::size::{format_size, parse_size, SizeError};
 
 pub const ENV_BUDGET: &str = "HYPEROFFLOAD_BUDGET";
+pub const ENV_BUDGET_MIN: &str = "HYPEROFFLOAD_BUDGET_MIN";
+pub const ENV_BUDGET_MAX: &str = "HYPEROFFLOAD_BUDGET_MAX";
 pub const ENV_MATCH: &str = "HYPEROFFLOAD_MATCH";
 pub const ENV_MIN_SIZE: &str = "HYPEROFFLOAD_MIN_SIZE";
 pub const ENV_POLICY: &str = "HYPEROFFLOAD_POLICY";
@@ -49,6 +52,8 @@ pub const PROCESS_UNCLAIMED: &str = "unclaimed-process-id-placeholder";
 /// Every variable the shim reads, for launchers that clear them.
 pub const ALL_VARS: &[&str] = &[
     ENV_BUDGET,
+    ENV_BUDGET_MIN,
+    ENV_BUDGET_MAX,
     ENV_MATCH,
     ENV_MIN_SIZE,
     ENV_POLICY,
@@ -248,6 +253,9 @@ pub struct Sizing {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShimConfig {
     pub budget: BudgetSpec,
+    /// With `BudgetSpec::Auto`: the least and the most the budget follows pressure to.
+    pub budget_min: Option<u64>,
+    pub budget_max: Option<u64>,
     pub patterns: Vec<String>,
     pub min_size: u64,
     pub policy: String,
@@ -296,10 +304,26 @@ impl ShimConfig {
         }
     }
 
+    /// With `BudgetSpec::Auto`, the budget to start from when the process can have
+    /// `auto` now: within `--min` and `--max`.
+    pub fn bounded_auto(&self, auto: u64) -> u64 {
+        let auto = self.budget_max.map_or(auto, |max| auto.min(max));
+        self.budget_min.map_or(auto, |min| auto.max(min))
+    }
+
+    /// With `BudgetSpec::Auto`, the most the budget may follow pressure up to, for a
+    /// pager starting at `budget` on a machine of `ram` bytes: `--max`, else half the RAM
+    /// (the most `auto` starts from), never less than the start.
+    pub fn auto_ceiling(&self, budget: u64, ram: u64) -> u64 {
+        self.budget_max.unwrap_or(ram / 2).max(budget)
+    }
+
     /// The configuration with every variable unset.
     pub fn defaults() -> Self {
         Self {
             budget: BudgetSpec::Auto,
+            budget_min: None,
+            budget_max: None,
             patterns: DEFAULT_PATTERNS.iter().map(|p| p.to_string()).collect(),
             min_size: DEFAULT_MIN_SIZE,
             policy: DEFAULT_POLICY.to_string(),
@@ -327,6 +351,25 @@ impl ShimConfig {
         if let Some(value) = lookup(ENV_BUDGET) {
             config.budget = BudgetSpec::parse(&value)
                 .map_err(|error| bad(ENV_BUDGET, &value, error.to_string()))?;
+        }
+        for (var, bound) in [
+            (ENV_BUDGET_MIN, &mut config.budget_min),
+            (ENV_BUDGET_MAX, &mut config.budget_max),
+        ] {
+            if let Some(value) = lookup(var) {
+                let bytes =
+                    parse_size(&value).map_err(|error| bad(var, &value, error.to_string()))?;
+                *bound = Some(bytes);
+            }
+        }
+        if let (Some(min), Some(max)) = (config.budget_min, config.budget_max) {
+            if min > max {
+                return Err(bad(
+                    ENV_BUDGET_MIN,
+                    &min.to_string(),
+                    format!("more than {ENV_BUDGET_MAX} ({max})"),
+                ));
+            }
         }
         if let Some(value) = lookup(ENV_MATCH) {
             let patterns: Vec<String> = value
@@ -415,6 +458,12 @@ impl ShimConfig {
         ];
         if let Some(block) = self.block_size {
             env.push((ENV_BLOCK, block.to_string()));
+        }
+        if let Some(min) = self.budget_min {
+            env.push((ENV_BUDGET_MIN, format!("{min}B")));
+        }
+        if let Some(max) = self.budget_max {
+            env.push((ENV_BUDGET_MAX, format!("{max}B")));
         }
         if let Some(threads) = self.install_threads {
             env.push((ENV_INSTALL_THREADS, threads.to_string()));
@@ -615,6 +664,8 @@ mod tests {
         config.verbose = true;
         config.inherit = true;
         config.zero_copy = false;
+        config.budget_min = Some(300 << 20);
+        config.budget_max = Some(3 << 30);
         let env: HashMap<String, String> = config
             .to_env()
             .into_iter()
@@ -622,6 +673,26 @@ mod tests {
             .collect();
         let back = ShimConfig::from_lookup(|var| env.get(var).cloned()).unwrap();
         assert_eq!(back, config);
+    }
+
+    #[test]
+    fn an_auto_budget_starts_and_follows_within_min_and_max() {
+        const GIB: u64 = 1 << 30;
+        let mut config = read(&[(ENV_BUDGET_MIN, "1G"), (ENV_BUDGET_MAX, "4G")]).unwrap();
+        assert_eq!(config.bounded_auto(8 * GIB), 4 * GIB);
+        assert_eq!(config.bounded_auto(GIB / 2), GIB);
+        assert_eq!(config.bounded_auto(2 * GIB), 2 * GIB);
+        assert_eq!(config.auto_ceiling(2 * GIB, 24 * GIB), 4 * GIB);
+        config.budget_max = None;
+        assert_eq!(config.auto_ceiling(2 * GIB, 24 * GIB), 12 * GIB);
+        // Never below where it starts (a --min above half the RAM).
+        assert_eq!(config.auto_ceiling(16 * GIB, 24 * GIB), 16 * GIB);
+        let crossed = read(&[(ENV_BUDGET_MIN, "4G"), (ENV_BUDGET_MAX, "1G")]);
+        assert_eq!(crossed.unwrap_err().var, ENV_BUDGET_MIN);
+        assert_eq!(
+            read(&[(ENV_BUDGET_MAX, "x")]).unwrap_err().var,
+            ENV_BUDGET_MAX
+        );
     }
 
     #[test]

@@ -102,7 +102,11 @@ pub struct Stats {
     /// Resident blocks whose pages a fault found gone (dropped behind the pager's back,
     /// e.g. by advice given to the kernel directly): read again.
     pub lost_blocks: u64,
+    /// The budget now (it changes with `Pager::set_budget`).
     pub budget_bytes: u64,
+    /// The budget over time: where it started and each change since (see
+    /// `budget_history`).
+    pub budget_history: Vec<crate::budget_history::BudgetPoint>,
     pub resident_bytes: u64,
     pub peak_resident_bytes: u64,
     pub pinned_bytes: u64,
@@ -192,6 +196,7 @@ mod tests {
             "prefetch_hits",
             "evictions",
             "budget_bytes",
+            "budget_history",
             "peak_resident_bytes",
         ] {
             assert!(json.get(field).is_some(), "missing {field}");

@@ -304,6 +304,41 @@ pub fn openat_raw(dirfd: RawFd, path: &CStr, flags: i32, mode: u32) -> io::Resul
     Ok(opened?.into_raw_fd())
 }
 
+/// open(2) of `path` for reading and writing, non-blocking and close-on-exec: a PSI
+/// trigger is written to such a descriptor and then polled.
+pub fn open_read_write_nonblock(path: &CStr) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
+/// open(2) of `path` for writing, close-on-exec (a cgroup control file).
+pub fn open_write(path: &CStr) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        path,
+        OFlags::WRONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
+pub use rustix::event::{PollFd, PollFlags};
+
+/// poll(2): waits up to `timeout` for one of `fds` to be ready and returns how many
+/// are (their `revents` say how). Interrupted by a signal, none are.
+pub fn poll(fds: &mut [PollFd<'_>], timeout: std::time::Duration) -> io::Result<usize> {
+    let timeout = rustix::event::Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: timeout.subsec_nanos() as i64,
+    };
+    match rustix::event::poll(fds, Some(&timeout)) {
+        Ok(ready) => Ok(ready),
+        Err(rustix::io::Errno::INTR) => Ok(0),
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// read(2).
 pub fn read(fd: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<usize> {
     Ok(rustix::io::read(fd, buffer)?)

@@ -40,7 +40,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use hyperoffload::shim_config::ShimConfig;
+use hyperoffload::pressure_follower::PressureFollower;
+use hyperoffload::shim_config::{BudgetSpec, ShimConfig};
 use libc::{c_char, c_int};
 
 use hyperoffload::sys::getpid;
@@ -225,6 +226,49 @@ fn on_pager_start() {
         unsafe { libc::atexit(write_exit_report) };
     }
     start_snapshots();
+    start_following();
+}
+
+static FOLLOWING_STARTED: AtomicBool = AtomicBool::new(false);
+
+/// Under `--budget auto`, starts the thread (once) whose steps make the pager's budget
+/// follow memory pressure (`hyperoffload::pressure_follower`): each waits for a
+/// pressure event or a period, then sets the budget if it is to change.
+fn start_following() {
+    let Some(shim) = SHIM.get() else {
+        return;
+    };
+    if shim.config.budget != BudgetSpec::Auto || FOLLOWING_STARTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (min, max) = (shim.config.budget_min, shim.config.budget_max);
+    let mut follower: Option<PressureFollower> = None;
+    let started = periodic::every("hyperoffload-follow", Duration::ZERO, move || {
+        if is_forked_child() {
+            return false;
+        }
+        let _reentry = Reentry::enter();
+        let follower = match &mut follower {
+            Some(follower) => follower,
+            None => {
+                // The thread starts when the pager does, with the slot's lock held: it
+                // is running once that lock is free.
+                let Some(pager) = shim.pager_if_running() else {
+                    return true;
+                };
+                let made = follower.insert(PressureFollower::new(pager, min, max));
+                shim.verbose(|| made.describe());
+                made
+            }
+        };
+        follower.step()
+    });
+    if let Err(error) = started {
+        shim.say(&format!(
+            "cannot start following memory pressure ({error}): the budget stays where it \
+             started"
+        ));
+    }
 }
 
 /// Starts the snapshot thread (once), if the configuration names a directory.

@@ -188,7 +188,7 @@ pub fn summary(json: &str) -> String {
     };
     format!(
         "read {} in {} requests; {} faults ({} on demand, {:.1}% found their block read \
-         ahead{}); peak resident {} of a {} budget, the pager's own heap {} at most; {}/s average read \
+         ahead{}); peak resident {} of {}, the pager's own heap {} at most; {}/s average read \
          rate over {:.2} s",
         format_size(bytes_read as u64),
         number("read_requests") as u64,
@@ -197,7 +197,7 @@ pub fn summary(json: &str) -> String {
         hit_rate,
         watched,
         format_size(number("peak_resident_bytes") as u64),
-        format_size(number("budget_bytes") as u64),
+        budget_phrase(&stats),
         format_size(number("pager_heap_peak_bytes") as u64),
         format_size(rate as u64),
         elapsed
@@ -216,6 +216,30 @@ fn served_model(stats: &serde_json::Value) -> String {
     match files.len() - 1 {
         0 => format!("; model {path} ({size})"),
         more => format!("; model {path} ({size}) and {more} more"),
+    }
+}
+
+/// The budget as the summary says it: `a 2.00 MiB budget`, or, when it followed memory
+/// pressure (its history has changes), how far and where it ended.
+fn budget_phrase(stats: &serde_json::Value) -> String {
+    let now = stats["budget_bytes"].as_u64().unwrap_or(0);
+    let history: Vec<u64> = (stats["budget_history"].as_array())
+        .map(|points| {
+            (points.iter())
+                .filter_map(|point| point["bytes"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default();
+    match (history.iter().min(), history.iter().max()) {
+        (Some(&low), Some(&high)) if history.len() > 1 => format!(
+            "a budget that followed memory pressure ({} changes, between {} and {}; {} at \
+             the end)",
+            history.len() - 1,
+            format_size(low),
+            format_size(high),
+            format_size(now)
+        ),
+        _ => format!("a {} budget", format_size(now)),
     }
 }
 
@@ -251,6 +275,26 @@ mod tests {
             patterns,
             inherit: false,
         }
+    }
+
+    #[test]
+    fn a_budget_that_changed_is_told_with_its_range() {
+        assert!(
+            summary(STATS).contains("of a 2.00 MiB budget"),
+            "{}",
+            summary(STATS)
+        );
+        let followed = r#"{"budget_bytes": 3145728, "budget_history": [
+            {"t_s": 0.0, "bytes": 4194304}, {"t_s": 1.0, "bytes": 1048576},
+            {"t_s": 2.0, "bytes": 3145728}]}"#;
+        let line = summary(followed);
+        assert!(
+            line.contains(
+                "a budget that followed memory pressure (2 changes, between 1.00 MiB and \
+                 4.00 MiB; 3.00 MiB at the end)"
+            ),
+            "{line}"
+        );
     }
 
     #[test]

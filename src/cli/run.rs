@@ -51,9 +51,19 @@ pub struct RunArgs {
     /// two blocks for each CPU, below which the program could not make progress.
     /// `auto` (the default): what the process can have when the pager starts (the
     /// memory available, and what its memory cgroup can still give) less a quarter of
-    /// that (at least 256M) for the program's own memory, at most half the RAM.
+    /// that (at least 256M) for the program's own memory, at most half the RAM; while
+    /// the program runs it follows memory pressure: smaller at once when the machine or
+    /// the cgroup has less to spare or the kernel reports pressure, larger in steps when
+    /// that eases.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
+    /// With `--budget auto`: the most the budget grows to (default: half the RAM).
+    #[arg(long, value_parser = super::size_arg)]
+    max: Option<u64>,
+    /// With `--budget auto`: the least the budget gives back to (default, and never
+    /// less: two blocks for each CPU, below which the program could not make progress).
+    #[arg(long, value_parser = super::size_arg)]
+    min: Option<u64>,
     /// Files to serve, by name (a glob; on the whole path if it contains a /). Repeat
     /// for several. Default: *.gguf and *.safetensors. A file of any name that starts
     /// as a GGUF or safetensors file does is served too.
@@ -248,6 +258,16 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     if let Some(budget) = args.budget {
         config.budget = budget;
     }
+    if config.budget != BudgetSpec::Auto && (args.min.is_some() || args.max.is_some()) {
+        bail!("--min and --max bound --budget auto; a fixed --budget stays as given");
+    }
+    if let (Some(min), Some(max)) = (args.min, args.max) {
+        if min > max {
+            bail!("--min is more than --max");
+        }
+    }
+    config.budget_min = args.min;
+    config.budget_max = args.max;
     if !args.patterns.is_empty() {
         config.patterns = args.patterns.clone();
     }

@@ -21,11 +21,12 @@ use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
 use crate::shared_store::{FrameStore, Tmpfs};
 use crate::sys::HUGE_PAGE;
-use crate::{sys, uffd_ext};
+use crate::{budget_floor, sys, uffd_ext};
 
 /// Builds a pager.
 pub struct PagerBuilder {
     budget: u64,
+    max_budget: Option<u64>,
     block_size: u64,
     max_read: u64,
     queue_depth: u32,
@@ -46,6 +47,7 @@ impl Default for PagerBuilder {
     fn default() -> Self {
         Self {
             budget: 1 << 30,
+            max_budget: None,
             block_size: DEFAULT_BLOCK_SIZE,
             max_read: DEFAULT_MAX_READ,
             queue_depth: DEFAULT_QUEUE_DEPTH,
@@ -69,6 +71,22 @@ impl PagerBuilder {
     pub fn budget(mut self, bytes: u64) -> Self {
         self.budget = bytes;
         self
+    }
+
+    /// The most `Pager::set_budget` may raise the budget to (default: the budget it
+    /// starts with). With zero copy the frame store is sized for it: its frames take
+    /// memory only once filled, so a high ceiling costs address space, not RAM.
+    pub fn max_budget(mut self, bytes: u64) -> Self {
+        self.max_budget = Some(bytes);
+        self
+    }
+
+    /// The most the budget may grow to, and the least it may shrink to: the floor
+    /// below which the program's threads would evict each other's last blocks (see
+    /// `budget_floor`), never above the budget the pager starts with.
+    fn budget_bounds(&self) -> (u64, u64) {
+        let floor = budget_floor::floor(self.block_size, budget_floor::threads()).min(self.budget);
+        (floor, self.max_budget.unwrap_or(0).max(self.budget))
     }
 
     pub fn block_size(mut self, bytes: u64) -> Self {
@@ -228,9 +246,12 @@ impl PagerBuilder {
             // Every block held (resident, read or held back) has a frame, and the budget
             // bounds them, counting a region's short last block at its length: the
             // spare frames cover those, up to that many regions at once.
-            let frames = (self.budget / self.block_size) as u32 + SPARE_FRAMES;
+            // The budget may grow to its ceiling.
+            let ceiling = self.budget_bounds().1;
+            let frames = (ceiling / self.block_size) as u32 + SPARE_FRAMES;
             // Their memory: the budget, and a frame for the read that finds every
-            // other frame's memory in use (free frames' is given back before).
+            // other frame's memory in use (free frames' is given back before); the
+            // service lowers and raises it with the budget.
             let memory = self.budget + self.block_size;
             let store = Tmpfs::new(true).and_then(|huge| {
                 let pages = Tmpfs::new(false)?;
@@ -280,9 +301,12 @@ impl PagerBuilder {
                     .map_err(PagerError::Spawn)?,
             ),
         };
+        let (budget_floor, budget_ceiling) = self.budget_bounds();
         let service = FaultService::new(
             ServiceConfig {
                 budget: self.budget,
+                budget_floor,
+                budget_ceiling,
                 block_size: self.block_size,
                 max_read,
                 queue_depth: self.queue_depth,
@@ -313,7 +337,8 @@ impl PagerBuilder {
                 shared,
                 thread: Mutex::new(Some(thread)),
                 next_region: AtomicU32::new(0),
-                budget: self.budget,
+                budget: AtomicU64::new(self.budget),
+                budget_bounds: (budget_floor, budget_ceiling),
                 block_size: self.block_size,
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),

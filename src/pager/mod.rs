@@ -171,6 +171,15 @@ pub enum HintError {
     ForkedChild { owner: i32 },
 }
 
+/// Why the budget could not be changed.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BudgetError {
+    #[error("the fault service has stopped")]
+    ServiceGone,
+    #[error("this pager serves process {owner}; a child forked from it cannot use it")]
+    ForkedChild { owner: i32 },
+}
+
 /// Where and how a region maps a file.
 #[derive(Debug, Clone)]
 pub struct MapOptions {
@@ -207,7 +216,10 @@ struct PagerInner {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     next_region: AtomicU32,
-    budget: u64,
+    /// The budget last set (the service's is the one in force).
+    budget: AtomicU64,
+    /// The least and the most `set_budget` may set.
+    budget_bounds: (u64, u64),
     block_size: u64,
     /// Whether blocks are mapped from the frame store rather than copied in.
     zero_copy: bool,
@@ -260,8 +272,38 @@ impl Pager {
         PagerBuilder::default()
     }
 
+    /// The budget: what it started with, or was last set to.
     pub fn budget(&self) -> u64 {
-        self.inner.budget
+        self.inner.budget.load(Ordering::Acquire)
+    }
+
+    /// The least and the most `set_budget` may set: the floor below which the program's
+    /// threads would evict each other's last blocks for good (`budget_floor`, at most
+    /// the starting budget) and `PagerBuilder::max_budget`.
+    pub fn budget_bounds(&self) -> (u64, u64) {
+        self.inner.budget_bounds
+    }
+
+    /// Changes the budget to `bytes`, within `budget_bounds` (and at least the pinned
+    /// bytes and one block more), and returns the budget now in force. A larger budget
+    /// gives reads room at once. A smaller one is met before this returns: the
+    /// eviction policy chooses blocks to evict until resident bytes and the bytes
+    /// reserved for reads in flight fit the new budget, and their memory goes back to
+    /// the system. What cannot go yet (reads in flight, pinned blocks, each thread's
+    /// last two blocks) is evicted as those reads finish, before any new read starts:
+    /// at most the queue depth times the largest read over the budget, for as long as
+    /// those reads take.
+    pub fn set_budget(&self, bytes: u64) -> Result<u64, BudgetError> {
+        if !self.inner.serving_here() {
+            return Err(BudgetError::ForkedChild {
+                owner: self.inner.owner,
+            });
+        }
+        let (reply, answer) = sync_channel(1);
+        self.inner.shared.send(Command::SetBudget { bytes, reply });
+        let budget = answer.recv().map_err(|_| BudgetError::ServiceGone)?;
+        self.inner.budget.store(budget, Ordering::Release);
+        Ok(budget)
     }
 
     pub fn block_size(&self) -> u64 {

@@ -47,6 +47,22 @@ impl Budget {
         self.peak_resident
     }
 
+    /// Changes the limit. Bytes held above a smaller limit are the caller's to evict
+    /// (`shortfall(0)` of them) to restore the invariant.
+    pub(super) fn set_limit(&mut self, limit: u64) {
+        debug_assert!(self.pinned < limit, "a limit of {limit} below the pins");
+        self.limit = limit;
+    }
+
+    /// The limit `set_limit` takes when `asked` for: at least `floor` (below it the
+    /// program's threads evict each other's blocks for good, see `budget_floor`) and the
+    /// pinned bytes and one block more (a pin leaves a block for demand faults), at most
+    /// `ceiling` (what the pager was sized for). `floor` is at most `ceiling`, and the
+    /// pins leave a block below the limit, so the result is within all three bounds.
+    pub(super) fn bounded(&self, asked: u64, floor: u64, ceiling: u64, block_size: u64) -> u64 {
+        asked.max(floor).max(self.pinned + block_size).min(ceiling)
+    }
+
     /// Bytes that must be freed before `bytes` more can be reserved.
     pub(super) fn shortfall(&self, bytes: u64) -> u64 {
         (self.resident + self.reserved + bytes).saturating_sub(self.limit)
@@ -134,6 +150,33 @@ mod tests {
         budget.remove_resident(80);
         budget.add_resident(10);
         assert_eq!((budget.resident(), budget.peak_resident()), (20, 90));
+    }
+
+    #[test]
+    fn a_new_limit_stays_between_the_floor_the_pins_and_the_ceiling() {
+        let mut budget = Budget::new(100);
+        assert_eq!(budget.bounded(60, 20, 200, 10), 60);
+        assert_eq!(budget.bounded(5, 20, 200, 10), 20);
+        assert_eq!(budget.bounded(500, 20, 200, 10), 200);
+        budget.pin(50, 10).unwrap();
+        // A smaller budget keeps the pinned bytes and a block for demand faults.
+        assert_eq!(budget.bounded(30, 20, 200, 10), 60);
+        budget.set_limit(60);
+        assert_eq!(budget.limit(), 60);
+    }
+
+    #[test]
+    fn a_smaller_limit_leaves_what_is_held_above_it_to_evict() {
+        let mut budget = Budget::new(100);
+        budget.add_resident(70);
+        budget.reserve(20);
+        budget.set_limit(50);
+        assert_eq!(budget.shortfall(0), 40);
+        budget.remove_resident(40);
+        assert_eq!(budget.shortfall(0), 0);
+        // A larger one gives room at once.
+        budget.set_limit(150);
+        assert_eq!(budget.shortfall(100), 0);
     }
 
     #[test]

@@ -68,6 +68,10 @@ impl FaultService {
                 let blocks = self.blocks_of(id, &range);
                 self.prefetch.hint(id, blocks, hint);
             }
+            Command::SetBudget { bytes, reply } => {
+                let budget = self.set_budget(bytes)?;
+                let _ = reply.send(budget);
+            }
             Command::Stats { reply } => {
                 let snapshot = self.snapshot();
                 let _ = reply.send(snapshot);

@@ -32,6 +32,7 @@ mod installs;
 mod intake;
 mod reads;
 mod region;
+mod resize;
 mod room;
 mod staging;
 
@@ -69,6 +70,11 @@ const TOKEN_INSTALLED: u32 = 2;
 
 pub(crate) struct ServiceConfig {
     pub budget: u64,
+    /// The least budget `Command::SetBudget` may set (at most `budget`).
+    pub budget_floor: u64,
+    /// The most budget `Command::SetBudget` may set (at least `budget`): the frame
+    /// store holds this many bytes of frames.
+    pub budget_ceiling: u64,
     pub block_size: u64,
     pub max_read: u64,
     pub queue_depth: u32,
@@ -167,6 +173,10 @@ impl FaultService {
         let budget = Budget::new(config.budget);
         let stats = Stats {
             budget_bytes: config.budget,
+            budget_history: vec![crate::budget_history::BudgetPoint {
+                t_s: 0.0,
+                bytes: config.budget,
+            }],
             block_size: config.block_size,
             queue_depth: config.queue_depth,
             install_threads: installs.as_ref().map_or(0, |pool| pool.threads() as u32),
@@ -293,6 +303,8 @@ impl FaultService {
                 }
             }
             self.completions = completions;
+            // After the budget shrank, what reads in flight held is evicted as they end.
+            self.shed_excess()?;
             // Keep the device busy first: issue reads for the slots and budget free
             // now, then install what finished (installs take far longer than issuing).
             self.pump()?;

@@ -9,6 +9,17 @@ use super::installs::{discard_pages, release_frame};
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, ReadKind, RegionId};
 
+/// Why room is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Purpose {
+    /// For a read: a demand read takes each thread's last blocks when nothing else is
+    /// left, and victims' frames keep their memory for the reads that follow.
+    Read,
+    /// The budget shrank: each thread's last blocks stay (the budget's floor holds
+    /// them), and victims' frames give their memory back to the system.
+    Shrink,
+}
+
 impl FaultService {
     /// Whether a read of a block of `len` bytes can have a frame (always, without zero
     /// copy). Huge frames run out only if more regions than the spare frames hold a
@@ -37,6 +48,24 @@ impl FaultService {
         incoming: BlockRef,
         kind: ReadKind,
     ) -> Result<bool, ServiceError> {
+        let room = self.evict_until_fits(bytes, incoming, kind, Purpose::Read)?;
+        if room {
+            self.budget.reserve(bytes);
+        }
+        Ok(room)
+    }
+
+    /// Evicts as the policy says until `bytes` more fit in the budget (none: until what
+    /// is held fits a budget made smaller), for `purpose`. False if that much cannot be
+    /// freed now.
+    pub(super) fn evict_until_fits(
+        &mut self,
+        bytes: u64,
+        incoming: BlockRef,
+        kind: ReadKind,
+        purpose: Purpose,
+    ) -> Result<bool, ServiceError> {
+        let free_memory = purpose == Purpose::Shrink;
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
         let mut spared = std::mem::take(&mut self.spared);
@@ -70,11 +99,11 @@ impl FaultService {
                         continue;
                     }
                     match spared.get(spared_taken) {
-                        Some(&victim) => {
+                        Some(&victim) if purpose == Purpose::Read => {
                             spared_taken += 1;
                             victim
                         }
-                        None => {
+                        _ => {
                             room = false;
                             break;
                         }
@@ -94,16 +123,18 @@ impl FaultService {
             self.eviction.inserted(block);
         }
         self.spared = spared;
-        self.evict(&mut victims)?;
+        self.evict(&mut victims, free_memory)?;
         self.victims = victims;
-        if room {
-            self.budget.reserve(bytes);
-        }
         Ok(room)
     }
 
-    /// Drops the victims' pages, in runs of neighbouring blocks.
-    pub(super) fn evict(&mut self, victims: &mut [BlockRef]) -> Result<(), ServiceError> {
+    /// Drops the victims' pages, in runs of neighbouring blocks; with `free_memory` their
+    /// frames' memory too (see `evict_until_fits`).
+    pub(super) fn evict(
+        &mut self,
+        victims: &mut [BlockRef],
+        free_memory: bool,
+    ) -> Result<(), ServiceError> {
         victims.sort_unstable();
         // (region, start, end): region offsets of a run of neighbouring victims.
         let mut run: Option<(RegionId, u64, u64)> = None;
@@ -113,8 +144,9 @@ impl FaultService {
                 .get_mut(&victim.region)
                 .expect("victims were checked to belong to live regions");
             region.advance(victim.index, BlockEvent::Released);
-            // The frame takes the next read; its pages stay (warm) in the store.
-            release_frame(&mut self.store, region, victim.index, false);
+            // The frame takes the next read; its pages stay (warm) in the store unless
+            // the budget shrank and the memory is to be given back.
+            release_frame(&mut self.store, region, victim.index, free_memory);
             let memory = region.layout.block_memory(victim.index);
             let bytes = memory.end - memory.start;
             self.budget.remove_resident(bytes);

@@ -202,7 +202,7 @@ impl Shim {
         raw::write_stderr(format!("hyperoffload: {message}\n").as_bytes());
     }
 
-    fn verbose(&self, message: impl FnOnce() -> String) {
+    pub fn verbose(&self, message: impl FnOnce() -> String) {
         if self.config.verbose {
             self.say(&message());
         }
@@ -300,6 +300,14 @@ impl Shim {
                     .eviction(policies.eviction);
                 if let Some(threads) = self.config.install_threads {
                     builder = builder.install_threads(threads);
+                }
+                if self.config.budget == BudgetSpec::Auto {
+                    // The budget follows pressure (see `state::start_following`), up to
+                    // this.
+                    let ceiling = self
+                        .config
+                        .auto_ceiling(budget, hyperoffload::sys::physical_ram());
+                    builder = builder.max_budget(ceiling);
                 }
                 if self.config.trace_path.is_some() || policies.learn.is_some() {
                     builder = builder.trace(TRACE_LIMIT);
@@ -519,10 +527,12 @@ impl Shim {
             PagerSlot::NotYet => {}
         }
         // Another thread may start it meanwhile: `pager` then returns that one.
-        let sizing = self.config.sizing(
+        let auto = || {
             self.config
-                .budget
-                .resolve(file.model_len, hyperoffload::memory_limits::auto_budget_now),
+                .bounded_auto(hyperoffload::memory_limits::auto_budget_now())
+        };
+        let sizing = self.config.sizing(
+            self.config.budget.resolve(file.model_len, auto),
             file.model_len,
             budget_floor::threads(),
         );

@@ -1,0 +1,294 @@
+//! With no `--budget` (`auto`), the pager's budget follows memory pressure: a memory
+//! hog starts beside a program reading a model under `hyperoffload run` in one memory
+//! cgroup, allocating and touching memory in steps until it holds 60 % of the limit,
+//! then frees it and exits. A fixed budget of half the cgroup would not fit beside the
+//! hog (the pager's frames cannot be reclaimed by the kernel, so the OOM killer would
+//! end one of them); the following budget gives memory back as the hog takes it, and
+//! takes it again once the hog is gone.
+//!
+//! No timing is asserted: how fast the budget fell is a figure for
+//! `tools/pressure-bench.sh`. The waits are bounded only so that a hang fails.
+
+mod common;
+mod shim_support;
+
+// The memory cgroup `hyperoffload compare` uses, which belongs to the binary: its file
+// compiled here.
+#[allow(dead_code)]
+#[path = "../src/cli/compare/cgroup.rs"]
+mod cgroup;
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::TempDir;
+use shim_support::*;
+
+const MIB: u64 = 1 << 20;
+/// The cgroup's limit.
+const LIMIT: u64 = 1024 * MIB;
+/// The model: bigger than any budget the cgroup allows, so the pager evicts throughout.
+const MODEL: u64 = 768 * MIB;
+/// What the hog takes at most: 60 % of the limit, in steps of `HOG_STEP`.
+const HOG: u64 = LIMIT / 10 * 6;
+const HOG_STEP: u64 = 32 * MIB;
+
+/// Reads the file through one mapping, pass after pass, printing each pass's sha256,
+/// until the file named second exists.
+const READ_UNTIL_STOPPED: &str = r#"
+import sys, os, mmap, hashlib
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+passes = 0
+while passes == 0 or not os.path.exists(sys.argv[2]):
+    h = hashlib.sha256()
+    for at in range(0, len(m), 1 << 20):
+        h.update(m[at:at + (1 << 20)])
+    print(h.hexdigest(), flush=True)
+    passes += 1
+"#;
+
+/// Allocates `argv[1]` bytes in steps of `argv[2]`, touching every page, pausing
+/// `argv[3]` seconds between steps; holds it all as long again, then frees it.
+const HOG_SCRIPT: &str = r#"
+import sys, time
+total, step, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+held = []
+while sum(len(b) for b in held) < total:
+    b = bytearray(step)
+    b[::4096] = b"\x01" * len(range(0, step, 4096))
+    held.append(b)
+    time.sleep(pause)
+time.sleep(pause * 4)
+print(sum(len(b) for b in held))
+held.clear()
+"#;
+
+fn cgroup_or_skip(name: &str) -> Option<cgroup::MemoryCgroup> {
+    match cgroup::MemoryCgroup::create(name, Some(LIMIT)) {
+        Ok(cgroup) => Some(cgroup),
+        Err(error) if skip_allowed() => {
+            eprintln!("skipped: {error}");
+            None
+        }
+        Err(error) => panic!("{error} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"),
+    }
+}
+
+/// Runs `command` in `cgroup` (it moves itself there before exec).
+fn in_cgroup(command: &mut Command, cgroup: &cgroup::MemoryCgroup) {
+    let mut procs = cgroup.procs_file().unwrap();
+    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
+    unsafe {
+        command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
+    }
+}
+
+/// What the cgroup holds now (v1 `memory.usage_in_bytes`, v2 `memory.current`).
+fn usage(cgroup: &cgroup::MemoryCgroup) -> u64 {
+    let file = match cgroup.version() {
+        cgroup::CgroupVersion::V1 => "memory.usage_in_bytes",
+        cgroup::CgroupVersion::V2 => "memory.current",
+    };
+    let text = std::fs::read_to_string(cgroup.dir().join(file)).unwrap();
+    text.trim().parse().unwrap()
+}
+
+/// OOM kills in the cgroup (v1 `memory.oom_control`, v2 `memory.events`).
+fn oom_kills(cgroup: &cgroup::MemoryCgroup) -> u64 {
+    let file = match cgroup.version() {
+        cgroup::CgroupVersion::V1 => "memory.oom_control",
+        cgroup::CgroupVersion::V2 => "memory.events",
+    };
+    let text = std::fs::read_to_string(cgroup.dir().join(file)).unwrap();
+    hyperoffload::memory_pressure::stat_field(&text, "oom_kill").unwrap()
+}
+
+/// Waits until `done`, failing after `limit` with `what`.
+fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn sha256_of(path: &Path) -> String {
+    let output = Command::new(python())
+        .args([
+            "-c",
+            "import sys, hashlib; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())",
+        ])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert_success(&output, "sha256");
+    stdout(&output).trim().to_string()
+}
+
+#[test]
+fn the_budget_gives_memory_back_to_a_hog_and_takes_it_again_after() {
+    let Some(cgroup) = cgroup_or_skip(&format!("hyperoffload-test-hog-{}", std::process::id()))
+    else {
+        return;
+    };
+    let dir = TempDir::new("launcher-pressure");
+    let model = dir.path("model.gguf");
+    common::pattern_file(&model, MODEL);
+    let expected = sha256_of(&model);
+    let stop = dir.path("stop");
+    let stats = dir.path("stats.json");
+
+    let mut victim = launcher();
+    victim
+        .arg("--stats")
+        .arg(&stats)
+        .arg("--")
+        .arg(python())
+        .args(["-c", READ_UNTIL_STOPPED])
+        .arg(&model)
+        .arg(&stop)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    in_cgroup(&mut victim, &cgroup);
+    let victim = victim.spawn().unwrap();
+
+    // The pager fills its budget: more than half the cgroup.
+    let victim_alive = |victim_pid: u32| !common::process_ended(victim_pid as i32);
+    wait_for(
+        "the pager filling its budget",
+        Duration::from_secs(120),
+        || {
+            assert!(victim_alive(victim.id()), "the victim ended early");
+            usage(&cgroup) > LIMIT / 2
+        },
+    );
+    let before_hog = usage(&cgroup);
+
+    let mut hog = Command::new(python());
+    hog.args(["-c", HOG_SCRIPT])
+        .args([HOG.to_string(), HOG_STEP.to_string(), "0.2".to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    in_cgroup(&mut hog, &cgroup);
+    let hog = hog.spawn().unwrap().wait_with_output().unwrap();
+    assert_success(&hog, "the hog");
+    assert_eq!(
+        stdout(&hog).trim(),
+        HOG.next_multiple_of(HOG_STEP).to_string()
+    );
+
+    // The hog is gone: the pager takes the memory again, more than the hog left it.
+    wait_for("the pager growing back", Duration::from_secs(120), || {
+        assert!(
+            victim_alive(victim.id()),
+            "the victim ended while growing back"
+        );
+        usage(&cgroup) > LIMIT - HOG
+    });
+    std::fs::write(&stop, b"").unwrap();
+    let output = wait_within(victim, Duration::from_secs(120))
+        .unwrap_or_else(|output| panic!("the victim did not stop: {}", stderr(&output)));
+    assert_success(&output, "the victim under the pager");
+    assert_eq!(oom_kills(&cgroup), 0, "nobody is OOM-killed");
+
+    // Every pass read the file's bytes.
+    let text = stdout(&output);
+    let passes: Vec<&str> = text.lines().collect();
+    assert!(passes.len() >= 2, "{passes:?}");
+    assert!(passes.iter().all(|pass| *pass == expected), "{passes:?}");
+
+    // The budget fell below what the hog left and rose again.
+    let json = read_stats(&stats);
+    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
+        .map(|point| point["bytes"].as_u64().unwrap())
+        .collect();
+    let start = history[0];
+    let lowest = *history.iter().min().unwrap();
+    let lowest_at = history.iter().position(|&bytes| bytes == lowest).unwrap();
+    assert!(start > LIMIT / 2, "started at {start}: {history:?}");
+    assert!(
+        lowest <= LIMIT - HOG,
+        "never below {}: {history:?}",
+        LIMIT - HOG
+    );
+    assert!(
+        history[lowest_at..].iter().any(|&bytes| bytes > 2 * lowest),
+        "never grew back: {history:?}"
+    );
+    assert!(before_hog > LIMIT / 2);
+    assert!(cgroup.peak_bytes().unwrap() <= LIMIT);
+    drop(cgroup);
+}
+
+/// `--min` and `--max` bound `auto`: with a fixed budget, or crossed, they are refused
+/// before the program runs.
+#[test]
+fn min_and_max_are_refused_where_they_bound_nothing() {
+    let dir = TempDir::new("launcher-pressure-bounds");
+    let marker = dir.path("ran");
+    for (args, problem) in [
+        (
+            &["--budget", "1G", "--max", "2G"][..],
+            "bound --budget auto",
+        ),
+        (
+            &["--min", "2G", "--max", "1G"][..],
+            "--min is more than --max",
+        ),
+    ] {
+        let output = launcher()
+            .args(args)
+            .arg("--")
+            .arg("touch")
+            .arg(&marker)
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "{args:?} accepted");
+        assert!(!marker.exists(), "{args:?}: the program ran");
+        assert!(
+            stderr(&output).contains(problem),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+}
+
+/// `--max` bounds where `auto` starts and how far it grows; `--min` how far it falls.
+#[test]
+fn max_and_min_bound_the_following_budget() {
+    let dir = TempDir::new("launcher-pressure-max");
+    let model = dir.path("model.gguf");
+    common::pattern_file(&model, 96 * MIB);
+    let expected = sha256_of(&model);
+    let stop = dir.path("stop");
+    std::fs::write(&stop, b"").unwrap();
+    let stats = dir.path("stats.json");
+    let output = launcher()
+        .args(["--max", "32M", "--min", "16M", "--stats"])
+        .arg(&stats)
+        .arg("--")
+        .arg(python())
+        .args(["-c", READ_UNTIL_STOPPED])
+        .arg(&model)
+        .arg(&stop)
+        .output()
+        .unwrap();
+    assert_success(&output, "the reader under --max 32M");
+    assert_eq!(stdout(&output).trim(), expected);
+    let json = read_stats(&stats);
+    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
+        .map(|point| point["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(history[0], 32 * MIB, "{history:?}");
+    assert!(
+        history
+            .iter()
+            .all(|&bytes| (16 * MIB..=32 * MIB).contains(&bytes)),
+        "{history:?}"
+    );
+    assert!(json["peak_resident_bytes"].as_u64().unwrap() <= 32 * MIB);
+}
