@@ -118,18 +118,8 @@ fn stats_json(run: &Run<'_>) -> serde_json::Value {
 pub fn write_snapshot(run: &Run<'_>, dir: &Path) -> std::io::Result<()> {
     let mut json = stats_json(run);
     json["snapshot"] = true.into();
-    let pid = getpid();
-    let path = dir.join(format!("snapshot-{pid}.json"));
-    let temporary = dir.join(format!(".snapshot-{pid}.json.tmp"));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&temporary)?
-        .write_all(json.to_string().as_bytes())?;
-    std::fs::rename(&temporary, &path)
+    let name = format!("snapshot-{}.json", getpid());
+    crate::replace_file::write_replacing(dir, &name, json.to_string().as_bytes())
 }
 
 /// Saves the access order of the model's first region (region ids count from 0: the

@@ -21,14 +21,15 @@
 //!
 //! Modules, each using (through `crate::`) only modules listed before it, so that none
 //! depends on one that depends back on it:
-//! 1. Leaves, using no other module: `raw` (the kernel's own calls), `heap` (the counting
+//! 1. Leaves, using no other module but `replace_file`: `raw` (the kernel's own calls), `heap` (the counting
 //!    allocator), `registry` (the managed address ranges), `read_ahead` (how far a hint
 //!    reads), `given_name` (the program's name for a file), `process_claim` (which
 //!    process is served, as pure functions), `fork_plan` (what a forked child maps in
 //!    place of the managed ranges), `exit_report` (the files written at exit, and the stats snapshots
-//!    written while the program runs, from what it is given), `periodic` (a thread of
-//!    the shim's own, calling a function at a period), `seen` (the records of the model
-//!    files the program opened or mapped, and what became of each).
+//!    written while the program runs, from what it is given; uses `replace_file`), `periodic` (a thread of
+//!    the shim's own, calling a function at a period), `replace_file` (a private file
+//!    replaced whole), `seen` (the records of the model files the program opened or
+//!    mapped, and what became of each; uses `replace_file`).
 //! 2. `env_scrub` (the constructor deciding whether this image is served, and
 //!    LD_PRELOAD for what it executes) uses `process_claim`.
 //! 3. `managed` (the shim: what it does to each call it takes over) uses `raw`,
@@ -55,6 +56,7 @@ mod process_claim;
 mod raw;
 mod read_ahead;
 mod registry;
+mod replace_file;
 mod seen;
 mod state;
 

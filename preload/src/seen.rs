@@ -8,8 +8,6 @@
 //! A leaf: it knows nothing of the shim. Callers are inside the shim (they hold its
 //! re-entry guard), so the file writes below reach the kernel past the shim's hooks.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
@@ -120,21 +118,10 @@ impl Seen {
     }
 }
 
-/// Writes `json` to `dir/seen-<pid>.json` through a temporary file renamed over it, so
-/// a reader finds a whole record, this one or the one before.
+/// Writes `json` to `dir/seen-<pid>.json`, replacing the record before.
 fn write_replacing(dir: &std::path::Path, json: &str) -> std::io::Result<()> {
-    let pid = getpid();
-    let path = dir.join(format!("seen-{pid}.json"));
-    let temporary = dir.join(format!(".seen-{pid}.json.tmp"));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&temporary)?
-        .write_all(json.as_bytes())?;
-    std::fs::rename(&temporary, &path)
+    let name = format!("seen-{}.json", getpid());
+    crate::replace_file::write_replacing(dir, &name, json.as_bytes())
 }
 
 #[cfg(test)]
