@@ -79,17 +79,22 @@ impl FrameFile {
     fn new(tmpfs: &Tmpfs, len: u64) -> io::Result<Self> {
         let file = tmpfs.create_file(len)?;
         // SAFETY: a new shared mapping of a file this value owns, at a kernel-chosen
-        // address (tmpfs aligns it for huge pages); it replaces nothing.
+        // address (tmpfs aligns it for huge pages); it replaces nothing. Mapped
+        // inaccessible and only then made writable: under mlockall(MCL_FUTURE) the
+        // kernel fills every new accessible mapping at once, and the slots' view is far
+        // larger than the memory it will ever hold.
         let view = unsafe {
             sys::mmap(
                 0,
                 len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
+                libc::PROT_NONE,
                 libc::MAP_SHARED | libc::MAP_NORESERVE,
                 file.as_raw_fd(),
                 0,
             )
         }?;
+        // SAFETY: the mapping just created, which nothing uses yet.
+        unsafe { sys::mprotect(view, len as usize, libc::PROT_READ | libc::PROT_WRITE) }?;
         let frames = Self {
             file,
             view,
@@ -175,10 +180,10 @@ impl FrameStore {
         memory_limit: u64,
     ) -> io::Result<Self> {
         let memory_limit = memory_limit.max(frame_len);
-        // Every slot in use holds at least a page of a block the budget counts, and
-        // the budget may grow to what the huge frames would hold.
-        let most_memory = (frame_len * count as u64).max(memory_limit);
-        let slot_count = (most_memory / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
+        // Every slot in use holds at least a page of a block the budget counts. (A
+        // budget grown past the first limit may find the slots taken; the read then
+        // waits for an eviction's, as for a huge frame.)
+        let slot_count = (memory_limit / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
         Ok(Self {
             huge: FrameFile::new(huge, frame_len * count as u64)?,
             pages: FrameFile::new(pages, frame_len * slot_count as u64)?,
