@@ -29,7 +29,7 @@ fn private_dirs_of(launcher: u32, temp: &Path) -> Vec<PathBuf> {
 // The caller waits for the launcher it gets back (clippy does not follow it there).
 #[allow(clippy::zombie_processes)]
 fn launch_sleeper(temp: &Path) -> (Child, i32) {
-    let launcher = launcher()
+    let launcher = default_signals(&mut launcher())
         .env("TMPDIR", temp)
         .args(["-q", "--", "sleep", "60"])
         .stdout(Stdio::null())

@@ -135,8 +135,9 @@ fn launcher_in(temp: &Path) -> std::process::Command {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: between fork and exec, only setrlimit(2) on a value on the stack and
-    // signal(2), both async-signal-safe.
+    default_signals(&mut command);
+    // SAFETY: between fork and exec, only setrlimit(2) on a value on the stack,
+    // async-signal-safe.
     unsafe {
         command.pre_exec(|| {
             let none = libc::rlimit {
@@ -144,12 +145,6 @@ fn launcher_in(temp: &Path) -> std::process::Command {
                 rlim_max: 0,
             };
             libc::setrlimit(libc::RLIMIT_CORE, &none);
-            // The launcher leaves a signal it was started ignoring ignored in the
-            // program (a suite run as a script's background job ignores SIGINT and
-            // SIGQUIT): these tests are about signals that are not.
-            for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT, libc::SIGQUIT] {
-                libc::signal(signal, libc::SIG_DFL);
-            }
             Ok(())
         });
     }

@@ -48,6 +48,24 @@ pub fn launcher() -> Command {
     command
 }
 
+/// Has `command` start its program with SIGTERM, SIGHUP, SIGINT and SIGQUIT at their
+/// default action. The launcher leaves a signal it was started ignoring ignored in the
+/// program (a suite run under `nohup`, or as a script's background job, ignores SIGHUP
+/// or SIGINT and SIGQUIT): tests that signal a launcher are about signals that are not.
+pub fn default_signals(command: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: between fork and exec, only signal(2), async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT, libc::SIGQUIT] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
 /// Compiles a C program into `dir`.
 pub fn compile_c(dir: &Path, name: &str, source: &str) -> PathBuf {
     let src = dir.join(format!("{name}.c"));
