@@ -186,6 +186,10 @@ fn a_graph_learned_from_a_recorded_llama_trace_streams_close_to_belady() {
     eprintln!("learned graph {graph:.3}x belady, lru {lru:.3}x");
     assert!(graph <= 1.05, "learned graph read {graph:.3}x belady");
     assert!(
+        graph <= lru,
+        "learned graph read {graph:.3}x belady, LRU {lru:.3}x"
+    );
+    assert!(
         lru >= 1.5,
         "lru read only {lru:.3}x belady: the workload is not cyclic?"
     );
@@ -408,6 +412,8 @@ fn in_memory_cgroup(name: &str, model: &Path, mut command: Command) -> (std::pro
 /// included) stays within the budget plus llama.cpp's own buffers (the plain run's peak
 /// less the model it caches) plus 128 MiB. The graph policy watches resident experts to
 /// count their use, saves the counts beside the model, and the next run starts from them.
+/// Replaying a demand trace of the run, the default policy reads no more than LRU at 25,
+/// 50 and 75 %.
 #[test]
 fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     let Some((bin, small)) = llama_and_model() else {
@@ -559,21 +565,25 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         .output()
         .unwrap();
     assert_success(&recording, "recording a demand trace");
-    let simulate = |model: &Path| {
+    let simulate = |model: &Path, budget: &str, policy: &str| {
         Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
             .args(["simulate", "--trace"])
             .arg(&trace)
             .arg("--model")
             .arg(model)
             .args([
-                "--tokens", "25", "--budget", "25%", "--policy", "graph", "--json",
+                "--tokens", "25", "--budget", budget, "--policy", policy, "--json",
             ])
             .output()
             .unwrap()
     };
-    let replay = simulate(&model);
-    assert_success(&replay, "simulate --trace --model");
-    let json: serde_json::Value = serde_json::from_slice(&replay.stdout).unwrap();
+    let replayed = |budget: &str, policy: &str| {
+        let replay = simulate(&model, budget, policy);
+        assert_success(&replay, "simulate --trace --model");
+        let json: serde_json::Value = serde_json::from_slice(&replay.stdout).unwrap();
+        json
+    };
+    let json = replayed("25%", "graph");
     let report = &json["report"];
     eprintln!(
         "MoE demand trace replayed at 25 %: graph {} bytes ({} prefetched blocks), belady {}",
@@ -583,7 +593,18 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         report["prefetched_blocks"].as_u64().unwrap() > 0,
         "the model's graph did not bind to the trace's region: {json}"
     );
-    let wrong = simulate(&small);
+    // The default policy never reads more than LRU on the trace, at any budget.
+    for budget in ["25%", "50%", "75%"] {
+        let graph = replayed(budget, "graph")["report"]["bytes_read"]
+            .as_u64()
+            .unwrap();
+        let lru = replayed(budget, "lru")["report"]["bytes_read"]
+            .as_u64()
+            .unwrap();
+        eprintln!("MoE demand trace at {budget}: graph {graph} bytes, lru {lru}");
+        assert!(graph <= lru, "at {budget} graph read {graph}, LRU {lru}");
+    }
+    let wrong = simulate(&small, "25%", "graph");
     assert!(
         !wrong.status.success(),
         "a trace of another model was replayed"
