@@ -7,13 +7,13 @@
 //! lowest and highest points and every turn. Only a record of turns alone loses the
 //! oldest turn after the first point.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Most points kept.
 pub const MAX_POINTS: usize = 512;
 
 /// The budget from `t_s` seconds on.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct BudgetPoint {
     pub t_s: f64,
     pub bytes: u64,
@@ -28,6 +28,53 @@ pub fn record(points: &mut Vec<BudgetPoint>, point: BudgetPoint) {
         thin(points);
     }
     points.push(point);
+}
+
+/// The history in a stats JSON (`Stats::budget_history`): empty when it has none.
+pub fn from_stats_json(stats: &serde_json::Value) -> Vec<BudgetPoint> {
+    serde_json::from_value(stats["budget_history"].clone()).unwrap_or_default()
+}
+
+/// How the budget moved over a run: where it started and ended, its extremes, and when
+/// it changed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Movement {
+    pub start: u64,
+    pub end: u64,
+    /// The lowest budget and when it was first set.
+    pub lowest: BudgetPoint,
+    /// The highest budget and when it was first set.
+    pub highest: BudgetPoint,
+    /// Changes after the start (the record's points less one: a thinned record counts
+    /// only the points it kept).
+    pub changes: usize,
+    /// When the first and the last change came.
+    pub first_change_s: f64,
+    pub last_change_s: f64,
+}
+
+/// How the budget moved; `None` when it never did (no record, or the start alone).
+pub fn movement(points: &[BudgetPoint]) -> Option<Movement> {
+    let (first, rest) = points.split_first()?;
+    let (second, last) = (rest.first()?, rest.last()?);
+    let pick = |better: fn(u64, u64) -> bool| {
+        (points.iter()).fold(*first, |best, p| {
+            if better(p.bytes, best.bytes) {
+                *p
+            } else {
+                best
+            }
+        })
+    };
+    Some(Movement {
+        start: first.bytes,
+        end: last.bytes,
+        lowest: pick(|a, b| a < b),
+        highest: pick(|a, b| a > b),
+        changes: rest.len(),
+        first_change_s: second.t_s,
+        last_change_s: last.t_s,
+    })
 }
 
 /// Removes one point: the first inside a monotonic run, else the second.
@@ -53,6 +100,34 @@ mod tests {
 
     fn point(t_s: f64, bytes: u64) -> BudgetPoint {
         BudgetPoint { t_s, bytes }
+    }
+
+    #[test]
+    fn movement_names_the_ends_the_extremes_and_when() {
+        assert_eq!(movement(&[]), None);
+        assert_eq!(movement(&[point(0.0, 100)]), None);
+        let points = [
+            point(0.0, 760),
+            point(2.5, 300),
+            point(3.0, 106),
+            point(4.0, 106 + 1),
+            point(9.5, 690),
+        ];
+        let moved = movement(&points).unwrap();
+        assert_eq!((moved.start, moved.end, moved.changes), (760, 690, 4));
+        assert_eq!(moved.lowest, point(3.0, 106));
+        assert_eq!(moved.highest, point(0.0, 760));
+        assert_eq!((moved.first_change_s, moved.last_change_s), (2.5, 9.5));
+    }
+
+    #[test]
+    fn the_history_is_read_back_from_stats_json() {
+        let json: serde_json::Value = serde_json::from_str(
+            r#"{"budget_history": [{"t_s": 0.0, "bytes": 4}, {"t_s": 1.5, "bytes": 2}]}"#,
+        )
+        .unwrap();
+        assert_eq!(from_stats_json(&json), [point(0.0, 4), point(1.5, 2)]);
+        assert!(from_stats_json(&serde_json::json!({})).is_empty());
     }
 
     #[test]

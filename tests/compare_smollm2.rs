@@ -131,6 +131,11 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
     let budget = report["header"]["budget_bytes"].as_u64().unwrap();
     assert_eq!(budget, model_bytes / 2);
     assert_eq!(report["header"]["cold"], true);
+    // The pager's budget (fixed here: a flat line) is drawn with its resident bytes.
+    let resident = std::fs::read_to_string(out.join("resident.svg")).unwrap();
+    for series in [">pager budget<", ">pager process RSS<"] {
+        assert!(resident.contains(series), "resident.svg lacks {series}");
+    }
 
     let kernel = run_of(&report, "kernel");
     assert_eq!(

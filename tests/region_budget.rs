@@ -6,10 +6,10 @@
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::*;
-use hyperoffload::policy::EvictionKind;
+use hyperoffload::policy::{EvictionKind, FaultEvent, PrefetchPolicy, PrefetchRequest};
 use hyperoffload::{MapOptions, Pager, Region};
 
 const MIB: u64 = 1 << 20;
@@ -101,6 +101,48 @@ fn shrinking_evicts_to_the_new_budget_and_growing_holds_more() {
         budgets(&pager),
         [32 * MIB, 8 * MIB, 48 * MIB, floor],
         "the history records each change once"
+    );
+}
+
+/// Reads nothing ahead; keeps each budget it is told of.
+struct HearsBudgets(Arc<Mutex<Vec<u64>>>);
+
+impl PrefetchPolicy for HearsBudgets {
+    fn name(&self) -> &'static str {
+        "hears-budgets"
+    }
+
+    fn plan(&mut self, _fault: &FaultEvent, _out: &mut Vec<PrefetchRequest>) {}
+
+    fn budget_changed(&mut self, budget: u64) {
+        self.0.lock().unwrap().push(budget);
+    }
+}
+
+#[test]
+fn the_prefetch_policy_hears_each_change_of_the_budget() {
+    let dir = TempDir::new("budget-policy");
+    let path = dir.path("data");
+    pattern_file(&path, 16 * MIB);
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(8 * MIB)
+            .block_size(64 << 10)
+            .prefetch(Box::new(HearsBudgets(heard.clone()))),
+    ) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    scan(&region);
+    pager.set_budget(2 * MIB).unwrap();
+    pager.set_budget(2 * MIB).unwrap();
+    pager.set_budget(8 * MIB).unwrap();
+    scan(&region);
+    assert_eq!(
+        *heard.lock().unwrap(),
+        [2 * MIB, 8 * MIB],
+        "each change once, none for a budget that stayed"
     );
 }
 

@@ -7,6 +7,7 @@
 //! Before it, one line for each model file the program opened or mapped and was not
 //! served, with the reason (`served_files`): the closing line stays the last one.
 
+use hyperoffload::budget_history;
 use hyperoffload::served_files::{SeenFiles, REPORT_FLOOR};
 use hyperoffload::shim_config::BudgetSpec;
 use hyperoffload::size::format_size;
@@ -220,27 +221,39 @@ fn served_model(stats: &serde_json::Value) -> String {
 }
 
 /// The budget as the summary says it: `a 2.00 MiB budget`, or, when it followed memory
-/// pressure (its history has changes), how far and where it ended.
+/// pressure (its history has changes), how far and when it moved: `a budget that followed
+/// memory pressure (760 MiB at the start, 106 MiB at its lowest at 3.0 s, 690 MiB at the
+/// end, 14 changes from 2.5 s to 9.5 s)`.
 fn budget_phrase(stats: &serde_json::Value) -> String {
     let now = stats["budget_bytes"].as_u64().unwrap_or(0);
-    let history: Vec<u64> = (stats["budget_history"].as_array())
-        .map(|points| {
-            (points.iter())
-                .filter_map(|point| point["bytes"].as_u64())
-                .collect()
+    let Some(moved) = budget_history::movement(&budget_history::from_stats_json(stats)) else {
+        return format!("a {} budget", format_size(now));
+    };
+    // Its extremes where they differ from the start (auto may grow back past it).
+    let extreme = |point: budget_history::BudgetPoint, which: &str| {
+        (point.bytes != moved.start).then(|| {
+            format!(
+                ", {} at its {which} at {:.1} s",
+                format_size(point.bytes),
+                point.t_s
+            )
         })
-        .unwrap_or_default();
-    match (history.iter().min(), history.iter().max()) {
-        (Some(&low), Some(&high)) if history.len() > 1 => format!(
-            "a budget that followed memory pressure ({} changes, between {} and {}; {} at \
-             the end)",
-            history.len() - 1,
-            format_size(low),
-            format_size(high),
-            format_size(now)
+    };
+    let lowest = extreme(moved.lowest, "lowest").unwrap_or_default();
+    let highest = extreme(moved.highest, "highest").unwrap_or_default();
+    let changes = match moved.changes {
+        1 => format!("1 change at {:.1} s", moved.first_change_s),
+        n => format!(
+            "{n} changes from {:.1} s to {:.1} s",
+            moved.first_change_s, moved.last_change_s
         ),
-        _ => format!("a {} budget", format_size(now)),
-    }
+    };
+    format!(
+        "a budget that followed memory pressure ({} at the start{lowest}{highest}, {} at the \
+         end, {changes})",
+        format_size(moved.start),
+        format_size(now),
+    )
 }
 
 /// Which process the stats are of (`; served pid 4242 (llama-completion)`): through a
@@ -285,16 +298,32 @@ mod tests {
             summary(STATS)
         );
         let followed = r#"{"budget_bytes": 3145728, "budget_history": [
-            {"t_s": 0.0, "bytes": 4194304}, {"t_s": 1.0, "bytes": 1048576},
+            {"t_s": 0.0, "bytes": 4194304}, {"t_s": 1.5, "bytes": 1048576},
             {"t_s": 2.0, "bytes": 3145728}]}"#;
         let line = summary(followed);
         assert!(
             line.contains(
-                "a budget that followed memory pressure (2 changes, between 1.00 MiB and \
-                 4.00 MiB; 3.00 MiB at the end)"
+                "of a budget that followed memory pressure (4.00 MiB at the start, 1.00 MiB \
+                 at its lowest at 1.5 s, 3.00 MiB at the end, 2 changes from 1.5 s to 2.0 s), \
+                 the pager's own heap"
             ),
             "{line}"
         );
+        // One change, up past the start: the highest is told (no lowest), and when.
+        let grew = r#"{"budget_bytes": 8388608, "budget_history": [
+            {"t_s": 0.0, "bytes": 4194304}, {"t_s": 0.5, "bytes": 8388608}]}"#;
+        let line = summary(grew);
+        assert!(
+            line.contains(
+                "(4.00 MiB at the start, 8.00 MiB at its highest at 0.5 s, 8.00 MiB at the \
+                 end, 1 change at 0.5 s),"
+            ),
+            "{line}"
+        );
+        // A history of the start alone is a fixed budget.
+        let fixed =
+            r#"{"budget_bytes": 2097152, "budget_history": [{"t_s": 0.0, "bytes": 2097152}]}"#;
+        assert!(summary(fixed).contains("of a 2.00 MiB budget,"));
     }
 
     #[test]

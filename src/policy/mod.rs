@@ -157,6 +157,12 @@ pub trait PrefetchPolicy: Send {
 
     fn region_removed(&mut self, _region: RegionId) {}
 
+    /// The pager's budget is `budget` now (`Pager::set_budget`): a policy whose
+    /// lookahead is sized by the budget (`RegionInfo::budget`) resizes it, so that what
+    /// it reads ahead still fits beside what stays resident. Called after the service
+    /// has evicted down to the new budget.
+    fn budget_changed(&mut self, _budget: u64) {}
+
     /// Appends to `out` the blocks worth reading after this fault, most urgent first.
     /// The service skips blocks already resident or in flight, reads the rest in order,
     /// and stops early when the queue is full or the eviction policy finds nothing worth

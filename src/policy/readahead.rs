@@ -50,6 +50,7 @@ impl Default for SequentialReadahead {
 
 struct RegionStreams {
     block_count: u32,
+    block_size: u64,
     initial_window: u32,
     max_window: u32,
     disabled: bool,
@@ -75,6 +76,16 @@ impl SequentialReadahead {
     fn blocks_for(bytes: u64, block_size: u64) -> u32 {
         bytes.div_ceil(block_size).clamp(1, u32::MAX as u64) as u32
     }
+
+    /// The first and the largest window, in blocks of `block_size`, under `budget`.
+    fn windows(&self, budget: u64, block_size: u64) -> (u32, u32) {
+        // A window beyond a fraction of the budget would evict what it read before the
+        // program got there (a quarter: several streams may be open at once).
+        let max_bytes = self.max_window_bytes.min(budget / 4);
+        let initial_window = Self::blocks_for(self.initial_window_bytes.min(max_bytes), block_size);
+        let max_window = Self::blocks_for(max_bytes, block_size).max(initial_window);
+        (initial_window, max_window)
+    }
 }
 
 impl PrefetchPolicy for SequentialReadahead {
@@ -83,24 +94,31 @@ impl PrefetchPolicy for SequentialReadahead {
     }
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
-        // A window beyond a fraction of the budget would evict what it read before the
-        // program got there (a quarter: several streams may be open at once).
-        let max_bytes = self.max_window_bytes.min(info.budget / 4);
-        let initial_window = Self::blocks_for(
-            self.initial_window_bytes.min(max_bytes),
-            info.geometry.block_size,
-        );
-        let max_window = Self::blocks_for(max_bytes, info.geometry.block_size).max(initial_window);
+        let block_size = info.geometry.block_size;
+        let (initial_window, max_window) = self.windows(info.budget, block_size);
         self.regions.insert(
             info.id,
             RegionStreams {
                 block_count: info.geometry.block_count(),
+                block_size,
                 initial_window,
                 max_window,
                 disabled: false,
                 streams: Vec::new(),
             },
         );
+    }
+
+    fn budget_changed(&mut self, budget: u64) {
+        let mut regions = std::mem::take(&mut self.regions);
+        for state in regions.values_mut() {
+            (state.initial_window, state.max_window) = self.windows(budget, state.block_size);
+            // Open streams keep their progress; a window beyond the new bound shrinks.
+            for stream in &mut state.streams {
+                stream.window = stream.window.min(state.max_window);
+            }
+        }
+        self.regions = regions;
     }
 
     fn region_removed(&mut self, region: RegionId) {
@@ -211,6 +229,30 @@ mod tests {
         let mut out = Vec::new();
         policy.plan(&event, &mut out);
         out
+    }
+
+    #[test]
+    fn the_window_follows_the_budget_down_and_back() {
+        let mut policy = policy_with_region(1000);
+        let windows = |policy: &SequentialReadahead| {
+            let state = &policy.regions[&RegionId(0)];
+            (state.initial_window, state.max_window)
+        };
+        assert_eq!(windows(&policy), (4, 16));
+        // Grow a stream to the largest window (16 blocks of 1 MiB).
+        plan(&mut policy, fault(0, 0));
+        plan(&mut policy, fault(1, 1));
+        plan(&mut policy, fault(4, 2));
+        plan(&mut policy, fault(12, 3));
+        // A budget of 8 MiB allows windows of a quarter of it: 2 blocks, the open
+        // stream's too.
+        policy.budget_changed(8 << 20);
+        assert_eq!(windows(&policy), (2, 2));
+        let shrunk = plan(&mut policy, fault(13, 4));
+        assert!(shrunk.len() <= 2, "{shrunk:?}");
+        // Grown back past what the configuration allows: the configured windows.
+        policy.budget_changed(1 << 30);
+        assert_eq!(windows(&policy), (4, 16));
     }
 
     #[test]

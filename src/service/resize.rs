@@ -1,6 +1,8 @@
 //! Changing the budget while serving (`Command::SetBudget`): a larger budget gives
 //! reads room at once; a smaller one is met by evicting through the eviction policy
 //! before the command is answered, with the victims' frames giving their memory back.
+//! Either way the prefetch policy hears of it (`PrefetchPolicy::budget_changed`) and
+//! resizes its lookahead.
 //!
 //! What cannot be evicted at that moment (blocks being read, held by a read's
 //! reservation, pinned blocks, and each thread's last two blocks, which the budget's
@@ -26,7 +28,8 @@ impl FaultService {
             self.config.budget_ceiling,
             self.config.block_size,
         );
-        if limit != self.budget.limit() {
+        let changed = limit != self.budget.limit();
+        if changed {
             self.budget.set_limit(limit);
             self.stats.budget_bytes = limit;
             let point = BudgetPoint {
@@ -40,6 +43,11 @@ impl FaultService {
             // With the victims' frames back: unused frames keep no more memory than
             // the budget (and the frame a read may need) allows.
             store.set_memory_limit(limit + self.config.block_size);
+        }
+        if changed {
+            // Lookahead sized by the old budget would read ahead what the new one has
+            // no room for (or too little, once it grew back).
+            self.prefetch.budget_changed(limit);
         }
         Ok(limit)
     }

@@ -8,6 +8,7 @@
 //! `record::RunRecord`, and the report is made of those alone. `command` is the
 //! subcommand's arguments and progress; `bench` calls `compare` per budget.
 
+pub mod budget_curve;
 pub mod cgroup;
 pub mod chrome_trace;
 pub mod command;

@@ -1,11 +1,16 @@
 //! The report's SVG plots, each drawn from one representative run per side (the run
 //! with the median wall time).
 
+use super::budget_curve::budget_steps;
 use super::figures::request_size_edges;
 use super::record::{RunRecord, Side};
 use super::report::Report;
 use super::svg::{Chart, Mark, Series, KERNEL_COLOR, PAGER_COLOR};
+use hyperoffload::budget_history;
 use hyperoffload::size::format_size;
+
+/// The pager's budget line.
+const BUDGET_COLOR: &str = "#2ca02c";
 
 /// The successful run of `side` with the median wall time.
 pub fn representative(report: &Report, side: Side) -> Option<&RunRecord> {
@@ -49,10 +54,12 @@ pub fn render_plots(report: &Report) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The cgroup's memory and the model's resident set over time.
+/// The cgroup's memory and the model's resident set over time; on the pager side, where
+/// the model is not a file mapping any more, the process's resident set (which holds the
+/// pager's frames) and the pager's budget, from its stats' history.
 fn resident_chart(report: &Report) -> Chart {
     Chart {
-        title: "Resident memory over time".into(),
+        title: "Resident memory and the pager's budget over time".into(),
         x_label: "time (s)".into(),
         y_label: "MiB".into(),
         series: per_side(report, |side, run| {
@@ -70,17 +77,40 @@ fn resident_chart(report: &Report) -> Chart {
                 mark: Mark::Line,
                 points: points(|m| m.cgroup_bytes),
             }];
+            let light = if side == Side::Kernel {
+                "#ff9896"
+            } else {
+                "#aec7e8"
+            };
             let model = points(|m| m.model_rss_bytes);
+            let process = points(|m| m.process_rss_bytes);
             if !model.is_empty() {
                 series.push(Series {
                     name: format!("{} model RSS", side.name()),
-                    color: if side == Side::Kernel {
-                        "#ff9896"
-                    } else {
-                        "#aec7e8"
-                    },
+                    color: light,
                     mark: Mark::Line,
                     points: model,
+                });
+            } else if !process.is_empty() {
+                series.push(Series {
+                    name: format!("{} process RSS", side.name()),
+                    color: light,
+                    mark: Mark::Line,
+                    points: process,
+                });
+            }
+            let history = run
+                .pager_stats
+                .as_ref()
+                .map(budget_history::from_stats_json)
+                .unwrap_or_default();
+            let budget = budget_steps(&history, run.wall_s);
+            if !budget.is_empty() {
+                series.push(Series {
+                    name: format!("{} budget", side.name()),
+                    color: BUDGET_COLOR,
+                    mark: Mark::Line,
+                    points: budget,
                 });
             }
             series
@@ -200,5 +230,81 @@ fn fault_map_chart(report: &Report) -> Chart {
             }]
         }),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::compare::report::ReportHeader;
+    use crate::cli::compare::samples::MemorySample;
+
+    fn report(runs: Vec<RunRecord>) -> Report {
+        Report {
+            header: ReportHeader {
+                command: vec!["llama-bench".into()],
+                model: "/m/model.gguf".into(),
+                model_parts: Vec::new(),
+                model_bytes: 1 << 30,
+                budget_bytes: 512 << 20,
+                device: "8:0".into(),
+                runs_per_side: 1,
+                cold: true,
+                cgroup_version: "V2".into(),
+                kernel: "6.18".into(),
+            },
+            method: String::new(),
+            latency_edges_us: Vec::new(),
+            request_size_edges: Vec::new(),
+            runs,
+        }
+    }
+
+    fn run(side: Side) -> RunRecord {
+        let sample = |t_s: u64, mib: u64| MemorySample {
+            t_ns: t_s * 1_000_000_000,
+            cgroup_bytes: Some(mib << 20),
+            process_rss_bytes: Some(mib << 20),
+            model_rss_bytes: (side == Side::Kernel).then_some(mib << 20),
+        };
+        let mut run = RunRecord {
+            side,
+            index: 1,
+            exit_code: Some(0),
+            wall_s: 4.0,
+            ..Default::default()
+        };
+        run.series.memory = vec![sample(0, 10), sample(4, 300)];
+        run
+    }
+
+    #[test]
+    fn the_pager_side_plots_its_budget_curve_beside_its_resident_bytes() {
+        let mut pager = run(Side::Pager);
+        pager.pager_stats = Some(serde_json::json!({
+            "budget_bytes": 400u64 << 20,
+            "budget_history": [
+                {"t_s": 0.0, "bytes": 512u64 << 20},
+                {"t_s": 1.5, "bytes": 100u64 << 20},
+                {"t_s": 3.0, "bytes": 400u64 << 20}
+            ]
+        }));
+        let chart = resident_chart(&report(vec![run(Side::Kernel), pager]));
+        let names: Vec<&str> = chart.series.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "kernel cgroup",
+                "kernel model RSS",
+                "pager cgroup",
+                "pager process RSS",
+                "pager budget"
+            ]
+        );
+        let budget = &chart.series[4].points;
+        assert_eq!(budget.first(), Some(&(0.0, 512.0)));
+        assert!(budget.contains(&(1.5, 100.0)), "{budget:?}");
+        assert_eq!(budget.last(), Some(&(4.0, 400.0)), "held to the run's end");
+        assert!(chart.render().contains(">pager budget</text>"));
     }
 }

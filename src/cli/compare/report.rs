@@ -414,7 +414,10 @@ impl Report {
 
 /// The plot files `write_plots` produces, with their titles.
 pub const PLOTS: &[(&str, &str)] = &[
-    ("resident.svg", "Resident bytes over time"),
+    (
+        "resident.svg",
+        "Resident bytes and the pager's budget over time",
+    ),
     ("bandwidth.svg", "Read bandwidth over time"),
     ("request-sizes.svg", "Read request size histogram"),
     ("fault-latency-cdf.svg", "Fault latency CDF"),

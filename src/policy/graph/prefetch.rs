@@ -31,6 +31,12 @@ pub struct GraphPrefetch {
     /// The device depth asked for (`PrefetchPolicy::device_bytes`): shallow while a
     /// spread set streams.
     device_bytes: Option<u64>,
+    /// The initial and most lookahead as configured, before any budget bounded them:
+    /// what a budget that grows back restores.
+    configured: Option<(u64, u64)>,
+    /// The budget the prediction's streamed set was chosen for (at the latest region
+    /// bound).
+    plan_budget: Option<u64>,
 }
 
 /// Most lookahead while a contiguous stretch streams (below two thirds of the model).
@@ -66,8 +72,52 @@ impl GraphPrefetch {
             progress_steps: 0,
             target: vec![0; prediction.graph.geometry().block_count() as usize],
             device_bytes: None,
+            configured: None,
+            plan_budget: None,
             prediction,
         }
+    }
+
+    /// Bounds the lookahead for `budget`, from the limits as configured: a smaller budget lowers them, a larger one raises them back.
+    fn fit_to_budget(&mut self, budget: u64) {
+        // With a spread streamed set (see `streaming`), the window is the room the plan
+        // keeps for it. Otherwise (the model fits, or Belady's contiguous stream):
+        // bytes in flight hold budget that the resident part of the model no longer
+        // has: every byte of lookahead beyond what hides the read latency is read again
+        // each token. Measured read latency grows with the queue the lookahead itself
+        // fills, so the estimate is also capped at a fraction of the budget.
+        // Nor is it worth more than a part of what has to stream each pass: at a budget
+        // close to the model, a lookahead of budget/8 would be larger than the stream.
+        // An eighth: with zero copy (no copying CPU left to hide) a quarter read 1.15x
+        // M - B per token at 75 and 90 % of a 3 GiB model and an eighth 1.05-1.09x, at
+        // the same speed (3.13-3.22 against 3.14-3.17 tok/s at 75 %, 5.47-5.54 against
+        // 5.18-5.56 at 90 %); a sixteenth read 1.04x but decoded 6-7 % slower.
+        // And never more than `STREAM_LOOKAHEAD_MAX`: what keeps the device busy does not
+        // grow with the model or the budget. (When the model fits, nothing streams after
+        // the first pass, which still reads the whole model: no such cap then.)
+        let (initial, max) = *self
+            .configured
+            .get_or_insert((self.initial_lookahead_bytes, self.max_lookahead_bytes));
+        let plan_window = self.prediction.lock().stream.window_bytes;
+        let streamed = self
+            .prediction
+            .graph()
+            .predicted_bytes()
+            .saturating_sub(budget);
+        let proportional = match streamed {
+            0 => budget / 8,
+            streamed => (budget / 8).min(streamed / 8).min(STREAM_LOOKAHEAD_MAX),
+        };
+        let cap = match (plan_window, self.plan_budget) {
+            (0, _) => proportional,
+            // The spread set was chosen for a budget this one reaches: its window.
+            (window, Some(planned)) if budget >= planned => window,
+            // Below that budget the set streams less than must be read: never more
+            // than the window, nor than a budget this small gives room for.
+            (window, _) => window.min(proportional),
+        };
+        self.max_lookahead_bytes = max.min(cap.max(self.min_lookahead_bytes));
+        self.initial_lookahead_bytes = initial.min(self.max_lookahead_bytes);
     }
 
     /// Bytes to keep in flight ahead of the program: what it consumes while a read
@@ -90,39 +140,14 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
-        // With a spread streamed set (see `streaming`), the window is the room the plan
-        // keeps for it. Otherwise (the model fits, or Belady's contiguous stream):
-        // bytes in flight hold budget that the resident part of the model no longer
-        // has: every byte of lookahead beyond what hides the read latency is read again
-        // each token. Measured read latency grows with the queue the lookahead itself
-        // fills, so the estimate is also capped at a fraction of the budget.
-        // Nor is it worth more than a part of what has to stream each pass: at a budget
-        // close to the model, a lookahead of budget/8 would be larger than the stream.
-        // An eighth: with zero copy (no copying CPU left to hide) a quarter read 1.15x
-        // M - B per token at 75 and 90 % of a 3 GiB model and an eighth 1.05-1.09x, at
-        // the same speed (3.13-3.22 against 3.14-3.17 tok/s at 75 %, 5.47-5.54 against
-        // 5.18-5.56 at 90 %); a sixteenth read 1.04x but decoded 6-7 % slower.
-        // And never more than `STREAM_LOOKAHEAD_MAX`: what keeps the device busy does not
-        // grow with the model or the budget. (When the model fits, nothing streams after
-        // the first pass, which still reads the whole model: no such cap then.)
+        self.plan_budget = Some(info.budget);
+        self.fit_to_budget(info.budget);
         let plan_window = self.prediction.lock().stream.window_bytes;
-        let streamed = self
-            .prediction
-            .graph()
-            .predicted_bytes()
-            .saturating_sub(info.budget);
-        let cap = match (plan_window, streamed) {
-            (0, 0) => info.budget / 8,
-            (0, streamed) => (info.budget / 8)
-                .min(streamed / 8)
-                .min(STREAM_LOOKAHEAD_MAX),
-            (window, _) => window,
-        };
-        self.max_lookahead_bytes = self
-            .max_lookahead_bytes
-            .min(cap.max(self.min_lookahead_bytes));
         self.device_bytes = (plan_window > 0).then_some(super::streaming::STREAM_DEVICE_BYTES);
-        self.initial_lookahead_bytes = self.initial_lookahead_bytes.min(self.max_lookahead_bytes);
+    }
+
+    fn budget_changed(&mut self, budget: u64) {
+        self.fit_to_budget(budget);
     }
 
     fn region_removed(&mut self, region: RegionId) {

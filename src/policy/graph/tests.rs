@@ -253,6 +253,54 @@ fn a_contiguous_stream_looks_ahead_an_eighth_at_most_and_never_past_the_cap() {
 }
 
 #[test]
+fn the_lookahead_follows_the_budget_down_and_back() {
+    let block = 2u64 << 20;
+    // A contiguous stream (half the model): the cap, STREAM_LOOKAHEAD_MAX.
+    let pass: Vec<u32> = (0..1536).collect();
+    let mut prefetch = bound_policies(&pass, 1536, block, 0, 768 * block).0;
+    assert_eq!(prefetch.max_lookahead_bytes, STREAM_LOOKAHEAD_MAX);
+    assert_eq!(prefetch.initial_lookahead_bytes, 4 << 20);
+    // An eighth of a budget shrunk to 96 blocks, then of 8 blocks (below the initial
+    // lookahead, which follows).
+    prefetch.budget_changed(96 * block);
+    assert_eq!(prefetch.max_lookahead_bytes, 96 * block / 8);
+    prefetch.budget_changed(8 * block);
+    assert_eq!(prefetch.max_lookahead_bytes, block);
+    assert_eq!(prefetch.initial_lookahead_bytes, block);
+    assert_eq!(prefetch.lookahead_bytes(), block);
+    // Grown back: the limits as they were.
+    prefetch.budget_changed(768 * block);
+    assert_eq!(prefetch.max_lookahead_bytes, STREAM_LOOKAHEAD_MAX);
+    assert_eq!(prefetch.initial_lookahead_bytes, 4 << 20);
+
+    // A spread set (30 blocks, 24 kept): its window, never more when the budget
+    // shrinks below the one the set was chosen for, and again once it is back.
+    let pass: Vec<u32> = (0..30).collect();
+    let (mut prefetch, _) = streaming_policies(&pass, 30, 24);
+    assert_eq!(prefetch.max_lookahead_bytes, 8 * block, "the window");
+    prefetch.budget_changed(20 * block);
+    assert_eq!(
+        prefetch.max_lookahead_bytes,
+        10 * block / 8,
+        "an eighth of the stream"
+    );
+    prefetch.budget_changed(4 * block);
+    assert_eq!(
+        prefetch.max_lookahead_bytes,
+        4 * block / 8,
+        "an eighth of the budget"
+    );
+    prefetch.budget_changed(24 * block);
+    assert_eq!(prefetch.max_lookahead_bytes, 8 * block);
+    prefetch.budget_changed(30 * block);
+    assert_eq!(
+        prefetch.max_lookahead_bytes,
+        8 * block,
+        "the set's window still"
+    );
+}
+
+#[test]
 fn unpredicted_blocks_go_first() {
     let (_, mut eviction) = policies(&[0, 1, 2], 10);
     eviction.inserted(b(1));
