@@ -139,6 +139,21 @@ impl GraphPrediction {
         }
     }
 
+    /// Chooses the streamed set again for `budget` (a model bound, the budget moved):
+    /// the blocks that stream are the ones a pass under this budget must read.
+    fn replan_streaming(&self, budget: u64) {
+        let mut progress = self.lock();
+        if progress.regions.is_empty() {
+            return;
+        }
+        progress.stream = plan_streaming(
+            self.graph.order(),
+            &*self.graph,
+            budget,
+            self.graph.lag_guard(),
+        );
+    }
+
     /// What was learned of how often each expert runs, for the next run of the model
     /// (`graph::expert_store`); `None` for a model without routed experts.
     pub fn expert_counts(&self) -> Option<ExpertCounts> {

@@ -205,6 +205,12 @@ pub trait EvictionPolicy: Send {
     /// The region is gone; forget all of its blocks (no `removed` calls follow).
     fn region_removed(&mut self, region: RegionId);
 
+    /// The pager's budget is `budget` now (`Pager::set_budget`): a policy that ranks
+    /// blocks by what the budget holds (`RegionInfo::budget`) ranks them again. Called
+    /// before the service evicts down to a smaller budget, so that it evicts by the new
+    /// ranking.
+    fn budget_changed(&mut self, _budget: u64) {}
+
     /// `block` is resident and evictable.
     fn inserted(&mut self, block: BlockRef);
 

@@ -43,6 +43,13 @@ impl<T: Clone + Default> PerBlock<T> {
             .map_or(&[], |(_, values)| values.as_slice())
     }
 
+    /// Every region's values, indexed by block.
+    pub(crate) fn regions(&self) -> impl Iterator<Item = (RegionId, &[T])> {
+        self.regions
+            .iter()
+            .map(|(id, values)| (*id, values.as_slice()))
+    }
+
     /// Forgets a region's values.
     pub(crate) fn remove_region(&mut self, region: RegionId) {
         self.regions.retain(|(id, _)| *id != region);

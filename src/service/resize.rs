@@ -1,8 +1,10 @@
 //! Changing the budget while serving (`Command::SetBudget`): a larger budget gives
 //! reads room at once; a smaller one is met by evicting through the eviction policy
 //! before the command is answered, with the victims' frames giving their memory back.
-//! Either way the prefetch policy hears of it (`PrefetchPolicy::budget_changed`) and
-//! resizes its lookahead.
+//! Either way the policies hear of it: the eviction policy ranks blocks for the new
+//! budget before anything is evicted for it (`EvictionPolicy::budget_changed`: the graph
+//! policy chooses its streamed set again), and the prefetch policy resizes its lookahead
+//! (`PrefetchPolicy::budget_changed`).
 //!
 //! What cannot be evicted at that moment (blocks being read, held by a read's
 //! reservation, pinned blocks, and each thread's last two blocks, which the budget's
@@ -37,6 +39,8 @@ impl FaultService {
                 bytes: limit,
             };
             budget_history::record(&mut self.stats.budget_history, point);
+            // Ranked for the new budget before anything is evicted for it.
+            self.eviction.budget_changed(limit);
         }
         self.shed_excess()?;
         if let Some(store) = &mut self.store {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::expert_blocks::ExpertBlocks;
 use super::{is_routed_expert, local_in, GraphPrediction, Progress};
-use crate::graph::ModelGraph;
+use crate::graph::{CyclicOrder, ModelGraph};
 use crate::policy::per_block::PerBlock;
 use crate::policy::position_set::PositionSet;
 use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId, RegionInfo};
@@ -36,6 +36,8 @@ pub struct GraphEviction {
     experts: ExpertBlocks,
     tracked_count: usize,
     arrivals: u64,
+    /// Whether the service watches resident blocks (`RegionInfo::watch_resident`).
+    watch_resident: bool,
 }
 
 #[derive(Copy, Clone, Default, PartialEq, Eq)]
@@ -69,6 +71,7 @@ impl GraphEviction {
             unpredicted_keys: HashMap::new(),
             tracked_count: 0,
             arrivals: 0,
+            watch_resident: false,
         }
     }
 
@@ -84,32 +87,17 @@ impl GraphEviction {
     /// region's sets: all tracked predicted blocks, and the streamed ones if it streams.
     fn set_positions(&mut self, block: BlockRef, global: u32, streamed: bool, present: bool) {
         let order = self.prediction.graph.order();
-        let lists: &mut [&mut Vec<RegionPositions>] = if streamed {
-            &mut [&mut self.positions, &mut self.streamed_positions]
-        } else {
-            &mut [&mut self.positions]
-        };
-        for sets in lists.iter_mut() {
-            let at = match sets.iter().position(|sets| sets.region == block.region) {
-                Some(at) => at,
-                None => {
-                    sets.push(RegionPositions {
-                        region: block.region,
-                        first_block: global - block.index,
-                        set: PositionSet::new(order.len()),
-                    });
-                    sets.len() - 1
-                }
-            };
-            let set = &mut sets[at].set;
-            for &position in order.positions(global) {
-                if present {
-                    set.insert(position);
-                } else {
-                    set.remove(position);
-                }
-            }
+        mark_positions(&mut self.positions, order, block, global, present);
+        if streamed {
+            mark_positions(&mut self.streamed_positions, order, block, global, present);
         }
+    }
+
+    /// Whether routed experts' use is watched: where the service watches and experts
+    /// are evicted at all (the model does not fit `budget`).
+    fn watches_experts(&self, budget: u64) -> bool {
+        let graph = &self.prediction.graph;
+        self.watch_resident && !graph.experts().is_empty() && graph.geometry().data_len > budget
     }
 
     fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
@@ -160,6 +148,36 @@ impl GraphEviction {
         let any = || furthest_in(&self.prediction.graph, &self.positions, cursor, guard);
         let (block, _, distance) = streamed.or_else(any)?;
         Some((block, distance))
+    }
+}
+
+/// Adds (or removes) every position of `block` (`global` in the graph) to its region's
+/// set in `sets`.
+fn mark_positions(
+    sets: &mut Vec<RegionPositions>,
+    order: &CyclicOrder,
+    block: BlockRef,
+    global: u32,
+    present: bool,
+) {
+    let at = match sets.iter().position(|sets| sets.region == block.region) {
+        Some(at) => at,
+        None => {
+            sets.push(RegionPositions {
+                region: block.region,
+                first_block: global - block.index,
+                set: PositionSet::new(order.len()),
+            });
+            sets.len() - 1
+        }
+    };
+    let set = &mut sets[at].set;
+    for &position in order.positions(global) {
+        if present {
+            set.insert(position);
+        } else {
+            set.remove(position);
+        }
     }
 }
 
@@ -269,13 +287,42 @@ impl EvictionPolicy for GraphEviction {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
-        let graph = &self.prediction.graph;
         if self.prediction.lock().bound(info.id) {
             // Use counts matter only where experts get evicted.
-            self.experts.watching = info.watch_resident
-                && !graph.experts().is_empty()
-                && graph.geometry().data_len > info.budget;
+            self.watch_resident = info.watch_resident;
+            self.experts.watching = self.watches_experts(info.budget);
         }
+    }
+
+    fn budget_changed(&mut self, budget: u64) {
+        let prediction = Arc::clone(&self.prediction);
+        prediction.replan_streaming(budget);
+        let progress = prediction.lock();
+        // The streamed positions again, from the tracked predicted blocks that stream
+        // under the new set: those go first from now on.
+        self.streamed_positions.clear();
+        let streamed: Vec<(BlockRef, u32)> = self
+            .tracked
+            .regions()
+            .flat_map(|(region, blocks)| {
+                blocks
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(index, state)| match *state {
+                        Tracked::Predicted(global) => {
+                            Some((BlockRef::new(region, index as u32), global))
+                        }
+                        _ => None,
+                    })
+            })
+            .filter(|&(_, global)| progress.stream.is_streamed(global))
+            .collect();
+        drop(progress);
+        let order = prediction.graph.order();
+        for (block, global) in streamed {
+            mark_positions(&mut self.streamed_positions, order, block, global, true);
+        }
+        self.experts.watching = self.watches_experts(budget);
     }
 
     fn region_removed(&mut self, region: RegionId) {

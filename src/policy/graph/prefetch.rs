@@ -120,6 +120,15 @@ impl GraphPrefetch {
         self.initial_lookahead_bytes = initial.min(self.max_lookahead_bytes);
     }
 
+    /// Sizes the lookahead and the device bound for the streamed set chosen for
+    /// `budget`.
+    fn follow_plan(&mut self, budget: u64) {
+        self.plan_budget = Some(budget);
+        self.fit_to_budget(budget);
+        let plan_window = self.prediction.lock().stream.window_bytes;
+        self.device_bytes = (plan_window > 0).then_some(super::streaming::STREAM_DEVICE_BYTES);
+    }
+
     /// Bytes to keep in flight ahead of the program: what it consumes while a read
     /// completes, with room for queueing.
     pub fn lookahead_bytes(&self) -> u64 {
@@ -140,14 +149,14 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
-        self.plan_budget = Some(info.budget);
-        self.fit_to_budget(info.budget);
-        let plan_window = self.prediction.lock().stream.window_bytes;
-        self.device_bytes = (plan_window > 0).then_some(super::streaming::STREAM_DEVICE_BYTES);
+        self.follow_plan(info.budget);
     }
 
     fn budget_changed(&mut self, budget: u64) {
-        self.fit_to_budget(budget);
+        // The eviction side chooses the set again too; choosing it twice for one
+        // budget gives the same set.
+        self.prediction.replan_streaming(budget);
+        self.follow_plan(budget);
     }
 
     fn region_removed(&mut self, region: RegionId) {

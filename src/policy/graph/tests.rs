@@ -273,18 +273,22 @@ fn the_lookahead_follows_the_budget_down_and_back() {
     assert_eq!(prefetch.max_lookahead_bytes, STREAM_LOOKAHEAD_MAX);
     assert_eq!(prefetch.initial_lookahead_bytes, 4 << 20);
 
-    // A spread set (30 blocks, 24 kept): its window, never more when the budget
-    // shrinks below the one the set was chosen for, and again once it is back.
+    // A spread set (30 blocks, budget 24): its window. The set is chosen again for
+    // each budget: at 20 (a third of the model streams) a spread set again, with its
+    // window; at 4 a contiguous stream, an eighth of the budget; at 30 the model fits,
+    // an eighth of the budget and no device bound.
     let pass: Vec<u32> = (0..30).collect();
     let (mut prefetch, _) = streaming_policies(&pass, 30, 24);
     assert_eq!(prefetch.max_lookahead_bytes, 8 * block, "the window");
     prefetch.budget_changed(20 * block);
+    assert!(prefetch.prediction.stream_plan().streams());
     assert_eq!(
         prefetch.max_lookahead_bytes,
-        10 * block / 8,
-        "an eighth of the stream"
+        8 * block,
+        "the new set's window"
     );
     prefetch.budget_changed(4 * block);
+    assert!(!prefetch.prediction.stream_plan().streams());
     assert_eq!(
         prefetch.max_lookahead_bytes,
         4 * block / 8,
@@ -293,11 +297,34 @@ fn the_lookahead_follows_the_budget_down_and_back() {
     prefetch.budget_changed(24 * block);
     assert_eq!(prefetch.max_lookahead_bytes, 8 * block);
     prefetch.budget_changed(30 * block);
-    assert_eq!(
-        prefetch.max_lookahead_bytes,
-        8 * block,
-        "the set's window still"
-    );
+    assert!(!prefetch.prediction.stream_plan().streams());
+    assert_eq!(prefetch.max_lookahead_bytes, 30 * block / 8);
+}
+
+#[test]
+fn a_budget_change_chooses_the_streamed_set_again() {
+    // The model fits at first: nothing streams and eviction is Belady's alone. Shrunk
+    // to 24 of 30 blocks, the set `streamed_blocks_are_evicted_before_kept_ones` shows
+    // streams, and resident blocks of it go first; grown back, Belady's order again.
+    let pass: Vec<u32> = (0..30).collect();
+    let victims = |budget_blocks: Option<u64>| {
+        let (_, mut eviction) = streaming_policies(&pass, 30, 30);
+        assert!(!eviction.prediction.stream_plan().streams());
+        for i in 0..10 {
+            eviction.inserted(b(i));
+        }
+        eviction.touched(&fault(9, 0));
+        if let Some(blocks) = budget_blocks {
+            eviction.budget_changed(blocks * (2 << 20));
+        }
+        (0..10)
+            .map(|_| eviction.victim(b(10), ReadKind::Demand).unwrap().index)
+            .collect::<Vec<u32>>()
+    };
+    let belady = victims(None);
+    assert_eq!(belady, [8, 7, 6, 5, 4, 3, 2, 1, 0, 9]);
+    assert_eq!(victims(Some(24)), [7, 5, 3, 1, 9, 8, 6, 4, 2, 0]);
+    assert_eq!(victims(Some(30)), belady);
 }
 
 #[test]
