@@ -219,6 +219,76 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// `compare --budget auto --cgroup-limit`: both sides in one memory cgroup size, as in
+/// a container; the pager picks its budget from the cgroup's limit and stays within it,
+/// the program's own memory included.
+#[test]
+fn compare_in_a_cgroup_with_an_automatic_budget() {
+    let Some((model, bench)) = inputs() else {
+        return;
+    };
+    let _one = one_at_a_time();
+    let out = out_dir("compare-smollm2-auto");
+    std::fs::create_dir_all(&out).unwrap();
+    let model = {
+        let copy = out.join("model.gguf");
+        std::fs::copy(&model, &copy).expect("copy the model");
+        copy
+    };
+    let refused = Command::new(BIN)
+        .args(["compare", "--budget", "auto", "--runs", "1", "--out"])
+        .arg(&out)
+        .arg("--")
+        .arg(&bench)
+        .arg("-m")
+        .arg(&model)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("--budget auto needs --cgroup-limit"),
+        "{stderr}"
+    );
+    // The model, plus about 60 MiB of the program's own (KV cache, compute buffers):
+    // 150 % of a 100 MiB model.
+    run(Command::new(BIN)
+        .args(["compare", "--budget", "auto", "--cgroup-limit", "150%"])
+        .args(["--runs", "1", "--out"])
+        .arg(&out)
+        .arg("--")
+        .arg(&bench)
+        .arg("-m")
+        .arg(&model)
+        .args(["-p", "0", "-n", "4", "-t", "2", "-r", "1", "--repack", "0"]));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap())
+            .expect("report.json parses");
+    let header = &report["header"];
+    assert_eq!(header["budget_auto"], true);
+    let limit = header["cgroup_limit_bytes"].as_u64().expect("the limit");
+    assert_eq!(limit, header["model_bytes"].as_u64().unwrap() * 3 / 2);
+    let markdown = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(markdown.contains("budget auto"), "{markdown}");
+    for side in ["kernel", "pager"] {
+        let run = run_of(&report, side);
+        assert_eq!(
+            run["exit_code"],
+            0,
+            "{side} run failed: see {}",
+            out.display()
+        );
+        let peak = run["memory"]["cgroup_peak_bytes"].as_u64().expect("peak");
+        assert!(peak <= limit, "{side} cgroup peak {peak} above {limit}");
+    }
+    let stats = &run_of(&report, "pager")["pager_stats"];
+    let budget = stats["budget_bytes"].as_u64().expect("the pager's budget");
+    assert!(
+        budget > 0 && budget < limit,
+        "auto chose {budget} in a cgroup of {limit}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 /// With O_DIRECT every byte the pager reads is a block request: the traced reads
 /// cover the pager's own count, its io_uring workers' reads included (before they
 /// were, about 1% of the bytes here went missing, 17% with llama-simple). The

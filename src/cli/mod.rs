@@ -103,22 +103,28 @@ pub(crate) fn model_tensors(
 /// negative, NaN or infinite shares, and budgets that come to nothing, are refused: a
 /// budget of 0 bytes would fail every run.
 pub(crate) fn budget_bytes(text: &str, total: u64) -> anyhow::Result<u64> {
+    memory_bytes("--budget", text, total)
+}
+
+/// Bytes of memory given to the option `flag` as a size (`48M`) or a share of `total`
+/// (`50%`); never zero.
+pub(crate) fn memory_bytes(flag: &str, text: &str, total: u64) -> anyhow::Result<u64> {
     use anyhow::{bail, Context};
     let bytes = match text.strip_suffix('%') {
         Some(share) => {
             let share: f64 = share
                 .trim()
                 .parse()
-                .with_context(|| format!("--budget {text}: not a percentage"))?;
+                .with_context(|| format!("{flag} {text}: not a percentage"))?;
             if !share.is_finite() || share <= 0.0 {
-                bail!("--budget {text}: the share must be a positive number of percent");
+                bail!("{flag} {text}: the share must be a positive number of percent");
             }
             (total as f64 * share / 100.0) as u64
         }
-        None => hyperoffload::size::parse_size(text).with_context(|| format!("--budget {text}"))?,
+        None => hyperoffload::size::parse_size(text).with_context(|| format!("{flag} {text}"))?,
     };
     if bytes == 0 {
-        bail!("--budget {text}: that is no memory at all");
+        bail!("{flag} {text}: that is no memory at all");
     }
     Ok(bytes)
 }

@@ -31,7 +31,7 @@ use hyperoffload::model::ModelFile;
 use hyperoffload::size::format_size;
 
 use super::compare::record::{RunRecord, Side};
-use super::compare::{compare, CompareConfig};
+use super::compare::{compare, CompareConfig, PagerBudget};
 use super::device::drop_page_cache;
 use floors::Floors;
 use programs::{first_token_command, llama_bench_command};
@@ -148,7 +148,8 @@ fn measure_budget(
     let config = |program, out_dir| -> anyhow::Result<CompareConfig> {
         Ok(CompareConfig {
             program,
-            budget_bytes: budget,
+            budget: PagerBudget::Bytes(budget),
+            cgroup_limit: None,
             runs: args.runs,
             out_dir,
             model: Some(args.model.clone()),

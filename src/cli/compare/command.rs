@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::report::failed_runs;
-use super::{compare, find_model_argument, CompareConfig};
+use super::{compare, find_model_argument, CompareConfig, PagerBudget};
 use hyperoffload::model::split::model_len;
 use hyperoffload::size::format_size;
 
@@ -17,9 +17,15 @@ use hyperoffload::size::format_size;
 pub struct CompareArgs {
     /// RAM for the model: a size (`48M`) or a share of the model (`50%`; of all its
     /// files for a split GGUF). The kernel side's cgroup gets the same limit, page
-    /// cache included.
+    /// cache included. `auto` (with --cgroup-limit): the pager follows what the
+    /// cgroup can spare, as `run`'s default does.
     #[arg(long)]
     budget: String,
+    /// Run both sides in a memory cgroup of this size (page cache and the pager's
+    /// frames included), as in a container with a memory limit: a size or a share of
+    /// the model. The kernel side gets this limit instead of the budget.
+    #[arg(long, value_name = "SIZE")]
+    cgroup_limit: Option<String>,
     /// Runs per side.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -63,14 +69,26 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     };
     // All the parts of a split model, as the shim resolves a share for the pager side.
     let model_len = model_len(&model).with_context(|| model.display().to_string())?;
-    let budget = crate::cli::budget_bytes(&args.budget, model_len)?;
+    let cgroup_limit = args
+        .cgroup_limit
+        .as_deref()
+        .map(|text| crate::cli::memory_bytes("--cgroup-limit", text, model_len))
+        .transpose()?;
+    let budget = match (args.budget.as_str(), cgroup_limit) {
+        ("auto", Some(_)) => PagerBudget::Auto,
+        ("auto", None) => bail!(
+            "--budget auto needs --cgroup-limit: the kernel side is limited to the budget, and auto has no size until the pager runs"
+        ),
+        (text, _) => PagerBudget::Bytes(crate::cli::budget_bytes(text, model_len)?),
+    };
     if euid() != 0 {
         eprintln!("warning: not root: the page cache cannot be dropped, so the comparison is not cold (the report says so); cgroups and tracefs will likely fail too");
     }
     catch_interrupts();
     let config = CompareConfig {
         program: args.program,
-        budget_bytes: budget,
+        budget,
+        cgroup_limit,
         runs: args.runs,
         out_dir: args.out.clone(),
         model: Some(model),
@@ -84,7 +102,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
         .expect("a valid progress template"),
     );
     progress.enable_steady_tick(std::time::Duration::from_millis(200));
-    progress.set_message(format!("budget {}", format_size(budget)));
+    progress.set_message(format!("budget {}", budget.describe()));
     let report = compare(&config, &INTERRUPTED, |run| {
         progress.inc(1);
         progress.set_message(format!(

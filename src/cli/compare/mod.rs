@@ -56,6 +56,8 @@ pub enum CompareError {
         #[source]
         source: RunError,
     },
+    #[error("an automatic budget needs a cgroup limit: the kernel side has no other")]
+    AutoWithoutLimit,
     #[error("{path}: {source}")]
     Output {
         path: PathBuf,
@@ -75,9 +77,36 @@ pub fn find_model_argument(program: &[OsString]) -> Option<PathBuf> {
     })
 }
 
+/// The pager side's budget.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PagerBudget {
+    Bytes(u64),
+    /// `run --budget auto`: what the cgroup and the machine can spare, followed.
+    Auto,
+}
+
+impl PagerBudget {
+    pub fn bytes(self) -> Option<u64> {
+        match self {
+            PagerBudget::Bytes(bytes) => Some(bytes),
+            PagerBudget::Auto => None,
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            PagerBudget::Bytes(bytes) => hyperoffload::size::format_size(bytes),
+            PagerBudget::Auto => "auto".to_string(),
+        }
+    }
+}
+
 pub struct CompareConfig {
     pub program: Vec<OsString>,
-    pub budget_bytes: u64,
+    pub budget: PagerBudget,
+    /// Both sides run in a memory cgroup of this many bytes (the kernel side's limit
+    /// otherwise is the budget). Required with `PagerBudget::Auto`.
+    pub cgroup_limit: Option<u64>,
     pub runs: usize,
     pub out_dir: PathBuf,
     pub model: Option<PathBuf>,
@@ -93,6 +122,9 @@ pub fn compare(
     interrupted: &AtomicBool,
     mut on_run: impl FnMut(&RunRecord),
 ) -> Result<Report, CompareError> {
+    if config.budget == PagerBudget::Auto && config.cgroup_limit.is_none() {
+        return Err(CompareError::AutoWithoutLimit);
+    }
     let model_path = match &config.model {
         Some(path) => path.clone(),
         None => find_model_argument(&config.program).ok_or(CompareError::NoModel)?,
@@ -113,7 +145,8 @@ pub fn compare(
                 side,
                 index,
                 program: &config.program,
-                budget_bytes: config.budget_bytes,
+                budget: config.budget,
+                cgroup_limit: config.cgroup_limit,
                 model: &model,
                 out_dir: &config.out_dir,
                 launcher: &config.launcher,
@@ -147,7 +180,9 @@ pub fn compare(
                 Vec::new()
             },
             model_bytes: files.total_len(),
-            budget_bytes: config.budget_bytes,
+            budget_bytes: config.budget.bytes().unwrap_or(0),
+            budget_auto: config.budget == PagerBudget::Auto,
+            cgroup_limit_bytes: config.cgroup_limit,
             device: model
                 .devices
                 .iter()

@@ -247,6 +247,8 @@ mod tests {
                 model_parts: Vec::new(),
                 model_bytes: 1 << 30,
                 budget_bytes: 512 << 20,
+                budget_auto: false,
+                cgroup_limit_bytes: None,
                 device: "8:0".into(),
                 runs_per_side: 1,
                 cold: true,

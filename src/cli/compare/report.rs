@@ -13,9 +13,11 @@ pub const METHOD: &str = "\
 - Each run starts cold: `sync; echo 3 > /proc/sys/vm/drop_caches` (root), then mincore(2) over \
 the model checks none of it stayed cached (pages another process maps survive the drop).
 - Kernel side: the program unchanged, in a fresh memory cgroup (cgroup v2 `memory.max`, or v1 \
-`memory.limit_in_bytes`) limited to the budget, page cache included. The child joins the cgroup \
-between fork and exec. Pager side: `hyperoffload run --budget B --stats F --trace F -- PROGRAM`, \
-in an unlimited cgroup used only to measure its peak.
+`memory.limit_in_bytes`) limited to the budget (to the `--cgroup-limit` when one is given), page \
+cache included. The child joins the cgroup between fork and exec. Pager side: `hyperoffload run \
+--budget B --stats F --trace F -- PROGRAM`, in a cgroup used only to measure its peak (limited \
+to the `--cgroup-limit` when one is given, the pager's frames and the program's memory both \
+counted in it).
 - Tracing: tracefs directly, two private instances per run (`instances/hyperoffload-PID-*`, \
 `trace_clock` mono). Instance 1 follows the program (`set_event_pid` written by the child \
 before exec, `options/event-fork`) with `exceptions:page_fault_user`, `sched:sched_switch` and \
@@ -68,7 +70,15 @@ pub struct ReportHeader {
     pub model_parts: Vec<String>,
     /// Bytes of the model: of all its parts for a split model.
     pub model_bytes: u64,
+    /// The pager's fixed budget; 0 with `budget_auto`.
     pub budget_bytes: u64,
+    /// The pager chose and followed its budget (`run --budget auto`).
+    #[serde(default)]
+    pub budget_auto: bool,
+    /// Both sides ran in a memory cgroup of this size; without it, the kernel side's
+    /// cgroup was limited to the budget and the pager's was not limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup_limit_bytes: Option<u64>,
     /// The disks holding the model's files (`major:minor`, comma-separated).
     pub device: String,
     pub runs_per_side: usize,
@@ -81,6 +91,23 @@ pub struct ReportHeader {
 impl ReportHeader {
     /// `Model `m.gguf` (92.0 MiB)`, or for a split model
     /// `Model `m-00001-of-00003.gguf` split in 3 files (92.0 MiB in all)`.
+    /// The budget as the header states it: the pager's and the cgroups'.
+    fn budget_phrase(&self) -> String {
+        let share = |bytes: u64| bytes as f64 * 100.0 / self.model_bytes.max(1) as f64;
+        let budget = match self.budget_auto {
+            true => "auto (the pager's choice, followed while it ran: its curve is in the resident memory plot)".to_string(),
+            false => format!("{} ({:.0}% of the model)", format_size(self.budget_bytes), share(self.budget_bytes)),
+        };
+        match self.cgroup_limit_bytes {
+            Some(limit) => format!(
+                "{budget}, both sides in a memory cgroup of {} ({:.0}% of the model)",
+                format_size(limit),
+                share(limit)
+            ),
+            None => budget,
+        }
+    }
+
     fn model_phrase(&self) -> String {
         match self.model_parts.len() {
             0 | 1 => format!("Model `{}` ({})", self.model, format_size(self.model_bytes)),
@@ -311,10 +338,9 @@ impl Report {
         let _ = writeln!(md, "`{}`\n", h.command.join(" "));
         let _ = writeln!(
             md,
-            "{}, budget {} ({:.0}% of the model), {} run(s) per side, alternating; device {}, cgroup {}, kernel {}.\n",
+            "{}, budget {}, {} run(s) per side, alternating; device {}, cgroup {}, kernel {}.\n",
             h.model_phrase(),
-            format_size(h.budget_bytes),
-            h.budget_bytes as f64 * 100.0 / h.model_bytes.max(1) as f64,
+            h.budget_phrase(),
             h.runs_per_side,
             h.device,
             h.cgroup_version,
@@ -469,6 +495,8 @@ mod tests {
             model_parts: Vec::new(),
             model_bytes: 3 << 20,
             budget_bytes: 3 << 19,
+            budget_auto: false,
+            cgroup_limit_bytes: None,
             device: "8:0".into(),
             runs_per_side: 1,
             cold: true,
@@ -490,5 +518,24 @@ mod tests {
         let back: ReportHeader =
             serde_json::from_str(&serde_json::to_string(&header).unwrap()).unwrap();
         assert_eq!(back.model_parts.len(), 3);
+
+        assert_eq!(header.budget_phrase(), "1.50 MiB (50% of the model)");
+        header.cgroup_limit_bytes = Some(2 << 20);
+        assert_eq!(
+            header.budget_phrase(),
+            "1.50 MiB (50% of the model), both sides in a memory cgroup of 2.00 MiB (67% of the model)"
+        );
+        header.budget_auto = true;
+        header.budget_bytes = 0;
+        assert!(header
+            .budget_phrase()
+            .starts_with("auto (the pager's choice"));
+        // Reports written before these fields were kept read as fixed budgets.
+        let mut old = serde_json::to_value(&header).unwrap();
+        let fields = old.as_object_mut().unwrap();
+        fields.remove("budget_auto");
+        fields.remove("cgroup_limit_bytes");
+        let back: ReportHeader = serde_json::from_value(old).unwrap();
+        assert!(!back.budget_auto && back.cgroup_limit_bytes.is_none());
     }
 }

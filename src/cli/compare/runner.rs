@@ -31,6 +31,7 @@ use super::sampler::{SampledRun, Sampler};
 use super::samples::{FaultSample, ReadRequest};
 use super::trace_event::{lost_events, parse_line, DeviceNumber, EventKind, TraceEvent};
 use super::tracefs::{Capture, TraceInstance, TracefsError};
+use super::PagerBudget;
 use hyperoffload::model::split::{split_parts, SplitError};
 use hyperoffload::model::ModelFile;
 use hyperoffload::policy::FaultOutcome;
@@ -161,7 +162,9 @@ pub struct RunSpec<'a> {
     pub side: Side,
     pub index: usize,
     pub program: &'a [OsString],
-    pub budget_bytes: u64,
+    pub budget: PagerBudget,
+    /// Both sides' memory cgroup limit; without it the kernel side's is the budget.
+    pub cgroup_limit: Option<u64>,
     pub model: &'a ModelTarget,
     pub out_dir: &'a Path,
     /// The `hyperoffload` binary, whose `run` subcommand starts a program under the
@@ -332,8 +335,11 @@ fn program_command(spec: &RunSpec, files: &RunFiles) -> Result<Command, RunError
             command
                 .arg("run")
                 .arg("--budget")
-                // With its unit: `run` refuses a plain number below 1 MiB.
-                .arg(format!("{}B", spec.budget_bytes))
+                .arg(match spec.budget {
+                    // With its unit: `run` refuses a plain number below 1 MiB.
+                    PagerBudget::Bytes(bytes) => format!("{bytes}B"),
+                    PagerBudget::Auto => "auto".to_string(),
+                })
                 .arg("--stats")
                 .arg(out(&files.stats))
                 .arg("--trace")
@@ -552,7 +558,10 @@ pub fn run_once(spec: &RunSpec) -> Result<RunRecord, RunError> {
     let (cold, model_cached_bytes) = start_cold(spec.model);
 
     let unique = format!("hyperoffload-{}-{tag}", std::process::id());
-    let limit = (spec.side == Side::Kernel).then_some(spec.budget_bytes);
+    let limit = match spec.side {
+        Side::Kernel => spec.cgroup_limit.or(spec.budget.bytes()),
+        Side::Pager => spec.cgroup_limit,
+    };
     let cgroup = MemoryCgroup::create(&unique, limit)?;
     let traces = RunTraces::start(&unique, spec, &files)?;
     let command = program_command(spec, &files)?;
