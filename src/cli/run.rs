@@ -289,9 +289,6 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.verbose = args.verbose;
     config.inherit = args.inherit;
     config.serve_forks = args.serve_forks;
-    if config.serve_forks {
-        config.zero_copy = false;
-    }
     config.budget = checked_budget(&config)?;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.

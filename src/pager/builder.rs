@@ -207,8 +207,8 @@ impl PagerBuilder {
     /// this pager's service (`UFFD_FEATURE_EVENT_FORK`), from the same resident blocks
     /// and within the same budget, so a block read for one process is not read again for
     /// another. Regions are then file-shaped (`shaped_region`: their pages belong to one
-    /// shared-memory file, which a child maps too) and blocks are copied in (no zero
-    /// copy, no install workers). Needs CAP_SYS_PTRACE; without it the pager is built
+    /// shared-memory file, which a child maps too) and blocks are copied in (zero copy
+    /// is not used even if asked for, nor install workers). Needs CAP_SYS_PTRACE; without it the pager is built
     /// as if this were off and `Stats::forks_refused` says why. Off by default: a child
     /// that outlives the process it was forked from reads zeros where a block was not
     /// resident, since nothing serves its faults any more (preload/README.md,
