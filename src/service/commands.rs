@@ -80,6 +80,8 @@ impl FaultService {
                 let _ = reply.send(budget);
             }
             Command::Stats { reply } => {
+                // Whether children still live is asked for, not only published.
+                self.reap_children()?;
                 let snapshot = self.snapshot();
                 let _ = reply.send(snapshot);
             }

@@ -114,6 +114,15 @@ impl FaultService {
             }
             Location::Block(index) => index,
         };
+        let page_offset = offset & !(page as u64 - 1);
+        let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
+        if let (Source::Child(token), true) = (source, in_a_hole) {
+            // The program unmapped this page after the fork: installs go through its
+            // mapping and would never reach the child's (the child would fault again
+            // and again).
+            self.orphaned_child_fault(token, page_addr);
+            return None;
+        }
         if region.state(index) == BlockState::Unmapped {
             if let Source::Child(token) = source {
                 self.orphaned_child_fault(token, page_addr);
