@@ -273,9 +273,10 @@ const UFFDIO_CONTINUE: rustix::ioctl::Opcode =
 /// Whether the address space `uffd` serves still exists. UFFDIO_CONTINUE checks that the
 /// address space has users before anything else it does to the range and fails with
 /// ESRCH once the process exited or exec'd; the kernel gives a userfaultfd no other
-/// sign of that (no event, no hangup on poll). `addr` must be a page-aligned address of
-/// a range registered for missing faults only: there the ioctl, when the process lives,
-/// changes nothing and fails with EINVAL (or ENOENT where nothing is mapped).
+/// sign of that (no event, no hangup on poll). `addr` must be page aligned, and either
+/// in a range registered for missing faults only (the ioctl, when the process lives,
+/// changes nothing there and fails with EINVAL) or in none registered with `uffd`
+/// (ENOENT).
 pub fn uffd_process_alive(uffd: BorrowedFd<'_>, addr: usize) -> bool {
     let mut arg = UffdioContinue {
         range: UffdioRange {

@@ -10,6 +10,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=${1:-$(mktemp -d /tmp/fork-bench.XXXXXX)}
+mkdir -p "$dir"
 launcher=$here/target/release/hyperoffload
 export HYPEROFFLOAD_SHIM=$here/target/release/libhyperoffload_preload.so
 python=$(python3 -c 'import sys; print(sys.executable)')
@@ -18,7 +19,8 @@ model=$dir/m.gguf
 cat > "$dir/reader.py" <<'PY'
 import sys, os, mmap, hashlib, time, multiprocessing as mp
 mode, path = sys.argv[1], sys.argv[2]
-m = mmap.mmap(open(path, "rb").fileno(), 0, prot=mmap.PROT_READ)
+f = open(path, "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 PIECE = 4 << 20
 def rss():
     return {k: int(v.split()[0]) for k, v in (l.split(":") for l in open("/proc/self/status"))

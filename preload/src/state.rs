@@ -358,7 +358,8 @@ extern "C" fn write_exit_report() {
             // Their service ends with this process (preload/README.md, "Serving forked
             // children").
             shim.say(&format!(
-                "{live} forked child process(es) still map served models and outlive this                  one: their pages that were not resident read as zeros from now on"
+                "{live} forked child process(es) still map served models and outlive this \
+                 one: their pages that were not resident read as zeros from now on"
             ));
         }
     }

@@ -30,6 +30,10 @@ use crate::policy::BlockRef;
 /// installs).
 pub(super) const TOKEN_CHILD_BASE: u32 = 16;
 
+/// Where to ask whether a child lives when no region is left: above any
+/// `vm.mmap_min_addr`, below any task size.
+const PROBE_WITHOUT_REGIONS: usize = 1 << 30;
+
 /// Whose userfaultfd a fault came on.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Source {
@@ -268,12 +272,14 @@ impl FaultService {
         if self.children.is_empty() {
             return Ok(());
         }
-        // Any registered address does for the probe; without a region there is none
-        // (the probe needs one), and the children wait for the next.
-        let Some(probe) = self.regions.values().find(|region| !region.removed) else {
-            return Ok(());
-        };
-        let addr = probe.base;
+        // A registered address, where the probe changes nothing; without a region (the
+        // program unmapped them all, as at its exit) any address the kernel accepts,
+        // where the probe finds nothing of this userfaultfd's (ENOENT).
+        let addr = self
+            .regions
+            .values()
+            .find(|region| !region.removed)
+            .map_or(PROBE_WITHOUT_REGIONS, |region| region.base);
         let mut gone = Vec::new();
         self.children.list.retain(|child| {
             let alive = crate::sys::uffd_process_alive(child.uffd.as_fd(), addr);
