@@ -39,10 +39,22 @@ pub(crate) enum Command {
         file: BackingFile,
         /// The program's protection of the region (frames are mapped with it).
         prot: i32,
+        /// With a pager that serves forks: the file the region's data pages are
+        /// (`shaped_region`), read-write, to punch evicted blocks out of.
+        shape: Option<std::os::fd::OwnedFd>,
         reply: SyncSender<()>,
     },
     RemoveRegion {
         id: RegionId,
+        reply: SyncSender<()>,
+    },
+    /// A thread of the program is about to fork (`pager::fork_guard`), and its libc will
+    /// hold the allocator's locks until the kernel's fork returns, which waits until the
+    /// service has read the fork event: the service answers, then reads the program's
+    /// userfaultfd without allocating until that event (or until `Shared::forks_done`
+    /// passes `generation`: the fork ended without one).
+    ForkComing {
+        generation: u64,
         reply: SyncSender<()>,
     },
     Prefetch {
@@ -111,6 +123,8 @@ pub(crate) struct Shared {
     pub(crate) wakeup: EventFd,
     /// Last snapshot the service published, readable even after it stopped.
     pub(crate) stats: Mutex<Stats>,
+    /// Forks of the program that have returned in it (see `Command::ForkComing`).
+    pub(crate) forks_done: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -119,6 +133,7 @@ impl Shared {
             commands: Mutex::new(VecDeque::new()),
             wakeup,
             stats: Mutex::new(Stats::default()),
+            forks_done: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

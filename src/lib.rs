@@ -29,6 +29,7 @@ mod recent_faults;
 pub mod ring;
 pub mod served_files;
 mod service;
+pub mod shaped_region;
 pub mod shared_store;
 pub mod shim_config;
 pub mod size;

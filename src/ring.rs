@@ -122,6 +122,9 @@ pub enum Completion {
 
 const POLL_BIT: u64 = 1 << 63;
 
+/// The token `unwatch`'s own completion carries.
+pub const UNWATCH_TOKEN: u32 = u32::MAX;
+
 /// Memory a read lands in other than its slot's buffer.
 #[derive(Debug, Clone, Copy)]
 pub struct Landing {
@@ -368,6 +371,16 @@ impl<Tag> ReadRing<Tag> {
             .multi(true)
             .build()
             .user_data(POLL_BIT | token as u64);
+        self.push(&entry)
+    }
+
+    /// Ends the multishot poll `watch` started with `token`. Its last completion (and
+    /// this request's own, which carries `UNWATCH_TOKEN`) come as `Readable` like any
+    /// other: the caller ignores tokens it no longer watches.
+    pub fn unwatch(&mut self, token: u32) -> Result<(), RingError> {
+        let entry = opcode::PollRemove::new(POLL_BIT | token as u64)
+            .build()
+            .user_data(POLL_BIT | UNWATCH_TOKEN as u64);
         self.push(&entry)
     }
 

@@ -12,6 +12,7 @@
 //! | `HYPEROFFLOAD_BLOCK` | block size, a power of two from 4K to 1G | 2M with zero copy and a budget of at least 16M, else the pager's default (4K) |
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
 //! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
+//! | `HYPEROFFLOAD_SERVE_FORKS` | `1`: a child of `fork` is served by the pager, sharing its resident blocks and budget (file-shaped regions, blocks copied in, sized as for zero copy; see `PagerBuilder::serve_forks`); `0`: a forked child maps the files from the page cache | `0` |
 //! | `HYPEROFFLOAD_EXPERT_BLOCKS` | `1`: each routed expert's slice of a mixture-of-experts model's tensors is blocks of its own (`graph::experts::expert_block_cuts`), so a token reads the experts it runs and not their neighbours; `0`: blocks follow the block-size grid alone | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_SNAPSHOTS` | a directory where, while the pager runs, its stats JSON is written every half second as `snapshot-<pid>.json` (replaced atomically each time), so that a program killed by a signal, which runs no exit handlers, still leaves what it did | none |
@@ -37,6 +38,7 @@ pub const ENV_POLICY: &str = "HYPEROFFLOAD_POLICY";
 pub const ENV_BLOCK: &str = "HYPEROFFLOAD_BLOCK";
 pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
 pub const ENV_ZERO_COPY: &str = "HYPEROFFLOAD_ZERO_COPY";
+pub const ENV_SERVE_FORKS: &str = "HYPEROFFLOAD_SERVE_FORKS";
 pub const ENV_EXPERT_BLOCKS: &str = "HYPEROFFLOAD_EXPERT_BLOCKS";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
 pub const ENV_SNAPSHOTS: &str = "HYPEROFFLOAD_SNAPSHOTS";
@@ -60,6 +62,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_BLOCK,
     ENV_INSTALL_THREADS,
     ENV_ZERO_COPY,
+    ENV_SERVE_FORKS,
     ENV_EXPERT_BLOCKS,
     ENV_STATS,
     ENV_SNAPSHOTS,
@@ -262,6 +265,8 @@ pub struct ShimConfig {
     pub block_size: Option<u64>,
     pub install_threads: Option<usize>,
     pub zero_copy: bool,
+    /// Whether children of `fork` are served by the pager (see `ENV_SERVE_FORKS`).
+    pub serve_forks: bool,
     /// Whether routed experts' slices are blocks of their own (see `ENV_EXPERT_BLOCKS`).
     pub expert_blocks: bool,
     pub stats_path: Option<PathBuf>,
@@ -330,6 +335,7 @@ impl ShimConfig {
             block_size: None,
             install_threads: None,
             zero_copy: true,
+            serve_forks: false,
             expert_blocks: true,
             stats_path: None,
             snapshot_dir: None,
@@ -431,6 +437,7 @@ impl ShimConfig {
         if lookup(ENV_ZERO_COPY).is_some() {
             config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
         }
+        config.serve_forks = flag(&lookup, ENV_SERVE_FORKS)?;
         if lookup(ENV_EXPERT_BLOCKS).is_some() {
             config.expert_blocks = flag(&lookup, ENV_EXPERT_BLOCKS)?;
         }
@@ -452,6 +459,7 @@ impl ShimConfig {
             (ENV_VERBOSE, u8::from(self.verbose).to_string()),
             (ENV_INHERIT, u8::from(self.inherit).to_string()),
             (ENV_ZERO_COPY, u8::from(self.zero_copy).to_string()),
+            (ENV_SERVE_FORKS, u8::from(self.serve_forks).to_string()),
             (ENV_EXPERT_BLOCKS, u8::from(self.expert_blocks).to_string()),
             // Not configuration: filled by the process the launcher starts.
             (ENV_PROCESS, PROCESS_UNCLAIMED.to_string()),
@@ -545,6 +553,20 @@ mod tests {
         assert!(config.matches(b"model.safetensors"));
         assert!(!config.matches(b"/models/x.bin"));
         assert_eq!(config.min_size, 64 << 20);
+    }
+
+    #[test]
+    fn serving_forks_is_asked_for_and_keeps_the_block_sizing() {
+        assert!(!read(&[]).unwrap().serve_forks);
+        let config = read(&[(ENV_SERVE_FORKS, "1")]).unwrap();
+        assert!(config.serve_forks);
+        // Blocks are still sized for huge pages: copied into the region's file, 2 MiB
+        // blocks cost far less per byte than pages.
+        assert!(config.zero_copy);
+        assert!(config
+            .to_env()
+            .contains(&(ENV_SERVE_FORKS, "1".to_string())));
+        assert!(read(&[(ENV_SERVE_FORKS, "yes")]).is_err());
     }
 
     #[test]

@@ -125,6 +125,17 @@ pub struct Stats {
     pub zero_copy: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_copy_refused: Option<String>,
+    /// Whether children of `fork` are served (`PagerBuilder::serve_forks`); when asked
+    /// for and refused, why.
+    pub serve_forks: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forks_refused: Option<String>,
+    /// Forked children served so far, and those whose process still lives (as far as
+    /// the service last looked).
+    pub forked_children: u64,
+    pub live_children: u64,
+    /// Faults that came from forked children (counted in `faults` too).
+    pub child_faults: u64,
     /// With zero copy: memory the frames hold (in use, or free and kept for the next
     /// read), now and at most. Bounded by the budget plus a region's short last block.
     pub frame_memory_bytes: u64,

@@ -259,8 +259,55 @@ pub fn uffdio_poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> (io::Res
     (result.map_err(io::Error::from), arg.updated)
 }
 
+/// `struct uffdio_continue` (include/uapi/linux/userfaultfd.h).
+#[repr(C)]
+struct UffdioContinue {
+    range: UffdioRange,
+    mode: u64,
+    mapped: i64,
+}
+
+const UFFDIO_CONTINUE: rustix::ioctl::Opcode =
+    rustix::ioctl::opcode::read_write::<UffdioContinue>(0xAA, 0x07);
+
+/// Whether the address space `uffd` serves still exists. UFFDIO_CONTINUE checks that the
+/// address space has users before anything else it does to the range and fails with
+/// ESRCH once the process exited or exec'd; the kernel gives a userfaultfd no other
+/// sign of that (no event, no hangup on poll). `addr` must be page aligned, and either
+/// in a range registered for missing faults only (the ioctl, when the process lives,
+/// changes nothing there and fails with EINVAL) or in none registered with `uffd`
+/// (ENOENT).
+pub fn uffd_process_alive(uffd: BorrowedFd<'_>, addr: usize) -> bool {
+    let mut arg = UffdioContinue {
+        range: UffdioRange {
+            start: addr as u64,
+            len: page_size(),
+        },
+        mode: 0,
+        mapped: 0,
+    };
+    // SAFETY: UFFDIO_CONTINUE reads and writes one `struct uffdio_continue`, which `arg`
+    // is. On a range registered for missing faults only it maps nothing (EINVAL); it
+    // never writes user memory.
+    let result = unsafe {
+        rustix::ioctl::ioctl(
+            uffd,
+            rustix::ioctl::Updater::<UFFDIO_CONTINUE, UffdioContinue>::new(&mut arg),
+        )
+    };
+    !matches!(result, Err(rustix::io::Errno::SRCH))
+}
+
 // ---------------------------------------------------------------------------------------
 // Files and descriptors
+
+/// A new anonymous shared-memory file (memfd_create(2), close-on-exec, small pages) of
+/// `len` bytes, all holes, read-write.
+pub fn memfd(name: &CStr, len: u64) -> io::Result<OwnedFd> {
+    let file = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)?;
+    rustix::fs::ftruncate(&file, len)?;
+    Ok(file)
+}
 
 /// A non-blocking, close-on-exec eventfd(2) with counter 0.
 pub fn eventfd() -> io::Result<OwnedFd> {
@@ -466,6 +513,23 @@ pub fn set_thread_nice(nice: i32) -> io::Result<i32> {
     // A refusal (EACCES without CAP_SYS_NICE) is answered by the value read back.
     let _ = rustix::process::setpriority_process(None, nice);
     Ok(rustix::process::getpriority_process(None)?)
+}
+
+/// Registers fork handlers with libc (pthread_atfork(3)): not a system call, but the
+/// only way to run code around a libc `fork` in the forking process.
+pub fn at_fork(
+    prepare: extern "C" fn(),
+    parent: extern "C" fn(),
+    child: extern "C" fn(),
+) -> io::Result<()> {
+    // SAFETY: registers three plain extern "C" functions taking no arguments, which live
+    // as long as the program (the library is never unloaded while a pager runs).
+    let rc = unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
 }
 
 /// Physical RAM of this machine in bytes (0 if unknown), from sysinfo(2), as glibc's

@@ -352,6 +352,17 @@ extern "C" fn write_exit_report() {
         return;
     };
     let _reentry = Reentry::enter();
+    if pager.serves_forks() {
+        let live = pager.stats().live_children;
+        if live > 0 {
+            // Their service ends with this process (preload/README.md, "Serving forked
+            // children").
+            shim.say(&format!(
+                "{live} forked child process(es) still map served models and outlive this \
+                 one: their pages that were not resident read as zeros from now on"
+            ));
+        }
+    }
     exit_report::write(&exit_report::Run {
         config: &shim.config,
         pager: &pager,

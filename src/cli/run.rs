@@ -102,6 +102,12 @@ pub struct RunArgs {
     /// Let programs the target executes use the shim too (each with its own budget).
     #[arg(long)]
     inherit: bool,
+    /// Serve children of `fork` through the pager, sharing the parent's resident blocks
+    /// and budget (blocks are copied in; a child that outlives its parent reads zeros
+    /// where a block was not resident). Without it a forked child maps the model files
+    /// from the page cache, outside the budget.
+    #[arg(long)]
+    serve_forks: bool,
     /// Say what the shim takes over and why not.
     #[arg(long, short)]
     verbose: bool,
@@ -282,6 +288,7 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
+    config.serve_forks = args.serve_forks;
     config.budget = checked_budget(&config)?;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.

@@ -39,6 +39,7 @@ pub struct PagerBuilder {
     install_threads: usize,
     thread_nice: i32,
     zero_copy: bool,
+    serve_forks: bool,
     #[cfg(feature = "fault-injection")]
     faults: InjectedFaults,
 }
@@ -60,6 +61,7 @@ impl Default for PagerBuilder {
             install_threads: DEFAULT_INSTALL_THREADS,
             thread_nice: DEFAULT_THREAD_NICE,
             zero_copy: false,
+            serve_forks: false,
             #[cfg(feature = "fault-injection")]
             faults: InjectedFaults::default(),
         }
@@ -201,6 +203,21 @@ impl PagerBuilder {
         self
     }
 
+    /// Whether a child of `fork` is served too: its copy of every region is served by
+    /// this pager's service (`UFFD_FEATURE_EVENT_FORK`), from the same resident blocks
+    /// and within the same budget, so a block read for one process is not read again for
+    /// another. Regions are then file-shaped (`shaped_region`: their pages belong to one
+    /// shared-memory file, which a child maps too) and blocks are copied in (zero copy
+    /// is not used even if asked for, nor install workers). Needs CAP_SYS_PTRACE; without it the pager is built
+    /// as if this were off and `Stats::forks_refused` says why. Off by default: a child
+    /// that outlives the process it was forked from reads zeros where a block was not
+    /// resident, since nothing serves its faults any more (preload/README.md,
+    /// "Processes").
+    pub fn serve_forks(mut self, on: bool) -> Self {
+        self.serve_forks = on;
+        self
+    }
+
     pub fn trace(mut self, limit: usize) -> Self {
         self.trace_limit = limit;
         self
@@ -234,6 +251,8 @@ impl PagerBuilder {
     fn uffd_and_frames(&self) -> Result<(Uffd, Option<FrameStore>, Option<String>), PagerError> {
         let (store, zero_copy_refused) = if !self.zero_copy {
             (None, Some("turned off".to_string()))
+        } else if self.serve_forks {
+            (None, Some("forked children are served".to_string()))
         } else if self.block_size % HUGE_PAGE != 0 {
             (
                 None,
@@ -285,7 +304,21 @@ impl PagerBuilder {
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = sys::page_size();
         let max_read = self.checked_max_read(page)?;
-        let (uffd, store, zero_copy_refused) = self.uffd_and_frames()?;
+        let (uffd, store, zero_copy_refused, forks_refused) = if self.serve_forks {
+            match create_uffd(FeatureFlags::EVENT_FORK.bits()) {
+                Ok(uffd) => (uffd, None, Some("forked children are served".into()), None),
+                Err(error) => {
+                    let (uffd, store, refused) = self.uffd_and_frames()?;
+                    let why =
+                        format!("userfaultfd refused fork events ({error}; needs CAP_SYS_PTRACE)");
+                    (uffd, store, refused, Some(why))
+                }
+            }
+        } else {
+            let (uffd, store, refused) = self.uffd_and_frames()?;
+            (uffd, store, refused, None)
+        };
+        let serve_forks = self.serve_forks && forks_refused.is_none();
         let zero_copy = store.is_some();
         // A read fills one frame: blocks are read one at a time (they are 2 MiB or more).
         let max_read = if zero_copy { self.block_size } else { max_read };
@@ -293,7 +326,13 @@ impl PagerBuilder {
         let wakeup = EventFd::new().map_err(PagerError::EventFd)?;
         let shared = Arc::new(Shared::new(wakeup));
         // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
-        let install_threads = if zero_copy { 0 } else { self.install_threads };
+        // Serving forks: a fork makes installs wait (EAGAIN) until the service has read
+        // its event, which workers could only spin on; the service thread installs.
+        let install_threads = if zero_copy || serve_forks {
+            0
+        } else {
+            self.install_threads
+        };
         let installs = match install_threads {
             0 => None,
             threads => Some(
@@ -317,6 +356,8 @@ impl PagerBuilder {
                 demand_spin_min_reads: self.demand_spin_min_reads,
                 thread_nice: self.thread_nice,
                 zero_copy_refused,
+                serve_forks,
+                forks_refused,
                 #[cfg(feature = "fault-injection")]
                 faults: self.faults,
             },
@@ -327,6 +368,9 @@ impl PagerBuilder {
             installs,
             store,
         )?;
+        if serve_forks {
+            super::fork_guard::guard(&shared);
+        }
         let thread = std::thread::Builder::new()
             .name("hyperoffload-fault".into())
             .spawn(move || service.run())
@@ -342,6 +386,7 @@ impl PagerBuilder {
                 block_size: self.block_size,
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
+                serve_forks,
                 owner: sys::getpid(),
             }),
         })

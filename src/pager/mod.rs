@@ -33,6 +33,7 @@ use crate::sys;
 use crate::trace::TraceRecord;
 
 mod builder;
+mod fork_guard;
 mod region;
 
 pub use self::builder::PagerBuilder;
@@ -225,6 +226,9 @@ struct PagerInner {
     zero_copy: bool,
     /// The most memory mappings the live zero-copy regions may take (`map_count`).
     mappings_promised: AtomicU64,
+    /// Whether forked children are served (`PagerBuilder::serve_forks`): regions are
+    /// file-shaped and inherited.
+    serve_forks: bool,
     /// The process the service thread runs in. A forked child has a copy of this value
     /// but no service thread, and the regions are not mapped there (MADV_DONTFORK):
     /// asking the service would wait forever, and unregistering or unmapping would act
@@ -308,6 +312,13 @@ impl Pager {
 
     pub fn block_size(&self) -> u64 {
         self.inner.block_size
+    }
+
+    /// Whether a child of `fork` is served by this pager's service, from the same
+    /// resident blocks and within the same budget (`PagerBuilder::serve_forks`, granted):
+    /// its regions are inherited and file-shaped. Otherwise they are MADV_DONTFORK.
+    pub fn serves_forks(&self) -> bool {
+        self.inner.serve_forks
     }
 
     /// Current statistics (asks the service; falls back to its last published snapshot
@@ -439,7 +450,19 @@ impl Pager {
         // registered, no fault ever reached the service, and the program read zeros
         // where the file has its bytes. An inaccessible mapping is not filled, and making
         // it readable fills nothing.
-        let mapping = Mapping::reserve(map_len as usize, align)?;
+        let serve_forks = self.inner.serve_forks;
+        let mapping = Mapping::reserve(map_len as usize, align, serve_forks)?;
+        let shape = if serve_forks {
+            // SAFETY: the data pages of the reservation just made, which nothing uses.
+            let file = unsafe { crate::shaped_region::map_shaped(mapping.base, needed as usize) }
+                .map_err(|source| MapError::Reserve {
+                len: map_len,
+                source,
+            })?;
+            Some(file)
+        } else {
+            None
+        };
         // SAFETY: registers exactly the mapping just reserved, which this region owns.
         self.inner
             .uffd
@@ -454,6 +477,7 @@ impl Pager {
             layout,
             file,
             prot: options.prot,
+            shape,
             reply,
         });
         answer.recv().map_err(|_| MapError::ServiceGone)?;

@@ -26,8 +26,9 @@ pub(super) struct Mapping {
 impl Mapping {
     /// Reserves `len` bytes of inaccessible anonymous memory at an address aligned to
     /// `align` (a power of two, at least a page); `map_file` gives it the program's
-    /// protection once it is registered.
-    pub(super) fn reserve(len: usize, align: usize) -> Result<Self, MapError> {
+    /// protection once it is registered. With `inherited`, a forked child keeps the range
+    /// (its pager serves forks: `shaped_region`); otherwise it is MADV_DONTFORK.
+    pub(super) fn reserve(len: usize, align: usize, inherited: bool) -> Result<Self, MapError> {
         let reserve_error = |source| MapError::Reserve {
             len: len as u64,
             source,
@@ -61,6 +62,9 @@ impl Mapping {
             len,
             holes: Mutex::new(Holes::default()),
         };
+        if inherited {
+            return Ok(mapping);
+        }
         // A forked child would inherit the range unregistered and read zeros where the
         // parent reads the file. Not inheriting it makes a child's access fault loudly.
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.

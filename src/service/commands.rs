@@ -2,6 +2,7 @@
 //! and go, ranges are prefetched, dropped, unmapped, pinned and hinted.
 
 use std::ops::Range;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use super::block_state::{BlockEvent, BlockState};
 use super::installs::release_frame;
@@ -38,14 +39,20 @@ impl FaultService {
                 layout,
                 file,
                 prot,
+                shape,
                 reply,
             } => {
-                self.add_region(id, base, layout, file, prot);
+                self.add_region(id, base, layout, file, prot, shape);
                 let _ = reply.send(());
             }
             Command::RemoveRegion { id, reply } => {
                 self.remove_region(id);
                 let _ = reply.send(());
+            }
+            Command::ForkComing { generation, reply } => {
+                self.make_ready_for_fork();
+                let _ = reply.send(());
+                self.pause_for_fork(generation)?;
             }
             Command::Prefetch { id, range } => {
                 for index in self.blocks_of(id, &range) {
@@ -73,6 +80,8 @@ impl FaultService {
                 let _ = reply.send(budget);
             }
             Command::Stats { reply } => {
+                // Whether children still live is asked for, not only published.
+                self.reap_children()?;
                 let snapshot = self.snapshot();
                 let _ = reply.send(snapshot);
             }
@@ -91,9 +100,15 @@ impl FaultService {
         layout: RegionLayout,
         file: BackingFile,
         prot: i32,
+        shape: Option<OwnedFd>,
     ) {
         let zero_copy = self.store.is_some();
-        let region = ServedRegion::new(base, layout, file, prot, zero_copy);
+        let mut region = ServedRegion::new(base, layout, file, prot, zero_copy);
+        if let Some(file) = shape {
+            region.shape_len =
+                crate::sys::fstat(file.as_raw_fd()).map_or(0, |stat| stat.st_size as u64);
+            region.shape = Some(file);
+        }
         self.locator
             .insert(base, region.layout.map_len as usize, id);
         let info = region.info(id, self.budget.limit(), zero_copy);

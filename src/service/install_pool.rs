@@ -215,9 +215,20 @@ fn work(shared: &PoolShared) {
                 state = shared.work.wait(state).unwrap_or_else(|e| e.into_inner());
             }
         };
+        // Workers only run where forks are not served: a refusal settles by itself.
+        let mut on_busy = std::thread::yield_now;
         // SAFETY: the job's buffer and target are held for it by the service (see
         // `InstallJob`); the service waits for all jobs before letting any range go.
-        let result = unsafe { install(&shared.uffd, job.source, job.target, job.len, shared.page) };
+        let result = unsafe {
+            install(
+                &shared.uffd,
+                job.source,
+                job.target,
+                job.len,
+                shared.page,
+                &mut on_busy,
+            )
+        };
         let at = Instant::now();
         {
             let mut state = shared.lock();

@@ -9,12 +9,13 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use nix::errno::Errno;
 use userfaultfd::{RegisterMode, Uffd};
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
+use super::children::read_into_backlog;
 use super::install_pool::InstallJob;
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
@@ -95,10 +96,13 @@ impl FaultService {
             }
         }
         let region = &self.regions[&region_id];
+        let page = self.page();
+        let (uffd, events, backlog) = (&self.uffd, &mut self.events, &mut self.backlog);
+        let mut on_busy = || read_into_backlog(uffd, events, backlog);
         // SAFETY: the buffer belongs to this slot's completed read and is not reused
         // until the slot is checked in by `installed`; the region is live, mapped until
         // its RemoveRegion is acknowledged.
-        unsafe { install_mapped(&self.uffd, region, job.source, start..end, self.page()) }?;
+        unsafe { install_mapped(uffd, region, job.source, start..end, page, &mut on_busy) }?;
         let now = self.now_ns();
         self.installed(slot, now);
         Ok(())
@@ -124,16 +128,20 @@ impl FaultService {
             self.blocks_installed(block.region, block.index..block.index + 1, now);
             return Ok(());
         };
+        let page = self.page();
+        let (uffd, events, backlog) = (&self.uffd, &mut self.events, &mut self.backlog);
+        let mut on_busy = || read_into_backlog(uffd, events, backlog);
         // SAFETY: the stash buffer holds this block's bytes and is not reused until it is
         // released below; the region is live (staged blocks of a removed region are
         // discarded first).
         unsafe {
             install_mapped(
-                &self.uffd,
+                uffd,
                 region,
                 self.stash.buffer(stash).as_ptr(),
                 memory,
-                self.page(),
+                page,
+                &mut on_busy,
             )
         }?;
         self.stash.release(stash);
@@ -270,18 +278,26 @@ pub(crate) enum InstallError {
 /// # Safety
 /// `source..source + len` must be readable and not written until this returns; `target`
 /// must lie in a range registered with `uffd` that stays so until this returns.
+///
+/// `on_busy` runs each time the kernel refuses with EAGAIN having copied nothing: with
+/// fork events enabled that is a fork waiting for the service to read its event
+/// (`children`), which the service thread must do before the copy can succeed.
 pub(crate) unsafe fn install(
     uffd: &Uffd,
     source: *const u8,
     target: usize,
     len: usize,
     page: usize,
+    on_busy: &mut dyn FnMut(),
 ) -> Result<(), InstallError> {
     let mut done = 0usize;
     // One call for the whole range; after a refusal, page by page until past the page
     // that stopped it.
     let mut page_by_page_until = 0usize;
     let mut stalls = 0u32;
+    // A fork of a large process takes milliseconds; a million refusals, each after
+    // reading events and yielding, are seconds.
+    let mut busy = 0u32;
     while done < len {
         let chunk = if done < page_by_page_until {
             page
@@ -311,8 +327,13 @@ pub(crate) unsafe fn install(
             // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
             // unmapped part of the region): skip it.
             Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
-            // EAGAIN with nothing copied: the address space is changing (it settles: no
-            // userfaultfd events are enabled); go page by page.
+            // EAGAIN with nothing copied: the address space is changing (a fork whose
+            // event is unread; otherwise it settles): go page by page.
+            Some(Errno::EAGAIN) if busy < 1_000_000 => {
+                busy += 1;
+                on_busy();
+                page_by_page_until = done + page
+            }
             Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
                 stalls += 1;
                 page_by_page_until = done + page
@@ -341,6 +362,7 @@ pub(super) unsafe fn install_mapped(
     source: *const u8,
     range: Range<u64>,
     page: usize,
+    on_busy: &mut dyn FnMut(),
 ) -> Result<(), InstallError> {
     let target = region.base + range.start as usize;
     for part in region.mapped_parts(range) {
@@ -353,6 +375,7 @@ pub(super) unsafe fn install_mapped(
                 part.start,
                 part.end - part.start,
                 page,
+                on_busy,
             )
         }?;
     }
@@ -458,6 +481,26 @@ pub(super) fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError
         Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
         result => result.map_err(|error| ServiceError::Evict { addr: start, error }),
     }
+}
+
+/// Drops the pages of `part` (addresses in `region`, file-shaped) from the region's
+/// file: gone from every process that maps it, so the next access anywhere faults.
+pub(super) fn punch_pages(
+    file: &OwnedFd,
+    region: &ServedRegion,
+    part: Range<usize>,
+) -> Result<(), ServiceError> {
+    let (start, end) = (
+        (part.start - region.base) as u64,
+        (part.end - region.base) as u64,
+    );
+    let Some((offset, len)) = crate::shaped_region::file_range(start, end, region.shape_len) else {
+        return Ok(());
+    };
+    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+        addr: part.start,
+        error,
+    })
 }
 
 /// Whether the page at `addr` (page aligned, in a region this service serves) is in the

@@ -4,6 +4,7 @@
 use userfaultfd::Event;
 
 use super::block_state::{BlockEvent, BlockState};
+use super::children::Source;
 use super::fault_log::Waiter;
 use super::installs::{discard_pages, map_frame, page_present, poison_range};
 use super::{FaultService, ServiceError};
@@ -19,48 +20,86 @@ struct BlockFault {
     block: BlockRef,
     /// The faulting page's address.
     page_addr: usize,
+    /// Whose userfaultfd it came on.
+    source: Source,
     waiter: Waiter,
 }
 
 impl FaultService {
-    /// Serves every fault the userfaultfd has queued.
+    /// Serves every fault the program's userfaultfd has queued (and those read while an
+    /// install waited for a fork, first).
     pub(super) fn drain_faults(&mut self) -> Result<(), ServiceError> {
+        self.take_backlog()?;
+        self.drain_from(Source::Parent)
+    }
+
+    /// Serves every fault `source`'s userfaultfd has queued, and adopts the children
+    /// its fork events hand over.
+    pub(super) fn drain_from(&mut self, source: Source) -> Result<(), ServiceError> {
         loop {
             self.fault_addrs.clear();
-            let events = self
-                .uffd
+            let mut forked = Vec::new();
+            let uffd = match source {
+                Source::Parent => &*self.uffd,
+                Source::Child(token) => match self.children.get(token) {
+                    Some(uffd) => uffd,
+                    None => return Ok(()),
+                },
+            };
+            let events = uffd
                 .read_events(&mut self.events)
                 .map_err(|error| ServiceError::Events(format!("{error:?}")))?;
             for event in events {
-                // No other events are enabled.
-                if let Event::Pagefault {
-                    addr, thread_id, ..
-                } = event.map_err(|error| ServiceError::Events(format!("{error:?}")))?
-                {
-                    self.fault_addrs
-                        .push((addr as usize, thread_id.as_raw() as u32));
+                // Page faults, and fork events where forked children are served: no
+                // other events are enabled.
+                match event.map_err(|error| ServiceError::Events(format!("{error:?}")))? {
+                    Event::Pagefault {
+                        addr, thread_id, ..
+                    } => self
+                        .fault_addrs
+                        .push((addr as usize, thread_id.as_raw() as u32)),
+                    Event::Fork { uffd } => forked.push(uffd),
+                    _ => {}
                 }
             }
-            if self.fault_addrs.is_empty() {
+            let adopted = !forked.is_empty();
+            self.adopt_children(forked)?;
+            if self.fault_addrs.is_empty() && !adopted {
                 return Ok(());
             }
             let addrs = std::mem::take(&mut self.fault_addrs);
-            for &(addr, tid) in &addrs {
-                if let Some(fault) = self.locate_fault(addr, tid) {
-                    self.serve_block_fault(fault)?;
-                }
-            }
+            self.serve_faults(&addrs, source)?;
             self.fault_addrs = addrs;
         }
     }
 
+    /// Serves faults at `addrs` (address, thread) that came from `source`.
+    pub(super) fn serve_faults(
+        &mut self,
+        addrs: &[(usize, u32)],
+        source: Source,
+    ) -> Result<(), ServiceError> {
+        for &(addr, tid) in addrs {
+            if let Some(fault) = self.locate_fault(addr, tid, source) {
+                self.serve_block_fault(fault)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The block a fault at `addr` by thread `tid` is on, or None when the fault was
     /// answered here (not a block of a live region: woken or poisoned).
-    fn locate_fault(&mut self, addr: usize, tid: u32) -> Option<BlockFault> {
+    fn locate_fault(&mut self, addr: usize, tid: u32, source: Source) -> Option<BlockFault> {
         let now = self.now_ns();
         let page = self.page();
         let page_addr = addr & !(page - 1);
         let Some((id, offset)) = self.locator.lookup(addr) else {
+            if let Source::Child(token) = source {
+                // The program unmapped the region the child still maps: nothing is
+                // served there any more.
+                self.orphaned_child_fault(token, page_addr);
+                return None;
+            }
             // A range being unmapped: its owner is waiting for us to let go. Waking is
             // harmless; the thread retries against whatever is mapped there now.
             let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
@@ -70,12 +109,25 @@ impl FaultService {
         let index = match region.layout.locate(offset) {
             Location::PastEof => {
                 // As with a file mapping: a whole page past the end of the file is SIGBUS.
-                poison_range(&self.uffd, page_addr, page, page);
+                poison_range(self.uffd_of(source), page_addr, page, page);
                 return None;
             }
             Location::Block(index) => index,
         };
+        let page_offset = offset & !(page as u64 - 1);
+        let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
+        if let (Source::Child(token), true) = (source, in_a_hole) {
+            // The program unmapped this page after the fork: installs go through its
+            // mapping and would never reach the child's (the child would fault again
+            // and again).
+            self.orphaned_child_fault(token, page_addr);
+            return None;
+        }
         if region.state(index) == BlockState::Unmapped {
+            if let Source::Child(token) = source {
+                self.orphaned_child_fault(token, page_addr);
+                return None;
+            }
             // The program is unmapping it: the service has been told, the kernel's
             // munmap follows. (A region of ours mapped there since is newer, and
             // `lookup` answers with it.) Woken, the thread faults again until the range
@@ -85,9 +137,13 @@ impl FaultService {
             return None;
         }
         let block_start = region.layout.geometry.block_start(index);
+        if let Source::Child(_) = source {
+            self.stats.child_faults += 1;
+        }
         Some(BlockFault {
             block: BlockRef::new(id, index),
             page_addr,
+            source,
             waiter: Waiter {
                 t_ns: now,
                 tid,
@@ -164,9 +220,12 @@ impl FaultService {
                     let watched = &mut region.watched[block.index as usize];
                     return Ok((FaultOutcome::Resident, std::mem::take(watched)));
                 }
-                // The fault raced with the install that already woke it.
+                // The fault raced with the install that already woke it (or, in a
+                // forked child, the install woke the program's threads only).
                 let page = self.config.page_size as usize;
-                let _ = self.uffd.wake(fault.page_addr as *mut libc::c_void, page);
+                let _ = self
+                    .uffd_of(fault.source)
+                    .wake(fault.page_addr as *mut libc::c_void, page);
                 FaultOutcome::Resident
             }
             BlockState::Reading => FaultOutcome::InFlight,
@@ -181,6 +240,9 @@ impl FaultService {
                     .entry(block)
                     .or_default()
                     .push(waiter(FaultOutcome::Staged));
+                if let Source::Child(token) = fault.source {
+                    self.children.wait(token, block, fault.page_addr);
+                }
                 self.install_staged(block, place)?;
                 return Ok((FaultOutcome::Staged, false));
             }
@@ -193,6 +255,11 @@ impl FaultService {
         };
         if outcome != FaultOutcome::Resident {
             self.waiters.entry(block).or_default().push(waiter(outcome));
+            if let Source::Child(token) = fault.source {
+                // Installs wake the program's threads; a child's are woken once the
+                // block settles (`settle_children`).
+                self.children.wait(token, block, fault.page_addr);
+            }
         }
         Ok((outcome, false))
     }

@@ -24,8 +24,10 @@
 
 mod block_state;
 mod budget;
+mod children;
 mod commands;
 mod fault_log;
+mod fork_pause;
 mod injection;
 mod install_pool;
 mod installs;
@@ -46,6 +48,7 @@ use std::time::Instant;
 use userfaultfd::{EventBuffer, Uffd};
 
 use self::budget::Budget;
+use self::children::{Backlog, Children, TOKEN_CHILD_BASE};
 use self::fault_log::{FaultLog, Waiter};
 #[cfg(feature = "fault-injection")]
 pub(crate) use self::injection::InjectedFaults;
@@ -90,6 +93,11 @@ pub(crate) struct ServiceConfig {
     pub thread_nice: i32,
     /// Why blocks are copied rather than mapped from a store (None: they are mapped).
     pub zero_copy_refused: Option<String>,
+    /// Whether forked children's userfaultfds (fork events) are served; regions are then
+    /// file-shaped (`crate::shaped_region`).
+    pub serve_forks: bool,
+    /// Why forked children are not served though asked for.
+    pub forks_refused: Option<String>,
     #[cfg(feature = "fault-injection")]
     pub faults: InjectedFaults,
 }
@@ -136,6 +144,10 @@ pub(crate) struct FaultService {
     stash: Stash,
     /// With zero copy: the frames reads land in and regions map.
     store: Option<FrameStore>,
+    /// Forked children served (with `ServiceConfig::serve_forks`).
+    children: Children,
+    /// Events read while an install waited on a fork, to serve next.
+    backlog: Backlog,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -183,6 +195,8 @@ impl FaultService {
             direct_io: true,
             zero_copy: store.is_some(),
             zero_copy_refused: config.zero_copy_refused.clone(),
+            serve_forks: config.serve_forks,
+            forks_refused: config.forks_refused.clone(),
             ..Stats::default()
         };
         Ok(Self {
@@ -219,6 +233,8 @@ impl FaultService {
             ready: VecDeque::new(),
             stash,
             store,
+            children: Children::default(),
+            backlog: Backlog::default(),
         })
     }
 
@@ -282,7 +298,11 @@ impl FaultService {
                 match completion {
                     Completion::Read { slot, result } => self.read_done(slot, result)?,
                     Completion::Readable { token, rearm } => {
-                        if token == TOKEN_UFFD {
+                        if token == crate::ring::UNWATCH_TOKEN {
+                            // A child's poll was ended: nothing to do.
+                        } else if token >= TOKEN_CHILD_BASE {
+                            self.child_readable(token, rearm)?;
+                        } else if token == TOKEN_UFFD {
                             self.drain_faults()?;
                             if rearm {
                                 self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
@@ -303,6 +323,8 @@ impl FaultService {
                 }
             }
             self.completions = completions;
+            // Faults read while an install waited on a fork.
+            self.take_backlog()?;
             // After the budget shrank, what reads in flight held is evicted as they end.
             self.shed_excess()?;
             // Keep the device busy first: issue reads for the slots and budget free
@@ -314,8 +336,15 @@ impl FaultService {
                 // Installs freed slots: fill them (submitted on the next turn).
                 self.pump()?;
             }
+            if !self.backlog.is_empty() {
+                self.take_backlog()?;
+                self.pump()?;
+            }
+            // Children's threads whose blocks were installed (or failed) this turn.
+            self.settle_children();
             let now = self.now_ns();
             if now - self.last_publish_ns > 100_000_000 {
+                self.reap_children()?;
                 self.publish();
             }
             if self.shutting_down && self.ring.reads_in_flight() == 0 {

@@ -2,6 +2,7 @@
 //! of its blocks (changed only through `advance`, see `block_state`).
 
 use std::ops::Range;
+use std::os::fd::OwnedFd;
 
 use super::block_state::{transition, BlockEvent, BlockState};
 use crate::file::BackingFile;
@@ -31,6 +32,11 @@ pub(super) struct ServedRegion {
     pub watched: Vec<bool>,
     /// The program's protection of the region (frames are mapped with it).
     pub prot: i32,
+    /// With a pager that serves forks: the file the region's data pages are
+    /// (`crate::shaped_region`), read-write. Evicting punches holes in it.
+    pub shape: Option<OwnedFd>,
+    /// That file's length: the region's data, page rounded.
+    pub shape_len: u64,
 }
 
 impl ServedRegion {
@@ -58,6 +64,8 @@ impl ServedRegion {
             frames,
             watched,
             prot,
+            shape: None,
+            shape_len: 0,
             layout,
         }
     }

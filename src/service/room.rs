@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState};
-use super::installs::{discard_pages, release_frame};
+use super::installs::{discard_pages, punch_pages, release_frame};
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, ReadKind, RegionId};
 
@@ -178,7 +178,11 @@ impl FaultService {
         // With zero copy the parts stay mapped to the evicted frames: dropping their
         // page-table entries makes the next access a minor fault.
         for part in region.mapped_parts(start..end) {
-            discard_pages(part.start, part.end)?;
+            match &region.shape {
+                // File-shaped: the pages go from the file, so from every process.
+                Some(file) => punch_pages(file, region, part)?,
+                None => discard_pages(part.start, part.end)?,
+            }
         }
         Ok(())
     }

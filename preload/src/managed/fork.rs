@@ -5,7 +5,7 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::MutexGuard;
 
-use super::{lock, Shim};
+use super::{lock, PagerSlot, Shim};
 use crate::fork_plan::{ForkPlan, PlanFile, PlanRange};
 
 impl Shim {
@@ -15,6 +15,12 @@ impl Shim {
     /// `layout` (one inside the shim).
     pub fn prepare_fork(&'static self) -> (MutexGuard<'static, ()>, ForkPlan) {
         let layout = lock(&self.layout);
+        let served =
+            matches!(&*lock(&self.pager), PagerSlot::Running(pager) if pager.serves_forks());
+        if served {
+            // The child inherits the regions and the pager serves it: nothing to map.
+            return (layout, ForkPlan::default());
+        }
         let files = lock(&self.files)
             .iter()
             .map(|file| PlanFile {

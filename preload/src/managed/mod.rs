@@ -296,6 +296,7 @@ impl Shim {
                     .budget(budget)
                     .block_size(first.block_size)
                     .zero_copy(self.config.zero_copy)
+                    .serve_forks(self.config.serve_forks)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
                 if let Some(threads) = self.config.install_threads {

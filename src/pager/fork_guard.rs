@@ -1,0 +1,78 @@
+//! Around a libc `fork` of a process whose pager serves forks: the prepare handler
+//! tells each such pager's service that a fork is coming and waits for its answer, so
+//! that the service reads the fork event without allocating (see
+//! `service::fork_pause`); the parent handler counts the fork done, which ends a pause
+//! that saw no fork event (the fork failed, or no region was there to copy).
+//!
+//! Handlers registered once per process, when the first such pager is built. A fork
+//! that runs no handlers (`_Fork`, a raw system call) takes no allocator locks either,
+//! and the service reads its event in its own time.
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::sync_channel;
+use std::sync::{Arc, Mutex, Once, Weak};
+use std::time::Duration;
+
+use crate::command::{Command, Shared};
+use crate::lock::lock;
+use crate::sys;
+
+/// The pagers that serve forks: their shared state, and the process each serves.
+static PAGERS: Mutex<Vec<(Weak<Shared>, i32)>> = Mutex::new(Vec::new());
+static REGISTER: Once = Once::new();
+
+/// How long a prepare handler waits for a service's answer: a service that stopped
+/// answers never, and the fork must go on.
+const ANSWER_WAIT: Duration = Duration::from_secs(5);
+
+thread_local! {
+    /// The pagers told of the fork in progress on this thread.
+    static TOLD: RefCell<Vec<Arc<Shared>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Has forks of this process announced to `shared`'s service.
+pub(super) fn guard(shared: &Arc<Shared>) {
+    REGISTER.call_once(|| {
+        if let Err(error) = sys::at_fork(prepare, parent, child) {
+            let message = format!(
+                "hyperoffload: cannot register the fork handlers ({error}): a fork may stop \
+                 the fault service\n"
+            );
+            sys::write_stderr(message.as_bytes());
+        }
+    });
+    let mut pagers = lock(&PAGERS);
+    pagers.retain(|(pager, _)| pager.strong_count() > 0);
+    pagers.push((Arc::downgrade(shared), sys::getpid()));
+}
+
+extern "C" fn prepare() {
+    let pid = sys::getpid();
+    let live: Vec<Arc<Shared>> = lock(&PAGERS)
+        .iter()
+        .filter(|(_, owner)| *owner == pid)
+        .filter_map(|(pager, _)| pager.upgrade())
+        .collect();
+    for shared in &live {
+        let generation = shared.forks_done.load(Ordering::Acquire);
+        let (reply, answer) = sync_channel(1);
+        shared.send(Command::ForkComing { generation, reply });
+        let _ = answer.recv_timeout(ANSWER_WAIT);
+    }
+    TOLD.with(|told| *told.borrow_mut() = live);
+}
+
+extern "C" fn parent() {
+    // libc has let go of its locks: allocating and waking are safe.
+    let told = TOLD.with(|told| std::mem::take(&mut *told.borrow_mut()));
+    for shared in told {
+        shared.forks_done.fetch_add(1, Ordering::AcqRel);
+        shared.wakeup.signal();
+    }
+}
+
+extern "C" fn child() {
+    // The child has no service; its copies of the handles are simply let go.
+    TOLD.with(|told| told.borrow_mut().clear());
+}

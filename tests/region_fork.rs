@@ -1,0 +1,200 @@
+//! A pager that serves forks (`PagerBuilder::serve_forks`): a child of `fork` reads the
+//! file's bytes everywhere in the region, pages its parent touched and pages it did
+//! not, served by the parent's service from the same blocks and within the same
+//! budget; a block read for one process is not read again for the other.
+//!
+//! Each test body runs in a process of its own (`in_child_process`): it forks, and a
+//! fork of the multi-threaded test harness is best kept away from the other tests.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use hyperoffload::policy::{EvictionKind, PrefetchKind};
+use hyperoffload::{MapOptions, Pager};
+
+const BLOCK: u64 = 64 << 10;
+const FILE: u64 = 8 << 20;
+const BUDGET: u64 = 2 << 20;
+
+fn forking_pager(budget: u64) -> Option<Pager> {
+    let pager = pager_or_skip(
+        Pager::builder()
+            .budget(budget)
+            .block_size(BLOCK)
+            .serve_forks(true)
+            .prefetch(PrefetchKind::None.build())
+            .eviction(EvictionKind::Lru.build()),
+    )?;
+    let stats = pager.stats();
+    assert!(
+        pager.serves_forks(),
+        "forks not served: {:?}",
+        stats.forks_refused
+    );
+    assert!(stats.serve_forks && !stats.zero_copy);
+    Some(pager)
+}
+
+/// FNV-1a over `bytes`, page by page in `order`: allocation-free, fit for a forked
+/// child of a multi-threaded process.
+fn digest(bytes: &[u8], order: impl Iterator<Item = usize>) -> u64 {
+    let page = 4096;
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for index in order {
+        for &byte in &bytes[index * page..(index + 1) * page] {
+            hash = (hash ^ byte as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// Forks a child that computes `digest` of the region in `order` and exits with 0
+/// when it equals `expected`, 1 otherwise; returns its pid.
+fn fork_reader(bytes: &[u8], pages: usize, reverse: bool, expected: u64) -> i32 {
+    // SAFETY: the child only reads memory, computes, and leaves with _exit: nothing
+    // that needs another thread of the parent (no allocation, no locks).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let got = if reverse {
+            digest(bytes, (0..pages).rev())
+        } else {
+            digest(bytes, 0..pages)
+        };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(i32::from(got != expected)) };
+    }
+    pid
+}
+
+fn wait_exit(pid: i32) -> i32 {
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "child {pid} did not exit (status {status:#x}: killed by signal {})",
+        libc::WTERMSIG(status)
+    );
+    libc::WEXITSTATUS(status)
+}
+
+/// The file's digest in `order`, from a plain read of the file.
+fn file_digest(path: &std::path::Path, reverse: bool) -> u64 {
+    let bytes = std::fs::read(path).unwrap();
+    let pages = bytes.len() / 4096;
+    if reverse {
+        digest(&bytes, (0..pages).rev())
+    } else {
+        digest(&bytes, 0..pages)
+    }
+}
+
+#[test]
+fn a_forked_child_reads_touched_and_untouched_pages_within_the_budget() {
+    if !in_child_process(
+        "a_forked_child_reads_touched_and_untouched_pages_within_the_budget",
+        Duration::from_secs(60),
+    ) {
+        return;
+    }
+    let dir = TempDir::new("region-fork");
+    let path = dir.path("model.bin");
+    pattern_file(&path, FILE);
+    let Some(pager) = forking_pager(BUDGET) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let bytes = region.as_slice();
+    let pages = (FILE / 4096) as usize;
+    // The parent reads the last quarter: resident when the child starts.
+    for page in (3 * pages / 4)..pages {
+        assert_eq!(bytes[page * 4096], pattern_byte(page as u64 * 4096));
+    }
+    let before = pager.stats();
+    assert!(before.resident_bytes <= BUDGET);
+    let expected = file_digest(&path, true);
+    // Backwards: the blocks the parent left resident first, then the rest.
+    let child = fork_reader(bytes, pages, true, expected);
+    assert_eq!(
+        wait_exit(child),
+        0,
+        "the child saw other bytes than the file's"
+    );
+    let stats = pager.stats();
+    assert_eq!(stats.forked_children, 1);
+    assert!(
+        stats.child_faults > 0,
+        "the child's faults reached the service"
+    );
+    assert!(
+        stats.peak_resident_bytes <= BUDGET,
+        "peak {} over the budget",
+        stats.peak_resident_bytes
+    );
+    // The child read the three quarters the parent had not, and at most what the
+    // budget could not keep of the last one.
+    let child_read = stats.bytes_read - before.bytes_read;
+    assert!(
+        child_read <= FILE - FILE / 4 + BUDGET,
+        "the child read {child_read} bytes"
+    );
+    // The parent still reads the file's bytes after the child's evictions.
+    for page in 0..pages {
+        assert_eq!(bytes[page * 4096 + 7], pattern_byte(page as u64 * 4096 + 7));
+    }
+    // The child is gone: its userfaultfd is closed at the next publication.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pager.stats().live_children > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the exited child is still served"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn two_forked_readers_share_one_copy_and_one_budget() {
+    if !in_child_process(
+        "two_forked_readers_share_one_copy_and_one_budget",
+        Duration::from_secs(60),
+    ) {
+        return;
+    }
+    let dir = TempDir::new("region-fork-two");
+    let path = dir.path("model.bin");
+    pattern_file(&path, FILE);
+    // Room for the whole file: two readers reading it once each share every block.
+    let Some(pager) = forking_pager(FILE + BLOCK) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let bytes = region.as_slice();
+    let pages = (FILE / 4096) as usize;
+    let expected = file_digest(&path, false);
+    let first = fork_reader(bytes, pages, false, expected);
+    let second = fork_reader(bytes, pages, false, expected);
+    assert_eq!(wait_exit(first), 0);
+    assert_eq!(wait_exit(second), 0);
+    let stats = pager.stats();
+    assert_eq!(stats.forked_children, 2);
+    assert!(
+        stats.bytes_read <= FILE + FILE / 5,
+        "two readers read {} bytes of a {FILE}-byte file",
+        stats.bytes_read
+    );
+    assert!(stats.peak_resident_bytes <= FILE + BLOCK);
+}
+
+#[test]
+fn a_child_of_a_pager_that_does_not_serve_forks_is_told_so() {
+    let Some(pager) = pager_or_skip(Pager::builder().budget(BUDGET).block_size(BLOCK)) else {
+        return;
+    };
+    assert!(!pager.serves_forks());
+    assert!(!pager.stats().serve_forks);
+}

@@ -1,0 +1,280 @@
+//! fork under `hyperoffload run --serve-forks`: a forked child is served by the pager,
+//! from the same resident blocks and within the same budget. Python as the client
+//! (`os.fork`, `multiprocessing` with the fork start method, fork then exec, two
+//! forked readers in step), a 128 MiB `*.gguf` under a 32 MiB budget. Without
+//! `--serve-forks` (tests/shim_fork.rs) a child maps the file from the page cache.
+
+mod common;
+mod shim_support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{pattern_file, TempDir};
+use shim_support::*;
+
+const MODEL_LEN: u64 = (128 << 20) + 4321;
+const BUDGET: u64 = 32 << 20;
+
+/// `plain FILE`: the SHA-256 of each quarter of the file, read with read(2).
+/// `fork FILE`: maps the file, reads the first quarter, forks; the child hashes every
+/// quarter through the mapping (the one its parent read and those it did not); the
+/// parent waits, then hashes them too.
+/// `pool FILE`: the same with 3 workers of a multiprocessing pool (fork start method).
+/// `exec FILE`: maps the file, reads it, forks; the child execs this interpreter in
+/// `plain` mode.
+/// `readers FILE N`: maps the file, reads the first quarter, forks N children that
+/// hash the whole mapping 4 MiB at a time, waiting for each other after each piece
+/// (in step, as workers decoding the same model are).
+const SCRIPT: &str = r#"
+import sys, os, mmap, hashlib
+mode, path = sys.argv[1], sys.argv[2]
+
+def quarters(n):
+    q = n // 4
+    return [(i * q, n if i == 3 else (i + 1) * q) for i in range(4)]
+
+def hashes(buf):
+    return " ".join(hashlib.sha256(buf[a:b]).hexdigest()[:16] for a, b in quarters(len(buf)))
+
+if mode == "plain":
+    print("plain", hashes(open(path, "rb").read()), flush=True)
+    sys.exit(0)
+
+f = open(path, "rb")
+m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+a, b = quarters(len(m))[0]
+hashlib.sha256(m[a:b]).digest()  # the parent touches the first quarter only
+
+if mode == "fork":
+    pid = os.fork()
+    if pid == 0:
+        print("child sees", hashes(m), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    print("parent", hashes(m), flush=True)
+elif mode == "pool":
+    import multiprocessing as mp
+    def work(part):
+        a, b = part
+        return hashlib.sha256(m[a:b]).hexdigest()[:16]
+    with mp.get_context("fork").Pool(3) as pool:
+        print("pool", " ".join(pool.map(work, quarters(len(m)))), flush=True)
+    print("parent", hashes(m), flush=True)
+elif mode == "exec":
+    hashes(m)
+    pid = os.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", sys.argv[3], "plain", path])
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    print("parent", hashes(m), flush=True)
+elif mode == "readers":
+    import multiprocessing as mp
+    n = int(sys.argv[3])
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(n)
+    piece = 4 << 20
+    def read_all(_):
+        h = hashlib.sha256()
+        for start in range(0, len(m), piece):
+            h.update(m[start:start + piece])
+            barrier.wait()
+        return h.hexdigest()[:16]
+    procs = []
+    out = ctx.Queue()
+    for i in range(n):
+        p = ctx.Process(target=lambda q=out: q.put(read_all(0)))
+        p.start()
+        procs.append(p)
+    digests = sorted(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    print("readers", " ".join(digests), flush=True)
+    print("whole", hashlib.sha256(open(path, "rb").read()).hexdigest()[:16], flush=True)
+"#;
+
+struct Setup {
+    dir: TempDir,
+    model: PathBuf,
+    python: PathBuf,
+    /// The quarters' hashes as `plain` prints them.
+    expected: String,
+}
+
+fn setup(name: &str) -> Setup {
+    let dir = TempDir::new(name);
+    let model = dir.path("m.gguf");
+    pattern_file(&model, MODEL_LEN);
+    let python = python();
+    let output = Command::new(&python)
+        .args(["-c", SCRIPT, "plain"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&output, "plain read");
+    let expected = stdout(&output)
+        .trim()
+        .strip_prefix("plain ")
+        .unwrap()
+        .to_string();
+    Setup {
+        dir,
+        model,
+        python,
+        expected,
+    }
+}
+
+/// The script in `mode` (with `extra`) under `hyperoffload run --serve-forks --budget
+/// 32M`, killed after 120 s.
+fn under_pager(setup: &Setup, mode: &str, extra: &str, stats: &Path) -> Output {
+    Command::new("timeout")
+        .arg("120")
+        .arg(LAUNCHER)
+        .env("HYPEROFFLOAD_SHIM", shim())
+        .args([
+            "run",
+            "--serve-forks",
+            "--budget",
+            "32M",
+            "--min-size",
+            "1M",
+        ])
+        .arg("--stats")
+        .arg(stats)
+        .arg("--")
+        .arg(&setup.python)
+        .args(["-c", SCRIPT, mode])
+        .arg(&setup.model)
+        .arg(extra)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn line<'a>(text: &'a str, prefix: &str) -> Vec<&'a str> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix(prefix))
+        .collect()
+}
+
+/// The stats say forks were served, within the budget, and no child was left to the
+/// page cache.
+fn assert_served(output: &Output, stats: &Path, children: u64) -> serde_json::Value {
+    let json = read_stats(stats);
+    assert_eq!(json["serve_forks"], true, "{json}");
+    assert!(
+        json["forked_children"].as_u64().unwrap() >= children,
+        "{json}"
+    );
+    assert!(json["child_faults"].as_u64().unwrap() > 0, "{json}");
+    let block = json["block_size"].as_u64().unwrap();
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= BUDGET + block,
+        "{json}"
+    );
+    let messages = stderr(output);
+    assert!(
+        !messages.contains("from the kernel's page cache"),
+        "{messages}"
+    );
+    json
+}
+
+#[test]
+fn a_served_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
+    let setup = setup("served-fork-os");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "fork", "", &stats);
+    assert_success(&output, "fork");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "child sees "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_eq!(
+        line(&seen, "parent "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    let json = assert_served(&output, &stats, 1);
+    // The parent's first quarter was resident when the child started: it costs the
+    // child nothing, so the child reads at most the rest and what the budget evicted.
+    assert!(json["bytes_read"].as_u64().unwrap() >= MODEL_LEN, "{json}");
+}
+
+#[test]
+fn served_multiprocessing_fork_workers_read_chunks_of_the_mapping() {
+    let setup = setup("served-fork-pool");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "pool", "", &stats);
+    assert_success(&output, "pool");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "pool "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(
+        line(&seen, "parent "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_served(&output, &stats, 3);
+}
+
+#[test]
+fn a_served_forked_child_that_execs_another_program_runs_it_unchanged() {
+    let setup = setup("served-fork-exec");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "exec", SCRIPT, &stats);
+    assert_success(&output, "exec");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "plain "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_eq!(
+        line(&seen, "parent "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    let json = read_stats(&stats);
+    assert!(json["forked_children"].as_u64().unwrap() >= 1, "{json}");
+}
+
+/// Bytes the pager read with `n` forked readers in step.
+fn readers_read(setup: &Setup, n: u32) -> u64 {
+    let stats = setup.dir.path(&format!("stats-{n}.json"));
+    let output = under_pager(setup, "readers", &n.to_string(), &stats);
+    assert_success(&output, "readers");
+    let seen = stdout(&output);
+    let whole = line(&seen, "whole ");
+    assert_eq!(whole.len(), 1, "{seen}");
+    let digests = line(&seen, "readers ");
+    assert_eq!(
+        digests,
+        vec![vec![whole[0]; n as usize].join(" ")],
+        "every reader saw the file's bytes: {seen}"
+    );
+    let json = assert_served(&output, &stats, n as u64);
+    json["bytes_read"].as_u64().unwrap()
+}
+
+#[test]
+fn two_served_forked_readers_read_about_what_one_reads() {
+    let setup = setup("served-fork-readers");
+    let one = readers_read(&setup, 1);
+    let two = readers_read(&setup, 2);
+    eprintln!("bytes read: one reader {one}, two readers {two}");
+    assert!(
+        two as f64 <= 1.2 * one as f64,
+        "two readers read {two} bytes, one {one}"
+    );
+}
