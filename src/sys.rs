@@ -451,6 +451,16 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     )?)
 }
 
+/// Takes an exclusive `flock` on `fd` without waiting: false when another open file
+/// description holds one (the remote cache tier's one-mount-per-directory lock).
+pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    match rustix::fs::flock(fd, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Process and system
 
