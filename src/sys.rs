@@ -461,6 +461,15 @@ pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
     }
 }
 
+/// Detaches the mount at `path` (`umount -l`): it is gone from the tree at once, and
+/// ends when the last file open in it is closed.
+pub fn unmount_lazy(path: &std::path::Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(
+        path,
+        rustix::mount::UnmountFlags::DETACH,
+    )?)
+}
+
 // ---------------------------------------------------------------------------------------
 // Process and system
 

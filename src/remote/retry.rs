@@ -18,6 +18,9 @@ pub enum Retry {
     Permanent,
 }
 
+/// The shortest attempt worth making: no attempt is started with less time left.
+pub const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+
 /// The backoff schedule and the deadline of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -75,17 +78,18 @@ impl RetryPolicy {
 
     /// After attempt `attempt` failed with an error of kind `kind`, `elapsed` after the
     /// first attempt started: try again (after how long, with what timeout) or give up.
-    /// An attempt is only made when at least a tenth of a second of the deadline would
-    /// be left for it after the delay.
+    /// The last delay is cut so that one more attempt of at least `MIN_ATTEMPT` fits
+    /// before the deadline: a remote that comes back just before it is still reached.
     pub fn next(&self, attempt: u32, kind: Retry, elapsed: Duration) -> Next {
         if kind == Retry::Permanent {
             return Next::GiveUp;
         }
-        let delay = self.delay(attempt);
-        let left = self.deadline.saturating_sub(elapsed.saturating_add(delay));
-        if left < Duration::from_millis(100) {
+        let room = self.deadline.saturating_sub(elapsed);
+        if room < MIN_ATTEMPT * 2 {
             return Next::GiveUp;
         }
+        let delay = self.delay(attempt).min(room - MIN_ATTEMPT);
+        let left = room - delay;
         Next::RetryAfter {
             delay,
             timeout: self.attempt_timeout.min(left),
@@ -152,9 +156,18 @@ mod tests {
             attempt += 1;
         }
         assert!(attempt >= 4, "only {attempt} retries in 5 s");
-        assert!(elapsed <= policy.deadline);
+        // The last delay is cut to leave one short attempt just before the deadline.
+        assert!(elapsed <= policy.deadline - MIN_ATTEMPT);
+        assert!(elapsed >= policy.deadline - MIN_ATTEMPT * 2, "{elapsed:?}");
+        assert_eq!(
+            policy.next(9, Retry::Transient, ms(4700)),
+            Next::RetryAfter {
+                delay: ms(200),
+                timeout: ms(100)
+            }
+        );
         // An attempt that timed out near the deadline is the last.
-        assert_eq!(policy.next(0, Retry::Transient, ms(4950)), Next::GiveUp);
+        assert_eq!(policy.next(0, Retry::Transient, ms(4850)), Next::GiveUp);
     }
 
     #[test]

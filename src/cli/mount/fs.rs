@@ -11,7 +11,7 @@ use std::ffi::OsStr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use fuser::{
@@ -28,6 +28,11 @@ use super::remote::{FetchError, ObjectInfo, Remote};
 
 /// How long the kernel may keep names and attributes: they never change in a mount.
 const TTL: Duration = Duration::from_secs(3600);
+
+/// How long a block whose fetch failed for good fails again at once: the kernel reads a
+/// page again when its read-ahead of it failed, and that second read must not wait a
+/// whole deadline more.
+const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
 /// One object of the mount.
 pub struct Served {
@@ -59,6 +64,8 @@ pub struct Shared {
     pub read_errors: AtomicU64,
     /// Errors already said, so a dead remote is reported once per object and kind.
     said: Mutex<std::collections::HashSet<(usize, bool)>>,
+    /// Blocks whose last fetch failed for good, and when.
+    failed: Mutex<HashMap<(usize, u64), (Instant, FetchError)>>,
 }
 
 impl Shared {
@@ -85,6 +92,7 @@ impl Shared {
             read_bytes: AtomicU64::new(0),
             read_errors: AtomicU64::new(0),
             said: Mutex::new(Default::default()),
+            failed: Mutex::new(HashMap::new()),
         }
     }
 
@@ -142,6 +150,11 @@ impl Shared {
                 now: None,
             });
         }
+        if let Some((when, error)) = hyperoffload_lock(&self.failed).get(&(object, block)) {
+            if when.elapsed() < FAILED_RECENTLY {
+                return Err(error.clone());
+            }
+        }
         let cell = hyperoffload_lock(&self.inflight)
             .entry((object, block))
             .or_default()
@@ -177,7 +190,13 @@ impl Shared {
                     Err(FetchError::Changed { .. }) => {
                         self.objects[object].changed.store(true, Ordering::Relaxed);
                     }
-                    Err(FetchError::Failed { .. }) => {}
+                    Err(error @ FetchError::Failed { .. }) => {
+                        hyperoffload_lock(&self.failed)
+                            .insert((object, block), (Instant::now(), error.clone()));
+                    }
+                }
+                if fetched.is_ok() {
+                    hyperoffload_lock(&self.failed).remove(&(object, block));
                 }
                 fetched
             })

@@ -220,15 +220,33 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             }
         }
     })?;
+    let mut detached = false;
     if signal.is_some() {
         if let Err(error) = unmounter.unmount() {
+            // Files still open in the mount (EBUSY): detach it, and end anyway; the
+            // programs holding them get ENOTCONN from then on, as with `umount -l`.
             eprintln!(
-                "hyperoffload: mount: unmounting {}: {error}",
+                "hyperoffload: mount: unmounting {}: {error}; detaching it (files are open in it)",
                 args.dir.display()
             );
+            if let Err(error) = hyperoffload::sys::unmount_lazy(&args.dir) {
+                eprintln!(
+                    "hyperoffload: mount: detaching {}: {error}",
+                    args.dir.display()
+                );
+            }
+            detached = true;
         }
     }
-    let ended = worker.join().expect("FUSE thread panicked");
+    let waited = Instant::now();
+    while detached && !worker.is_finished() && waited.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ended = if worker.is_finished() || !detached {
+        worker.join().expect("FUSE thread panicked")
+    } else {
+        Ok(()) // still connected to open files: ends with the process
+    };
     shared.cache.flush().context("writing the cache index")?;
     let summary = summary(&shared);
     eprintln!(
