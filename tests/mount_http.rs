@@ -573,6 +573,12 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
     );
     assert_eq!(String::from_utf8_lossy(&output.stdout), local);
     let run = shim_support::read_stats(&stats);
+    // The pager served the mounted file (a FUSE file is a regular file to the shim).
+    assert_eq!(
+        run["files"][0]["path"],
+        mount.file("model.gguf").to_str().unwrap()
+    );
+    assert!(run["bytes_read"].as_u64().unwrap() >= 90 << 20, "{run}");
     eprintln!(
         "under hyperoffload run: {}",
         String::from_utf8_lossy(&output.stderr)

@@ -245,6 +245,27 @@ impl Cache {
         state.object(id).entries[block as usize].present()
     }
 
+    /// Asks the kernel to read block `block` of `id` into the page cache ahead of its
+    /// use, if the cache holds it (the warm path's read-ahead); true if it does.
+    pub fn prefetch(&self, id: ObjectId, block: u64) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut state = crate::lock::lock(&self.state);
+        let object = state.object(id);
+        if !object.entries[block as usize].present() {
+            return false;
+        }
+        let start = block * object.header.block;
+        let len = object.block_bytes(block);
+        // Only advice: a refusal costs a slower read, nothing else.
+        let _ = crate::sys::fadvise(
+            object.data.as_raw_fd(),
+            start as i64,
+            len as i64,
+            libc::POSIX_FADV_WILLNEED,
+        );
+        true
+    }
+
     /// Reads `buf.len()` bytes at `offset` within block `block` of `id` if the block is
     /// present (true), or reads nothing (false). The first read of a block in a mount
     /// checks the whole block's CRC; a block that fails it is dropped (false).

@@ -41,6 +41,8 @@ pub struct Served {
     pub cache: ObjectId,
     /// Set when the remote said the object changed: its missing blocks fail at once.
     pub changed: AtomicBool,
+    /// Blocks whose cached bytes the kernel was asked to read ahead (once a mount).
+    pub advised: Vec<AtomicBool>,
 }
 
 type Inflight = Arc<OnceCell<Result<Bytes, FetchError>>>;
@@ -229,7 +231,12 @@ impl Shared {
                     continue;
                 }
             }
-            if self.cache.contains(id, block) {
+            let advised = &self.objects[object].advised[block as usize];
+            if advised.load(Ordering::Relaxed) {
+                continue;
+            }
+            if self.cache.prefetch(id, block) {
+                advised.store(true, Ordering::Relaxed);
                 continue;
             }
             let this = Arc::clone(self);

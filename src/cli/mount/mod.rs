@@ -134,11 +134,13 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
                 args.block,
             )
             .with_context(|| format!("cache entry of {}", info.name))?;
+        let blocks = info.size.div_ceil(args.block);
         objects.push(fs::Served {
             grid: BlockGrid::new(info.size, args.block),
             info,
             cache: id,
             changed: AtomicBool::new(false),
+            advised: (0..blocks).map(|_| AtomicBool::new(false)).collect(),
         });
     }
     let total: u64 = objects.iter().map(|o| o.info.size).sum();
