@@ -19,7 +19,7 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 
@@ -70,7 +70,8 @@ struct Object {
     entries: Vec<Entry>,
     /// Whether this mount checked the block's CRC already.
     verified: Vec<bool>,
-    data: File,
+    /// Shared with the reads and writes in progress, which use it outside the lock.
+    data: Arc<File>,
     index: File,
     stem: PathBuf,
 }
@@ -279,7 +280,7 @@ impl Cache {
             }
             object.entries[block as usize].tick = tick;
             let verify = !object.verified[block as usize];
-            let data = object.data.try_clone()?;
+            let data = Arc::clone(&object.data);
             let block_len = object.block_bytes(block);
             let start = block * object.header.block;
             let crc = object.entries[block as usize].crc;
@@ -337,7 +338,7 @@ impl Cache {
             if object.entries[block as usize].present() {
                 return Ok(true);
             }
-            let data = object.data.try_clone()?;
+            let data = Arc::clone(&object.data);
             let start = block * object.header.block;
             let len = bytes.len() as u64;
             drop(state);
@@ -453,7 +454,7 @@ fn load(stem: &Path) -> io::Result<Object> {
         header,
         header_len: header_len as u64,
         entries,
-        data,
+        data: Arc::new(data),
         index,
         stem: stem.to_path_buf(),
     })
@@ -486,7 +487,7 @@ fn create(stem: &Path, header: Header) -> io::Result<Object> {
         entries: vec![Entry::default(); blocks],
         verified: vec![false; blocks],
         header,
-        data,
+        data: Arc::new(data),
         index,
         stem: stem.to_path_buf(),
     })
