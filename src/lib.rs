@@ -26,6 +26,7 @@ pub mod policy_name;
 pub mod pressure_events;
 pub mod pressure_follower;
 mod recent_faults;
+pub mod remote;
 pub mod ring;
 pub mod served_files;
 mod service;

@@ -498,6 +498,25 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     )?)
 }
 
+/// Takes an exclusive `flock` on `fd` without waiting: false when another open file
+/// description holds one (the remote cache tier's one-mount-per-directory lock).
+pub fn try_lock_exclusive(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    match rustix::fs::flock(fd, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Detaches the mount at `path` (`umount -l`): it is gone from the tree at once, and
+/// ends when the last file open in it is closed.
+pub fn unmount_lazy(path: &std::path::Path) -> io::Result<()> {
+    Ok(rustix::mount::unmount(
+        path,
+        rustix::mount::UnmountFlags::DETACH,
+    )?)
+}
+
 // ---------------------------------------------------------------------------------------
 // Process and system
 

@@ -4,8 +4,11 @@
 set -euo pipefail
 
 # libclang-dev: the userfaultfd crate runs bindgen at build time.
-# cmake: builds llama.cpp (tools/build-llama.sh).
-want=(libclang-dev cmake)
+# cmake: builds llama.cpp (tools/build-llama.sh), and aws-lc-sys (object_store's TLS).
+# fuse3: fusermount3, for `hyperoffload mount` without root (as root it mounts itself).
+# nginx-light: the HTTP server of the mount tests (tools/nginx.sh; its service is not
+# started: policy-rc.d or no init may refuse, and the tests run their own).
+want=(libclang-dev cmake fuse3 nginx-light)
 missing=()
 for pkg in "${want[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then

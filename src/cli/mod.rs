@@ -16,6 +16,7 @@ mod exec_check;
 mod exit_status;
 mod forward;
 mod inspect;
+mod mount;
 mod run;
 mod scan;
 mod sim;
@@ -57,6 +58,9 @@ enum Command {
     /// Run a program with its model files served by the pager (LD_PRELOAD shim), then
     /// summarise what the pager did.
     Run(run::RunArgs),
+    /// Serve the objects of an S3-compatible store or an HTTP server as read-only files
+    /// (FUSE), through a local cache tier that persists across mounts.
+    Mount(mount::MountArgs),
 }
 
 pub fn run() -> anyhow::Result<std::process::ExitCode> {
@@ -72,6 +76,7 @@ pub fn run() -> anyhow::Result<std::process::ExitCode> {
         Command::Simulate(args) => simulate::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Synth(args) => synth::run(args).map(|()| std::process::ExitCode::SUCCESS),
         Command::Run(args) => run::run(args),
+        Command::Mount(args) => mount::run(args),
     }
 }
 

@@ -1,0 +1,295 @@
+//! `hyperoffload mount SOURCE DIR --cache-dir D`: the objects of an S3-compatible store
+//! or an HTTP server as read-only files under DIR (FUSE), read through a local cache
+//! tier that persists across mounts. The decisions are the library's
+//! (`hyperoffload::remote`); this is the glue: the remote (`remote.rs`, object_store),
+//! the filesystem (`fs.rs`, fuser), and the mount's life here.
+
+mod fs;
+mod remote;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use hyperoffload::remote::block_plan::BlockGrid;
+use hyperoffload::remote::cache_store::Cache;
+use hyperoffload::remote::consistency::version_key;
+use hyperoffload::remote::eviction::Lru;
+use hyperoffload::remote::retry::RetryPolicy;
+use hyperoffload::remote::source::{check_name, Source};
+use hyperoffload::remote::tree::Tree;
+use hyperoffload::size::format_size;
+
+use super::size_arg;
+
+#[derive(Args, Debug)]
+pub struct MountArgs {
+    /// `s3://BUCKET[/PREFIX]` (any S3-compatible store: endpoint, region and keys from
+    /// the AWS environment variables — AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION... — or the profile's entries in
+    /// ~/.aws/config and ~/.aws/credentials) or an `http(s)://` base URL.
+    source: String,
+    /// The directory to mount on (it must exist).
+    dir: PathBuf,
+    /// The cache tier's directory: a sparse file per object and its index; a second
+    /// mount with the same directory reads nothing remote that the first one cached.
+    /// One mount at a time per directory.
+    #[arg(long)]
+    cache_dir: PathBuf,
+    /// Most bytes the cache tier holds (least recently used blocks are evicted).
+    /// Default: no limit.
+    #[arg(long, value_parser = size_arg)]
+    cache_size: Option<u64>,
+    /// An object to serve, as a path below SOURCE (repeatable). Needed for an HTTP
+    /// source (it has no listing); for S3, the default is every object under the prefix.
+    #[arg(long = "object", value_name = "NAME")]
+    objects: Vec<String>,
+    /// Block size: the unit of the cache and of each ranged GET.
+    #[arg(long, value_parser = size_arg, default_value = "2M")]
+    block: u64,
+    /// Blocks read ahead of each read.
+    #[arg(long, default_value_t = 8)]
+    readahead: u64,
+    /// Ranged GETs in flight at most.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    max_inflight: u32,
+    /// Seconds a remote request may take in all, retries with backoff included; after
+    /// that the read fails with EIO (never zeros, never a longer wait).
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
+    /// Let other users read the mount (FUSE's allow_other).
+    #[arg(long)]
+    allow_other: bool,
+    /// Write what the mount did (remote requests and bytes, cache hits, evictions) as
+    /// JSON to this file when it ends.
+    #[arg(long)]
+    stats: Option<PathBuf>,
+}
+
+pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
+    let source = Source::parse(&args.source)?;
+    if !args.block.is_power_of_two() || args.block < 4096 {
+        bail!(
+            "--block {}: must be a power of two of at least 4K",
+            args.block
+        );
+    }
+    if !(args.timeout.is_finite() && args.timeout >= 0.5) {
+        bail!("--timeout {}: must be at least 0.5 (seconds)", args.timeout);
+    }
+    if !args.dir.is_dir() {
+        bail!(
+            "{}: not a directory (the mount point must exist)",
+            args.dir.display()
+        );
+    }
+    for name in &args.objects {
+        check_name(name)?;
+    }
+    if matches!(source, Source::Http { .. }) && args.objects.is_empty() {
+        bail!("an HTTP source has no listing: name its objects with --object NAME (repeatable)");
+    }
+    let policy = RetryPolicy::with_deadline(Duration::from_secs_f64(args.timeout));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("hyperoffload-remote")
+        .build()
+        .context("starting the I/O runtime")?;
+    let remote = remote::Remote::new(source, policy)?;
+    let started = Instant::now();
+    let names = if args.objects.is_empty() {
+        let names = runtime.block_on(remote.list())?;
+        if names.is_empty() {
+            bail!("{}: no objects there", args.source);
+        }
+        names
+    } else {
+        args.objects.clone()
+    };
+    let tree = Tree::build(&names)?;
+    let infos = runtime.block_on(futures::future::try_join_all(
+        names.iter().map(|name| remote.head(name)),
+    ))?;
+    let limit = args.cache_size.unwrap_or(u64::MAX);
+    if limit < args.block {
+        eprintln!(
+            "hyperoffload: mount: --cache-size {} is less than one block ({}): nothing will be cached",
+            format_size(limit),
+            format_size(args.block)
+        );
+    }
+    let cache = Cache::open(&args.cache_dir, limit, Box::new(Lru))?;
+    let mut objects = Vec::new();
+    for info in infos {
+        let id = cache
+            .attach(
+                &info.name,
+                &version_key(&info.etag, info.size),
+                info.size,
+                args.block,
+            )
+            .with_context(|| format!("cache entry of {}", info.name))?;
+        let blocks = info.size.div_ceil(args.block);
+        objects.push(fs::Served {
+            grid: BlockGrid::new(info.size, args.block),
+            info,
+            cache: id,
+            changed: AtomicBool::new(false),
+            advised: (0..blocks).map(|_| AtomicBool::new(false)).collect(),
+        });
+    }
+    let total: u64 = objects.iter().map(|o| o.info.size).sum();
+    let shared = Arc::new(fs::Shared::new(
+        objects,
+        cache,
+        remote,
+        runtime.handle().clone(),
+        args.max_inflight as usize,
+        args.readahead,
+    ));
+    let filesystem = fs::MountFs {
+        tree,
+        shared: Arc::clone(&shared),
+        // SAFETY: getuid/getgid have no preconditions and cannot fail.
+        uid: unsafe { libc::getuid() },
+        // SAFETY: as above.
+        gid: unsafe { libc::getgid() },
+        mounted_at: SystemTime::now(),
+    };
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::RO,
+        fuser::MountOption::FSName(format!("hyperoffload:{}", args.source)),
+        fuser::MountOption::Subtype("hyperoffload".to_string()),
+        fuser::MountOption::NoDev,
+        fuser::MountOption::NoSuid,
+    ];
+    if args.allow_other {
+        config.acl = fuser::SessionACL::All;
+    }
+    let mut session = fuser::Session::new(filesystem, &args.dir, &config).with_context(|| {
+        format!(
+            "mounting on {} (FUSE: is /dev/fuse there?)",
+            args.dir.display()
+        )
+    })?;
+    let mut unmounter = session.unmount_callable();
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let worker = std::thread::Builder::new()
+        .name("hyperoffload-fuse".into())
+        .spawn(move || {
+            let result = session.run();
+            let _ = done_tx.send(());
+            result
+        })
+        .context("starting the FUSE thread")?;
+    eprintln!(
+        "hyperoffload: mounted {} object{} ({}) of {} at {} in {:.2} s; cache {} holds {}",
+        shared.objects.len(),
+        if shared.objects.len() == 1 { "" } else { "s" },
+        format_size(total),
+        args.source,
+        args.dir.display(),
+        started.elapsed().as_secs_f64(),
+        args.cache_dir.display(),
+        format_size(shared.cache.stats().used_bytes),
+    );
+    // Until a signal or an unmount from outside (umount, fusermount3 -u); the cache's
+    // last-use order is written every few seconds meanwhile.
+    let signal = runtime.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut done = done_rx;
+        let mut flush = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok::<_, std::io::Error>(Some("SIGTERM")),
+                _ = int.recv() => return Ok(Some("SIGINT")),
+                _ = hup.recv() => return Ok(Some("SIGHUP")),
+                _ = &mut done => return Ok(None),
+                _ = flush.tick() => {
+                    if let Err(error) = shared.cache.flush() {
+                        eprintln!("hyperoffload: mount: writing the cache index: {error}");
+                    }
+                }
+            }
+        }
+    })?;
+    let mut detached = false;
+    if signal.is_some() {
+        if let Err(error) = unmounter.unmount() {
+            // Files still open in the mount (EBUSY): detach it, and end anyway; the
+            // programs holding them get ENOTCONN from then on, as with `umount -l`.
+            eprintln!(
+                "hyperoffload: mount: unmounting {}: {error}; detaching it (files are open in it)",
+                args.dir.display()
+            );
+            if let Err(error) = hyperoffload::sys::unmount_lazy(&args.dir) {
+                eprintln!(
+                    "hyperoffload: mount: detaching {}: {error}",
+                    args.dir.display()
+                );
+            }
+            detached = true;
+        }
+    }
+    let waited = Instant::now();
+    while detached && !worker.is_finished() && waited.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ended = if worker.is_finished() || !detached {
+        worker.join().expect("FUSE thread panicked")
+    } else {
+        Ok(()) // still connected to open files: ends with the process
+    };
+    shared.cache.flush().context("writing the cache index")?;
+    let summary = summary(&shared);
+    eprintln!(
+        "hyperoffload: unmounted {}{}: {} reads ({}), {} failed; remote: {} GETs ({}), {} retries; cache: {} hit, {} stored, {} evicted, holds {}",
+        args.dir.display(),
+        signal.map(|s| format!(" on {s}")).unwrap_or_default(),
+        summary["reads"],
+        format_size(summary["read_bytes"].as_u64().unwrap_or(0)),
+        summary["read_errors"],
+        summary["remote"]["gets"],
+        format_size(summary["remote"]["bytes"].as_u64().unwrap_or(0)),
+        summary["remote"]["retries"],
+        format_size(summary["cache"]["hit_bytes"].as_u64().unwrap_or(0)),
+        format_size(summary["cache"]["stored_bytes"].as_u64().unwrap_or(0)),
+        format_size(summary["cache"]["evicted_bytes"].as_u64().unwrap_or(0)),
+        format_size(summary["cache"]["used_bytes"].as_u64().unwrap_or(0)),
+    );
+    if let Some(path) = &args.stats {
+        std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    // Fetches still running (read-ahead) are dropped with the runtime.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    ended.context("the FUSE session")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn summary(shared: &fs::Shared) -> serde_json::Value {
+    let remote = &shared.remote.stats;
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    serde_json::json!({
+        "reads": load(&shared.reads),
+        "read_bytes": load(&shared.read_bytes),
+        "read_errors": load(&shared.read_errors),
+        "remote": {
+            "heads": load(&remote.heads),
+            "gets": load(&remote.gets),
+            "bytes": load(&remote.bytes),
+            "retries": load(&remote.retries),
+            "failures": load(&remote.failures),
+        },
+        "cache": shared.cache.stats(),
+    })
+}

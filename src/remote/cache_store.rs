@@ -1,0 +1,601 @@
+//! The local cache tier of remote objects: a sparse data file per object version and its
+//! index (`cache_index`), under one directory, bounded in size.
+//!
+//! Files are `v1/<fnv of name and version>.data` and `.idx`; a directory is used by one
+//! mount at a time (an exclusive `flock` on `v1/lock`). Every block is in one of three
+//! states: absent, being written (its bytes counted against the limit, not yet readable),
+//! present (readable; its entry says so in the index file). An entry is written to the
+//! index file after the block's bytes (write-through, one 16-byte `pwrite`), and cleared
+//! in it before the block's bytes are punched out; the block's CRC in the entry is
+//! checked the first time a mount reads the block, so a crash between the two writes,
+//! or a power loss that kept the entry and lost the bytes, costs a fetch, never wrong
+//! bytes. Last-use ticks are kept in memory and written on `flush`.
+//!
+//! Blocks being read (`pin`) are never evicted, so a read never sees a punched hole.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use thiserror::Error;
+
+use super::cache_index::{self, Entry, Header, ENTRY_LEN};
+use super::eviction::{Candidate, EvictionOrder};
+
+/// A cache directory that could not be used.
+#[derive(Debug, Error)]
+pub enum CacheError {
+    #[error("cache directory {dir}: {source}")]
+    Io {
+        dir: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cache directory {0} is in use by another mount (one mount per cache directory)")]
+    Busy(PathBuf),
+}
+
+/// A cached object's number in its cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ObjectId(usize);
+
+/// What the cache did, for the summary and the tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CacheStats {
+    /// Bytes the cache holds now (blocks present or being written).
+    pub used_bytes: u64,
+    /// The limit.
+    pub limit_bytes: u64,
+    /// Bytes read from the cache (hits).
+    pub hit_bytes: u64,
+    /// Bytes written into the cache.
+    pub stored_bytes: u64,
+    /// Blocks evicted, and their bytes.
+    pub evicted_blocks: u64,
+    pub evicted_bytes: u64,
+    /// Blocks whose bytes did not match their CRC when first read (fetched again).
+    pub corrupt_blocks: u64,
+    /// Blocks not stored because everything else was in use (or the limit is smaller
+    /// than the block).
+    pub not_stored_blocks: u64,
+}
+
+struct Object {
+    header: Header,
+    header_len: u64,
+    entries: Vec<Entry>,
+    /// Whether this mount checked the block's CRC already.
+    verified: Vec<bool>,
+    /// Shared with the reads and writes in progress, which use it outside the lock.
+    data: Arc<File>,
+    index: File,
+    stem: PathBuf,
+}
+
+impl Object {
+    fn block_bytes(&self, block: u64) -> u64 {
+        let start = block * self.header.block;
+        (start + self.header.block).min(self.header.size) - start
+    }
+
+    fn write_entry(&self, block: u64) -> io::Result<()> {
+        let entry = self.entries[block as usize].encode();
+        self.index
+            .write_all_at(&entry, self.header_len + block * ENTRY_LEN as u64)
+    }
+}
+
+struct State {
+    objects: Vec<Option<Object>>,
+    pins: HashMap<(usize, u64), u32>,
+    tick: u64,
+    stats: CacheStats,
+}
+
+impl State {
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn object(&mut self, id: ObjectId) -> &mut Object {
+        self.objects[id.0]
+            .as_mut()
+            .expect("object removed while attached")
+    }
+
+    /// Drops a present block: entry cleared on disk first, then the bytes punched out.
+    fn drop_block(&mut self, object: usize, block: u64) -> io::Result<()> {
+        let Some(entry) = self.objects[object].as_mut() else {
+            return Ok(());
+        };
+        if !entry.entries[block as usize].present() {
+            return Ok(());
+        }
+        let bytes = entry.block_bytes(block);
+        entry.entries[block as usize] = Entry::default();
+        entry.verified[block as usize] = false;
+        entry.write_entry(block)?;
+        crate::sys::punch_hole(entry.data.as_fd(), block * entry.header.block, bytes)?;
+        self.stats.used_bytes -= bytes;
+        Ok(())
+    }
+}
+
+/// A cache directory, open.
+pub struct Cache {
+    dir: PathBuf,
+    _lock: File,
+    order: Box<dyn EvictionOrder>,
+    state: Mutex<State>,
+}
+
+impl Cache {
+    /// Opens (creating) the cache in `dir` with at most `limit` bytes, evicting in
+    /// `order`; takes every object cached there before (their bytes count against the
+    /// limit and are evicted like any other). An unreadable index is deleted with its
+    /// data. A cache above `limit` (a smaller limit than last time) is evicted down.
+    pub fn open(dir: &Path, limit: u64, order: Box<dyn EvictionOrder>) -> Result<Self, CacheError> {
+        let root = dir.join("v1");
+        let err = |source| CacheError::Io {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(&root).map_err(err)?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(root.join("lock"))
+            .map_err(err)?;
+        if !crate::sys::try_lock_exclusive(lock.as_fd()).map_err(err)? {
+            return Err(CacheError::Busy(dir.to_path_buf()));
+        }
+        let mut state = State {
+            objects: Vec::new(),
+            pins: HashMap::new(),
+            tick: 0,
+            stats: CacheStats {
+                limit_bytes: limit,
+                ..CacheStats::default()
+            },
+        };
+        for entry in std::fs::read_dir(&root).map_err(err)? {
+            let path = entry.map_err(err)?.path();
+            if path.extension().is_some_and(|e| e == "idx") {
+                let stem = path.with_extension("");
+                match load(&stem) {
+                    Ok(object) => {
+                        for (block, entry) in object.entries.iter().enumerate() {
+                            if entry.present() {
+                                state.stats.used_bytes += object.block_bytes(block as u64);
+                                state.tick = state.tick.max(entry.tick);
+                            }
+                        }
+                        state.objects.push(Some(object));
+                    }
+                    Err(_) => remove(&stem),
+                }
+            }
+        }
+        let cache = Self {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            order,
+            state: Mutex::new(state),
+        };
+        cache.make_room(0).map_err(err)?;
+        Ok(cache)
+    }
+
+    /// The cache directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The cache entry of `name` at `version` (`size` bytes, cut in `block`-byte
+    /// blocks), created empty if there is none; other versions of `name` are deleted.
+    pub fn attach(&self, name: &str, version: &str, size: u64, block: u64) -> io::Result<ObjectId> {
+        let header = Header {
+            name: name.to_string(),
+            version: version.to_string(),
+            size,
+            block,
+        };
+        let mut state = crate::lock::lock(&self.state);
+        let mut found = None;
+        for index in 0..state.objects.len() {
+            let Some(object) = &state.objects[index] else {
+                continue;
+            };
+            if object.header.name != name {
+                continue;
+            }
+            if object.header == header {
+                found = Some(index);
+                continue;
+            }
+            // Another version (or block size) of the same object: its bytes are of no use.
+            let blocks = object.header.blocks();
+            for block in 0..blocks {
+                state.drop_block(index, block)?;
+            }
+            let stem = state.objects[index].take().unwrap().stem;
+            remove(&stem);
+        }
+        if let Some(index) = found {
+            return Ok(ObjectId(index));
+        }
+        let key = format!("{name}\0{version}\0{block}");
+        let stem = self
+            .dir
+            .join("v1")
+            .join(format!("{:016x}", cache_index::fnv1a(key.as_bytes())));
+        let object = create(&stem, header)?;
+        state.objects.push(Some(object));
+        Ok(ObjectId(state.objects.len() - 1))
+    }
+
+    /// Whether block `block` of `id` is present.
+    pub fn contains(&self, id: ObjectId, block: u64) -> bool {
+        let mut state = crate::lock::lock(&self.state);
+        state.object(id).entries[block as usize].present()
+    }
+
+    /// Asks the kernel to read block `block` of `id` into the page cache ahead of its
+    /// use, if the cache holds it (the warm path's read-ahead); true if it does.
+    pub fn prefetch(&self, id: ObjectId, block: u64) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut state = crate::lock::lock(&self.state);
+        let object = state.object(id);
+        if !object.entries[block as usize].present() {
+            return false;
+        }
+        let start = block * object.header.block;
+        let len = object.block_bytes(block);
+        // Only advice: a refusal costs a slower read, nothing else.
+        let _ = crate::sys::fadvise(
+            object.data.as_raw_fd(),
+            start as i64,
+            len as i64,
+            libc::POSIX_FADV_WILLNEED,
+        );
+        true
+    }
+
+    /// Reads `buf.len()` bytes at `offset` within block `block` of `id` if the block is
+    /// present (true), or reads nothing (false). The first read of a block in a mount
+    /// checks the whole block's CRC; a block that fails it is dropped (false).
+    pub fn read(&self, id: ObjectId, block: u64, offset: u64, buf: &mut [u8]) -> io::Result<bool> {
+        let (verify, data, block_len, start, crc) = {
+            let mut state = crate::lock::lock(&self.state);
+            let tick = state.next_tick();
+            let object = state.object(id);
+            if !object.entries[block as usize].present() {
+                return Ok(false);
+            }
+            object.entries[block as usize].tick = tick;
+            let verify = !object.verified[block as usize];
+            let data = Arc::clone(&object.data);
+            let block_len = object.block_bytes(block);
+            let start = block * object.header.block;
+            let crc = object.entries[block as usize].crc;
+            *state.pins.entry((id.0, block)).or_default() += 1;
+            (verify, data, block_len, start, crc)
+        };
+        assert!(
+            offset + buf.len() as u64 <= block_len,
+            "read past the block"
+        );
+        let result = if verify {
+            let mut whole = vec![0u8; block_len as usize];
+            data.read_exact_at(&mut whole, start).map(|()| {
+                let good = crc32fast::hash(&whole) == crc;
+                if good {
+                    buf.copy_from_slice(&whole[offset as usize..offset as usize + buf.len()]);
+                }
+                good
+            })
+        } else {
+            data.read_exact_at(buf, start + offset).map(|()| true)
+        };
+        let mut state = crate::lock::lock(&self.state);
+        let pins = state.pins.get_mut(&(id.0, block)).unwrap();
+        *pins -= 1;
+        if *pins == 0 {
+            state.pins.remove(&(id.0, block));
+        }
+        match result {
+            Ok(true) => {
+                state.object(id).verified[block as usize] = true;
+                state.stats.hit_bytes += buf.len() as u64;
+                Ok(true)
+            }
+            Ok(false) => {
+                state.stats.corrupt_blocks += 1;
+                state.drop_block(id.0, block)?;
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Stores the bytes of block `block` of `id` (the whole block), evicting others to
+    /// stay within the limit. False when it was not stored: no room that is not in use.
+    pub fn store(&self, id: ObjectId, block: u64, bytes: &[u8]) -> io::Result<bool> {
+        let (data, start) = {
+            let mut state = crate::lock::lock(&self.state);
+            let object = state.object(id);
+            assert_eq!(
+                bytes.len() as u64,
+                object.block_bytes(block),
+                "not the whole block"
+            );
+            if object.entries[block as usize].present() {
+                return Ok(true);
+            }
+            let data = Arc::clone(&object.data);
+            let start = block * object.header.block;
+            let len = bytes.len() as u64;
+            drop(state);
+            if !self.make_room(len)? {
+                let mut state = crate::lock::lock(&self.state);
+                state.stats.not_stored_blocks += 1;
+                return Ok(false);
+            }
+            (data, start)
+        };
+        let written = data.write_all_at(bytes, start);
+        let mut state = crate::lock::lock(&self.state);
+        if let Err(error) = written {
+            state.stats.used_bytes -= bytes.len() as u64;
+            return Err(error);
+        }
+        let tick = state.next_tick();
+        let object = state.object(id);
+        if object.entries[block as usize].present() {
+            // Stored meanwhile by another caller: the bytes are the same, count them once.
+            state.stats.used_bytes -= bytes.len() as u64;
+            return Ok(true);
+        }
+        object.entries[block as usize] = Entry {
+            tick,
+            crc: crc32fast::hash(bytes),
+        };
+        object.verified[block as usize] = true;
+        object.write_entry(block)?;
+        state.stats.stored_bytes += bytes.len() as u64;
+        Ok(true)
+    }
+
+    /// Evicts until `len` more bytes fit, and reserves them; false (nothing reserved)
+    /// when the blocks not in use do not free enough.
+    fn make_room(&self, len: u64) -> io::Result<bool> {
+        let mut state = crate::lock::lock(&self.state);
+        let limit = state.stats.limit_bytes;
+        if len > limit {
+            return Ok(false);
+        }
+        let need = (state.stats.used_bytes + len).saturating_sub(limit);
+        if need > 0 {
+            let mut candidates = Vec::new();
+            for (index, object) in state.objects.iter().enumerate() {
+                let Some(object) = object else { continue };
+                for (block, entry) in object.entries.iter().enumerate() {
+                    let block = block as u64;
+                    if entry.present() && !state.pins.contains_key(&(index, block)) {
+                        candidates.push(Candidate {
+                            object: index,
+                            block,
+                            tick: entry.tick,
+                            bytes: object.block_bytes(block),
+                        });
+                    }
+                }
+            }
+            let victims = self.order.victims(&candidates, need);
+            let freed: u64 = victims.iter().map(|v| v.bytes).sum();
+            if freed < need {
+                return Ok(false);
+            }
+            for victim in victims {
+                state.drop_block(victim.object, victim.block)?;
+                state.stats.evicted_blocks += 1;
+                state.stats.evicted_bytes += victim.bytes;
+            }
+        }
+        state.stats.used_bytes += len;
+        Ok(true)
+    }
+
+    /// Writes every entry (the last-use ticks) to the index files.
+    pub fn flush(&self) -> io::Result<()> {
+        let state = crate::lock::lock(&self.state);
+        for object in state.objects.iter().flatten() {
+            let mut bytes = Vec::with_capacity(object.entries.len() * ENTRY_LEN);
+            for entry in &object.entries {
+                bytes.extend_from_slice(&entry.encode());
+            }
+            object.index.write_all_at(&bytes, object.header_len)?;
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        crate::lock::lock(&self.state).stats
+    }
+}
+
+fn load(stem: &Path) -> io::Result<Object> {
+    let index_path = stem.with_extension("idx");
+    let bytes = std::fs::read(&index_path)?;
+    let (header, header_len, entries) =
+        cache_index::decode(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let index = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&index_path)?;
+    let data = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(stem.with_extension("data"))?;
+    if data.metadata()?.len() != header.size {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "data file of another size",
+        ));
+    }
+    Ok(Object {
+        verified: vec![false; entries.len()],
+        header,
+        header_len: header_len as u64,
+        entries,
+        data: Arc::new(data),
+        index,
+        stem: stem.to_path_buf(),
+    })
+}
+
+fn create(stem: &Path, header: Header) -> io::Result<Object> {
+    remove(stem);
+    let data = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(stem.with_extension("data"))?;
+    data.set_len(header.size)?;
+    let encoded = header.encode();
+    let blocks = header.blocks() as usize;
+    let mut bytes = encoded.clone();
+    bytes.resize(encoded.len() + blocks * ENTRY_LEN, 0);
+    // The index is written whole under a temporary name and renamed, so an index file
+    // always has a complete header.
+    let tmp = stem.with_extension("idx.tmp");
+    std::fs::write(&tmp, &bytes)?;
+    std::fs::rename(&tmp, stem.with_extension("idx"))?;
+    let index = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(stem.with_extension("idx"))?;
+    Ok(Object {
+        header_len: encoded.len() as u64,
+        entries: vec![Entry::default(); blocks],
+        verified: vec![false; blocks],
+        header,
+        data: Arc::new(data),
+        index,
+        stem: stem.to_path_buf(),
+    })
+}
+
+fn remove(stem: &Path) {
+    // The index goes first: data without an index is never read.
+    let _ = std::fs::remove_file(stem.with_extension("idx"));
+    let _ = std::fs::remove_file(stem.with_extension("data"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::eviction::Lru;
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ho-cache-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn block(n: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(31) ^ n).collect()
+    }
+
+    #[test]
+    fn blocks_persist_across_opens_and_other_versions_are_dropped() {
+        let dir = temp_dir("persist");
+        {
+            let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+            let id = cache.attach("m", "v1:10000", 10_000, 4096).unwrap();
+            assert!(cache.store(id, 0, &block(0, 4096)).unwrap());
+            assert!(cache.store(id, 2, &block(2, 10_000 - 8192)).unwrap());
+            cache.flush().unwrap();
+            assert!(matches!(
+                Cache::open(&dir, 1 << 20, Box::new(Lru)),
+                Err(CacheError::Busy(_))
+            ));
+        }
+        let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+        assert_eq!(cache.stats().used_bytes, 4096 + 10_000 - 8192);
+        let id = cache.attach("m", "v1:10000", 10_000, 4096).unwrap();
+        let mut buf = [0u8; 100];
+        assert!(cache.read(id, 0, 10, &mut buf).unwrap());
+        assert_eq!(&buf[..], &block(0, 4096)[10..110]);
+        assert!(!cache.read(id, 1, 0, &mut buf).unwrap());
+        assert!(cache.contains(id, 2));
+        // A new version of the object replaces the old one's bytes.
+        let id = cache.attach("m", "v2:10000", 10_000, 4096).unwrap();
+        assert!(!cache.contains(id, 0));
+        assert_eq!(cache.stats().used_bytes, 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_limit_evicts_least_recently_used_and_spares_what_is_read() {
+        let dir = temp_dir("limit");
+        let cache = Cache::open(&dir, 3 * 4096, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v", 8 * 4096, 4096).unwrap();
+        for b in 0..3 {
+            assert!(cache.store(id, b, &block(b as u8, 4096)).unwrap());
+        }
+        let mut buf = [0u8; 1];
+        assert!(cache.read(id, 0, 0, &mut buf).unwrap()); // 0 is now the newest
+        assert!(cache.store(id, 3, &block(3, 4096)).unwrap());
+        assert!(cache.contains(id, 0) && !cache.contains(id, 1));
+        assert!(cache.stats().used_bytes <= 3 * 4096);
+        assert_eq!(cache.stats().evicted_blocks, 1);
+        // Reopening with a smaller limit evicts down to it.
+        drop(cache);
+        let cache = Cache::open(&dir, 4096, Box::new(Lru)).unwrap();
+        assert_eq!(cache.stats().used_bytes, 4096);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_block_with_bad_bytes_is_dropped_not_served() {
+        let dir = temp_dir("crc");
+        {
+            let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+            let id = cache.attach("m", "v", 4096, 4096).unwrap();
+            assert!(cache.store(id, 0, &block(0, 4096)).unwrap());
+        }
+        // A hole where the block was (its entry survived, its bytes did not).
+        let data = std::fs::read_dir(dir.join("v1"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "data"))
+            .unwrap();
+        let file = OpenOptions::new().write(true).open(&data).unwrap();
+        crate::sys::punch_hole(file.as_fd(), 0, 4096).unwrap();
+        let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v", 4096, 4096).unwrap();
+        let mut buf = [0u8; 16];
+        assert!(!cache.read(id, 0, 0, &mut buf).unwrap());
+        assert_eq!(cache.stats().corrupt_blocks, 1);
+        assert!(!cache.contains(id, 0));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_block_larger_than_the_limit_is_not_stored() {
+        let dir = temp_dir("tiny");
+        let cache = Cache::open(&dir, 100, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v", 4096, 4096).unwrap();
+        assert!(!cache.store(id, 0, &block(0, 4096)).unwrap());
+        assert_eq!(cache.stats().used_bytes, 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

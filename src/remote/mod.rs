@@ -1,0 +1,19 @@
+//! Remote models (issue 24, first slice): objects of an S3-compatible store or an HTTP
+//! server, served as local files by `hyperoffload mount` through a local cache tier.
+//!
+//! The decisions are here, pure and unit-tested: which blocks a read needs and which to
+//! read ahead (`block_plan`), when to retry (`retry`), whether an answer is of the
+//! version opened (`consistency`), the cache index's format (`cache_index`), the
+//! eviction order (`eviction`, the seam for the graph's order), the source's names
+//! (`source`) and the mount's tree (`tree`). `cache_store` keeps the cache files. The
+//! network (object_store) and FUSE (fuser) glue is the binary's, `src/cli/mount/`.
+
+pub mod aws_config;
+pub mod block_plan;
+pub mod cache_index;
+pub mod cache_store;
+pub mod consistency;
+pub mod eviction;
+pub mod retry;
+pub mod source;
+pub mod tree;

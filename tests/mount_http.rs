@@ -1,0 +1,590 @@
+//! `hyperoffload mount` over a real HTTP server (Debian's nginx on loopback, from
+//! tools/nginx.sh): the bytes read through the mount are the file's, whole and in random
+//! ranges, with read() and from Python; a second mount with the same cache directory
+//! fetches nothing; --cache-size bounds the cache; an object replaced on the server
+//! gives EIO, never bytes of two versions; a stopped server gives EIO within --timeout
+//! and a restarted one is read again; SmolLM2 read by llama-completion through the mount
+//! decodes as from the local file, with and without `hyperoffload run`.
+//!
+//! Needs /dev/fuse and nginx (installed by tools/nginx.sh); without them the tests fail,
+//! unless HYPEROFFLOAD_ALLOW_SKIP=1.
+
+mod common;
+mod shim_support;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::TempDir;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use shim_support::{skip_allowed, LAUNCHER};
+
+/// nginx serving `root`, stopped when dropped.
+struct Nginx {
+    work: PathBuf,
+    root: PathBuf,
+    port: u16,
+}
+
+fn nginx_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/nginx.sh")
+}
+
+impl Nginx {
+    fn start(work: PathBuf, root: PathBuf) -> Self {
+        let port = Self::run_start(&work, &root, None);
+        Self { work, root, port }
+    }
+
+    fn run_start(work: &Path, root: &Path, port: Option<u16>) -> u16 {
+        let mut command = Command::new("bash");
+        command.arg(nginx_script()).arg("start").arg(work).arg(root);
+        if let Some(port) = port {
+            command.arg(port.to_string());
+        }
+        let output = command.stderr(Stdio::inherit()).output().expect("bash");
+        assert!(output.status.success(), "tools/nginx.sh start failed");
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .expect("a port")
+    }
+
+    fn stop(&self) {
+        let status = Command::new("bash")
+            .arg(nginx_script())
+            .arg("stop")
+            .arg(&self.work)
+            .status()
+            .expect("bash");
+        assert!(status.success(), "tools/nginx.sh stop failed");
+    }
+
+    fn restart(&self) {
+        Self::run_start(&self.work, &self.root, Some(self.port));
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// GET requests in the access log and their body bytes.
+    fn gets(&self) -> (usize, u64) {
+        let log = std::fs::read_to_string(self.work.join("access.log")).unwrap_or_default();
+        let mut count = 0;
+        let mut bytes = 0;
+        for line in log.lines().filter(|l| l.starts_with("GET ")) {
+            count += 1;
+            bytes += line
+                .split(' ')
+                .nth(3)
+                .and_then(|b| b.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+        (count, bytes)
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(nginx_script())
+            .arg("stop")
+            .arg(&self.work)
+            .status();
+    }
+}
+
+/// A running `hyperoffload mount`, unmounted (SIGTERM) when stopped or dropped.
+struct Mount {
+    child: Option<Child>,
+    dir: PathBuf,
+    log: PathBuf,
+    stats: PathBuf,
+}
+
+impl Mount {
+    fn start(source: &str, dir: &Path, cache: &Path, extra: &[&str]) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let log = dir.with_extension("log");
+        let stats = dir.with_extension("stats.json");
+        let _ = std::fs::remove_file(&stats);
+        let child = Command::new(LAUNCHER)
+            .arg("mount")
+            .arg(source)
+            .arg(dir)
+            .arg("--cache-dir")
+            .arg(cache)
+            .arg("--stats")
+            .arg(&stats)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap())
+            .spawn()
+            .expect("hyperoffload mount");
+        let mut mount = Self {
+            child: Some(child),
+            dir: dir.to_path_buf(),
+            log,
+            stats,
+        };
+        let started = Instant::now();
+        loop {
+            if mount.log_text().contains("hyperoffload: mounted") {
+                return mount;
+            }
+            if let Some(status) = mount.child.as_mut().unwrap().try_wait().unwrap() {
+                mount.child = None;
+                panic!("mount exited ({status}):\n{}", mount.log_text());
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "mount not up in 30 s:\n{}",
+                mount.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Unmounts and returns the mount's stats and log.
+    fn stop(mut self) -> (serde_json::Value, String) {
+        self.end();
+        let stats = std::fs::read_to_string(&self.stats)
+            .unwrap_or_else(|e| panic!("stats {}: {e}\n{}", self.stats.display(), self.log_text()));
+        (serde_json::from_str(&stats).unwrap(), self.log_text())
+    }
+
+    fn end(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        // SAFETY: signals our own child, not yet reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let started = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(
+                    status.success() || std::thread::panicking(),
+                    "mount ended {status}:\n{}",
+                    self.log_text()
+                );
+                return;
+            }
+            if started.elapsed() > Duration::from_secs(15) {
+                let _ = child.kill();
+                let _ = child.wait();
+                let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+                panic!(
+                    "mount did not end in 15 s after SIGTERM:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            self.end();
+        }
+    }
+}
+
+/// Whether FUSE can be used here; without it the test fails unless skipping is allowed.
+fn fuse_or_skip() -> bool {
+    if Path::new("/dev/fuse").exists() {
+        return true;
+    }
+    if skip_allowed() {
+        eprintln!("skipped: no /dev/fuse");
+        return false;
+    }
+    panic!("no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips the mount tests)");
+}
+
+/// A file of `len` bytes from seed `seed`.
+fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let mut bytes = vec![0u8; len];
+    SmallRng::seed_from_u64(seed).fill(&mut bytes[..]);
+    std::fs::write(path, &bytes).unwrap();
+    bytes
+}
+
+fn read_all(path: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    File::open(path).unwrap().read_to_end(&mut out).unwrap();
+    out
+}
+
+fn random_ranges(file: &Path, expected: &[u8], count: usize, seed: u64) {
+    let file = File::open(file).unwrap();
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for _ in 0..count {
+        let start = rng.gen_range(0..expected.len());
+        let len = rng.gen_range(1..=(expected.len() - start).min(3 << 20));
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, start as u64).unwrap();
+        assert!(
+            buf == expected[start..start + len],
+            "bytes {start}+{len} differ"
+        );
+    }
+}
+
+fn sha256_python(path: &Path) -> String {
+    let output = shim_support::python3()
+        .args([
+            "-c",
+            "import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())",
+        ])
+        .arg(path)
+        .output()
+        .expect("python3");
+    assert!(
+        output.status.success(),
+        "python3: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}
+
+#[test]
+fn reads_are_the_files_bytes_and_a_second_mount_fetches_nothing() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("mount-bytes");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(www.join("sub")).unwrap();
+    let big = random_file(&www.join("model.gguf"), 24 << 20, 1);
+    let odd = random_file(&www.join("sub/odd.bin"), 3 * (1 << 20) + 12345, 2);
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let cache = tmp.path("cache");
+    let objects = [
+        "--object",
+        "model.gguf",
+        "--object",
+        "sub/odd.bin",
+        "--block",
+        "1M",
+    ];
+
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &objects);
+    assert_eq!(
+        std::fs::metadata(mount.file("model.gguf")).unwrap().len(),
+        big.len() as u64
+    );
+    let mut names: Vec<_> = std::fs::read_dir(&mount.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["model.gguf", "sub"]);
+    random_ranges(&mount.file("model.gguf"), &big, 100, 7);
+    assert!(
+        read_all(&mount.file("model.gguf")) == big,
+        "whole file differs"
+    );
+    assert!(
+        read_all(&mount.file("sub/odd.bin")) == odd,
+        "odd-sized file differs"
+    );
+    assert!(File::open(mount.file("model.gguf"))
+        .unwrap()
+        .metadata()
+        .unwrap()
+        .permissions()
+        .readonly());
+    assert!(std::fs::OpenOptions::new()
+        .write(true)
+        .open(mount.file("model.gguf"))
+        .is_err());
+    let (stats, log) = mount.stop();
+    let (gets, get_bytes) = nginx.gets();
+    let total = (big.len() + odd.len()) as u64;
+    // Every byte came from the server once: blocks are fetched once and cached.
+    assert_eq!(stats["remote"]["bytes"], total, "{log}");
+    assert_eq!(get_bytes, total, "nginx's log");
+    assert_eq!(stats["read_errors"], 0, "{log}");
+    eprintln!("first mount: {gets} GETs, {get_bytes} bytes; {log}");
+
+    // A second mount with the same cache: nothing fetched (the HEADs only).
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &objects);
+    assert!(
+        read_all(&mount.file("model.gguf")) == big,
+        "whole file differs (warm)"
+    );
+    random_ranges(&mount.file("sub/odd.bin"), &odd, 50, 8);
+    let digest = sha256_python(&mount.file("model.gguf"));
+    assert_eq!(
+        digest,
+        sha256_python(&www.join("model.gguf")),
+        "python's read"
+    );
+    let (stats, log) = mount.stop();
+    assert_eq!(stats["remote"]["gets"], 0, "{log}");
+    assert_eq!(stats["remote"]["bytes"], 0, "{log}");
+    assert_eq!(
+        nginx.gets(),
+        (gets, get_bytes),
+        "the server was asked for bytes again"
+    );
+}
+
+#[test]
+fn the_cache_size_is_honoured() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("mount-size");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let big = random_file(&www.join("m.bin"), 32 << 20, 3);
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let cache = tmp.path("cache");
+    let args = ["--object", "m.bin", "--block", "1M", "--cache-size", "8M"];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &args);
+    assert!(read_all(&mount.file("m.bin")) == big, "whole file differs");
+    random_ranges(&mount.file("m.bin"), &big, 40, 9);
+    let (stats, log) = mount.stop();
+    assert!(
+        stats["cache"]["used_bytes"].as_u64().unwrap() <= 8 << 20,
+        "{log}"
+    );
+    assert!(
+        stats["cache"]["evicted_blocks"].as_u64().unwrap() >= 24,
+        "{log}"
+    );
+    // What the disk holds is within the limit too (the data files are sparse).
+    let on_disk: u64 = std::fs::read_dir(cache.join("v1"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "data"))
+        .map(|p| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).unwrap().blocks() * 512
+        })
+        .sum();
+    assert!(on_disk <= 8 << 20, "{on_disk} bytes allocated in the cache");
+    // A remount with a smaller limit evicts down to it, and still reads right.
+    let args = ["--object", "m.bin", "--block", "1M", "--cache-size", "2M"];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &args);
+    random_ranges(&mount.file("m.bin"), &big, 20, 10);
+    let (stats, log) = mount.stop();
+    assert!(
+        stats["cache"]["used_bytes"].as_u64().unwrap() <= 2 << 20,
+        "{log}"
+    );
+}
+
+#[test]
+fn an_object_replaced_mid_run_gives_eio_never_mixed_bytes() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("mount-replace");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let old = random_file(&www.join("m.bin"), 16 << 20, 4);
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let args = ["--object", "m.bin", "--block", "1M", "--readahead", "0"];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &tmp.path("cache"), &args);
+    let file = File::open(mount.file("m.bin")).unwrap();
+    let mut head = vec![0u8; 2 << 20];
+    file.read_exact_at(&mut head, 0).unwrap();
+    assert!(head == old[..2 << 20]);
+    // Replaced as a deploy would: a new file renamed over the old one, of the same size
+    // and a later mtime (nginx's ETag is mtime and size).
+    let new = random_file(&www.join("m.bin.new"), old.len(), 5);
+    let later = std::time::SystemTime::now() + Duration::from_secs(10);
+    File::options()
+        .write(true)
+        .open(www.join("m.bin.new"))
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    std::fs::rename(www.join("m.bin.new"), www.join("m.bin")).unwrap();
+    let mut failures = 0;
+    for start in (0..old.len()).step_by(1 << 20) {
+        let mut buf = vec![0u8; 1 << 20];
+        match file.read_exact_at(&mut buf, start as u64) {
+            Ok(()) => {
+                assert!(
+                    buf == old[start..start + buf.len()],
+                    "bytes at {start} are not the old version's"
+                );
+                assert!(buf != new[start..start + buf.len()]);
+            }
+            Err(error) => {
+                assert_eq!(error.raw_os_error(), Some(libc::EIO), "{error}");
+                failures += 1;
+            }
+        }
+    }
+    // The first 2 MiB were cached before the change, and what the kernel read ahead of
+    // them (up to its read-ahead window); the rest fails.
+    assert!(failures >= 5, "{failures} reads failed");
+    let (stats, log) = mount.stop();
+    assert!(log.contains("m.bin changed on the remote"), "{log}");
+    assert!(stats["read_errors"].as_u64().unwrap() >= failures, "{log}");
+    // Mounted again, the new version is served.
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &tmp.path("cache"), &args);
+    assert!(
+        read_all(&mount.file("m.bin")) == new,
+        "the new version after a remount"
+    );
+    drop(mount);
+}
+
+#[test]
+fn a_stopped_server_gives_eio_within_the_timeout_and_reads_resume_after_a_restart() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("mount-restart");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let bytes = random_file(&www.join("m.bin"), 16 << 20, 6);
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let timeout = 3.0;
+    let args = [
+        "--object",
+        "m.bin",
+        "--block",
+        "1M",
+        "--readahead",
+        "0",
+        "--timeout",
+        "3",
+    ];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &tmp.path("cache"), &args);
+    let file = File::open(mount.file("m.bin")).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    file.read_exact_at(&mut buf, 0).unwrap();
+    nginx.stop();
+    let started = Instant::now();
+    let error = file.read_exact_at(&mut buf, 8 << 20).unwrap_err();
+    let waited = started.elapsed().as_secs_f64();
+    assert_eq!(error.raw_os_error(), Some(libc::EIO), "{error}");
+    // The deadline, the margin a read has beyond it, and scheduling.
+    assert!(waited < timeout + 2.5, "EIO after {waited:.2} s");
+    assert!(
+        waited > timeout * 0.5,
+        "EIO after {waited:.2} s: retried at all?"
+    );
+    // What is cached is still served with the server down.
+    file.read_exact_at(&mut buf, 0).unwrap();
+    assert!(buf == bytes[..1 << 20]);
+    // A server that comes back within the deadline is waited for.
+    let reader = {
+        let file = file.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 20];
+            file.read_exact_at(&mut buf, 12 << 20).map(|()| buf)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(1200));
+    nginx.restart();
+    let got = reader
+        .join()
+        .unwrap()
+        .expect("a read across a 1.2 s outage");
+    assert!(got == bytes[12 << 20..13 << 20]);
+    // And after the restart, everything reads.
+    std::thread::sleep(Duration::from_millis(1100)); // past the failed block's quiet time
+    assert!(read_all(&mount.file("m.bin")) == bytes, "after the restart");
+    let (stats, log) = mount.stop();
+    assert!(stats["remote"]["retries"].as_u64().unwrap() > 0, "{log}");
+    assert!(log.contains("m.bin: bytes 8388608..9437184"), "{log}");
+}
+
+/// llama-completion's greedy text for SmolLM2 read through the mount, against the local
+/// file; and under `hyperoffload run`, which maps the mounted file.
+#[test]
+fn smollm2_through_the_mount_decodes_as_the_local_file() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let Some((bin, model)) = shim_support::llama::llama_and_model() else {
+        return;
+    };
+    let tmp = TempDir::new("mount-llama");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::copy(&model, www.join("model.gguf")).unwrap();
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let mount = Mount::start(
+        &nginx.url(),
+        &tmp.path("mnt"),
+        &tmp.path("cache"),
+        &["--object", "model.gguf"],
+    );
+    let completion = |model: &Path| {
+        let output = Command::new(bin.join("llama-completion"))
+            .args(shim_support::llama::greedy_completion_args(model, 24))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let local = completion(&www.join("model.gguf"));
+    assert!(local.contains("Paris"), "{local}");
+    let mounted = completion(&mount.file("model.gguf"));
+    assert_eq!(mounted, local);
+
+    let stats = tmp.path("run-stats.json");
+    let mut command = shim_support::launcher();
+    command
+        .args(["--budget", "50%", "--stats"])
+        .arg(&stats)
+        .arg("--")
+        .arg(bin.join("llama-completion"))
+        .args(shim_support::llama::greedy_completion_args(
+            &mount.file("model.gguf"),
+            24,
+        ))
+        .stdin(Stdio::null());
+    let output = command.output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&output.stdout), local);
+    let run = shim_support::read_stats(&stats);
+    // The pager served the mounted file (a FUSE file is a regular file to the shim).
+    assert_eq!(
+        run["files"][0]["path"],
+        mount.file("model.gguf").to_str().unwrap()
+    );
+    assert!(run["bytes_read"].as_u64().unwrap() >= 90 << 20, "{run}");
+    eprintln!(
+        "under hyperoffload run: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("run stats: {run}");
+    let (stats, log) = mount.stop();
+    eprintln!("mount: {log}");
+    assert_eq!(stats["read_errors"], 0);
+}
