@@ -65,6 +65,16 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// A private copy of `model` in `out` (created): other programs on this machine may
+/// keep the shared model mapped, and mapped pages survive drop_caches (the run would
+/// not be cold).
+fn private_copy(model: &Path, out: &Path) -> PathBuf {
+    std::fs::create_dir_all(out).unwrap();
+    let copy = out.join("model.gguf");
+    std::fs::copy(model, &copy).expect("copy the model");
+    copy
+}
+
 fn run(command: &mut Command) -> std::process::Output {
     let output = command.output().expect("start hyperoffload");
     assert!(
@@ -92,14 +102,7 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
     };
     let _one = one_at_a_time();
     let out = out_dir("compare-smollm2");
-    // A private copy: other programs on this machine may keep the shared model mapped,
-    // and mapped pages survive drop_caches (the run would not be cold).
-    std::fs::create_dir_all(&out).unwrap();
-    let model = {
-        let copy = out.join("model.gguf");
-        std::fs::copy(&model, &copy).expect("copy the model");
-        copy
-    };
+    let model = private_copy(&model, &out);
     run(Command::new(BIN)
         .args(["compare", "--budget", "50%", "--runs", "1", "--out"])
         .arg(&out)
@@ -229,12 +232,7 @@ fn compare_in_a_cgroup_with_an_automatic_budget() {
     };
     let _one = one_at_a_time();
     let out = out_dir("compare-smollm2-auto");
-    std::fs::create_dir_all(&out).unwrap();
-    let model = {
-        let copy = out.join("model.gguf");
-        std::fs::copy(&model, &copy).expect("copy the model");
-        copy
-    };
+    let model = private_copy(&model, &out);
     let refused = Command::new(BIN)
         .args(["compare", "--budget", "auto", "--runs", "1", "--out"])
         .arg(&out)

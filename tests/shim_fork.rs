@@ -22,51 +22,7 @@ const MODEL_LEN: u64 = (128 << 20) + 4321;
 /// multiprocessing pool (fork start method) hash the quarters through the mapping.
 /// `exec FILE`: maps the file, reads it, forks; the child execs this interpreter in
 /// `plain` mode.
-const SCRIPT: &str = r#"
-import sys, os, mmap, hashlib
-mode, path = sys.argv[1], sys.argv[2]
-
-def quarters(n):
-    q = n // 4
-    return [(i * q, n if i == 3 else (i + 1) * q) for i in range(4)]
-
-def hashes(buf):
-    return " ".join(hashlib.sha256(buf[a:b]).hexdigest()[:16] for a, b in quarters(len(buf)))
-
-if mode == "plain":
-    print("plain", hashes(open(path, "rb").read()), flush=True)
-    sys.exit(0)
-
-f = open(path, "rb")
-m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-a, b = quarters(len(m))[0]
-hashlib.sha256(m[a:b]).digest()  # the parent touches the first quarter only
-
-if mode == "fork":
-    pid = os.fork()
-    if pid == 0:
-        print("child sees", hashes(m), flush=True)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
-    print("parent", hashes(m), flush=True)
-elif mode == "pool":
-    import multiprocessing as mp
-    def work(part):
-        a, b = part
-        return hashlib.sha256(m[a:b]).hexdigest()[:16]
-    with mp.get_context("fork").Pool(3) as pool:
-        print("pool", " ".join(pool.map(work, quarters(len(m)))), flush=True)
-    print("parent", hashes(m), flush=True)
-elif mode == "exec":
-    hashes(m)
-    pid = os.fork()
-    if pid == 0:
-        os.execv(sys.executable, [sys.executable, "-c", sys.argv[3], "plain", path])
-    _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
-    print("parent", hashes(m), flush=True)
-"#;
+const SCRIPT: &str = FORK_VICTIM;
 
 struct Setup {
     dir: TempDir,

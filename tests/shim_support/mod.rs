@@ -159,3 +159,7 @@ pub fn wait_within(
     }
     Ok(waiter.join().unwrap())
 }
+
+/// The Python program the fork tests run (`plain`, `fork`, `pool`, `exec` and `readers`
+/// modes; see the tests' comments).
+pub const FORK_VICTIM: &str = include_str!("fork_victim.py");
