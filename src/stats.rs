@@ -86,6 +86,9 @@ pub struct Stats {
     pub blocks_read: u64,
     /// Blocks read because a prefetch policy asked for them.
     pub blocks_prefetched: u64,
+    /// Of those, blocks read into free budget while the device idled (popular experts
+    /// not yet needed: `Urgency::IdleFill`).
+    pub blocks_idle_filled: u64,
     /// Bytes read from the file.
     pub bytes_read: u64,
     /// Read requests submitted to io_uring (a request may cover several blocks).

@@ -35,6 +35,7 @@ mod confidence;
 mod eviction;
 mod expert_blocks;
 mod expert_use;
+mod idle_fill;
 mod prefetch;
 pub mod streaming;
 

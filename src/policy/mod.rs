@@ -106,11 +106,25 @@ pub enum Install {
     OnFault,
 }
 
+/// How urgently a prefetched block is wanted, and what it may displace.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Urgency {
+    /// Needed soon: read within the prefetch share of the device, evicting what the
+    /// eviction policy says is worth less.
+    Ahead,
+    /// Worth holding, not needed at any known time (a popular expert not yet read):
+    /// read only while the device has nothing else to do, and only into budget nothing
+    /// holds. It never evicts and never delays a read the program waits on by more
+    /// than one read already on the device.
+    IdleFill,
+}
+
 /// One block a prefetch policy asks for.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct PrefetchRequest {
     pub block: BlockRef,
     pub install: Install,
+    pub urgency: Urgency,
 }
 
 impl PrefetchRequest {
@@ -118,6 +132,7 @@ impl PrefetchRequest {
         Self {
             block,
             install: Install::Eager,
+            urgency: Urgency::Ahead,
         }
     }
 
@@ -125,6 +140,16 @@ impl PrefetchRequest {
         Self {
             block,
             install: Install::OnFault,
+            urgency: Urgency::Ahead,
+        }
+    }
+
+    /// A block to read into free budget while the device idles (`Urgency::IdleFill`).
+    pub fn idle_fill(block: BlockRef) -> Self {
+        Self {
+            block,
+            install: Install::Eager,
+            urgency: Urgency::IdleFill,
         }
     }
 }

@@ -9,7 +9,7 @@ use super::fault_log::Waiter;
 use super::installs::{discard_pages, map_frame, page_present, poison_range};
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
-use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest};
+use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, Urgency};
 
 /// Most prefetch requests held waiting for a free read slot.
 const MAX_QUEUED_PREFETCH: usize = 1 << 16;
@@ -310,7 +310,7 @@ impl FaultService {
 
     /// Queues a prefetch of a missing block (others are in memory or on their way).
     pub(super) fn queue_prefetch(&mut self, request: PrefetchRequest) {
-        if self.prefetch_queue.len() >= MAX_QUEUED_PREFETCH {
+        if self.prefetch_queue.len() + self.idle_fill.len() >= MAX_QUEUED_PREFETCH {
             return;
         }
         let Some(region) = self.regions.get_mut(&request.block.region) else {
@@ -320,7 +320,10 @@ impl FaultService {
             && region.state(request.block.index) == BlockState::Missing
         {
             region.advance(request.block.index, BlockEvent::Queued);
-            self.prefetch_queue.push_back(request);
+            match request.urgency {
+                Urgency::Ahead => self.prefetch_queue.push_back(request),
+                Urgency::IdleFill => self.idle_fill.push_back(request.block),
+            }
         }
     }
 }

@@ -113,6 +113,8 @@ pub(crate) struct FaultService {
     locator: FaultLocator,
     demand: VecDeque<BlockRef>,
     prefetch_queue: VecDeque<PrefetchRequest>,
+    /// Blocks to read while the device idles, into free budget (`Urgency::IdleFill`).
+    idle_fill: VecDeque<BlockRef>,
     staged: VecDeque<BlockRef>,
     /// Fault times of threads waiting on each block, for the latency histogram.
     waiters: HashMap<BlockRef, Vec<Waiter>>,
@@ -210,6 +212,7 @@ impl FaultService {
             locator: FaultLocator::default(),
             demand: VecDeque::new(),
             prefetch_queue: VecDeque::new(),
+            idle_fill: VecDeque::new(),
             staged: VecDeque::new(),
             waiters: HashMap::new(),
             budget,

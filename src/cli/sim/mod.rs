@@ -37,7 +37,7 @@ use hyperoffload::graph::ModelGraph;
 use hyperoffload::policy::{
     BlockRef, ClockEviction, EvictionPolicy, FaultEvent, FaultOutcome, FifoEviction,
     GraphPrediction, Install, LruEviction, NoPrefetch, PrefetchKind, PrefetchPolicy,
-    PrefetchRequest, ReadKind, RegionId, RegionInfo,
+    PrefetchRequest, ReadKind, RegionId, RegionInfo, Urgency,
 };
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -309,14 +309,31 @@ impl Replay {
         eviction: &mut dyn EvictionPolicy,
         requests: &[PrefetchRequest],
     ) -> Result<(), SimError> {
-        for &PrefetchRequest { block, install } in requests {
+        for &PrefetchRequest {
+            block,
+            install,
+            urgency,
+        } in requests
+        {
             let wanted = block.region == RegionId(0)
                 && self.states.get(block.index as usize) == Some(&State::Absent);
             if !wanted {
                 continue;
             }
-            if !self.make_room(eviction, block, ReadKind::Prefetch)? {
-                break;
+            match urgency {
+                // As the service: only into budget nothing holds. (The replay has no
+                // clock, so the device is always idle for these.)
+                Urgency::IdleFill => {
+                    if self.resident_bytes + self.layout.block_len(block.index) > self.budget_bytes
+                    {
+                        continue;
+                    }
+                }
+                Urgency::Ahead => {
+                    if !self.make_room(eviction, block, ReadKind::Prefetch)? {
+                        break;
+                    }
+                }
             }
             self.read(prefetch, eviction, block, install);
             self.report.prefetched_blocks += 1;

@@ -115,6 +115,12 @@ impl ExpertUse {
         }
     }
 
+    /// The use per token every expert starts from: the used count over the experts per
+    /// layer, as if the router spread its choices evenly.
+    pub fn prior(&self) -> f64 {
+        self.prior
+    }
+
     /// Tokens counted so far.
     pub fn tokens(&self) -> u64 {
         self.token

@@ -4,8 +4,9 @@
 use std::sync::Arc;
 
 use super::confidence::{ConfidenceSummary, Planned};
-use super::{progress_steps, GraphPrediction};
-use crate::graph::CyclicOrder;
+use super::idle_fill::IdleFill;
+use super::{is_routed_expert, progress_steps, GraphPrediction, Progress};
+use crate::graph::{CyclicOrder, ModelGraph};
 use crate::policy::{BlockRef, FaultEvent, PrefetchPolicy, PrefetchRequest, RegionId, RegionInfo};
 
 /// Prefetch along the predicted order.
@@ -37,6 +38,8 @@ pub struct GraphPrefetch {
     /// The budget the prediction's streamed set was chosen for (at the latest region
     /// bound).
     plan_budget: Option<u64>,
+    /// Which routed experts to read into free budget next.
+    idle_fill: IdleFill,
 }
 
 /// Most lookahead while a contiguous stretch streams (below two thirds of the model).
@@ -74,6 +77,7 @@ impl GraphPrefetch {
             device_bytes: None,
             configured: None,
             plan_budget: None,
+            idle_fill: IdleFill::default(),
             prediction,
         }
     }
@@ -127,6 +131,31 @@ impl GraphPrefetch {
         self.fit_to_budget(budget);
         let plan_window = self.prediction.lock().stream.window_bytes;
         self.device_bytes = (plan_window > 0).then_some(super::streaming::STREAM_DEVICE_BYTES);
+    }
+
+    /// Asks for the routed experts most likely to run that are not resident, to be read
+    /// into free budget while the device idles (`idle_fill`).
+    fn ask_idle_fill(
+        &mut self,
+        graph: &ModelGraph,
+        progress: &Progress,
+        region: RegionId,
+        out: &mut Vec<PrefetchRequest>,
+    ) {
+        let experts = graph.experts();
+        if experts.is_empty() {
+            return;
+        }
+        for group in (self.idle_fill).next_groups(&progress.experts, experts.groups().len()) {
+            for block in experts.group(group).blocks() {
+                if progress.resident[block as usize] || !is_routed_expert(graph, block) {
+                    continue;
+                }
+                if let Some(block_ref) = progress.local(graph, block, region) {
+                    out.push(PrefetchRequest::idle_fill(block_ref));
+                }
+            }
+        }
     }
 
     /// Bytes to keep in flight ahead of the program: what it consumes while a read
@@ -207,6 +236,7 @@ impl PrefetchPolicy for GraphPrefetch {
         let Some(position) = progress.advance(graph, fault) else {
             return;
         };
+        self.ask_idle_fill(graph, &progress, fault.block.region, out);
         if let Some((last_position, last_ns)) = self.last {
             let steps = progress_steps(order, last_position, position);
             self.progress_steps += steps;

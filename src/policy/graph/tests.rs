@@ -7,7 +7,7 @@ use crate::graph::CyclicOrder;
 use crate::model::TensorInfo;
 use crate::policy::{
     BlockRef, EvictionPolicy, FaultEvent, FaultOutcome, Install, PrefetchPolicy, ReadKind,
-    RegionId, RegionInfo,
+    RegionId, RegionInfo, Urgency,
 };
 
 const BLOCK: u64 = 4096;
@@ -816,4 +816,65 @@ fn prefetch_stops_where_the_program_leaves_the_order_and_resumes_when_it_returns
         .collect::<Vec<_>>();
     assert!(resumed[256..].iter().all(|&n| n > 0), "{resumed:?}");
     assert_eq!(prefetch.confidence().unwrap().failing_parts, 0);
+}
+
+/// The blocks a plan asks to read into free budget while the device idles, in order.
+fn idle_fill_asked(prefetch: &mut GraphPrefetch, event: &FaultEvent) -> Vec<u32> {
+    let mut out = Vec::new();
+    prefetch.plan(event, &mut out);
+    out.iter()
+        .filter(|request| request.urgency == Urgency::IdleFill)
+        .map(|request| request.block.index)
+        .collect()
+}
+
+#[test]
+fn idle_fill_asks_for_the_most_used_experts_that_are_not_resident() {
+    let (graph, mut prefetch, mut eviction) = moe_policies(false);
+    let uses = |layer, expert| match (layer, expert) {
+        (3, 5) => 90.0,
+        (7, 1) => 60.0,
+        _ => 1.0,
+    };
+    let counts = ExpertCounts {
+        experts: (graph.experts().groups().iter())
+            .map(|g| ExpertCount {
+                layer: g.layer,
+                expert: g.expert,
+                uses: uses(g.layer, g.expert),
+                tokens: 100.0,
+            })
+            .collect(),
+    };
+    prefetch.prediction.seed_expert_counts(&counts);
+    let (first, second) = (group_of(&graph, 3, 5), group_of(&graph, 7, 1));
+    // The most used expert is resident already: the next one is asked for first.
+    for block in distinct_blocks(&graph, first) {
+        eviction.inserted(b(block));
+    }
+    let event = expert_fault(&graph, group_of(&graph, 0, 0), FaultOutcome::Missing);
+    eviction.touched(&event);
+    let asked = idle_fill_asked(&mut prefetch, &event);
+    let wanted = distinct_blocks(&graph, second);
+    let mut first_asked = asked[..wanted.len()].to_vec();
+    first_asked.sort_unstable();
+    assert_eq!(first_asked, wanted, "{asked:?}");
+    assert!(
+        !asked
+            .iter()
+            .any(|block| distinct_blocks(&graph, first).contains(block)),
+        "a resident expert is not asked for: {asked:?}"
+    );
+    // Asked for once a token: the next fault of the same token asks for others.
+    let again = idle_fill_asked(&mut prefetch, &event);
+    assert!(
+        !again.iter().any(|block| wanted.contains(block)),
+        "{again:?}"
+    );
+}
+
+#[test]
+fn a_dense_model_asks_for_no_idle_fill() {
+    let (mut prefetch, _) = policies(&[0, 1, 2, 3], 8);
+    assert!(idle_fill_asked(&mut prefetch, &fault(0, 0)).is_empty());
 }

@@ -2,6 +2,7 @@
 //! reads are counted against the queue and the device, which prefetch requests merge.
 
 use super::*;
+use crate::policy::Urgency;
 
 const MIB: usize = 1 << 20;
 
@@ -133,6 +134,7 @@ fn request(region: u32, index: u32, install: Install) -> PrefetchRequest {
     PrefetchRequest {
         block: BlockRef::new(RegionId(region), index),
         install,
+        urgency: Urgency::Ahead,
     }
 }
 
