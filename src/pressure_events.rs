@@ -24,8 +24,12 @@ use crate::sys::{self, PollFd, PollFlags};
 
 /// A PSI trigger fires after this much stall...
 pub const PSI_STALL_US: u64 = 100_000;
-/// ... within this window (the shortest unprivileged one is 2 s; root may go lower).
+/// ... within this window.
 pub const PSI_WINDOW_US: u64 = 1_000_000;
+/// Without CAP_SYS_RESOURCE (an unprivileged process, or root in a container or
+/// sandbox without it) the kernel takes only windows in whole multiples of 2 s and
+/// refuses a 1 s one with EINVAL: then the trigger is the same rate over 2 s.
+const PSI_UNPRIVILEGED_WINDOW_US: u64 = 2_000_000;
 
 struct Source {
     fd: OwnedFd,
@@ -47,11 +51,22 @@ fn c_path(path: &Path) -> std::io::Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(std::io::Error::other)
 }
 
+/// A PSI trigger on `path`, at `PSI_STALL_US` per `PSI_WINDOW_US`, or at the same rate
+/// over the unprivileged window where the kernel refuses the shorter one.
 fn psi_trigger(path: &Path) -> std::io::Result<OwnedFd> {
-    let fd = sys::open_read_write_nonblock(&c_path(path)?)?;
-    let trigger = format!("some {PSI_STALL_US} {PSI_WINDOW_US}\0");
-    sys::write(fd.as_fd(), trigger.as_bytes())?;
-    Ok(fd)
+    let path = c_path(path)?;
+    let mut refused = None;
+    for window in [PSI_WINDOW_US, PSI_UNPRIVILEGED_WINDOW_US] {
+        // A descriptor takes one trigger: a refused write leaves it unusable for another.
+        let fd = sys::open_read_write_nonblock(&path)?;
+        let stall = PSI_STALL_US * window / PSI_WINDOW_US;
+        let trigger = format!("some {stall} {window}\0");
+        match sys::write(fd.as_fd(), trigger.as_bytes()) {
+            Ok(_) => return Ok(fd),
+            Err(error) => refused = Some(error),
+        }
+    }
+    Err(refused.expect("at least one window was tried"))
 }
 
 fn v1_level(dir: &Path, level: &str) -> std::io::Result<(OwnedFd, OwnedFd)> {

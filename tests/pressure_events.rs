@@ -70,6 +70,15 @@ fn reclaim_in_the_cgroup_is_heard_of() {
             "{sources:?}"
         );
     }
+    // Where the kernel keeps PSI (its file reads), a trigger is set, with a 2 s window
+    // where the kernel refuses a 1 s one (no CAP_SYS_RESOURCE, as in a container).
+    if std::fs::read_to_string(files.psi_path()).is_ok() {
+        assert!(
+            events.has_psi(),
+            "PSI at {} but no trigger: {sources:?}",
+            files.psi_path().display()
+        );
+    }
     // Page cache charged to the cgroup, four times its limit, read until the kernel
     // says it reclaims.
     let path = std::env::var(ENV_FILE).unwrap();
