@@ -258,7 +258,7 @@ mod tests {
 
     #[test]
     fn nothing_past_the_data_is_filled() {
-        let past_the_data = [8192..12288];
+        let past_the_data = vec![8192..12288, 12288..16384];
         assert!(fill_pieces(&past_the_data, 8192, 4096).is_empty());
         assert!(fill_pieces(&[], 8192, 4096).is_empty());
     }
