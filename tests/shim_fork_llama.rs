@@ -127,7 +127,10 @@ fn served(setup: &Setup, procs: u32, step: &str) -> u64 {
         json["peak_resident_bytes"].as_u64().unwrap() <= budget + block,
         "{json}"
     );
-    assert_eq!(json["child_fill_bytes"], 0, "no child outlived the parent: {json}");
+    assert_eq!(
+        json["child_fill_bytes"], 0,
+        "no child outlived the parent: {json}"
+    );
     json["bytes_read"].as_u64().unwrap()
 }
 

@@ -136,6 +136,8 @@ impl FaultService {
         if !self.config.serve_forks {
             return Ok(());
         }
+        // A fork that returned has had its event read, maybe into the backlog only.
+        self.take_backlog()?;
         self.reap_children()?;
         if self.children.is_empty() {
             return Ok(());
@@ -153,6 +155,10 @@ impl FaultService {
             }
         }
         self.stats.child_fill_bytes += bytes;
+        let ids: Vec<RegionId> = self.regions.keys().copied().collect();
+        for id in ids {
+            self.wake_region(id);
+        }
         self.say_filled("outlive this process", bytes, &failures);
         Ok(())
     }
@@ -160,7 +166,11 @@ impl FaultService {
     /// Region `id` is being removed while forked children may still map it: fills its
     /// file first (see the module's comment).
     pub(super) fn fill_removed_for_children(&mut self, id: RegionId) -> Result<(), ServiceError> {
-        if !self.config.serve_forks || self.children.is_empty() {
+        if !self.config.serve_forks {
+            return Ok(());
+        }
+        self.take_backlog()?;
+        if self.children.is_empty() {
             return Ok(());
         }
         self.reap_children()?;
@@ -178,6 +188,7 @@ impl FaultService {
             .map(|error| format!("{}: {error}", region.file.path().display()))
             .collect();
         self.stats.child_fill_bytes += filled.bytes;
+        self.wake_region(id);
         self.say_filled(
             "still map a model this process unmapped",
             filled.bytes,
@@ -220,6 +231,23 @@ impl FaultService {
                 }
             }
             None => self.orphaned_child_fault(token, page_addr),
+        }
+    }
+
+    /// Wakes every thread, of the program and of the children, waiting on a page of
+    /// region `id`: a page filled while its fault waited is never installed by the
+    /// service (UFFDIO_COPY meets EEXIST and wakes nobody); woken, the thread finds it.
+    fn wake_region(&self, id: RegionId) {
+        let Some(region) = self.regions.get(&id) else {
+            return;
+        };
+        let (base, len) = (
+            region.base as *mut libc::c_void,
+            region.layout.map_len as usize,
+        );
+        let _ = self.uffd.wake(base, len);
+        for uffd in self.children.uffds() {
+            let _ = uffd.wake(base, len);
         }
     }
 

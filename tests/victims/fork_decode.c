@@ -4,7 +4,8 @@
  * of PROMPT, all children in step (a process-shared barrier after every token, as
  * workers serving the same requests would be, or after every layer), and prints
  *     child I: TEXT
- * on stdout and "child I: N tokens in S s" on stderr. PROCS 0 decodes in the process
+ * on stdout and "child I: N tokens in S s (...)" on stderr with its storage reads and
+ * resident file and shared memory. PROCS 0 decodes in the process
  * itself, unforked ("child 0").
  *
  * Nothing is computed before the fork: ggml's CPU backend runs on OpenMP, whose runtime
@@ -47,6 +48,23 @@ static bool layer_step(struct ggml_tensor *t, bool ask, void *data) {
     if (ask) return layer_out;
     if (layer_out && step) pthread_barrier_wait(step);
     return true;
+}
+
+/* This process's storage reads (/proc/self/io read_bytes) and Rss{File,Shmem} (kB),
+ * for the benchmark's comparison with the kernel. */
+static void usage(long long *read_bytes, long *rss_file, long *rss_shmem) {
+    char line[256];
+    *read_bytes = -1;
+    *rss_file = *rss_shmem = -1;
+    FILE *io = fopen("/proc/self/io", "r");
+    while (io && fgets(line, sizeof line, io)) sscanf(line, "read_bytes: %lld", read_bytes);
+    if (io) fclose(io);
+    FILE *status = fopen("/proc/self/status", "r");
+    while (status && fgets(line, sizeof line, status)) {
+        sscanf(line, "RssFile: %ld", rss_file);
+        sscanf(line, "RssShmem: %ld", rss_shmem);
+    }
+    if (status) fclose(status);
 }
 
 static bool silent_progress(float progress, void *data) {
@@ -111,7 +129,13 @@ static int decode(struct llama_model *model, int who, int tokens, int threads,
     /* One write each: the children's lines do not interleave. */
     printf("child %d: %.*s\n", who, (int)len, text);
     fflush(stdout);
-    fprintf(stderr, "child %d: %d tokens in %.3f s\n", who, made, took);
+    long long read_bytes;
+    long rss_file, rss_shmem;
+    usage(&read_bytes, &rss_file, &rss_shmem);
+    fprintf(stderr,
+            "child %d: %d tokens in %.3f s (%.2f tok/s); read_bytes %lld, RssFile %ld kB, "
+            "RssShmem %ld kB\n",
+            who, made, took, made / took, read_bytes, rss_file, rss_shmem);
     /* A child still in the barrier would wait forever for one that ended early. */
     if (step) {
         for (; made < tokens; made++) pthread_barrier_wait(step);
@@ -167,6 +191,13 @@ int main(int argc, char **argv) {
             failed = 1;
         }
     }
+    /* The parent's storage reads: its own (loading; under the pager, the service's) and,
+     * once reaped, its children's (the kernel adds them to the parent's count). */
+    long long read_bytes;
+    long rss_file, rss_shmem;
+    usage(&read_bytes, &rss_file, &rss_shmem);
+    fprintf(stderr, "parent: read_bytes %lld, RssFile %ld kB, RssShmem %ld kB\n", read_bytes,
+            rss_file, rss_shmem);
     llama_model_free(model);
     return failed;
 }
