@@ -98,6 +98,11 @@ pub(crate) enum Command {
     TakeTrace {
         reply: SyncSender<(Vec<TraceRecord>, u64)>,
     },
+    /// The program is about to exit (`Pager::before_exit`): forked children that still
+    /// live must go on reading the files' bytes without the service.
+    Exiting {
+        reply: SyncSender<()>,
+    },
     Shutdown,
 }
 
@@ -112,6 +117,7 @@ impl Command {
                 | Command::Unmap { .. }
                 | Command::Pin { .. }
                 | Command::Unpin { .. }
+                | Command::Exiting { .. }
         )
     }
 }

@@ -126,6 +126,12 @@ impl BackingFile {
         self.buffered.as_raw_fd()
     }
 
+    /// The buffered (page cache) descriptor, borrowed.
+    pub fn buffered(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.buffered.as_fd()
+    }
+
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
     }

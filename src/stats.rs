@@ -139,6 +139,10 @@ pub struct Stats {
     pub live_children: u64,
     /// Faults that came from forked children (counted in `faults` too).
     pub child_faults: u64,
+    /// Bytes written into file-shaped regions for forked children outside the budget:
+    /// every hole when children outlive the service or a region they map is unmapped,
+    /// and pages they read where the program unmapped part of a region.
+    pub child_fill_bytes: u64,
     /// With zero copy: memory the frames hold (in use, or free and kept for the next
     /// read), now and at most. Bounded by the budget plus a region's short last block.
     pub frame_memory_bytes: u64,

@@ -396,6 +396,35 @@ pub fn pread(fd: BorrowedFd<'_>, buffer: &mut [u8], offset: u64) -> io::Result<u
     Ok(rustix::io::pread(fd, buffer, offset)?)
 }
 
+/// pwrite(2): writes what it can of `buffer` at `offset`, and says how much.
+pub fn pwrite(fd: BorrowedFd<'_>, buffer: &[u8], offset: u64) -> io::Result<usize> {
+    Ok(rustix::io::pwrite(fd, buffer, offset)?)
+}
+
+/// The holes of the first `len` bytes of `fd` (lseek(2) SEEK_DATA/SEEK_HOLE), as
+/// ranges of offsets, ascending. A file system without hole tracking reports none: one
+/// data extent up to its size.
+pub fn holes(fd: BorrowedFd<'_>, len: u64) -> io::Result<Vec<std::ops::Range<u64>>> {
+    use rustix::fs::SeekFrom;
+    let mut holes = Vec::new();
+    let mut at = 0;
+    while at < len {
+        let hole = rustix::fs::seek(fd, SeekFrom::Hole(at))?.min(len);
+        if hole >= len {
+            break;
+        }
+        let data = match rustix::fs::seek(fd, SeekFrom::Data(hole)) {
+            Ok(data) => data.min(len),
+            // ENXIO: no data past `hole`.
+            Err(rustix::io::Errno::NXIO) => len,
+            Err(error) => return Err(error.into()),
+        };
+        holes.push(hole..data);
+        at = data;
+    }
+    Ok(holes)
+}
+
 /// write(2).
 pub fn write(fd: BorrowedFd<'_>, buffer: &[u8]) -> io::Result<usize> {
     Ok(rustix::io::write(fd, buffer)?)

@@ -190,6 +190,122 @@ fn two_forked_readers_share_one_copy_and_one_budget() {
     assert!(stats.peak_resident_bytes <= FILE + BLOCK);
 }
 
+/// Writes `text` and `n` in decimal to a new file at `path`, without allocating (a
+/// forked child of a multi-threaded process).
+fn write_verdict(path: &std::ffi::CStr, text: &[u8], mut n: u64) {
+    let mut buffer = [0u8; 64];
+    buffer[..text.len()].copy_from_slice(text);
+    let mut digits = [0u8; 20];
+    let mut count = 0;
+    loop {
+        digits[count] = b'0' + (n % 10) as u8;
+        count += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for i in 0..count {
+        buffer[text.len() + i] = digits[count - 1 - i];
+    }
+    // SAFETY: plain system calls on a NUL-terminated path and a buffer of ours.
+    unsafe {
+        let fd = libc::open(
+            path.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+            0o600,
+        );
+        if fd >= 0 {
+            libc::write(fd, buffer.as_ptr().cast(), text.len() + count);
+            libc::close(fd);
+        }
+    }
+}
+
+const OUTLIVE_TEST: &str =
+    "a_forked_child_that_outlives_its_pager_reads_the_files_bytes_on_every_page";
+
+#[test]
+fn a_forked_child_that_outlives_its_pager_reads_the_files_bytes_on_every_page() {
+    if !is_child() {
+        let dir = TempDir::new("region-fork-outlive");
+        let verdict = dir.path("verdict");
+        let env = [("FORK_VERDICT", verdict.display().to_string())];
+        let status = run_child(OUTLIVE_TEST, &env, Duration::from_secs(60));
+        assert!(
+            status.success(),
+            "{OUTLIVE_TEST} failed in its child: {status}"
+        );
+        // The reader outlives the process the pager ran in: wait for its verdict.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let text = loop {
+            if let Ok(text) = std::fs::read_to_string(&verdict) {
+                if !text.is_empty() {
+                    break text;
+                }
+            }
+            assert!(Instant::now() < deadline, "no verdict from the reader");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        if text.starts_with("skipped") {
+            return; // pager_or_skip said why (only with HYPEROFFLOAD_ALLOW_SKIP=1)
+        }
+        assert_eq!(text, "pages differing 0", "read after the pager was gone");
+        return;
+    }
+    let verdict = std::ffi::CString::new(std::env::var("FORK_VERDICT").unwrap()).unwrap();
+    let dir = TempDir::new("region-fork-outlive-model");
+    let path = dir.path("model.bin");
+    pattern_file(&path, FILE);
+    let Some(pager) = forking_pager(BUDGET) else {
+        write_verdict(&verdict, b"skipped ", 0);
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let bytes = region.as_slice();
+    let pages = (FILE / 4096) as usize;
+    for page in (3 * pages / 4)..pages {
+        assert_eq!(bytes[page * 4096], pattern_byte(page as u64 * 4096));
+    }
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the child waits, reads memory, computes and writes with plain system
+    // calls, and leaves with _exit: nothing that needs another thread of the parent.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: getppid has no preconditions.
+        while unsafe { libc::getppid() } == parent {
+            // SAFETY: usleep has no preconditions.
+            unsafe { libc::usleep(10_000) };
+        }
+        let differing = (0..pages)
+            .filter(|&page| {
+                (0..4096).any(|i| {
+                    let offset = page * 4096 + i;
+                    bytes[offset] != pattern_byte(offset as u64)
+                })
+            })
+            .count();
+        write_verdict(&verdict, b"pages differing ", differing as u64);
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(0) };
+    }
+    // As the shim's exit handler does: the process ends with the region still mapped.
+    pager.before_exit();
+    let stats = pager.stats();
+    assert_eq!(stats.live_children, 1);
+    assert!(
+        stats.child_fill_bytes >= FILE - FILE / 4 - BUDGET && stats.child_fill_bytes <= FILE,
+        "filled {} bytes",
+        stats.child_fill_bytes
+    );
+    // The files are no longer read: the child's pages are all in its memory.
+    let _ = std::fs::remove_dir_all(&dir.0);
+    // SAFETY: ends this process at once (no destructor drops the region or the pager).
+    unsafe { libc::_exit(0) };
+}
+
 #[test]
 fn a_child_of_a_pager_that_does_not_serve_forks_is_told_so() {
     let Some(pager) = pager_or_skip(Pager::builder().budget(BUDGET).block_size(BLOCK)) else {

@@ -23,6 +23,10 @@ const BUDGET: u64 = 32 << 20;
 /// `pool FILE`: the same with 3 workers of a multiprocessing pool (fork start method).
 /// `exec FILE`: maps the file, reads it, forks; the child execs this interpreter in
 /// `plain` mode.
+/// `outlive FILE`: maps the file, reads the first quarter, forks and exits; the child
+/// waits until its parent is gone, then hashes every quarter through the mapping and
+/// compares every page with the file's bytes. `outlive-raw FILE`: the same with a
+/// mapping made by libc's mmap through ctypes, which nothing unmaps before the exit.
 /// `readers FILE N`: maps the file, reads the first quarter, forks N children that
 /// hash the whole mapping 4 MiB at a time, waiting for each other after each piece
 /// (in step, as workers decoding the same model are).
@@ -180,6 +184,59 @@ fn a_served_forked_child_that_execs_another_program_runs_it_unchanged() {
     );
     let json = read_stats(&stats);
     assert!(json["forked_children"].as_u64().unwrap() >= 1, "{json}");
+}
+
+/// The parent exits first, in `mode`; the child then reads every page.
+fn outliving_child_reads_the_file(mode: &str, why: &str) {
+    let setup = setup(&format!("served-fork-{mode}"));
+    let stats = setup.dir.path("stats.json");
+    // The child holds stdout: this returns once it, too, is done.
+    let output = under_pager(&setup, mode, "", &stats);
+    assert_success(&output, "outlive");
+    let seen = stdout(&output);
+    assert_eq!(line(&seen, "parent exits"), vec![""], "{seen}");
+    // Every quarter's hash, read through the mapping after the parent exited...
+    assert_eq!(
+        line(&seen, "outlived parent-gone "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    // ...and every page against the file's bytes, read with read(2).
+    let pages = MODEL_LEN.div_ceil(4096);
+    assert_eq!(
+        line(&seen, "pages "),
+        vec![format!("{pages} differ 0 zeros 0").as_str()],
+        "{seen}"
+    );
+    let json = read_stats(&stats);
+    assert_eq!(json["forked_children"], 1, "{json}");
+    // The parent touched one quarter: the pager filled at least the rest, beyond the
+    // budget, and said so once.
+    let filled = json["child_fill_bytes"].as_u64().unwrap();
+    assert!(filled >= MODEL_LEN - MODEL_LEN / 4 - BUDGET, "{json}");
+    assert!(filled <= MODEL_LEN, "{json}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= BUDGET + (2 << 20),
+        "{json}"
+    );
+    let messages = stderr(&output);
+    assert_eq!(
+        messages.matches(&format!("{why}: filled")).count(),
+        1,
+        "{messages}"
+    );
+}
+
+#[test]
+fn a_served_forked_child_that_outlives_its_parent_reads_the_files_bytes_on_every_page() {
+    // The interpreter's finalization unmaps the mapping before the process exits.
+    outliving_child_reads_the_file("outlive", "still map a model this process unmapped");
+}
+
+#[test]
+fn a_served_forked_child_outliving_a_parent_that_never_unmaps_reads_the_files_bytes() {
+    // Mapped with libc's mmap through ctypes: still mapped when the process exits.
+    outliving_child_reads_the_file("outlive-raw", "outlive this process");
 }
 
 /// Bytes the pager read with `n` forked readers in step.

@@ -352,17 +352,9 @@ extern "C" fn write_exit_report() {
         return;
     };
     let _reentry = Reentry::enter();
-    if pager.serves_forks() {
-        let live = pager.stats().live_children;
-        if live > 0 {
-            // Their service ends with this process (preload/README.md, "Serving forked
-            // children").
-            shim.say(&format!(
-                "{live} forked child process(es) still map served models and outlive this \
-                 one: their pages that were not resident read as zeros from now on"
-            ));
-        }
-    }
+    // Forked children that outlive this process lose their service with it: the
+    // pager fills what they map first (and says so), so they read the files' bytes.
+    pager.before_exit();
     exit_report::write(&exit_report::Run {
         config: &shim.config,
         pager: &pager,

@@ -103,9 +103,11 @@ pub struct RunArgs {
     #[arg(long)]
     inherit: bool,
     /// Serve children of `fork` through the pager, sharing the parent's resident blocks
-    /// and budget (blocks are copied in; a child that outlives its parent reads zeros
-    /// where a block was not resident). Without it a forked child maps the model files
-    /// from the page cache, outside the budget.
+    /// and budget (blocks are copied in; children still alive when the program exits get
+    /// the whole of the models they map, beyond the budget, and one message; a program
+    /// killed by a signal, ended by `_exit` or exec'ing leaves them reading zeros where a
+    /// block was not resident). Without it a forked child maps the model files from the
+    /// page cache, outside the budget.
     #[arg(long)]
     serve_forks: bool,
     /// Say what the shim takes over and why not.

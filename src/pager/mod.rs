@@ -321,6 +321,21 @@ impl Pager {
         self.inner.serve_forks
     }
 
+    /// The program is about to exit (the pager's service, a thread of it, ends with it):
+    /// if forked children it serves still live, every region's data is filled into the
+    /// file they share, beyond the budget, so they go on reading the files' bytes
+    /// without the service (preload/README.md, "Serving forked children"), and a message
+    /// says so. Returns once done; nothing happens without `serves_forks` or children,
+    /// or in a forked child. Dropping the pager does the same.
+    pub fn before_exit(&self) {
+        if !self.inner.serve_forks || !self.inner.serving_here() {
+            return;
+        }
+        let (reply, answer) = sync_channel(1);
+        self.inner.shared.send(Command::Exiting { reply });
+        let _ = answer.recv();
+    }
+
     /// Current statistics (asks the service; falls back to its last published snapshot
     /// if it has stopped).
     pub fn stats(&self) -> Stats {

@@ -110,6 +110,11 @@ impl Children {
         self.list.is_empty()
     }
 
+    /// Every child's userfaultfd.
+    pub(super) fn uffds(&self) -> impl Iterator<Item = &Uffd> {
+        self.list.iter().map(|child| &child.uffd)
+    }
+
     pub(super) fn live(&self) -> u64 {
         self.list.len() as u64
     }

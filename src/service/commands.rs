@@ -46,6 +46,7 @@ impl FaultService {
                 let _ = reply.send(());
             }
             Command::RemoveRegion { id, reply } => {
+                self.fill_removed_for_children(id)?;
                 self.remove_region(id);
                 let _ = reply.send(());
             }
@@ -88,7 +89,14 @@ impl FaultService {
             Command::TakeTrace { reply } => {
                 let _ = reply.send(self.log.take_trace());
             }
-            Command::Shutdown => self.shutting_down = true,
+            Command::Exiting { reply } => {
+                self.fill_for_outliving_children()?;
+                let _ = reply.send(());
+            }
+            Command::Shutdown => {
+                self.fill_for_outliving_children()?;
+                self.shutting_down = true;
+            }
         }
         Ok(())
     }

@@ -119,13 +119,13 @@ impl FaultService {
         if let (Source::Child(token), true) = (source, in_a_hole) {
             // The program unmapped this page after the fork: installs go through its
             // mapping and would never reach the child's (the child would fault again
-            // and again).
-            self.orphaned_child_fault(token, page_addr);
+            // and again). The page is written into the file instead.
+            self.fill_page_for_child(token, id, page_offset, page_addr);
             return None;
         }
         if region.state(index) == BlockState::Unmapped {
             if let Source::Child(token) = source {
-                self.orphaned_child_fault(token, page_addr);
+                self.fill_page_for_child(token, id, page_offset, page_addr);
                 return None;
             }
             // The program is unmapping it: the service has been told, the kernel's

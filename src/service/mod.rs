@@ -32,6 +32,7 @@ mod injection;
 mod install_pool;
 mod installs;
 mod intake;
+mod outliving;
 mod reads;
 mod region;
 mod resize;
@@ -150,6 +151,10 @@ pub(crate) struct FaultService {
     children: Children,
     /// Events read while an install waited on a fork, to serve next.
     backlog: Backlog,
+    /// Set once regions' files were filled for children that outlive the service
+    /// (`outliving`): an eviction then leaves the pages in the files, since a hole
+    /// would read as zeros in those children once the service is gone.
+    pages_kept: bool,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -238,6 +243,7 @@ impl FaultService {
             store,
             children: Children::default(),
             backlog: Backlog::default(),
+            pages_kept: false,
         })
     }
 

@@ -179,7 +179,9 @@ impl FaultService {
         // page-table entries makes the next access a minor fault.
         for part in region.mapped_parts(start..end) {
             match &region.shape {
-                // File-shaped: the pages go from the file, so from every process.
+                // File-shaped: the pages go from the file, so from every process
+                // (unless children outlive the service: `pages_kept`).
+                Some(_) if self.pages_kept => {}
                 Some(file) => punch_pages(file, region, part)?,
                 None => discard_pages(part.start, part.end)?,
             }

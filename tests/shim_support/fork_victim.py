@@ -64,3 +64,48 @@ elif mode == "readers":
         p.join()
     print("readers", " ".join(digests), flush=True)
     print("whole", hashlib.sha256(open(path, "rb").read()).hexdigest()[:16], flush=True)
+elif mode in ("outlive", "outlive-raw"):
+    import time
+    if mode == "outlive-raw":
+        # A mapping nothing unmaps, not even the interpreter's finalization (which
+        # unmaps `m`): libc's mmap, through ctypes.
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        size = os.fstat(f.fileno()).st_size
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        class Raw:
+            def __len__(self):
+                return size
+            def __getitem__(self, s):
+                a, b = s.start, min(s.stop, size)
+                return ctypes.string_at(addr + a, b - a)
+        m = Raw()
+        a, b = quarters(size)[0]
+        hashlib.sha256(m[a:b]).digest()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        # Read nothing until the parent is gone (reparented: its files, the pager's
+        # userfaultfds among them, were closed before that).
+        deadline = time.time() + 60
+        while os.getppid() == parent and time.time() < deadline:
+            time.sleep(0.05)
+        gone = os.getppid() != parent
+        plain = open(path, "rb").read()
+        page = 4096
+        differ = zeros = 0
+        for start in range(0, len(m), page):
+            got = m[start:start + page]
+            if got != plain[start:start + page]:
+                differ += 1
+                if got.count(0) == len(got):
+                    zeros += 1
+        print("outlived", "parent-gone" if gone else "parent-alive", hashes(m), flush=True)
+        print("pages", (len(m) + page - 1) // page, "differ", differ, "zeros", zeros, flush=True)
+        os._exit(0)
+    print("parent exits", flush=True)
+    sys.exit(0)

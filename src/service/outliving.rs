@@ -1,0 +1,293 @@
+//! Forked children that outlive the service (`PagerBuilder::serve_forks`).
+//!
+//! The service is a thread of the program. When the program exits or drops its pager,
+//! every child's userfaultfd closes with it; the kernel then unregisters the children's
+//! ranges, and a shared-memory fault on a hole of a region's file maps a new page of
+//! zeros. A child would read zeros wherever a block was not resident. So, before that,
+//! while any child lives, every hole of every region's file is filled with the file's
+//! bytes (beyond the budget: the children then hold all of what they map, in memory
+//! they share), and from then on nothing is punched out of the files again
+//! (`FaultService::pages_kept`). The same holds for one region the program unmaps while
+//! children live: its file is filled before the service forgets it, so a child goes on
+//! reading the file's bytes there; and for a page a child faults on where the program
+//! unmapped part of a region after the fork (installs go through the program's mapping,
+//! so would never reach the child's): that page is written into the file, and the child
+//! woken.
+//!
+//! Filling writes into the holes only (`sys::holes`) with pwrite(2), which puts each
+//! page into the file complete before any process can map it (the page is locked from
+//! allocation until its bytes are in), so a child touching a page meanwhile either
+//! faults as before (a hole) or sees the whole page. A block the service installs later
+//! meets EEXIST and counts as installed, with the same bytes.
+
+use std::ops::Range;
+use std::os::fd::AsFd;
+
+use super::region::ServedRegion;
+use super::{FaultService, ServiceError};
+use crate::policy::RegionId;
+
+/// Bytes read and written per step of a fill.
+const FILL_CHUNK: u64 = 4 << 20;
+
+/// The pieces (region offsets) to fill for `holes` of a region's file holding
+/// `data_len` bytes of file data: each hole clipped to the data (the rest of the last
+/// page reads as zeros once written, as a file mapping's does), cut into pieces of at
+/// most `chunk` bytes.
+pub(super) fn fill_pieces(holes: &[Range<u64>], data_len: u64, chunk: u64) -> Vec<Range<u64>> {
+    let mut pieces = Vec::new();
+    for hole in holes {
+        let end = hole.end.min(data_len);
+        let mut at = hole.start;
+        while at < end {
+            let next = (at + chunk).min(end);
+            pieces.push(at..next);
+            at = next;
+        }
+    }
+    pieces
+}
+
+/// What filling a region did.
+#[derive(Default)]
+pub(super) struct Filled {
+    pub bytes: u64,
+    /// The first failure, if any stopped part of the fill.
+    pub error: Option<std::io::Error>,
+}
+
+/// Fills every hole of `region`'s file (file-shaped regions only) with the bytes of the
+/// file it maps, using `buffer` (`FILL_CHUNK` bytes).
+fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
+    let mut filled = Filled::default();
+    let Some(shape) = &region.shape else {
+        return filled;
+    };
+    let holes = match crate::sys::holes(shape.as_fd(), region.shape_len) {
+        Ok(holes) => holes,
+        Err(error) => {
+            filled.error = Some(error);
+            return filled;
+        }
+    };
+    let geometry = &region.layout.geometry;
+    for piece in fill_pieces(&holes, geometry.data_len, FILL_CHUNK) {
+        let len = (piece.end - piece.start) as usize;
+        let bytes = &mut buffer[..len];
+        if let Err(error) = read_exact(region, bytes, geometry.file_offset + piece.start) {
+            filled.error = Some(error);
+            return filled;
+        }
+        if let Err(error) = write_all(shape.as_fd(), bytes, piece.start) {
+            filled.error = Some(error);
+            return filled;
+        }
+        filled.bytes += len as u64;
+    }
+    filled
+}
+
+fn read_exact(
+    region: &ServedRegion,
+    mut buffer: &mut [u8],
+    mut offset: u64,
+) -> std::io::Result<()> {
+    while !buffer.is_empty() {
+        match crate::sys::pread(region.file.buffered(), buffer, offset)? {
+            0 => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} ends before offset {offset}",
+                        region.file.path().display()
+                    ),
+                ))
+            }
+            n => {
+                buffer = &mut buffer[n..];
+                offset += n as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_all(
+    fd: std::os::fd::BorrowedFd<'_>,
+    mut buffer: &[u8],
+    mut offset: u64,
+) -> std::io::Result<()> {
+    while !buffer.is_empty() {
+        let n = crate::sys::pwrite(fd, buffer, offset)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        buffer = &buffer[n..];
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+impl FaultService {
+    /// The service is about to stop (the program exits, or drops its pager): if forked
+    /// children still live, fills every region's file so they read the file's bytes
+    /// after it, and keeps those pages from then on. Said once, with the bytes.
+    pub(super) fn fill_for_outliving_children(&mut self) -> Result<(), ServiceError> {
+        if !self.config.serve_forks {
+            return Ok(());
+        }
+        // A fork that returned has had its event read, maybe into the backlog only.
+        self.take_backlog()?;
+        self.reap_children()?;
+        if self.children.is_empty() {
+            return Ok(());
+        }
+        // From here on an eviction must not make a hole again.
+        self.pages_kept = true;
+        let mut buffer = vec![0u8; FILL_CHUNK as usize];
+        let mut bytes = 0;
+        let mut failures = Vec::new();
+        for region in self.regions.values().filter(|region| !region.removed) {
+            let filled = fill_region(region, &mut buffer);
+            bytes += filled.bytes;
+            if let Some(error) = filled.error {
+                failures.push(format!("{}: {error}", region.file.path().display()));
+            }
+        }
+        self.stats.child_fill_bytes += bytes;
+        let ids: Vec<RegionId> = self.regions.keys().copied().collect();
+        for id in ids {
+            self.wake_region(id);
+        }
+        self.say_filled("outlive this process", bytes, &failures);
+        Ok(())
+    }
+
+    /// Region `id` is being removed while forked children may still map it: fills its
+    /// file first (see the module's comment).
+    pub(super) fn fill_removed_for_children(&mut self, id: RegionId) -> Result<(), ServiceError> {
+        if !self.config.serve_forks {
+            return Ok(());
+        }
+        self.take_backlog()?;
+        if self.children.is_empty() {
+            return Ok(());
+        }
+        self.reap_children()?;
+        if self.children.is_empty() {
+            return Ok(());
+        }
+        let Some(region) = self.regions.get(&id) else {
+            return Ok(());
+        };
+        let mut buffer = vec![0u8; FILL_CHUNK as usize];
+        let filled = fill_region(region, &mut buffer);
+        let failures: Vec<String> = filled
+            .error
+            .iter()
+            .map(|error| format!("{}: {error}", region.file.path().display()))
+            .collect();
+        self.stats.child_fill_bytes += filled.bytes;
+        self.wake_region(id);
+        self.say_filled(
+            "still map a model this process unmapped",
+            filled.bytes,
+            &failures,
+        );
+        Ok(())
+    }
+
+    /// A child faulted on the page at `page_offset` of region `id`, which the program
+    /// has unmapped (all or part of its block): writes the file's bytes there and wakes
+    /// the child's thread; SIGBUS only if that fails.
+    pub(super) fn fill_page_for_child(
+        &mut self,
+        token: u32,
+        id: RegionId,
+        page_offset: u64,
+        page_addr: usize,
+    ) {
+        let page = self.page();
+        let written = self.regions.get(&id).and_then(|region| {
+            let shape = region.shape.as_ref()?;
+            let data_len = region.layout.geometry.data_len;
+            let end = (page_offset + page as u64).min(data_len);
+            if page_offset >= end {
+                return None;
+            }
+            let mut bytes = vec![0u8; (end - page_offset) as usize];
+            let offset = region.layout.geometry.file_offset + page_offset;
+            read_exact(region, &mut bytes, offset).ok()?;
+            match write_all(shape.as_fd(), &bytes, page_offset) {
+                Ok(()) => Some(bytes.len() as u64),
+                Err(_) => None,
+            }
+        });
+        match written {
+            Some(bytes) => {
+                self.stats.child_fill_bytes += bytes;
+                if let Some(uffd) = self.children.get(token) {
+                    let _ = uffd.wake(page_addr as *mut libc::c_void, page);
+                }
+            }
+            None => self.orphaned_child_fault(token, page_addr),
+        }
+    }
+
+    /// Wakes every thread, of the program and of the children, waiting on a page of
+    /// region `id`: a page filled while its fault waited is never installed by the
+    /// service (UFFDIO_COPY meets EEXIST and wakes nobody); woken, the thread finds it.
+    fn wake_region(&self, id: RegionId) {
+        let Some(region) = self.regions.get(&id) else {
+            return;
+        };
+        let (base, len) = (
+            region.base as *mut libc::c_void,
+            region.layout.map_len as usize,
+        );
+        let _ = self.uffd.wake(base, len);
+        for uffd in self.children.uffds() {
+            let _ = uffd.wake(base, len);
+        }
+    }
+
+    fn say_filled(&mut self, why: &str, bytes: u64, failures: &[String]) {
+        let live = self.children.live();
+        let mut message = format!(
+            "hyperoffload: {live} forked child process(es) {why}: filled {:.1} MiB of the \
+             models they map from the files, beyond the budget, so that they read the \
+             files' bytes without the pager\n",
+            bytes as f64 / (1 << 20) as f64
+        );
+        if !failures.is_empty() {
+            message.push_str(&format!(
+                "hyperoffload: filling failed ({}): those children read zeros where a block \
+                 was not resident\n",
+                failures.join("; ")
+            ));
+        }
+        // Not through stderr's lock, which a faulting thread may hold.
+        crate::sys::write_stderr(message.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holes_are_clipped_to_the_data_and_cut_into_chunks() {
+        let pieces = fill_pieces(&[0..4096, 8192..20480, 24576..32768], 28000, 8192);
+        assert_eq!(
+            pieces,
+            vec![0..4096, 8192..16384, 16384..20480, 24576..28000]
+        );
+    }
+
+    #[test]
+    fn nothing_past_the_data_is_filled() {
+        let past_the_data = vec![8192..12288, 12288..16384];
+        assert!(fill_pieces(&past_the_data, 8192, 4096).is_empty());
+        assert!(fill_pieces(&[], 8192, 4096).is_empty());
+    }
+}
