@@ -67,6 +67,17 @@ fn setup(name: &str) -> Setup {
 /// The script in `mode` (with `extra`) under `hyperoffload run --serve-forks --budget
 /// 32M`, killed after 120 s.
 fn under_pager(setup: &Setup, mode: &str, extra: &str, stats: &Path) -> Output {
+    under_pager_with(setup, &[], mode, extra, stats)
+}
+
+/// As `under_pager`, with more `run` options.
+fn under_pager_with(
+    setup: &Setup,
+    options: &[&str],
+    mode: &str,
+    extra: &str,
+    stats: &Path,
+) -> Output {
     Command::new("timeout")
         .arg("120")
         .arg(LAUNCHER)
@@ -79,6 +90,7 @@ fn under_pager(setup: &Setup, mode: &str, extra: &str, stats: &Path) -> Output {
             "--min-size",
             "1M",
         ])
+        .args(options)
         .arg("--stats")
         .arg(stats)
         .arg("--")
@@ -239,10 +251,14 @@ fn a_served_forked_child_outliving_a_parent_that_never_unmaps_reads_the_files_by
     outliving_child_reads_the_file("outlive-raw", "outlive this process");
 }
 
-/// Bytes the pager read with `n` forked readers in step.
+/// Bytes the pager read with `n` forked readers in step, demand paging: what is shared
+/// is asserted, not what a policy reads ahead. (A prediction learned from one run reads
+/// ahead for the reader in front and evicts what the one behind still needs: 1.17-1.23x
+/// here with the default policy. tests/shim_fork_llama.rs measures that for a decode.)
 fn readers_read(setup: &Setup, n: u32) -> u64 {
     let stats = setup.dir.path(&format!("stats-{n}.json"));
-    let output = under_pager(setup, "readers", &n.to_string(), &stats);
+    let options = ["--policy", "demand"];
+    let output = under_pager_with(setup, &options, "readers", &n.to_string(), &stats);
     assert_success(&output, "readers");
     let seen = stdout(&output);
     let whole = line(&seen, "whole ");
@@ -263,8 +279,10 @@ fn two_served_forked_readers_read_about_what_one_reads() {
     let one = readers_read(&setup, 1);
     let two = readers_read(&setup, 2);
     eprintln!("bytes read: one reader {one}, two readers {two}");
+    // Each block read once for both, but where the budget forced it out between the
+    // two readers' uses (none here: a piece is an eighth of the budget).
     assert!(
-        two as f64 <= 1.2 * one as f64,
+        two as f64 <= 1.05 * one as f64,
         "two readers read {two} bytes, one {one}"
     );
 }
