@@ -43,6 +43,13 @@ pub enum CacheError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ObjectId(usize);
 
+impl ObjectId {
+    /// The number eviction candidates carry (`Candidate::object`).
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
 /// What the cache did, for the summary and the tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CacheStats {
