@@ -126,7 +126,8 @@ impl ModelPass {
         self.distinct
     }
 
-    /// The block at `position`'s occurrence of `block` nearest at or after `from`.
+    /// The position of `block`'s occurrence nearest at or after `from`, round the
+    /// cycle; `None` outside the pass.
     pub fn next_position(&self, block: u64, from: u32) -> Option<u32> {
         u32::try_from(block)
             .ok()
