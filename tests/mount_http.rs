@@ -554,24 +554,56 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
     assert_eq!(mounted, local);
 
     let stats = tmp.path("run-stats.json");
-    let mut command = shim_support::launcher();
-    command
-        .args(["--budget", "50%", "--stats"])
-        .arg(&stats)
-        .arg("--")
-        .arg(bin.join("llama-completion"))
-        .args(shim_support::llama::greedy_completion_args(
-            &mount.file("model.gguf"),
-            24,
-        ))
-        .stdin(Stdio::null());
-    let output = command.output().unwrap();
+    let under_run = |model: &Path, stats: &Path| {
+        let output = shim_support::launcher()
+            .args(["--budget", "50%", "--stats"])
+            .arg(stats)
+            .arg("--")
+            .arg(bin.join("llama-completion"))
+            .args(shim_support::llama::greedy_completion_args(model, 24))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    };
+    let output = under_run(&mount.file("model.gguf"), &stats);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    // Every byte the mount serves now (O_DIRECT: from the mount, not the page cache) is
+    // the file's; checked whatever the text, so that a text that differs says whether
+    // the bytes did.
+    let expected = std::fs::read(www.join("model.gguf")).unwrap();
+    let blocks: Vec<u32> = (0..expected.len().div_ceil(2 << 20) as u32).collect();
+    let bytes_match = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        read_pass(&mount.file("model.gguf"), &blocks, 2 << 20, &expected)
+    }))
+    .is_ok();
+    if text != local {
+        // The same program on the local file under the pager, without the mount.
+        let again = under_run(&www.join("model.gguf"), &tmp.path("local-run-stats.json"));
+        panic!(
+            "under hyperoffload run through the mount the text differs from the local \
+             run's; the mount's bytes {} the file's; the local file under hyperoffload \
+             run gives {}\n--- local:\n{local}\n--- through the mount under the pager:\n\
+             {text}\n--- local under the pager:\n{}\n--- stderr through the mount:\n{}",
+            if bytes_match { "are" } else { "are NOT" },
+            if String::from_utf8_lossy(&again.stdout) == local {
+                "the local text"
+            } else {
+                "a different text too"
+            },
+            String::from_utf8_lossy(&again.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+    }
     assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+        bytes_match,
+        "the mount served bytes that are not the file's"
     );
-    assert_eq!(String::from_utf8_lossy(&output.stdout), local);
     let run = shim_support::read_stats(&stats);
     // The pager served the mounted file (a FUSE file is a regular file to the shim).
     assert_eq!(
