@@ -554,24 +554,56 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
     assert_eq!(mounted, local);
 
     let stats = tmp.path("run-stats.json");
-    let mut command = shim_support::launcher();
-    command
-        .args(["--budget", "50%", "--stats"])
-        .arg(&stats)
-        .arg("--")
-        .arg(bin.join("llama-completion"))
-        .args(shim_support::llama::greedy_completion_args(
-            &mount.file("model.gguf"),
-            24,
-        ))
-        .stdin(Stdio::null());
-    let output = command.output().unwrap();
+    let under_run = |model: &Path, stats: &Path| {
+        let output = shim_support::launcher()
+            .args(["--budget", "50%", "--stats"])
+            .arg(stats)
+            .arg("--")
+            .arg(bin.join("llama-completion"))
+            .args(shim_support::llama::greedy_completion_args(model, 24))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output
+    };
+    let output = under_run(&mount.file("model.gguf"), &stats);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    // Every byte the mount serves now (O_DIRECT: from the mount, not the page cache) is
+    // the file's; checked whatever the text, so that a text that differs says whether
+    // the bytes did.
+    let expected = std::fs::read(www.join("model.gguf")).unwrap();
+    let blocks: Vec<u32> = (0..expected.len().div_ceil(2 << 20) as u32).collect();
+    let bytes_match = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        read_pass(&mount.file("model.gguf"), &blocks, 2 << 20, &expected)
+    }))
+    .is_ok();
+    if text != local {
+        // The same program on the local file under the pager, without the mount.
+        let again = under_run(&www.join("model.gguf"), &tmp.path("local-run-stats.json"));
+        panic!(
+            "under hyperoffload run through the mount the text differs from the local \
+             run's; the mount's bytes {} the file's; the local file under hyperoffload \
+             run gives {}\n--- local:\n{local}\n--- through the mount under the pager:\n\
+             {text}\n--- local under the pager:\n{}\n--- stderr through the mount:\n{}",
+            if bytes_match { "are" } else { "are NOT" },
+            if String::from_utf8_lossy(&again.stdout) == local {
+                "the local text"
+            } else {
+                "a different text too"
+            },
+            String::from_utf8_lossy(&again.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+    }
     assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
+        bytes_match,
+        "the mount served bytes that are not the file's"
     );
-    assert_eq!(String::from_utf8_lossy(&output.stdout), local);
     let run = shim_support::read_stats(&stats);
     // The pager served the mounted file (a FUSE file is a regular file to the shim).
     assert_eq!(
@@ -587,4 +619,121 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
     let (stats, log) = mount.stop();
     eprintln!("mount: {log}");
     assert_eq!(stats["read_errors"], 0);
+}
+
+/// Reads every block of `file` in the order of `pass` (block indices, `block` bytes
+/// each) with O_DIRECT, so that each read reaches the mount (not the page cache), and
+/// checks it against `expected`.
+fn read_pass(file: &Path, pass: &[u32], block: usize, expected: &[u8]) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(file)
+        .unwrap();
+    let mut storage = vec![0u8; block + 4096];
+    let skew = storage.as_ptr().align_offset(4096);
+    let buf = &mut storage[skew..skew + block];
+    for &index in pass {
+        let start = index as usize * block;
+        let len = block.min(expected.len() - start);
+        let mut done = 0;
+        while done < len {
+            let n = file
+                .read_at(&mut buf[done..], (start + done) as u64)
+                .unwrap();
+            assert!(n > 0, "block {index}: end of file at {}", start + done);
+            done += n;
+        }
+        assert!(
+            buf[..len] == expected[start..start + len],
+            "block {index} differs"
+        );
+    }
+}
+
+/// A GGUF model read in its execution order pass after pass (as a decode reads it),
+/// through a cache tier of half its size: from the second pass on, each pass fetches
+/// about `model - cache` from the server (the graph's order keeps a fixed set), where
+/// least-recently-used eviction fetches nearly the whole model every pass.
+#[test]
+fn a_model_read_in_passes_fetches_model_minus_cache_each_pass() {
+    use hyperoffload::geometry::BlockGeometry;
+    use hyperoffload::graph::ModelGraph;
+    use hyperoffload::model::gguf::GgufFile;
+    if !fuse_or_skip() {
+        return;
+    }
+    let Some(model) = common::test_model() else {
+        return;
+    };
+    let tmp = TempDir::new("mount-passes");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::copy(&model, www.join("model.gguf")).unwrap();
+    let bytes = std::fs::read(&model).unwrap();
+    let size = bytes.len() as u64;
+    let block = 512u64 << 10;
+    let header = GgufFile::open(&model).unwrap();
+    let layout = BlockGeometry::new(0, size, block).unwrap();
+    let graph = ModelGraph::from_tensors(&header.tensor_table(), layout);
+    let pass = graph.order().sequence().to_vec();
+    let cache_size = (size / 2) / block * block;
+    let over = size - cache_size;
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+
+    // Bytes fetched in each of three passes, each pass in a mount of its own on the
+    // same cache directory (the stats are per mount).
+    let passes = |eviction: &str| -> Vec<u64> {
+        let cache = tmp.path(&format!("cache-{eviction}"));
+        let cache_arg = cache_size.to_string();
+        let args = [
+            "--object",
+            "model.gguf",
+            "--block",
+            "512K",
+            "--readahead",
+            "4",
+            "--cache-size",
+            &cache_arg,
+            "--eviction",
+            eviction,
+        ];
+        (0..3)
+            .map(|_| {
+                let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &args);
+                read_pass(&mount.file("model.gguf"), &pass, block as usize, &bytes);
+                let (stats, log) = mount.stop();
+                assert_eq!(stats["read_errors"], 0, "{log}");
+                assert!(
+                    stats["cache"]["used_bytes"].as_u64().unwrap() <= cache_size,
+                    "{log}"
+                );
+                if eviction == "graph" {
+                    assert!(log.contains("cache eviction by the model's pass"), "{log}");
+                }
+                stats["remote"]["bytes"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    let by_graph = passes("graph");
+    let by_lru = passes("lru");
+    eprintln!(
+        "model {size} bytes, cache {cache_size}: fetched per pass: graph {by_graph:?}, lru {by_lru:?}"
+    );
+    assert!(by_graph[0] >= size * 9 / 10, "first pass {by_graph:?}");
+    for &fetched in &by_graph[1..] {
+        assert!(
+            fetched as f64 <= 1.2 * over as f64,
+            "graph order fetched {fetched} in a pass, more than 1.2 x (model - cache) = {}",
+            1.2 * over as f64
+        );
+    }
+    // The bound discriminates: least recently used misses it by far.
+    for &fetched in &by_lru[1..] {
+        assert!(
+            fetched as f64 > 1.6 * over as f64,
+            "lru fetched only {fetched} in a pass: {by_lru:?}"
+        );
+    }
 }

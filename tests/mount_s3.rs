@@ -398,3 +398,134 @@ fn s3_objects_read_back_survive_a_gateway_restart_and_a_changed_one_fails() {
         drop(mount);
     }
 }
+
+/// SmolLM2 decoding (greedy, a fixed number of tokens) under `hyperoffload run
+/// --budget 50%` through an S3 mount with a cache tier of a sixth of the model, so that
+/// every token fetches from the gateway; the gateway is stopped for 5 s once the first
+/// tokens are out. The run waits for it (retries with backoff, within the mount's 30 s
+/// deadline), completes, and prints exactly the text of the local run.
+#[test]
+fn a_gateway_stopped_for_5_s_mid_decode_leaves_the_text_unchanged() {
+    use std::io::BufRead;
+    use std::sync::{Arc, Mutex};
+    if !Path::new("/dev/fuse").exists() {
+        assert!(
+            skip_allowed(),
+            "no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"
+        );
+        eprintln!("skipped: no /dev/fuse");
+        return;
+    }
+    let Some((bin, model)) = shim_support::llama::llama_and_model() else {
+        return;
+    };
+    let tmp = TempDir::new("mount-s3-outage");
+    let Some(store) = Store::start(&tmp.path("ceph")) else {
+        return;
+    };
+    if store.script.is_none() {
+        assert!(
+            skip_allowed(),
+            "HYPEROFFLOAD_S3_BUCKET names a store this test cannot stop \
+             (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"
+        );
+        eprintln!("skipped: the store in the environment cannot be stopped");
+        return;
+    }
+    let prefix = format!("outage-{}", std::process::id());
+    store.put(&model, &format!("{prefix}/model.gguf"));
+    let tokens = 64;
+    let local = Command::new(bin.join("llama-completion"))
+        .args(shim_support::llama::greedy_completion_args(&model, tokens))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(local.status.success());
+    let local = String::from_utf8_lossy(&local.stdout).into_owned();
+
+    let size = std::fs::metadata(&model).unwrap().len();
+    let cache_size = (size / 6).to_string();
+    let mount = Mount::start(
+        &store,
+        &format!("s3://{}/{prefix}", store.bucket()),
+        &tmp.path("mnt"),
+        &tmp.path("cache"),
+        &["--block", "1M", "--cache-size", &cache_size],
+    );
+    let run_stats = tmp.path("run-stats.json");
+    let mut child = shim_support::launcher()
+        .args(["--budget", "50%", "--stats"])
+        .arg(&run_stats)
+        .arg("--")
+        .arg(bin.join("llama-completion"))
+        .args(shim_support::llama::greedy_completion_args(
+            &mount.file("model.gguf"),
+            tokens,
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(File::create(tmp.path("run.err")).unwrap())
+        .spawn()
+        .unwrap();
+    let text = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let text = Arc::clone(&text);
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut stdout = std::io::BufReader::new(stdout);
+            loop {
+                let chunk = stdout.fill_buf().unwrap().to_vec();
+                if chunk.is_empty() {
+                    break;
+                }
+                stdout.consume(chunk.len());
+                text.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&chunk));
+            }
+        })
+    };
+    // Decoding: the first tokens are out.
+    let started = Instant::now();
+    while text.lock().unwrap().trim().is_empty() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before its first token:\n{}",
+            std::fs::read_to_string(tmp.path("run.err")).unwrap_or_default()
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no token in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = text.lock().unwrap().clone();
+    assert!(store.gateway(&["stop-rgw"]).status().unwrap().success());
+    let down = Instant::now();
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run ended while the gateway was down (before it: {before:?}):\n{}",
+        std::fs::read_to_string(tmp.path("run.err")).unwrap_or_default()
+    );
+    assert!(store.gateway(&["start-rgw"]).status().unwrap().success());
+    eprintln!(
+        "gateway down for {:.1} s; text before: {before:?}",
+        down.elapsed().as_secs_f64()
+    );
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    let err = std::fs::read_to_string(tmp.path("run.err")).unwrap_or_default();
+    assert!(status.success(), "run: {status}\n{err}");
+    let text = text.lock().unwrap().clone();
+    assert!(
+        before.len() < text.len(),
+        "nothing decoded after the outage"
+    );
+    assert_eq!(text, local, "{err}");
+    let (stats, log) = mount.stop();
+    assert_eq!(stats["read_errors"], 0, "{log}");
+    assert!(stats["remote"]["retries"].as_u64().unwrap() > 0, "{log}");
+    let run = shim_support::read_stats(&run_stats);
+    eprintln!("mount: {log}\nrun: {run}");
+}

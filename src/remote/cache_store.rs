@@ -13,7 +13,7 @@
 //!
 //! Blocks being read (`pin`) are never evicted, so a read never sees a punched hole.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsFd;
@@ -42,6 +42,13 @@ pub enum CacheError {
 /// A cached object's number in its cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ObjectId(usize);
+
+impl ObjectId {
+    /// The number eviction candidates carry (`Candidate::object`).
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
 
 /// What the cache did, for the summary and the tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -92,6 +99,10 @@ impl Object {
 struct State {
     objects: Vec<Option<Object>>,
     pins: HashMap<(usize, u64), u32>,
+    /// Blocks a `store` is writing now. One store of a block at a time: two, with an
+    /// eviction of the block between them, would leave the later one marking present
+    /// a block whose bytes the eviction punched out (zeros served as data).
+    storing: HashSet<(usize, u64)>,
     tick: u64,
     stats: CacheStats,
 }
@@ -158,6 +169,7 @@ impl Cache {
         let mut state = State {
             objects: Vec::new(),
             pins: HashMap::new(),
+            storing: HashSet::new(),
             tick: 0,
             stats: CacheStats {
                 limit_bytes: limit,
@@ -326,7 +338,20 @@ impl Cache {
 
     /// Stores the bytes of block `block` of `id` (the whole block), evicting others to
     /// stay within the limit. False when it was not stored: no room that is not in use.
+    /// Also false when another store of the block is writing it: that one stores it.
     pub fn store(&self, id: ObjectId, block: u64, bytes: &[u8]) -> io::Result<bool> {
+        if !crate::lock::lock(&self.state).storing.insert((id.0, block)) {
+            return Ok(false);
+        }
+        let stored = self.store_alone(id, block, bytes);
+        crate::lock::lock(&self.state)
+            .storing
+            .remove(&(id.0, block));
+        stored
+    }
+
+    /// `store`, with no other store of the block running.
+    fn store_alone(&self, id: ObjectId, block: u64, bytes: &[u8]) -> io::Result<bool> {
         let (data, start) = {
             let mut state = crate::lock::lock(&self.state);
             let object = state.object(id);
@@ -358,7 +383,8 @@ impl Cache {
         let tick = state.next_tick();
         let object = state.object(id);
         if object.entries[block as usize].present() {
-            // Stored meanwhile by another caller: the bytes are the same, count them once.
+            // Present already (no other store of the block runs meanwhile, but the
+            // bytes would be the same): count them once.
             state.stats.used_bytes -= bytes.len() as u64;
             return Ok(true);
         }
@@ -512,6 +538,21 @@ mod tests {
 
     fn block(n: u8, len: usize) -> Vec<u8> {
         (0..len).map(|i| (i as u8).wrapping_mul(31) ^ n).collect()
+    }
+
+    #[test]
+    fn a_block_another_store_is_writing_is_left_to_it() {
+        let dir = temp_dir("storing");
+        let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v1:8192", 8192, 4096).unwrap();
+        // As if another thread's store of block 0 were between its write and its mark.
+        crate::lock::lock(&cache.state).storing.insert((id.0, 0));
+        assert!(!cache.store(id, 0, &block(0, 4096)).unwrap());
+        assert_eq!(cache.stats().used_bytes, 0, "nothing reserved for it");
+        crate::lock::lock(&cache.state).storing.remove(&(id.0, 0));
+        assert!(cache.store(id, 0, &block(0, 4096)).unwrap());
+        assert!(crate::lock::lock(&cache.state).storing.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Which cached blocks to drop when the cache tier is over its size.
 //!
-//! The order is a trait so that the graph's order (next use, centrality: issue 24's
-//! second slice, from `src/graph/`) can replace least-recently-used without touching the
-//! cache: an order ranks candidates, the lowest rank goes first. Pure.
+//! The order is a trait, so the cache knows nothing of models: an order ranks
+//! candidates, the lowest rank goes first. `Lru` here; the graph's order for model
+//! objects is `graph_eviction::GraphOrder`. Pure.
+
+use std::sync::Arc;
 
 /// A cached block that may be dropped (not being read at the moment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,17 +30,34 @@ pub trait EvictionOrder: Send + Sync {
             return Vec::new();
         }
         let mut sorted = candidates.to_vec();
-        sorted.sort_by_key(|c| (self.rank(c), c.object, c.block));
-        let mut freed = 0u64;
-        let mut out = Vec::new();
-        for candidate in sorted {
-            if freed >= need {
-                break;
-            }
-            freed += candidate.bytes;
-            out.push(candidate);
+        sorted.sort_by_cached_key(|c| (self.rank(c), c.object, c.block));
+        take_victims(sorted, need)
+    }
+}
+
+/// The first of `sorted` (in eviction order) that free at least `need` bytes; all of
+/// them when they hold less.
+pub fn take_victims(sorted: impl IntoIterator<Item = Candidate>, need: u64) -> Vec<Candidate> {
+    let mut freed = 0u64;
+    let mut out = Vec::new();
+    for candidate in sorted {
+        if freed >= need {
+            break;
         }
-        out
+        freed += candidate.bytes;
+        out.push(candidate);
+    }
+    out
+}
+
+/// An order shared with whoever feeds it (the mount tells a `GraphOrder` what is read).
+impl<T: EvictionOrder + ?Sized> EvictionOrder for Arc<T> {
+    fn rank(&self, candidate: &Candidate) -> u64 {
+        (**self).rank(candidate)
+    }
+
+    fn victims(&self, candidates: &[Candidate], need: u64) -> Vec<Candidate> {
+        (**self).victims(candidates, need)
     }
 }
 

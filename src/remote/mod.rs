@@ -1,10 +1,11 @@
-//! Remote models (issue 24, first slice): objects of an S3-compatible store or an HTTP
+//! Remote models (issue 24): objects of an S3-compatible store or an HTTP
 //! server, served as local files by `hyperoffload mount` through a local cache tier.
 //!
 //! The decisions are here, pure and unit-tested: which blocks a read needs and which to
 //! read ahead (`block_plan`), when to retry (`retry`), whether an answer is of the
 //! version opened (`consistency`), the cache index's format (`cache_index`), the
-//! eviction order (`eviction`, the seam for the graph's order), the source's names
+//! eviction order (`eviction`: least recently used, and `graph_eviction`: by the pass
+//! of a model, which `model_pass` reads from a GGUF header), the source's names
 //! (`source`) and the mount's tree (`tree`). `cache_store` keeps the cache files. The
 //! network (object_store) and FUSE (fuser) glue is the binary's, `src/cli/mount/`.
 
@@ -14,6 +15,8 @@ pub mod cache_index;
 pub mod cache_store;
 pub mod consistency;
 pub mod eviction;
+pub mod graph_eviction;
+pub mod model_pass;
 pub mod retry;
 pub mod source;
 pub mod tree;

@@ -21,6 +21,7 @@ use fuser::{
 };
 use hyperoffload::remote::block_plan::BlockGrid;
 use hyperoffload::remote::cache_store::{Cache, ObjectId};
+use hyperoffload::remote::graph_eviction::GraphOrder;
 use hyperoffload::remote::tree::{Kind, Tree};
 use tokio::sync::{OnceCell, Semaphore};
 
@@ -53,6 +54,9 @@ pub struct Shared {
     pub cache: Cache,
     pub remote: Remote,
     pub runtime: tokio::runtime::Handle,
+    /// The cache's eviction order when it is the graph's: told every read, and asked
+    /// what a model object's pass reads next.
+    pub graph: Option<Arc<GraphOrder>>,
     /// Blocks being fetched, by (object, block): later readers wait on the same fetch.
     inflight: Mutex<HashMap<(usize, u64), Inflight>>,
     /// Ranged GETs in flight at most.
@@ -76,6 +80,7 @@ impl Shared {
         cache: Cache,
         remote: Remote,
         runtime: tokio::runtime::Handle,
+        graph: Option<Arc<GraphOrder>>,
         max_inflight: usize,
         readahead: u64,
     ) -> Self {
@@ -85,6 +90,7 @@ impl Shared {
             cache,
             remote,
             runtime,
+            graph,
             inflight: Mutex::new(HashMap::new()),
             gets: Semaphore::new(max_inflight),
             max_inflight,
@@ -100,7 +106,7 @@ impl Shared {
 
     /// The bytes `bytes` of object `object`, from the cache where it has them, else
     /// fetched (whole blocks, written to the cache).
-    async fn read(
+    pub async fn read(
         self: &Arc<Self>,
         object: usize,
         bytes: Range<u64>,
@@ -214,9 +220,25 @@ impl Shared {
         result
     }
 
+    /// A program reads blocks `needed` of `object`: tells the graph's order, and
+    /// returns the blocks to read ahead: the next ones of a model's pass, else those
+    /// after `needed` in the file (`file_ahead`).
+    fn note_read(&self, object: usize, needed: Range<u64>, file_ahead: Range<u64>) -> Vec<u64> {
+        if let Some(graph) = &self.graph {
+            let id = self.objects[object].cache.index();
+            for block in needed {
+                graph.used(id, block);
+            }
+            if let Some(ahead) = graph.ahead(id, self.readahead as usize) {
+                return ahead;
+            }
+        }
+        file_ahead.collect()
+    }
+
     /// Starts fetching the blocks of `ahead` not cached nor on their way, while fewer
     /// than the GETs allowed are in flight (read-ahead never queues behind itself).
-    fn read_ahead(self: &Arc<Self>, object: usize, ahead: Range<u64>) {
+    fn read_ahead(self: &Arc<Self>, object: usize, ahead: Vec<u64>) {
         if self.objects[object].changed.load(Ordering::Relaxed) {
             return;
         }
@@ -369,7 +391,8 @@ impl Filesystem for MountFs {
             reply.data(&[]);
             return;
         }
-        shared.read_ahead(object, plan.ahead.clone());
+        let ahead = shared.note_read(object, plan.needed.clone(), plan.ahead.clone());
+        shared.read_ahead(object, ahead);
         // All cached: answer here.
         let id = shared.objects[object].cache;
         if plan

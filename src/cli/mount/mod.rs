@@ -18,7 +18,9 @@ use clap::Args;
 use hyperoffload::remote::block_plan::BlockGrid;
 use hyperoffload::remote::cache_store::Cache;
 use hyperoffload::remote::consistency::version_key;
-use hyperoffload::remote::eviction::Lru;
+use hyperoffload::remote::eviction::{EvictionOrder, Lru};
+use hyperoffload::remote::graph_eviction::GraphOrder;
+use hyperoffload::remote::model_pass::{ModelPass, Parse};
 use hyperoffload::remote::retry::RetryPolicy;
 use hyperoffload::remote::source::{check_name, Source};
 use hyperoffload::remote::tree::Tree;
@@ -40,10 +42,15 @@ pub struct MountArgs {
     /// One mount at a time per directory.
     #[arg(long)]
     cache_dir: PathBuf,
-    /// Most bytes the cache tier holds (least recently used blocks are evicted).
-    /// Default: no limit.
+    /// Most bytes the cache tier holds (evicted as --eviction says). Default: no limit.
     #[arg(long, value_parser = size_arg)]
     cache_size: Option<u64>,
+    /// Which cached blocks go first when the cache is full. `graph`: for a GGUF object
+    /// (a name ending in .gguf), by the model's pass (the blocks a token reads first
+    /// stay, the rest stream through), other objects least recently used first;
+    /// `lru`: least recently used first for every object.
+    #[arg(long, value_enum, default_value_t = Eviction::Graph)]
+    eviction: Eviction,
     /// An object to serve, as a path below SOURCE (repeatable). Needed for an HTTP
     /// source (it has no listing); for S3, the default is every object under the prefix.
     #[arg(long = "object", value_name = "NAME")]
@@ -68,6 +75,12 @@ pub struct MountArgs {
     /// JSON to this file when it ends.
     #[arg(long)]
     stats: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Eviction {
+    Graph,
+    Lru,
 }
 
 pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
@@ -123,7 +136,14 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             format_size(args.block)
         );
     }
-    let cache = Cache::open(&args.cache_dir, limit, Box::new(Lru))?;
+    // The blocks read ahead, and the one being read, are spared (`GraphOrder`).
+    let graph = (args.eviction == Eviction::Graph)
+        .then(|| Arc::new(GraphOrder::new(args.readahead as u32 + 2)));
+    let order: Box<dyn EvictionOrder> = match &graph {
+        Some(graph) => Box::new(Arc::clone(graph)),
+        None => Box::new(Lru),
+    };
+    let cache = Cache::open(&args.cache_dir, limit, order)?;
     let mut objects = Vec::new();
     for info in infos {
         let id = cache
@@ -149,9 +169,13 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         cache,
         remote,
         runtime.handle().clone(),
+        graph.clone(),
         args.max_inflight as usize,
         args.readahead,
     ));
+    if let Some(graph) = &graph {
+        learn_passes(&shared, graph, &runtime, args.block);
+    }
     let filesystem = fs::MountFs {
         tree,
         shared: Arc::clone(&shared),
@@ -274,6 +298,49 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     runtime.shutdown_timeout(Duration::from_secs(1));
     ended.context("the FUSE session")?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Gives `graph` the pass of every GGUF object, read from its header (through the
+/// cache: the program opening the model reads the same blocks). An object whose header
+/// cannot be read or parsed is evicted least recently used first, as it says.
+fn learn_passes(
+    shared: &Arc<fs::Shared>,
+    graph: &GraphOrder,
+    runtime: &tokio::runtime::Runtime,
+    block: u64,
+) {
+    for (index, served) in shared.objects.iter().enumerate() {
+        let name = &served.info.name;
+        if !name.to_ascii_lowercase().ends_with(".gguf") {
+            continue;
+        }
+        let size = served.info.size;
+        let mut want = block.min(size);
+        let outcome = loop {
+            let prefix = match runtime.block_on(shared.read(index, 0..want)) {
+                Ok(prefix) => prefix,
+                Err(error) => break Err(error.to_string()),
+            };
+            match ModelPass::from_prefix(&prefix, size, block) {
+                Ok(Parse::Model(pass)) => break Ok(pass),
+                Ok(Parse::NeedMore(more)) => want = more,
+                Err(error) => break Err(error.to_string()),
+            }
+        };
+        match outcome {
+            Ok(pass) => {
+                eprintln!(
+                    "hyperoffload: mount: {name}: cache eviction by the model's pass ({} blocks of {} in it)",
+                    pass.distinct_blocks(),
+                    size.div_ceil(block)
+                );
+                graph.add_model(served.cache.index(), pass);
+            }
+            Err(error) => eprintln!(
+                "hyperoffload: mount: {name}: {error}: its cached blocks are evicted least recently used first"
+            ),
+        }
+    }
 }
 
 fn summary(shared: &fs::Shared) -> serde_json::Value {
