@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use common::TempDir;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use shim_support::{skip_allowed, LAUNCHER};
+use shim_support::{fuse_or_skip, LAUNCHER};
 
 /// nginx serving `root`, stopped when dropped.
 struct Nginx {
@@ -204,18 +204,6 @@ impl Drop for Mount {
             self.end();
         }
     }
-}
-
-/// Whether FUSE can be used here; without it the test fails unless skipping is allowed.
-fn fuse_or_skip() -> bool {
-    if Path::new("/dev/fuse").exists() {
-        return true;
-    }
-    if skip_allowed() {
-        eprintln!("skipped: no /dev/fuse");
-        return false;
-    }
-    panic!("no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips the mount tests)");
 }
 
 /// A file of `len` bytes from seed `seed`.
@@ -535,19 +523,7 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
         &tmp.path("cache"),
         &["--object", "model.gguf"],
     );
-    let completion = |model: &Path| {
-        let output = Command::new(bin.join("llama-completion"))
-            .args(shim_support::llama::greedy_completion_args(model, 24))
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    };
+    let completion = |model: &Path| shim_support::llama::greedy_completion(&bin, model, 24);
     let local = completion(&www.join("model.gguf"));
     assert!(local.contains("Paris"), "{local}");
     let mounted = completion(&mount.file("model.gguf"));

@@ -266,12 +266,7 @@ fn read_all(path: &Path) -> Vec<u8> {
 
 #[test]
 fn s3_objects_read_back_survive_a_gateway_restart_and_a_changed_one_fails() {
-    if !Path::new("/dev/fuse").exists() {
-        assert!(
-            skip_allowed(),
-            "no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"
-        );
-        eprintln!("skipped: no /dev/fuse");
+    if !shim_support::fuse_or_skip() {
         return;
     }
     let tmp = TempDir::new("mount-s3");
@@ -381,19 +376,7 @@ fn s3_objects_read_back_survive_a_gateway_restart_and_a_changed_one_fails() {
             &tmp.path("cache3"),
             &[],
         );
-        let completion = |model: &Path| {
-            let output = Command::new(bin.join("llama-completion"))
-                .args(shim_support::llama::greedy_completion_args(model, 24))
-                .stdin(Stdio::null())
-                .output()
-                .unwrap();
-            assert!(
-                output.status.success(),
-                "{}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-            String::from_utf8_lossy(&output.stdout).into_owned()
-        };
+        let completion = |model: &Path| shim_support::llama::greedy_completion(&bin, model, 24);
         assert_eq!(completion(&mount.file("model.gguf")), completion(&model));
         drop(mount);
     }
@@ -408,12 +391,7 @@ fn s3_objects_read_back_survive_a_gateway_restart_and_a_changed_one_fails() {
 fn a_gateway_stopped_for_5_s_mid_decode_leaves_the_text_unchanged() {
     use std::io::BufRead;
     use std::sync::{Arc, Mutex};
-    if !Path::new("/dev/fuse").exists() {
-        assert!(
-            skip_allowed(),
-            "no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"
-        );
-        eprintln!("skipped: no /dev/fuse");
+    if !shim_support::fuse_or_skip() {
         return;
     }
     let Some((bin, model)) = shim_support::llama::llama_and_model() else {

@@ -114,3 +114,19 @@ pub fn greedy_completion_args(model: &Path, tokens: u32) -> Vec<String> {
     .map(|s| s.to_string())
     .collect()
 }
+
+/// The text of llama-completion from `bin` completing greedily `tokens` tokens on
+/// `model` (`greedy_completion_args`), run plainly; a failed run fails the test.
+pub fn greedy_completion(bin: &Path, model: &Path, tokens: u32) -> String {
+    let output = Command::new(bin.join("llama-completion"))
+        .args(greedy_completion_args(model, tokens))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}

@@ -114,6 +114,19 @@ pub fn skip_allowed() -> bool {
     std::env::var("HYPEROFFLOAD_ALLOW_SKIP").as_deref() == Ok("1")
 }
 
+/// Whether FUSE can be used here (`hyperoffload mount`); without it the test fails
+/// unless skipping is allowed.
+pub fn fuse_or_skip() -> bool {
+    if Path::new("/dev/fuse").exists() {
+        return true;
+    }
+    if skip_allowed() {
+        eprintln!("skipped: no /dev/fuse");
+        return false;
+    }
+    panic!("no /dev/fuse (HYPEROFFLOAD_ALLOW_SKIP=1 skips the mount tests)");
+}
+
 /// `python3`: the virtual environment under the cache, where tools/setup.sh puts numpy
 /// and safetensors when the system's Python refuses pip installs, else the one on the
 /// PATH.
