@@ -698,11 +698,15 @@ fn a_model_read_in_passes_fetches_model_minus_cache_each_pass() {
         "model {size} bytes, cache {cache_size}: fetched per pass: graph {by_graph:?}, lru {by_lru:?}"
     );
     assert!(by_graph[0] >= size * 9 / 10, "first pass {by_graph:?}");
+    // Not exactly model - cache: what the read-ahead stores while the blocks just read
+    // are still pinned by their reads takes the room of a kept block instead, and how
+    // often depends on timing. Measured 1.12-1.23x (the CI run under load the highest);
+    // LRU 1.96x.
     for &fetched in &by_graph[1..] {
         assert!(
-            fetched as f64 <= 1.2 * over as f64,
-            "graph order fetched {fetched} in a pass, more than 1.2 x (model - cache) = {}",
-            1.2 * over as f64
+            fetched as f64 <= 1.35 * over as f64,
+            "graph order fetched {fetched} in a pass, more than 1.35 x (model - cache) = {}",
+            1.35 * over as f64
         );
     }
     // The bound discriminates: least recently used misses it by far.
