@@ -115,12 +115,6 @@ impl ExpertUse {
         }
     }
 
-    /// The use per token every expert starts from: the used count over the experts per
-    /// layer, as if the router spread its choices evenly.
-    pub fn prior(&self) -> f64 {
-        self.prior
-    }
-
     /// Tokens counted so far.
     pub fn tokens(&self) -> u64 {
         self.token
@@ -254,6 +248,14 @@ impl ExpertUse {
             _ => {}
         }
         use_.forget_old_history();
+    }
+
+    /// Whether `group` has been seen in use: in a token of this run, or in the counts an
+    /// earlier run saved (`seed`). Halving old history never takes a use to zero.
+    pub fn seen_used(&self, group: u32) -> bool {
+        self.groups
+            .get(group as usize)
+            .is_some_and(|use_| use_.uses > 0.0)
     }
 
     /// The estimated probability that a token uses `group`.
