@@ -254,7 +254,8 @@ fn a_served_forked_child_outliving_a_parent_that_never_unmaps_reads_the_files_by
 /// The parent ends in `mode` without running its exit handlers, right after forking a
 /// child (`orphan-exit`: `os._exit`; `orphan-kill`: SIGKILL to itself; `orphan-exec`:
 /// `os.execv` of `sleep`), or killed with SIGKILL by a sibling while it reads and
-/// another child reads (`orphan-sibling`). The child then compares every page, those
+/// another child reads (`orphan-sibling`), or a grandchild whose parent exited
+/// (`orphan-grandchild`). The child then compares every page, those
 /// the parent read and those it did not, with the file's bytes: the keeper (the
 /// launcher) held its userfaultfd, and filled the holes once the parent's service was
 /// gone. Returns the launcher's output.
@@ -301,6 +302,12 @@ fn a_served_forked_child_reads_the_files_bytes_after_its_parent_is_killed() {
 fn a_served_forked_child_reads_the_files_bytes_after_its_parent_execs() {
     let output = orphaned_child_reads_the_file("orphan-exec");
     assert_success(&output, "orphan-exec");
+}
+
+#[test]
+fn a_grandchild_outliving_its_parent_and_the_program_reads_the_files_bytes() {
+    let output = orphaned_child_reads_the_file("orphan-grandchild");
+    assert_success(&output, "orphan-grandchild");
 }
 
 #[test]

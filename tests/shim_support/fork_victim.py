@@ -120,6 +120,35 @@ elif mode in ("outlive", "outlive-raw"):
         os._exit(0)
     print("parent exits", flush=True)
     sys.exit(0)
+elif mode == "orphan-grandchild":
+    # A child forks a grandchild and exits; the parent then calls os._exit. The
+    # grandchild, the only one left, reads every page once the parent is gone.
+    import signal, time
+    plain = open(path, "rb").read()
+    gone_r, gone_w = os.pipe()  # EOF once the parent is gone
+    forked_r, forked_w = os.pipe()  # a byte once the grandchild exists
+    if os.fork() == 0:
+        os.close(gone_w)
+        os.close(forked_r)
+        if os.fork() == 0:
+            os.close(forked_w)
+            signal.alarm(90)
+            os.read(gone_r, 1)
+            differ, zeros = check_pages(m, plain)
+            print("orphaned parent-gone", hashes(m), flush=True)
+            print("pages", (len(m) + 4095) // 4096, "differ", differ, "zeros", zeros, flush=True)
+            os._exit(0)
+        os.write(forked_w, b"g")
+        os._exit(0)
+    os.close(gone_r)
+    os.close(forked_w)
+    os.read(forked_r, 1)
+    # The grandchild's fork returned in the child once the service had read its event;
+    # the service hands its userfaultfd to the keeper a moment later (a fork in a child
+    # does not wait for that, unlike the program's own).
+    time.sleep(0.2)
+    print("parent forks and ends", flush=True)
+    os._exit(0)
 elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
     # The parent ends without its exit handlers: os._exit, SIGKILL (by itself, or by a
     # sibling while a reader reads), or an exec of another program. The children read
