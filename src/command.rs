@@ -56,6 +56,8 @@ pub(crate) enum Command {
     ForkComing {
         generation: u64,
         reply: SyncSender<()>,
+        /// Answered once the fork's child, if any, was handed to the keeper.
+        kept: SyncSender<()>,
     },
     Prefetch {
         id: RegionId,

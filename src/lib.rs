@@ -13,6 +13,8 @@ pub mod file;
 pub mod geometry;
 pub mod glob;
 pub mod graph;
+pub mod hole_fill;
+pub mod keeper;
 pub mod layout;
 mod lock;
 pub mod map_candidate;

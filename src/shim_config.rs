@@ -19,6 +19,7 @@
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
 //! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
+//! | `HYPEROFFLOAD_KEEPER` | set by the launcher, not configuration: the descriptor number of its keeper's socket (`crate::keeper`), which the launched process inherits; with `SERVE_FORKS`, its pagers hand the keeper their regions and forked children, so that those children read the files' bytes when the process ends by `_exit`, a signal or an exec. Other processes close it | none |
 //! | `HYPEROFFLOAD_PROCESS` | which process the launcher started: the launcher sets it to [`PROCESS_UNCLAIMED`], the first program image that loads the shim overwrites it in place with its own identity, and every later image in that same process (exec through a wrapper) finds its own there and keeps the pager; any other process is a child (see the shim's `process_claim`) | unset: the process that loads the shim is served, its children are not |
 
 use std::path::PathBuf;
@@ -46,6 +47,7 @@ pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
 pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
 pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
 pub const ENV_PROCESS: &str = "HYPEROFFLOAD_PROCESS";
+pub const ENV_KEEPER: &str = "HYPEROFFLOAD_KEEPER";
 
 /// `HYPEROFFLOAD_PROCESS` as the launcher sets it: a placeholder as wide as any identity
 /// the shim writes over it (environment strings can be edited in place, never grown).
@@ -70,6 +72,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_VERBOSE,
     ENV_INHERIT,
     ENV_PROCESS,
+    ENV_KEEPER,
 ];
 
 pub const DEFAULT_PATTERNS: &[&str] = &["*.gguf", "*.safetensors"];
@@ -275,6 +278,9 @@ pub struct ShimConfig {
     pub trace_path: Option<PathBuf>,
     pub verbose: bool,
     pub inherit: bool,
+    /// The keeper's socket, by descriptor number (see `ENV_KEEPER`; set by the launcher
+    /// beside this configuration, never by `to_env`).
+    pub keeper_fd: Option<i32>,
 }
 
 impl ShimConfig {
@@ -342,6 +348,7 @@ impl ShimConfig {
             trace_path: None,
             verbose: false,
             inherit: false,
+            keeper_fd: None,
         }
     }
 
@@ -446,6 +453,16 @@ impl ShimConfig {
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
         config.inherit = flag(&lookup, ENV_INHERIT)?;
+        if let Some(value) = lookup(ENV_KEEPER) {
+            let fd = value.trim().parse::<i32>().ok().filter(|&fd| fd > 2);
+            config.keeper_fd = Some(fd.ok_or_else(|| {
+                bad(
+                    ENV_KEEPER,
+                    &value,
+                    "must be a descriptor number above 2".into(),
+                )
+            })?);
+        }
         Ok(config)
     }
 

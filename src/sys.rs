@@ -425,6 +425,16 @@ pub fn holes(fd: BorrowedFd<'_>, len: u64) -> io::Result<Vec<std::ops::Range<u64
     Ok(holes)
 }
 
+/// Whether offset `at` of `fd` is in a hole (lseek(2) SEEK_HOLE finds one there); past
+/// the end of the file, no.
+pub fn is_hole(fd: BorrowedFd<'_>, at: u64) -> io::Result<bool> {
+    match rustix::fs::seek(fd, rustix::fs::SeekFrom::Hole(at)) {
+        Ok(hole) => Ok(hole == at),
+        Err(rustix::io::Errno::NXIO) => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// write(2).
 pub fn write(fd: BorrowedFd<'_>, buffer: &[u8]) -> io::Result<usize> {
     Ok(rustix::io::write(fd, buffer)?)
@@ -547,7 +557,150 @@ pub fn unmount_lazy(path: &std::path::Path) -> io::Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
+// Unix sockets (the keeper's channel, `crate::keeper`)
+
+/// A connected pair of unix `SOCK_SEQPACKET` sockets (socketpair(2)), both close-on-exec:
+/// messages keep their boundaries, and descriptors travel with them.
+pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    Ok(rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
+}
+
+/// Whether `fd` is an open unix `SOCK_SEQPACKET` socket (what `seqpacket_pair` makes).
+pub fn is_seqpacket(fd: RawFd) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: `fd` is not -1; the kernel checks that it is open and keeps no borrow.
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    matches!(
+        rustix::net::sockopt::socket_type(fd),
+        Ok(rustix::net::SocketType::SEQPACKET)
+    )
+}
+
+/// A close-on-exec duplicate of `fd` (fcntl(2) F_DUPFD_CLOEXEC), at 3 or above.
+pub fn dup_cloexec(fd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    Ok(rustix::io::fcntl_dupfd_cloexec(fd, 3)?)
+}
+
+/// Sends `bytes` as one message on a `SOCK_SEQPACKET` socket, with `fds` (SCM_RIGHTS);
+/// blocks while the socket's buffer is full. No SIGPIPE: a peer gone is EPIPE.
+pub fn send_with_fds(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::mem::MaybeUninit;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_SENT_FDS))];
+    if fds.len() > MAX_SENT_FDS {
+        return Err(errno(libc::EINVAL));
+    }
+    loop {
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+            return Err(errno(libc::EINVAL));
+        }
+        let iov = [io::IoSlice::new(bytes)];
+        match rustix::net::sendmsg(socket, &iov, &mut control, SendFlags::NOSIGNAL) {
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// The most descriptors `send_with_fds` sends with one message, and `recv_with_fds`
+/// takes from one.
+pub const MAX_SENT_FDS: usize = 4;
+
+/// What `recv_with_fds` received.
+pub enum Received {
+    /// A message of this many bytes, with the descriptors it carried (close-on-exec).
+    Message(usize, Vec<OwnedFd>),
+    /// Nothing queued now.
+    Empty,
+    /// Every peer is gone and nothing is left to read.
+    Closed,
+}
+
+/// Takes one message from a `SOCK_SEQPACKET` socket without blocking: its bytes into
+/// `buffer` (a longer message is cut), its descriptors returned.
+pub fn recv_with_fds(socket: BorrowedFd<'_>, buffer: &mut [u8]) -> io::Result<Received> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    use std::mem::MaybeUninit;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_SENT_FDS))];
+    loop {
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [io::IoSliceMut::new(buffer)];
+        let flags = RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC;
+        let received = match rustix::net::recvmsg(socket, &mut iov, &mut control, flags) {
+            Ok(received) => received,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) => return Ok(Received::Empty),
+            Err(error) => return Err(error.into()),
+        };
+        let mut fds = Vec::new();
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = message {
+                fds.extend(rights);
+            }
+        }
+        if received.bytes == 0 && fds.is_empty() {
+            return Ok(Received::Closed);
+        }
+        return Ok(Received::Message(received.bytes.min(buffer.len()), fds));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Process and system
+
+/// gettid(2).
+pub fn gettid() -> i32 {
+    rustix::thread::gettid().as_raw_pid()
+}
+
+/// `PIDFD_THREAD` (pidfd_open(2), Linux 6.9): the descriptor is of one thread, and polls
+/// readable when that thread exits, not when its whole process does.
+const PIDFD_THREAD: u32 = libc::O_EXCL as u32;
+
+/// A pidfd of the calling thread (`PIDFD_THREAD`): it polls readable once this thread
+/// has exited, whether alone, with its process, or because another thread exec'd.
+pub fn own_thread_pidfd() -> io::Result<OwnedFd> {
+    let tid = rustix::thread::gettid();
+    let flags = rustix::process::PidfdFlags::from_bits_retain(PIDFD_THREAD);
+    Ok(rustix::process::pidfd_open(tid, flags)?)
+}
+
+/// A pidfd of process `pid` (pidfd_open(2)): it polls readable once the process has
+/// exited.
+pub fn pidfd(pid: i32) -> io::Result<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(pid).ok_or_else(|| errno(libc::EINVAL))?;
+    Ok(rustix::process::pidfd_open(
+        pid,
+        rustix::process::PidfdFlags::empty(),
+    )?)
+}
+
+/// Raises this process's soft limit of open descriptors to its hard limit.
+pub fn raise_fd_limit() {
+    use rustix::process::Resource;
+    let limit = rustix::process::getrlimit(Resource::Nofile);
+    if let Some(maximum) = limit.maximum {
+        let raised = rustix::process::Rlimit {
+            current: Some(maximum),
+            maximum: Some(maximum),
+        };
+        let _ = rustix::process::setrlimit(Resource::Nofile, raised);
+    }
+}
 
 /// getpid(2) from the kernel: right in any child, however it was made (fork, `_Fork`,
 /// a raw clone), where a libc that caches the pid may not have updated it.

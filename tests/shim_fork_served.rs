@@ -251,6 +251,77 @@ fn a_served_forked_child_outliving_a_parent_that_never_unmaps_reads_the_files_by
     outliving_child_reads_the_file("outlive-raw", "outlive this process");
 }
 
+/// The parent ends in `mode` without running its exit handlers, right after forking a
+/// child (`orphan-exit`: `os._exit`; `orphan-kill`: SIGKILL to itself; `orphan-exec`:
+/// `os.execv` of `sleep`), or killed with SIGKILL by a sibling while it reads and
+/// another child reads (`orphan-sibling`), or a grandchild whose parent exited
+/// (`orphan-grandchild`). The child then compares every page, those
+/// the parent read and those it did not, with the file's bytes: the keeper (the
+/// launcher) held its userfaultfd, and filled the holes once the parent's service was
+/// gone. Returns the launcher's output.
+fn orphaned_child_reads_the_file(mode: &str) -> Output {
+    let setup = setup(&format!("served-fork-{mode}"));
+    let stats = setup.dir.path("stats.json");
+    // The child holds stdout: this returns once it, too, is done.
+    let output = under_pager(&setup, mode, "", &stats);
+    let seen = stdout(&output);
+    let messages = stderr(&output);
+    assert_eq!(
+        line(&seen, "orphaned "),
+        vec![format!("parent-gone {}", setup.expected).as_str()],
+        "{seen}\n{messages}"
+    );
+    let pages = MODEL_LEN.div_ceil(4096);
+    assert_eq!(
+        line(&seen, "pages "),
+        vec![format!("{pages} differ 0 zeros 0").as_str()],
+        "{seen}\n{messages}"
+    );
+    assert_eq!(
+        messages.matches("the keeper filled").count(),
+        1,
+        "{messages}"
+    );
+    output
+}
+
+#[test]
+fn a_served_forked_child_reads_the_files_bytes_after_its_parent_calls_exit() {
+    let output = orphaned_child_reads_the_file("orphan-exit");
+    assert_success(&output, "orphan-exit");
+}
+
+#[test]
+fn a_served_forked_child_reads_the_files_bytes_after_its_parent_is_killed() {
+    let output = orphaned_child_reads_the_file("orphan-kill");
+    // The launcher ends as the program did.
+    assert!(!output.status.success(), "{:?}", output.status);
+}
+
+#[test]
+fn a_served_forked_child_reads_the_files_bytes_after_its_parent_execs() {
+    let output = orphaned_child_reads_the_file("orphan-exec");
+    assert_success(&output, "orphan-exec");
+}
+
+#[test]
+fn a_grandchild_outliving_its_parent_and_the_program_reads_the_files_bytes() {
+    let output = orphaned_child_reads_the_file("orphan-grandchild");
+    assert_success(&output, "orphan-grandchild");
+}
+
+#[test]
+fn a_child_reading_while_a_sibling_kills_the_serving_parent_reads_the_files_bytes() {
+    let output = orphaned_child_reads_the_file("orphan-sibling");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "reader passes differ "),
+        vec!["0 zeros 0"],
+        "read while the parent served, was killed, and after: {seen}"
+    );
+    assert_eq!(line(&seen, "parent reads until killed"), vec![""], "{seen}");
+}
+
 /// Bytes the pager read with `n` forked readers in step, demand paging: what is shared
 /// is asserted, not what a policy reads ahead. (A prediction learned from one run reads
 /// ahead for the reader in front and evicts what the one behind still needs: 1.17-1.23x

@@ -14,9 +14,9 @@
 //! path a program takes (execve and its libc variants, fexecve, posix_spawn, vfork,
 //! system, libc's internal calls), the next image decides afresh from what it was given.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
-use hyperoffload::shim_config::{ENV_PROCESS, PROCESS_UNCLAIMED};
+use hyperoffload::shim_config::{ENV_KEEPER, ENV_PROCESS, PROCESS_UNCLAIMED};
 use hyperoffload::sys;
 use libc::{c_char, c_int};
 
@@ -35,6 +35,8 @@ const _: () = assert!(IDENTITY_MAX < PROCESS_UNCLAIMED.len());
 
 /// This image's decision, made once.
 static DECIDED: AtomicU8 = AtomicU8::new(UNDECIDED);
+/// Whether this image is the process the launcher started (see `launched_process`).
+static LAUNCHED: AtomicBool = AtomicBool::new(false);
 
 #[used]
 #[link_section = ".init_array"]
@@ -66,6 +68,12 @@ pub fn serves_this_process() -> bool {
     }
 }
 
+/// Whether this image is the process the launcher started (through its execs), as
+/// decided with `serves_this_process`.
+pub fn launched_process() -> bool {
+    serves_this_process() && LAUNCHED.load(Ordering::Acquire)
+}
+
 /// Decides (once, whoever calls first) and carries the decision out on `envp`.
 fn decide_once(envp: *const *mut c_char) {
     if DECIDED
@@ -85,6 +93,8 @@ struct Found {
     preload: Option<*mut c_char>,
     marker: Option<*mut c_char>,
     inherit: bool,
+    /// `HYPEROFFLOAD_KEEPER`'s descriptor number.
+    keeper: Option<i32>,
 }
 
 /// Walks the environment, decides, and edits it in place as decided; returns whether
@@ -111,6 +121,8 @@ unsafe fn decide_on(envp: *const *mut c_char) -> bool {
                 found.preload = Some(entry);
             } else if value_of(bytes, ENV_PROCESS.as_bytes()).is_some() {
                 found.marker = Some(entry);
+            } else if let Some(value) = value_of(bytes, ENV_KEEPER.as_bytes()) {
+                found.keeper = parse_fd(value);
             }
             index += 1;
         }
@@ -126,8 +138,30 @@ unsafe fn decide_on(envp: *const *mut c_char) -> bool {
     // SAFETY: getauxval only reads the auxiliary vector.
     let secure = unsafe { libc::getauxval(libc::AT_SECURE) } != 0;
     let decision = process_claim::decide(marker, &me[..me_len], found.inherit, secure);
+    let launched = process_claim::is_launched(marker, &me[..me_len], secure);
+    LAUNCHED.store(launched, Ordering::Release);
     carry_out(decision, &found, &me[..me_len]);
+    if let (false, Some(fd)) = (launched, found.keeper) {
+        // A child inherited the keeper's socket from the launched process: nothing here
+        // uses it, and nothing it runs should hold it.
+        if sys::is_seqpacket(fd) {
+            // SAFETY: `fd` is open (checked just above) and is the launcher's socket,
+            // which nothing in this image has taken ownership of yet (before `main`).
+            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        }
+    }
     decision.serve
+}
+
+/// A descriptor number above 2 written in decimal, without allocating.
+fn parse_fd(value: &[u8]) -> Option<i32> {
+    if value.is_empty() || value.len() > 9 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let fd = value
+        .iter()
+        .fold(0i32, |fd, &digit| fd * 10 + i32::from(digit - b'0'));
+    (fd > 2).then_some(fd)
 }
 
 /// Edits the environment as `decision` says.

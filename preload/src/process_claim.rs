@@ -87,6 +87,17 @@ pub fn decide(marker: Marker<'_>, me: &[u8], inherit: bool, secure: bool) -> Dec
     }
 }
 
+/// Whether an image with `marker` and identity `me` is the process the launcher
+/// started (the first image, or a later one after an exec in it), not a child.
+pub fn is_launched(marker: Marker<'_>, me: &[u8], secure: bool) -> bool {
+    !secure
+        && match marker {
+            Marker::Unclaimed => true,
+            Marker::Claimed(owner) => owner == me,
+            Marker::Absent => false,
+        }
+}
+
 /// Room for an identity: a pid (at most 10 digits), a dot, a start time (at most 20).
 pub const IDENTITY_MAX: usize = 31;
 
@@ -181,6 +192,21 @@ mod tests {
         let alone = decide(marker(None, UNCLAIMED), b"7.7", false, false);
         assert!(alone.serve && !alone.claim && !alone.keep_preload);
         assert!(decide(Marker::Absent, b"7.7", true, false).keep_preload);
+    }
+
+    #[test]
+    fn only_the_launched_process_through_its_execs_is_the_launched_one() {
+        assert!(is_launched(Marker::Unclaimed, b"7.1", false));
+        assert!(is_launched(Marker::Claimed(b"7.1"), b"7.1", false));
+        assert!(
+            !is_launched(Marker::Claimed(b"7.1"), b"8.2", false),
+            "a child"
+        );
+        assert!(
+            !is_launched(Marker::Absent, b"7.1", false),
+            "preloaded by hand"
+        );
+        assert!(!is_launched(Marker::Unclaimed, b"7.1", true), "setuid");
     }
 
     #[test]

@@ -149,7 +149,14 @@ fn read_config() -> Option<ShimConfig> {
         return None;
     }
     match ShimConfig::from_lookup(getenv) {
-        Ok(config) => Some(config),
+        Ok(mut config) => {
+            // Only the process the launcher started hands its children to the keeper:
+            // the launcher keeps only until that process ends.
+            if !env_scrub::launched_process() {
+                config.keeper_fd = None;
+            }
+            Some(config)
+        }
         Err(error) => {
             raw::write_stderr(
                 format!("hyperoffload: {error}; the shim is disabled, the program runs unpaged\n")

@@ -35,6 +35,7 @@ use super::closing::{closing_lines, kept_stats, require_served_line, Outcome};
 use super::exec_check::{check_reachable, resolve_program};
 use super::exit_status::ending;
 use super::forward;
+use hyperoffload::keeper::serve::{KeeperThread, KeptChildren};
 
 /// The shim's file name.
 pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
@@ -103,11 +104,11 @@ pub struct RunArgs {
     #[arg(long)]
     inherit: bool,
     /// Serve children of `fork` through the pager, sharing the parent's resident blocks
-    /// and budget (blocks are copied in; children still alive when the program exits get
-    /// the whole of the models they map, beyond the budget, and one message; a program
-    /// killed by a signal, ended by `_exit` or exec'ing leaves them reading zeros where a
-    /// block was not resident). Without it a forked child maps the model files from the
-    /// page cache, outside the budget.
+    /// and budget (blocks are copied in; children still alive when the program ends,
+    /// however it ends, get the whole of the models they map, beyond the budget, and
+    /// one message; this process keeps them and serves them until they exit, and only
+    /// then returns). Without it a forked child maps the model files from the page
+    /// cache, outside the budget.
     #[arg(long)]
     serve_forks: bool,
     /// Say what the shim takes over and why not.
@@ -156,7 +157,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let shim_stats = private.0.join("stats.json");
     let config = shim_config(&args, &shim_stats)?;
     let command = program_command(&args, &config, &shim);
-    let ended = run_supervised(command, &program)?;
+    let ended = run_supervised(command, &program, config.serve_forks)?;
     let stats = std::fs::read_to_string(&shim_stats).ok();
     let snapshot = stats
         .is_none()
@@ -184,6 +185,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot write --stats {}", path.display()))?;
     }
     drop(private);
+    // Forked children the program served that outlive it are served by this process
+    // until they exit (see `keep_children`).
+    if let Some(kept) = ended.kept {
+        kept.wait();
+    }
     if refused {
         eprintln!(
             "hyperoffload: {}",
@@ -339,23 +345,40 @@ struct Ended {
     status: ExitStatus,
     pid: u32,
     passed_on: Option<libc::c_int>,
+    /// The keeper, serving children that outlive the program.
+    kept: Option<KeptChildren>,
 }
 
 /// Runs the program to its end, passing termination signals on (see `forward`), and
-/// returns how it ended.
-fn run_supervised(mut command: Command, program: &Path) -> anyhow::Result<Ended> {
+/// returns how it ended. With `serve_forks`, this process is the keeper of the
+/// program's forked children (see `keep_children`).
+fn run_supervised(
+    mut command: Command,
+    program: &Path,
+    serve_forks: bool,
+) -> anyhow::Result<Ended> {
     // If the launcher dies without passing a signal on (SIGKILL, a crash), the program
     // goes too rather than run on unsupervised, its stats unreported.
     end_with_this_process(&mut command, libc::SIGKILL);
+    let keeper = if serve_forks {
+        keep_children(&mut command)
+    } else {
+        None
+    };
     let forwarding = forward::start();
     forwarding.keep_ignored(&mut command);
     let child = command
         .spawn()
         .with_context(|| format!("cannot start {}", program.display()));
+    // The program has its end of the keeper's socket now (or never will).
+    let keeper = keeper.map(|(thread, _program_end)| thread);
     let mut child = match child {
         Ok(child) => child,
         Err(error) => {
             forwarding.stop();
+            if let Some(keeper) = keeper {
+                keeper.finish().1.wait();
+            }
             return Err(error);
         }
     };
@@ -364,13 +387,56 @@ fn run_supervised(mut command: Command, program: &Path) -> anyhow::Result<Ended>
     // Signals stop being passed on before the program is reaped: its pid can be reused
     // only after that.
     wait_without_reaping(pid as libc::pid_t);
+    // Every thread of the program has ended: the keeper fills what its services left
+    // to children still alive, and goes on serving those.
+    let kept = keeper.map(|keeper| keeper.finish().1);
     let passed_on = forwarding.stop();
     let status = child.wait().context("waiting for the program")?;
     Ok(Ended {
         status,
         pid,
         passed_on,
+        kept,
     })
+}
+
+/// Makes this process the keeper of the program's forked children
+/// (`hyperoffload::keeper`): a socket pair, the keeper's end watched by a thread of
+/// this process, the program's end inherited by the program at the number
+/// `HYPEROFFLOAD_KEEPER` names (close-on-exec cleared in the program only, between fork
+/// and exec). Returns the thread and the program's end, to close once the program has
+/// started. Without it (one line says why), children are served as before.
+fn keep_children(command: &mut Command) -> Option<(KeeperThread, std::os::fd::OwnedFd)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let started = hyperoffload::sys::seqpacket_pair().and_then(|(keeper_end, program_end)| {
+        let thread = hyperoffload::keeper::serve::start(keeper_end)?;
+        Ok((thread, program_end))
+    });
+    let (thread, program_end) = match started {
+        Ok(started) => started,
+        Err(error) => {
+            eprintln!(
+                "hyperoffload: cannot start the keeper ({error}): forked children alive when \
+                 the program ends by _exit, a signal or an exec may read zeros where a block \
+                 was not resident"
+            );
+            return None;
+        }
+    };
+    let fd = program_end.as_raw_fd();
+    command.env(hyperoffload::shim_config::ENV_KEEPER, fd.to_string());
+    // SAFETY: the closure runs between fork and exec and only calls fcntl(2)
+    // (async-signal-safe) on a descriptor this process owns until after the spawn.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Some((thread, program_end))
 }
 
 /// The shim beside this executable, or where `HYPEROFFLOAD_SHIM` says.

@@ -40,6 +40,7 @@ pub struct PagerBuilder {
     thread_nice: i32,
     zero_copy: bool,
     serve_forks: bool,
+    keeper: Option<std::os::fd::OwnedFd>,
     #[cfg(feature = "fault-injection")]
     faults: InjectedFaults,
 }
@@ -62,6 +63,7 @@ impl Default for PagerBuilder {
             thread_nice: DEFAULT_THREAD_NICE,
             zero_copy: false,
             serve_forks: false,
+            keeper: None,
             #[cfg(feature = "fault-injection")]
             faults: InjectedFaults::default(),
         }
@@ -220,6 +222,14 @@ impl PagerBuilder {
         self
     }
 
+    /// With `serve_forks`: a socket to the keeper (`crate::keeper`), a process outside
+    /// this one that keeps the forked children reading the files' bytes when this
+    /// process ends without its exit handlers (`_exit`, a fatal signal, an exec).
+    pub fn keeper(mut self, socket: std::os::fd::OwnedFd) -> Self {
+        self.keeper = Some(socket);
+        self
+    }
+
     pub fn trace(mut self, limit: usize) -> Self {
         self.trace_limit = limit;
         self
@@ -360,6 +370,7 @@ impl PagerBuilder {
                 zero_copy_refused,
                 serve_forks,
                 forks_refused,
+                keeper: self.keeper.filter(|_| serve_forks),
                 #[cfg(feature = "fault-injection")]
                 faults: self.faults,
             },

@@ -2,7 +2,10 @@
 //! tells each such pager's service that a fork is coming and waits for its answer, so
 //! that the service reads the fork event without allocating (see
 //! `service::fork_pause`); the parent handler counts the fork done, which ends a pause
-//! that saw no fork event (the fork failed, or no region was there to copy).
+//! that saw no fork event (the fork failed, or no region was there to copy), and waits
+//! until the service has handed the child's userfaultfd to the keeper, if there is one
+//! (`crate::keeper`), so that a program ending right after `fork` returns leaves the
+//! child kept.
 //!
 //! Handlers registered once per process, when the first such pager is built. A fork
 //! that runs no handlers (`_Fork`, a raw system call) takes no allocator locks either,
@@ -10,7 +13,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::Duration;
 
@@ -26,9 +29,14 @@ static REGISTER: Once = Once::new();
 /// answers never, and the fork must go on.
 const ANSWER_WAIT: Duration = Duration::from_secs(5);
 
+/// How long a parent handler waits for a service to have handed the child to the
+/// keeper (a service that stopped never does, and the program must go on).
+const KEPT_WAIT: Duration = Duration::from_secs(5);
+
 thread_local! {
-    /// The pagers told of the fork in progress on this thread.
-    static TOLD: RefCell<Vec<Arc<Shared>>> = const { RefCell::new(Vec::new()) };
+    /// The pagers told of the fork in progress on this thread, and where each says the
+    /// child was handed to the keeper.
+    static TOLD: RefCell<Vec<(Arc<Shared>, Receiver<()>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Has forks of this process announced to `shared`'s service.
@@ -54,21 +62,33 @@ extern "C" fn prepare() {
         .filter(|(_, owner)| *owner == pid)
         .filter_map(|(pager, _)| pager.upgrade())
         .collect();
-    for shared in &live {
+    let mut told = Vec::with_capacity(live.len());
+    for shared in live {
         let generation = shared.forks_done.load(Ordering::Acquire);
         let (reply, answer) = sync_channel(1);
-        shared.send(Command::ForkComing { generation, reply });
+        let (kept, kept_answer) = sync_channel(1);
+        shared.send(Command::ForkComing {
+            generation,
+            reply,
+            kept,
+        });
         let _ = answer.recv_timeout(ANSWER_WAIT);
+        told.push((shared, kept_answer));
     }
-    TOLD.with(|told| *told.borrow_mut() = live);
+    TOLD.with(|slot| *slot.borrow_mut() = told);
 }
 
 extern "C" fn parent() {
     // libc has let go of its locks: allocating and waking are safe.
     let told = TOLD.with(|told| std::mem::take(&mut *told.borrow_mut()));
-    for shared in told {
+    for (shared, _) in &told {
         shared.forks_done.fetch_add(1, Ordering::AcqRel);
         shared.wakeup.signal();
+    }
+    // The fork returns once the service has handed its child to the keeper (see
+    // `crate::keeper`): the program may end right after.
+    for (_, kept) in told {
+        let _ = kept.recv_timeout(KEPT_WAIT);
     }
 }
 

@@ -191,6 +191,7 @@ impl FaultService {
             let token = TOKEN_CHILD_BASE + self.children.next_token;
             self.children.next_token += 1;
             self.ring.watch(uffd.as_raw_fd(), token)?;
+            self.tell_keeper_child(token, &uffd);
             self.children.list.push(Child { uffd, token });
             self.stats.forked_children += 1;
         }
@@ -295,6 +296,7 @@ impl FaultService {
         });
         for token in gone {
             self.ring.unwatch(token)?;
+            self.tell_keeper_child_gone(token);
             self.children.waits.retain(|wait| wait.token != token);
         }
         self.stats.live_children = self.children.live();

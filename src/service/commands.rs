@@ -48,12 +48,22 @@ impl FaultService {
             Command::RemoveRegion { id, reply } => {
                 self.fill_removed_for_children(id)?;
                 self.remove_region(id);
+                self.tell_keeper_region_gone(id);
                 let _ = reply.send(());
             }
-            Command::ForkComing { generation, reply } => {
+            Command::ForkComing {
+                generation,
+                reply,
+                kept,
+            } => {
                 self.make_ready_for_fork();
                 let _ = reply.send(());
                 self.pause_for_fork(generation)?;
+                // The child's userfaultfd goes to the keeper before the forking thread
+                // returns from its fork (it waits for `kept`): a program ending right
+                // after the fork leaves the child kept.
+                self.take_backlog()?;
+                let _ = kept.send(());
             }
             Command::Prefetch { id, range } => {
                 for index in self.blocks_of(id, &range) {
@@ -119,6 +129,7 @@ impl FaultService {
         }
         self.locator
             .insert(base, region.layout.map_len as usize, id);
+        self.tell_keeper_region(id, &region);
         let info = region.info(id, self.budget.limit(), zero_copy);
         self.prefetch.region_added(&info);
         self.eviction.region_added(&info);

@@ -32,6 +32,7 @@ mod injection;
 mod install_pool;
 mod installs;
 mod intake;
+mod keeping;
 mod outliving;
 mod reads;
 mod region;
@@ -60,6 +61,7 @@ use self::reads::{ReadLoad, ReadTag};
 use self::region::ServedRegion;
 use self::staging::max_staged;
 use crate::command::Shared;
+use crate::keeper::link::KeeperLink;
 use crate::layout::FaultLocator;
 use crate::policy::{BlockRef, EvictionPolicy, PrefetchPolicy, PrefetchRequest, RegionId};
 use crate::recent_faults::RecentFaults;
@@ -99,6 +101,9 @@ pub(crate) struct ServiceConfig {
     pub serve_forks: bool,
     /// Why forked children are not served though asked for.
     pub forks_refused: Option<String>,
+    /// With `serve_forks`: the keeper's socket (`crate::keeper`), a session on which
+    /// the service starts from its own thread.
+    pub keeper: Option<std::os::fd::OwnedFd>,
     #[cfg(feature = "fault-injection")]
     pub faults: InjectedFaults,
 }
@@ -155,6 +160,9 @@ pub(crate) struct FaultService {
     /// (`outliving`): an eviction then leaves the pages in the files, since a hole
     /// would read as zeros in those children once the service is gone.
     pages_kept: bool,
+    /// The keeper outside the process, told of regions and children (with
+    /// `ServiceConfig::keeper`).
+    keeper: Option<KeeperLink>,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -244,6 +252,7 @@ impl FaultService {
             children: Children::default(),
             backlog: Backlog::default(),
             pages_kept: false,
+            keeper: None,
         })
     }
 
@@ -251,6 +260,19 @@ impl FaultService {
     /// that nobody will serve would otherwise hang forever.
     pub(crate) fn run(mut self) {
         self.stats.thread_nice = raise_priority(self.config.thread_nice);
+        if let Some(socket) = self.config.keeper.take() {
+            match KeeperLink::start(socket) {
+                Ok(link) => self.keeper = Some(link),
+                Err(error) => crate::sys::write_stderr(
+                    format!(
+                        "hyperoffload: cannot reach the keeper ({error}): forked children alive \
+                         when this process ends by _exit, a signal or an exec may read zeros \
+                         where a block was not resident\n"
+                    )
+                    .as_bytes(),
+                ),
+            }
+        }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
         let why = match outcome {
             Ok(Ok(())) => return,

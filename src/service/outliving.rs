@@ -14,118 +14,32 @@
 //! so would never reach the child's): that page is written into the file, and the child
 //! woken.
 //!
-//! Filling writes into the holes only (`sys::holes`) with pwrite(2), which puts each
-//! page into the file complete before any process can map it (the page is locked from
-//! allocation until its bytes are in), so a child touching a page meanwhile either
-//! faults as before (a hole) or sees the whole page. A block the service installs later
-//! meets EEXIST and counts as installed, with the same bytes.
+//! Filling (`crate::hole_fill`) writes into the holes only. A block the service
+//! installs later meets EEXIST and counts as installed, with the same bytes.
+//!
+//! When the program ends without this (`_exit`, a fatal signal, an exec), the keeper
+//! outside it fills the same files (`crate::keeper`).
 
-use std::ops::Range;
 use std::os::fd::AsFd;
 
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
+use crate::hole_fill::{fill_holes, read_exact, write_all, FillSource, Filled, FILL_CHUNK};
 use crate::policy::RegionId;
-
-/// Bytes read and written per step of a fill.
-const FILL_CHUNK: u64 = 4 << 20;
-
-/// The pieces (region offsets) to fill for `holes` of a region's file holding
-/// `data_len` bytes of file data: each hole clipped to the data (the rest of the last
-/// page reads as zeros once written, as a file mapping's does), cut into pieces of at
-/// most `chunk` bytes.
-pub(super) fn fill_pieces(holes: &[Range<u64>], data_len: u64, chunk: u64) -> Vec<Range<u64>> {
-    let mut pieces = Vec::new();
-    for hole in holes {
-        let end = hole.end.min(data_len);
-        let mut at = hole.start;
-        while at < end {
-            let next = (at + chunk).min(end);
-            pieces.push(at..next);
-            at = next;
-        }
-    }
-    pieces
-}
-
-/// What filling a region did.
-#[derive(Default)]
-pub(super) struct Filled {
-    pub bytes: u64,
-    /// The first failure, if any stopped part of the fill.
-    pub error: Option<std::io::Error>,
-}
 
 /// Fills every hole of `region`'s file (file-shaped regions only) with the bytes of the
 /// file it maps, using `buffer` (`FILL_CHUNK` bytes).
 fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
-    let mut filled = Filled::default();
     let Some(shape) = &region.shape else {
-        return filled;
-    };
-    let holes = match crate::sys::holes(shape.as_fd(), region.shape_len) {
-        Ok(holes) => holes,
-        Err(error) => {
-            filled.error = Some(error);
-            return filled;
-        }
+        return Filled::default();
     };
     let geometry = &region.layout.geometry;
-    for piece in fill_pieces(&holes, geometry.data_len, FILL_CHUNK) {
-        let len = (piece.end - piece.start) as usize;
-        let bytes = &mut buffer[..len];
-        if let Err(error) = read_exact(region, bytes, geometry.file_offset + piece.start) {
-            filled.error = Some(error);
-            return filled;
-        }
-        if let Err(error) = write_all(shape.as_fd(), bytes, piece.start) {
-            filled.error = Some(error);
-            return filled;
-        }
-        filled.bytes += len as u64;
-    }
-    filled
-}
-
-fn read_exact(
-    region: &ServedRegion,
-    mut buffer: &mut [u8],
-    mut offset: u64,
-) -> std::io::Result<()> {
-    while !buffer.is_empty() {
-        match crate::sys::pread(region.file.buffered(), buffer, offset)? {
-            0 => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{} ends before offset {offset}",
-                        region.file.path().display()
-                    ),
-                ))
-            }
-            n => {
-                buffer = &mut buffer[n..];
-                offset += n as u64;
-            }
-        }
-    }
-    Ok(())
-}
-
-fn write_all(
-    fd: std::os::fd::BorrowedFd<'_>,
-    mut buffer: &[u8],
-    mut offset: u64,
-) -> std::io::Result<()> {
-    while !buffer.is_empty() {
-        let n = crate::sys::pwrite(fd, buffer, offset)?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        buffer = &buffer[n..];
-        offset += n as u64;
-    }
-    Ok(())
+    let source = FillSource {
+        file: region.file.buffered(),
+        file_offset: geometry.file_offset,
+        data_len: geometry.data_len,
+    };
+    fill_holes(shape.as_fd(), region.shape_len, source, buffer)
 }
 
 impl FaultService {
@@ -217,7 +131,7 @@ impl FaultService {
             }
             let mut bytes = vec![0u8; (end - page_offset) as usize];
             let offset = region.layout.geometry.file_offset + page_offset;
-            read_exact(region, &mut bytes, offset).ok()?;
+            read_exact(region.file.buffered(), &mut bytes, offset).ok()?;
             match write_all(shape.as_fd(), &bytes, page_offset) {
                 Ok(()) => Some(bytes.len() as u64),
                 Err(_) => None,
@@ -268,26 +182,5 @@ impl FaultService {
         }
         // Not through stderr's lock, which a faulting thread may hold.
         crate::sys::write_stderr(message.as_bytes());
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn holes_are_clipped_to_the_data_and_cut_into_chunks() {
-        let pieces = fill_pieces(&[0..4096, 8192..20480, 24576..32768], 28000, 8192);
-        assert_eq!(
-            pieces,
-            vec![0..4096, 8192..16384, 16384..20480, 24576..28000]
-        );
-    }
-
-    #[test]
-    fn nothing_past_the_data_is_filled() {
-        let past_the_data = vec![8192..12288, 12288..16384];
-        assert!(fill_pieces(&past_the_data, 8192, 4096).is_empty());
-        assert!(fill_pieces(&[], 8192, 4096).is_empty());
     }
 }

@@ -1,6 +1,17 @@
 import sys, os, mmap, hashlib
 mode, path = sys.argv[1], sys.argv[2]
 
+def check_pages(m, plain, page=4096):
+    """Every page of the mapping against the file's bytes: (differing, of them zeros)."""
+    differ = zeros = 0
+    for start in range(0, len(m), page):
+        got = m[start:start + page]
+        if got != plain[start:start + page]:
+            differ += 1
+            if got.count(0) == len(got):
+                zeros += 1
+    return differ, zeros
+
 def quarters(n):
     q = n // 4
     return [(i * q, n if i == 3 else (i + 1) * q) for i in range(4)]
@@ -109,3 +120,97 @@ elif mode in ("outlive", "outlive-raw"):
         os._exit(0)
     print("parent exits", flush=True)
     sys.exit(0)
+elif mode == "orphan-grandchild":
+    # A child forks a grandchild and exits; the parent then calls os._exit. The
+    # grandchild, the only one left, reads every page once the parent is gone.
+    import signal, time
+    plain = open(path, "rb").read()
+    gone_r, gone_w = os.pipe()  # EOF once the parent is gone
+    forked_r, forked_w = os.pipe()  # a byte once the grandchild exists
+    if os.fork() == 0:
+        os.close(gone_w)
+        os.close(forked_r)
+        if os.fork() == 0:
+            os.close(forked_w)
+            signal.alarm(90)
+            os.read(gone_r, 1)
+            differ, zeros = check_pages(m, plain)
+            print("orphaned parent-gone", hashes(m), flush=True)
+            print("pages", (len(m) + 4095) // 4096, "differ", differ, "zeros", zeros, flush=True)
+            os._exit(0)
+        os.write(forked_w, b"g")
+        os._exit(0)
+    os.close(gone_r)
+    os.close(forked_w)
+    os.read(forked_r, 1)
+    # The grandchild's fork returned in the child once the service had read its event;
+    # the service hands its userfaultfd to the keeper a moment later (a fork in a child
+    # does not wait for that, unlike the program's own).
+    time.sleep(0.2)
+    print("parent forks and ends", flush=True)
+    os._exit(0)
+elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
+    # The parent ends without its exit handlers: os._exit, SIGKILL (by itself, or by a
+    # sibling while a reader reads), or an exec of another program. The children read
+    # every page afterwards (and, with a sibling, while it happens).
+    import signal, time
+    parent = os.getpid()
+    plain = open(path, "rb").read()
+    page = 4096
+    pages = (len(m) + page - 1) // page
+
+    def parent_gone():
+        if os.getppid() != parent:
+            return True
+        try:
+            with open("/proc/%d/comm" % parent) as comm:
+                return not comm.read().startswith("python")
+        except OSError:
+            return True
+
+    def read_after_parent(label):
+        # A page never answered ends the child (SIGALRM's default action) rather than
+        # the test waiting for good.
+        signal.alarm(90)
+        deadline = time.time() + 60
+        while not parent_gone() and time.time() < deadline:
+            time.sleep(0.01)
+        gone = parent_gone()
+        differ, zeros = check_pages(m, plain, page)
+        print(label, "parent-gone" if gone else "parent-alive", hashes(m), flush=True)
+        print("pages", pages, "differ", differ, "zeros", zeros, flush=True)
+
+    if mode == "orphan-sibling":
+        reader = os.fork()
+        if reader == 0:
+            signal.alarm(90)
+            # Reads all of it twice, the first pass started while the parent serves.
+            total_differ = total_zeros = 0
+            for _ in range(2):
+                differ, zeros = check_pages(m, plain, page)
+                total_differ += differ
+                total_zeros += zeros
+            read_after_parent("orphaned")
+            print("reader passes differ", total_differ, "zeros", total_zeros, flush=True)
+            os._exit(0)
+        killer = os.fork()
+        if killer == 0:
+            time.sleep(0.3)
+            os.kill(parent, signal.SIGKILL)
+            os._exit(0)
+        # Keeps reading (faulting, evicting) until killed.
+        print("parent reads until killed", flush=True)
+        while True:
+            hashes(m)
+    print("parent forks and ends", flush=True)
+    pid = os.fork()
+    if pid == 0:
+        read_after_parent("orphaned")
+        os._exit(0)
+    # The end follows fork's return at once: the child was forked moments before.
+    if mode == "orphan-exit":
+        os._exit(0)
+    elif mode == "orphan-kill":
+        os.kill(parent, signal.SIGKILL)
+    else:
+        os.execv("/bin/sleep", ["sleep", "3"])

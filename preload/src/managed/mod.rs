@@ -268,6 +268,25 @@ impl Shim {
         std::mem::take(&mut *lock(&self.trace))
     }
 
+    /// A descriptor of the keeper's socket for a pager that serves forks (see
+    /// `hyperoffload::keeper`), private to this image (close-on-exec: the inherited one
+    /// stays for the next image of this process).
+    fn keeper_socket(&self) -> Option<std::os::fd::OwnedFd> {
+        let fd = self.config.keeper_fd.filter(|_| self.config.serve_forks)?;
+        if !hyperoffload::sys::is_seqpacket(fd) {
+            self.say(&format!(
+                "descriptor {fd} is not the keeper's socket any more (the program closed \
+                 it): forked children alive when this process ends by _exit, a signal or an \
+                 exec may read zeros where a block was not resident"
+            ));
+            return None;
+        }
+        // SAFETY: `fd` is open (it is a socket, checked above); it is only borrowed for
+        // the duplication.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        hyperoffload::sys::dup_cloexec(borrowed).ok()
+    }
+
     /// The process's pager, created at the first managed mapping as `sizing` says (its
     /// model's size, all its files for a split GGUF, sets a percentage budget: see
     /// `pager_for`). The one thread that starts it says first if the budget was raised
@@ -301,6 +320,9 @@ impl Shim {
                     .eviction(policies.eviction);
                 if let Some(threads) = self.config.install_threads {
                     builder = builder.install_threads(threads);
+                }
+                if let Some(socket) = self.keeper_socket() {
+                    builder = builder.keeper(socket);
                 }
                 if self.config.budget == BudgetSpec::Auto {
                     // The budget follows pressure (see `state::start_following`), up to
