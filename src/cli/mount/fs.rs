@@ -131,7 +131,6 @@ impl Shared {
         graph: Option<Arc<GraphOrder>>,
         max_inflight: usize,
         readahead: u64,
-        passthrough_off: Option<String>,
     ) -> Self {
         let read_deadline = remote.policy.deadline + Duration::from_secs(2);
         Self {
@@ -150,7 +149,7 @@ impl Shared {
             read_errors: AtomicU64::new(0),
             said: Mutex::new(Default::default()),
             failed: Mutex::new(HashMap::new()),
-            passthrough_off: Mutex::new(passthrough_off),
+            passthrough_off: Mutex::new(None),
             passthrough_opens: AtomicU64::new(0),
             fuse_opens: Default::default(),
         }

@@ -172,21 +172,6 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         });
     }
     let total: u64 = objects.iter().map(|o| o.info.size).sum();
-    let passthrough_off = if args.no_passthrough {
-        Some("--no-passthrough".to_string())
-    } else {
-        // The kernel opens the cache file with the program's flags, O_DIRECT included.
-        cache.opens_direct().err().map(|error| {
-            let why = format!(
-                "the cache directory {} refuses O_DIRECT ({error})",
-                args.cache_dir.display()
-            );
-            eprintln!(
-                "hyperoffload: mount: no FUSE passthrough: {why}; files are read through the mount"
-            );
-            why
-        })
-    };
     let shared = Arc::new(fs::Shared::new(
         objects,
         cache,
@@ -195,8 +180,16 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         graph.clone(),
         args.max_inflight as usize,
         args.readahead,
-        passthrough_off,
     ));
+    if args.no_passthrough {
+        shared.turn_passthrough_off("--no-passthrough".to_string());
+    } else if let Err(error) = shared.cache.opens_direct() {
+        // The kernel opens the cache file with the program's flags, O_DIRECT included.
+        shared.turn_passthrough_off(format!(
+            "the cache directory {} refuses O_DIRECT ({error})",
+            args.cache_dir.display()
+        ));
+    }
     if let Some(graph) = &graph {
         learn_passes(&shared, graph, &runtime, args.block);
     }
