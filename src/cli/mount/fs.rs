@@ -50,7 +50,8 @@ const PASSTHROUGH_FH: FileHandle = FileHandle(1);
 const FUSE_FH: FileHandle = FileHandle(2);
 
 /// How deep the cache directory's filesystem may be stacked for passthrough: 2 lets
-/// it be an overlayfs (a container's root); the kernel refuses more.
+/// it be an overlayfs (a container's root); the kernel refuses more. The price: the
+/// mount itself cannot be a layer of an overlayfs (nobody stacks a model mount).
 const MAX_STACK_DEPTH: u32 = 2;
 
 /// The open handles of one object, and the kernel's reference to its cache file once
