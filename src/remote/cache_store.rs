@@ -19,7 +19,9 @@
 //! program's mapping of it outlives the handle it came from (the kernel maps the cache
 //! file itself and releases the mount's handle), so no later moment is known at which
 //! the kernel stopped reading it. Only an object wholly present and CRC-checked in this
-//! mount is held, so every byte the kernel reads has passed its check.
+//! mount is held, so every byte the kernel reads has passed its check. Not covered: a
+//! mapping that outlives the mount (its program runs on after the unmount) reads the
+//! file still, and a later mount of the directory may evict those blocks under it.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
