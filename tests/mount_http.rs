@@ -312,7 +312,9 @@ fn reads_are_the_files_bytes_and_a_second_mount_fetches_nothing() {
     assert_eq!(stats["read_errors"], 0, "{log}");
     eprintln!("first mount: {gets} GETs, {get_bytes} bytes; {log}");
 
-    // A second mount with the same cache: nothing fetched (the HEADs only).
+    // A second mount with the same cache: nothing fetched (the HEADs only). Both
+    // objects are cached whole: once their blocks are checked, every open passes
+    // through to the cache file and no read reaches the mount, O_DIRECT ones included.
     let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &cache, &objects);
     assert!(
         read_all(&mount.file("model.gguf")) == big,
@@ -325,14 +327,92 @@ fn reads_are_the_files_bytes_and_a_second_mount_fetches_nothing() {
         sha256_python(&www.join("model.gguf")),
         "python's read"
     );
+    let blocks = |len: usize| (0..len.div_ceil(1 << 20) as u32).collect::<Vec<_>>();
+    read_pass(&mount.file("model.gguf"), &blocks(big.len()), 1 << 20, &big);
+    read_pass(
+        &mount.file("sub/odd.bin"),
+        &blocks(odd.len()),
+        1 << 20,
+        &odd,
+    );
     let (stats, log) = mount.stop();
     assert_eq!(stats["remote"]["gets"], 0, "{log}");
     assert_eq!(stats["remote"]["bytes"], 0, "{log}");
+    assert_eq!(stats["passthrough_opens"], 5, "{stats}\n{log}");
+    assert_eq!(stats["fuse_opens"]["total"], 0, "{stats}\n{log}");
+    assert_eq!(stats["reads"], 0, "reads reached the mount: {stats}\n{log}");
+    assert!(
+        log.contains("opens pass through to the cache file"),
+        "{log}"
+    );
     assert_eq!(
         nginx.gets(),
         (gets, get_bytes),
         "the server was asked for bytes again"
     );
+}
+
+/// An object that becomes cached whole while a handle reads it through the mount: opens
+/// beside that handle go through the mount too (the kernel refuses a passthrough open
+/// of an inode open in its cached mode, and the program would see EIO); once it is
+/// closed, the next opens pass through, for read(), O_DIRECT and mmap alike.
+#[test]
+fn a_file_cached_whole_passes_through_from_the_next_open_after_its_handles_close() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let tmp = TempDir::new("mount-passthrough");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    let bytes = random_file(&www.join("m.bin"), 8 * (1 << 20) + 4321, 11);
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let args = ["--object", "m.bin", "--block", "1M"];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &tmp.path("cache"), &args);
+    let first = File::open(mount.file("m.bin")).unwrap(); // nothing cached
+    let mut got = Vec::new();
+    (&first).read_to_end(&mut got).unwrap();
+    assert!(got == bytes, "first read differs");
+    // Cached whole now, but `first` is open through the mount.
+    let beside = File::open(mount.file("m.bin")).unwrap();
+    let mut buf = vec![0u8; 4096];
+    beside.read_exact_at(&mut buf, 5 << 20).unwrap();
+    assert!(buf == bytes[5 << 20..(5 << 20) + 4096]);
+    drop(first);
+    drop(beside);
+
+    let file = File::open(mount.file("m.bin")).unwrap(); // passes through
+    random_ranges(&mount.file("m.bin"), &bytes, 50, 12); // and so does this
+    let blocks: Vec<u32> = (0..bytes.len().div_ceil(1 << 20) as u32).collect();
+    read_pass(&mount.file("m.bin"), &blocks, 1 << 20, &bytes); // O_DIRECT
+                                                               // SAFETY: a read-only private mapping of a file nobody writes while it is mapped.
+    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    assert!(map[..] == bytes[..], "the mapping differs");
+    drop(map);
+    drop(file);
+    let (stats, log) = mount.stop();
+    assert_eq!(stats["passthrough_opens"], 3, "{stats}\n{log}");
+    assert_eq!(stats["fuse_opens"]["not_cached"], 1, "{stats}\n{log}");
+    assert_eq!(
+        stats["fuse_opens"]["open_through_fuse"], 1,
+        "{stats}\n{log}"
+    );
+    assert_eq!(stats["passthrough_off"], serde_json::Value::Null, "{log}");
+    assert_eq!(stats["read_errors"], 0, "{log}");
+    // Only the first two handles' reads reached the mount.
+    assert!(
+        stats["read_bytes"].as_u64().unwrap() <= bytes.len() as u64 + (1 << 20),
+        "{stats}"
+    );
+
+    // --no-passthrough: the same bytes, every open through the mount.
+    let args = ["--object", "m.bin", "--block", "1M", "--no-passthrough"];
+    let mount = Mount::start(&nginx.url(), &tmp.path("mnt"), &tmp.path("cache"), &args);
+    read_pass(&mount.file("m.bin"), &blocks, 1 << 20, &bytes);
+    let (stats, log) = mount.stop();
+    assert_eq!(stats["passthrough_opens"], 0, "{stats}\n{log}");
+    assert_eq!(stats["fuse_opens"]["off"], 1, "{stats}\n{log}");
+    assert_eq!(stats["passthrough_off"], "--no-passthrough", "{log}");
+    assert_eq!(stats["remote"]["bytes"], 0, "{log}");
 }
 
 #[test]
@@ -595,6 +675,38 @@ fn smollm2_through_the_mount_decodes_as_the_local_file() {
     let (stats, log) = mount.stop();
     eprintln!("mount: {log}");
     assert_eq!(stats["read_errors"], 0);
+    // The model was cached whole by then: at least `read_pass`'s open passed through.
+    assert!(stats["passthrough_opens"].as_u64().unwrap() >= 1, "{stats}");
+
+    // A second mount of the cache the first one filled (a warm cache tier): its blocks
+    // are checked at mount, then the program's opens and the pager's O_DIRECT one all
+    // pass through to the cache file. The same text, and no read reaches the mount.
+    let mount = Mount::start(
+        &nginx.url(),
+        &tmp.path("mnt"),
+        &tmp.path("cache"),
+        &["--object", "model.gguf"],
+    );
+    let warm_stats = tmp.path("warm-run-stats.json");
+    let output = under_run(&mount.file("model.gguf"), &warm_stats);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let (stats, log) = mount.stop();
+    assert_eq!(
+        text,
+        local,
+        "through a warm mount under the pager\n--- stderr:\n{}\n--- mount:\n{log}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let run = shim_support::read_stats(&warm_stats);
+    assert_eq!(run["direct_io"], true, "{run}");
+    assert!(run["bytes_read"].as_u64().unwrap() >= 90 << 20, "{run}");
+    assert!(
+        stats["passthrough_opens"].as_u64().unwrap() >= 2,
+        "the program's and the pager's opens: {stats}\n{log}"
+    );
+    assert_eq!(stats["fuse_opens"]["total"], 0, "{stats}\n{log}");
+    assert_eq!(stats["reads"], 0, "reads reached the mount: {stats}\n{log}");
+    assert_eq!(stats["remote"]["gets"], 0, "{log}");
 }
 
 /// Reads every block of `file` in the order of `pass` (block indices, `block` bytes

@@ -7,7 +7,8 @@
 #           cache tier and page cache dropped, --budget 50 %; against downloading the
 #           whole object (curl) and then running the same command on the local copy.
 #   decode  decode tok/s (llama's eval rate, -n $TOKENS) with the whole model in the
-#           cache tier, --budget 50 %, against the same command on the local file.
+#           cache tier, --budget 50 %, against the same command on the local file;
+#           MOUNT_ARGS (e.g. --no-passthrough) go to the mount of this part.
 #   fetch   bytes fetched from the remote per token with a cache tier of 50 % of the
 #           model at --budget $FETCH_BUDGET: the difference of two cold runs (-n 4 and
 #           -n $((4 + FETCH_TOKENS))) over FETCH_TOKENS, against model - budget - cache.
@@ -90,6 +91,15 @@ remote_bytes() {
   python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["remote"]["bytes"])' \
     "$work/mount-stats.json"
 }
+# How the mount's files were opened: with passthrough (the kernel reads the cache file)
+# or through the mount, and how long checking the warm cache tier's blocks took.
+opens() {
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))
+print("opens: %d with passthrough, %d through the mount %s; %d reads reached the mount"
+      % (s["passthrough_opens"], s["fuse_opens"]["total"], s["fuse_opens"], s["reads"]))' \
+    "$work/mount-stats.json"
+  grep -o 'checked in [0-9.]* s' "$work/mount.log" || true
+}
 
 # completion MODEL N BUDGET: runs llama-completion under the pager; its stderr is in
 # $work/llama.err, its text in $work/llama.out; prints the wall time.
@@ -156,12 +166,14 @@ if [[ ",$parts," == *,decode,* ]]; then
     for side in mount local; do
       [ $((round % 2)) = 0 ] && side=$([ "$side" = mount ] && echo local || echo mount)
       if [ "$side" = mount ]; then
-        mount_start "$work/cache-warm"
+        # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
+        mount_start "$work/cache-warm" ${MOUNT_ARGS:-}
         completion "$mnt/model.gguf" "$tokens" 50% >/dev/null
         mount_stop
         fetched="$(remote_bytes)"
         r="$(eval_rate)"; mounted+=("$r")
         echo "decode mount round $round: $r tok/s (remote bytes $fetched)"
+        opens
       else
         completion "$work/local.gguf" "$tokens" 50% >/dev/null
         r="$(eval_rate)"; local_+=("$r")

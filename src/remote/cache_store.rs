@@ -12,6 +12,16 @@
 //! bytes. Last-use ticks are kept in memory and written on `flush`.
 //!
 //! Blocks being read (`pin`) are never evicted, so a read never sees a punched hole.
+//!
+//! An object opened with FUSE passthrough is *held* (`hold`) from then until the cache
+//! is dropped: none of its blocks is evicted, punched or written again. The kernel
+//! reads its data file directly then, outside any read the cache could pin, and a
+//! program's mapping of it outlives the handle it came from (the kernel maps the cache
+//! file itself and releases the mount's handle), so no later moment is known at which
+//! the kernel stopped reading it. Only an object wholly present and CRC-checked in this
+//! mount is held, so every byte the kernel reads has passed its check. Not covered: a
+//! mapping that outlives the mount (its program runs on after the unmount) reads the
+//! file still, and a later mount of the directory may evict those blocks under it.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -25,6 +35,7 @@ use thiserror::Error;
 
 use super::cache_index::{self, Entry, Header, ENTRY_LEN};
 use super::eviction::{Candidate, EvictionOrder};
+use super::passthrough::Completeness;
 
 /// A cache directory that could not be used.
 #[derive(Debug, Error)]
@@ -89,6 +100,16 @@ impl Object {
         (start + self.header.block).min(self.header.size) - start
     }
 
+    fn completeness(&self) -> Completeness {
+        if !self.entries.iter().all(Entry::present) {
+            Completeness::Partial
+        } else if self.verified.iter().all(|&v| v) {
+            Completeness::Whole
+        } else {
+            Completeness::Unchecked
+        }
+    }
+
     fn write_entry(&self, block: u64) -> io::Result<()> {
         let entry = self.entries[block as usize].encode();
         self.index
@@ -99,6 +120,8 @@ impl Object {
 struct State {
     objects: Vec<Option<Object>>,
     pins: HashMap<(usize, u64), u32>,
+    /// Objects held whole (`Cache::hold`): never an eviction candidate, never dropped.
+    held: HashSet<usize>,
     /// Blocks a `store` is writing now. One store of a block at a time: two, with an
     /// eviction of the block between them, would leave the later one marking present
     /// a block whose bytes the eviction punched out (zeros served as data).
@@ -119,8 +142,24 @@ impl State {
             .expect("object removed while attached")
     }
 
+    fn pin(&mut self, object: usize, block: u64) {
+        *self.pins.entry((object, block)).or_default() += 1;
+    }
+
+    fn unpin(&mut self, object: usize, block: u64) {
+        let pins = self.pins.get_mut(&(object, block)).expect("not pinned");
+        *pins -= 1;
+        if *pins == 0 {
+            self.pins.remove(&(object, block));
+        }
+    }
+
     /// Drops a present block: entry cleared on disk first, then the bytes punched out.
     fn drop_block(&mut self, object: usize, block: u64) -> io::Result<()> {
+        assert!(
+            !self.held.contains(&object),
+            "a block of an object held whole would be dropped"
+        );
         let Some(entry) = self.objects[object].as_mut() else {
             return Ok(());
         };
@@ -169,6 +208,7 @@ impl Cache {
         let mut state = State {
             objects: Vec::new(),
             pins: HashMap::new(),
+            held: HashSet::new(),
             storing: HashSet::new(),
             tick: 0,
             stats: CacheStats {
@@ -296,7 +336,7 @@ impl Cache {
             let block_len = object.block_bytes(block);
             let start = block * object.header.block;
             let crc = object.entries[block as usize].crc;
-            *state.pins.entry((id.0, block)).or_default() += 1;
+            state.pin(id.0, block);
             (verify, data, block_len, start, crc)
         };
         assert!(
@@ -316,11 +356,7 @@ impl Cache {
             data.read_exact_at(buf, start + offset).map(|()| true)
         };
         let mut state = crate::lock::lock(&self.state);
-        let pins = state.pins.get_mut(&(id.0, block)).unwrap();
-        *pins -= 1;
-        if *pins == 0 {
-            state.pins.remove(&(id.0, block));
-        }
+        state.unpin(id.0, block);
         match result {
             Ok(true) => {
                 state.object(id).verified[block as usize] = true;
@@ -411,6 +447,9 @@ impl Cache {
             let mut candidates = Vec::new();
             for (index, object) in state.objects.iter().enumerate() {
                 let Some(object) = object else { continue };
+                if state.held.contains(&index) {
+                    continue;
+                }
                 for (block, entry) in object.entries.iter().enumerate() {
                     let block = block as u64;
                     if entry.present() && !state.pins.contains_key(&(index, block)) {
@@ -436,6 +475,88 @@ impl Cache {
         }
         state.stats.used_bytes += len;
         Ok(true)
+    }
+
+    /// What the cache holds of `id`: every block present and checked, present, or not.
+    pub fn completeness(&self, id: ObjectId) -> Completeness {
+        crate::lock::lock(&self.state).object(id).completeness()
+    }
+
+    /// Checks the CRC of every block of `id` not checked yet in this mount (as the first
+    /// `read` of each would), dropping one that fails it; stops at the first block
+    /// absent. What the cache holds of `id` after. Reads the whole object: slow.
+    pub fn check_all(&self, id: ObjectId) -> io::Result<Completeness> {
+        let blocks = crate::lock::lock(&self.state).object(id).entries.len() as u64;
+        let mut scratch = Vec::new();
+        for block in 0..blocks {
+            let (data, start, len, crc) = {
+                let mut state = crate::lock::lock(&self.state);
+                let object = state.object(id);
+                let entry = object.entries[block as usize];
+                if !entry.present() {
+                    return Ok(Completeness::Partial);
+                }
+                if object.verified[block as usize] {
+                    continue;
+                }
+                let found = (
+                    Arc::clone(&object.data),
+                    block * object.header.block,
+                    object.block_bytes(block),
+                    entry.crc,
+                );
+                state.pin(id.0, block);
+                found
+            };
+            scratch.resize(len as usize, 0);
+            let result = data
+                .read_exact_at(&mut scratch, start)
+                .map(|()| crc32fast::hash(&scratch) == crc);
+            let mut state = crate::lock::lock(&self.state);
+            state.unpin(id.0, block);
+            match result? {
+                true => state.object(id).verified[block as usize] = true,
+                false => {
+                    state.stats.corrupt_blocks += 1;
+                    state.drop_block(id.0, block)?;
+                    return Ok(Completeness::Partial);
+                }
+            }
+        }
+        Ok(self.completeness(id))
+    }
+
+    /// Holds `id` whole until the cache is dropped (see the module's comment) if every
+    /// block of it is present and checked; false (nothing held) if not.
+    pub fn hold(&self, id: ObjectId) -> bool {
+        let mut state = crate::lock::lock(&self.state);
+        let whole = state.object(id).completeness() == Completeness::Whole;
+        if whole {
+            state.held.insert(id.0);
+        }
+        whole
+    }
+
+    /// Whether `id` is held whole.
+    pub fn held(&self, id: ObjectId) -> bool {
+        crate::lock::lock(&self.state).held.contains(&id.0)
+    }
+
+    /// The data file of `id`: the file passthrough hands to the kernel.
+    pub fn data_file(&self, id: ObjectId) -> Arc<File> {
+        Arc::clone(&crate::lock::lock(&self.state).object(id).data)
+    }
+
+    /// Whether the cache directory's filesystem opens files with O_DIRECT: the kernel
+    /// opens the data file with the flags of the program's open under passthrough, so
+    /// one that refuses O_DIRECT would fail the pager's opens.
+    pub fn opens_direct(&self) -> io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(self.dir.join("v1").join("lock"))
+            .map(drop)
     }
 
     /// Writes every entry (the last-use ticks) to the index files.
@@ -627,6 +748,81 @@ mod tests {
         assert!(!cache.read(id, 0, 0, &mut buf).unwrap());
         assert_eq!(cache.stats().corrupt_blocks, 1);
         assert!(!cache.contains(id, 0));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn blocks_cached_by_an_earlier_mount_are_checked_before_the_object_is_whole() {
+        let dir = temp_dir("complete");
+        {
+            let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+            let id = cache.attach("m", "v", 10_000, 4096).unwrap();
+            assert_eq!(cache.completeness(id), Completeness::Partial);
+            assert!(!cache.hold(id), "a partial object is not held");
+            assert!(cache.store(id, 0, &block(0, 4096)).unwrap());
+            assert!(cache.store(id, 1, &block(1, 4096)).unwrap());
+            assert_eq!(cache.check_all(id).unwrap(), Completeness::Partial);
+            assert!(cache.store(id, 2, &block(2, 10_000 - 8192)).unwrap());
+            // Stored in this mount: checked as written.
+            assert_eq!(cache.completeness(id), Completeness::Whole);
+            cache.flush().unwrap();
+        }
+        let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v", 10_000, 4096).unwrap();
+        assert_eq!(cache.completeness(id), Completeness::Unchecked);
+        assert!(!cache.hold(id), "not before its blocks are checked");
+        let mut buf = [0u8; 10];
+        assert!(cache.read(id, 1, 0, &mut buf).unwrap()); // checks block 1
+        assert_eq!(cache.completeness(id), Completeness::Unchecked);
+        assert_eq!(cache.check_all(id).unwrap(), Completeness::Whole);
+        assert!(cache.hold(id) && cache.held(id));
+        assert!(cache.data_file(id).metadata().unwrap().len() == 10_000);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_bad_block_found_by_the_check_is_dropped_and_the_object_is_not_whole() {
+        let dir = temp_dir("check-bad");
+        {
+            let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+            let id = cache.attach("m", "v", 8192, 4096).unwrap();
+            assert!(cache.store(id, 0, &block(0, 4096)).unwrap());
+            assert!(cache.store(id, 1, &block(1, 4096)).unwrap());
+        }
+        let data = std::fs::read_dir(dir.join("v1"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "data"))
+            .unwrap();
+        let file = OpenOptions::new().write(true).open(&data).unwrap();
+        file.write_all_at(b"garbage", 4096 + 100).unwrap();
+        let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
+        let id = cache.attach("m", "v", 8192, 4096).unwrap();
+        assert_eq!(cache.check_all(id).unwrap(), Completeness::Partial);
+        assert_eq!(cache.stats().corrupt_blocks, 1);
+        assert!(!cache.contains(id, 1) && cache.contains(id, 0));
+        assert!(!cache.hold(id));
+        assert!(crate::lock::lock(&cache.state).pins.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_object_held_whole_is_never_evicted() {
+        let dir = temp_dir("held");
+        let cache = Cache::open(&dir, 3 * 4096, Box::new(Lru)).unwrap();
+        let held = cache.attach("held", "v", 2 * 4096, 4096).unwrap();
+        let other = cache.attach("other", "v", 4 * 4096, 4096).unwrap();
+        assert!(cache.store(held, 0, &block(0, 4096)).unwrap());
+        assert!(cache.store(held, 1, &block(1, 4096)).unwrap());
+        assert!(cache.hold(held));
+        // The held blocks are the least recently used, yet only the other object's
+        // block gives way; and when it is the only one, nothing more is stored.
+        assert!(cache.store(other, 0, &block(2, 4096)).unwrap());
+        assert!(cache.store(other, 1, &block(3, 4096)).unwrap());
+        assert!(!cache.contains(other, 0) && cache.contains(other, 1));
+        assert!(cache.contains(held, 0) && cache.contains(held, 1));
+        assert_eq!(cache.completeness(held), Completeness::Whole);
+        assert_eq!(cache.stats().evicted_blocks, 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

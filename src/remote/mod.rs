@@ -6,7 +6,8 @@
 //! version opened (`consistency`), the cache index's format (`cache_index`), the
 //! eviction order (`eviction`: least recently used, and `graph_eviction`: by the pass
 //! of a model, which `model_pass` reads from a GGUF header), the source's names
-//! (`source`) and the mount's tree (`tree`). `cache_store` keeps the cache files. The
+//! (`source`), the mount's tree (`tree`) and whether an open is answered with FUSE
+//! passthrough to the cache file (`passthrough`). `cache_store` keeps the cache files. The
 //! network (object_store) and FUSE (fuser) glue is the binary's, `src/cli/mount/`.
 
 pub mod aws_config;
@@ -17,6 +18,7 @@ pub mod consistency;
 pub mod eviction;
 pub mod graph_eviction;
 pub mod model_pass;
+pub mod passthrough;
 pub mod retry;
 pub mod source;
 pub mod tree;

@@ -5,6 +5,14 @@
 //! A read whose blocks are all cached is answered on the FUSE thread; any other goes to
 //! the tokio runtime and is answered from there (fuser replies may be sent from any
 //! thread), so many reads wait for the remote at once.
+//!
+//! An object wholly cached (every block present and CRC-checked in this mount) is
+//! opened with FUSE passthrough where the kernel allows it: the kernel then reads the
+//! cache tier's data file itself, `O_DIRECT` reads included, and no read of that handle
+//! reaches the mount (`hyperoffload::remote::passthrough` decides; `Cache::hold` keeps
+//! the file's bytes for the rest of the mount). Its version is the one seen at mount,
+//! as for every cached byte: a change on the remote is never seen through it, and never
+//! mixes versions.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -15,13 +23,14 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry,
-    ReplyOpen, Request,
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, Request,
 };
 use hyperoffload::remote::block_plan::BlockGrid;
 use hyperoffload::remote::cache_store::{Cache, ObjectId};
 use hyperoffload::remote::graph_eviction::GraphOrder;
+use hyperoffload::remote::passthrough::{open_mode, Completeness, OpenMode, Opens, Why};
 use hyperoffload::remote::tree::{Kind, Tree};
 use tokio::sync::{OnceCell, Semaphore};
 
@@ -35,6 +44,25 @@ const TTL: Duration = Duration::from_secs(3600);
 /// whole deadline more.
 const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
+/// The handle of an open answered with passthrough, and of one through the read path
+/// (told apart at release).
+const PASSTHROUGH_FH: FileHandle = FileHandle(1);
+const FUSE_FH: FileHandle = FileHandle(2);
+
+/// How deep the cache directory's filesystem may be stacked for passthrough: 2 lets
+/// it be an overlayfs (a container's root); the kernel refuses more. The price: the
+/// mount itself cannot be a layer of an overlayfs (nobody stacks a model mount).
+const MAX_STACK_DEPTH: u32 = 2;
+
+/// The open handles of one object, and the kernel's reference to its cache file once
+/// one was opened with passthrough (kept for the mount: every passthrough open of an
+/// inode must name the same backing file).
+#[derive(Default)]
+pub struct OpenState {
+    opens: Opens,
+    backing: Option<BackingId>,
+}
+
 /// One object of the mount.
 pub struct Served {
     pub info: ObjectInfo,
@@ -44,6 +72,11 @@ pub struct Served {
     pub changed: AtomicBool,
     /// Blocks whose cached bytes the kernel was asked to read ahead (once a mount).
     pub advised: Vec<AtomicBool>,
+    /// Its open handles; taken before the cache's lock, never after.
+    pub opens: Mutex<OpenState>,
+    /// Held while its cached blocks are CRC-checked, so that one check runs at a time
+    /// and later ones find the blocks checked.
+    pub checking: tokio::sync::Mutex<()>,
 }
 
 type Inflight = Arc<OnceCell<Result<Bytes, FetchError>>>;
@@ -72,6 +105,22 @@ pub struct Shared {
     said: Mutex<std::collections::HashSet<(usize, bool)>>,
     /// Blocks whose last fetch failed for good, and when.
     failed: Mutex<HashMap<(usize, u64), (Instant, FetchError)>>,
+    /// Why passthrough is off in this mount; None while it is on.
+    passthrough_off: Mutex<Option<String>>,
+    /// Opens answered with passthrough.
+    pub passthrough_opens: AtomicU64,
+    /// Opens answered through the read path, by `Why` (`why_index`).
+    pub fuse_opens: [AtomicU64; 4],
+}
+
+/// Where an open through the read path is counted, and its name in the stats.
+pub fn why_index(why: Why) -> (usize, &'static str) {
+    match why {
+        Why::Off => (0, "off"),
+        Why::NotCached => (1, "not_cached"),
+        Why::NotChecked => (2, "not_checked"),
+        Why::OpenThroughFuse => (3, "open_through_fuse"),
+    }
 }
 
 impl Shared {
@@ -101,7 +150,148 @@ impl Shared {
             read_errors: AtomicU64::new(0),
             said: Mutex::new(Default::default()),
             failed: Mutex::new(HashMap::new()),
+            passthrough_off: Mutex::new(None),
+            passthrough_opens: AtomicU64::new(0),
+            fuse_opens: Default::default(),
         }
+    }
+
+    /// Why passthrough is off in this mount, if it is.
+    pub fn passthrough_off(&self) -> Option<String> {
+        hyperoffload_lock(&self.passthrough_off).clone()
+    }
+
+    /// Turns passthrough off for the rest of the mount (opens answered with it stay),
+    /// saying why once.
+    pub fn turn_passthrough_off(&self, why: String) {
+        let mut off = hyperoffload_lock(&self.passthrough_off);
+        if off.is_none() {
+            eprintln!(
+                "hyperoffload: mount: no FUSE passthrough: {why}; files are read through the mount"
+            );
+            *off = Some(why);
+        }
+    }
+
+    /// Starts checking the cached blocks of every object cached whole by an earlier
+    /// mount, so that its first open can pass through without waiting long.
+    pub fn check_cached(self: &Arc<Self>) {
+        if self.passthrough_off().is_some() {
+            return;
+        }
+        for (object, served) in self.objects.iter().enumerate() {
+            if self.cache.completeness(served.cache) == Completeness::Unchecked {
+                let this = Arc::clone(self);
+                self.runtime.spawn(async move { this.check(object).await });
+            }
+        }
+    }
+
+    /// CRC-checks the blocks of `object` not checked yet in this mount (on a blocking
+    /// thread: it reads the whole object).
+    async fn check(self: &Arc<Self>, object: usize) {
+        let served = &self.objects[object];
+        let _one = served.checking.lock().await;
+        if self.cache.completeness(served.cache) != Completeness::Unchecked {
+            return;
+        }
+        let this = Arc::clone(self);
+        let id = served.cache;
+        let started = Instant::now();
+        let checked = tokio::task::spawn_blocking(move || this.cache.check_all(id)).await;
+        let name = &served.info.name;
+        match checked {
+            Ok(Ok(Completeness::Whole)) => eprintln!(
+                "hyperoffload: mount: {name}: every block cached, checked in {:.1} s: opens pass through to the cache file",
+                started.elapsed().as_secs_f64()
+            ),
+            Ok(Ok(_)) => eprintln!(
+                "hyperoffload: mount: {name}: a cached block failed its check (it is fetched again when read)"
+            ),
+            Ok(Err(error)) => {
+                eprintln!("hyperoffload: mount: {name}: checking its cached blocks: {error}")
+            }
+            Err(error) => {
+                eprintln!("hyperoffload: mount: {name}: checking its cached blocks: {error}")
+            }
+        }
+    }
+
+    /// Answers a read-only open of `object`: with passthrough to its cache file where
+    /// `open_mode` says so, else through the read path. Blocks cached but not checked
+    /// are checked first, on the runtime (so the FUSE thread goes on), the answer
+    /// waiting for it at most the read deadline (`may_check`: false once waited).
+    pub fn open(self: &Arc<Self>, object: usize, reply: ReplyOpen, may_check: bool) {
+        let served = &self.objects[object];
+        let mut guard = hyperoffload_lock(&served.opens);
+        let state: &mut OpenState = &mut guard;
+        let held = if state.opens.passthrough > 0 {
+            Completeness::Whole // held since its first passthrough open
+        } else {
+            self.cache.completeness(served.cache)
+        };
+        let available = self.passthrough_off().is_none();
+        let mut mode = open_mode(available, held, state.opens, may_check);
+        if mode == OpenMode::CheckFirst {
+            drop(guard);
+            let this = Arc::clone(self);
+            self.runtime.spawn(async move {
+                let deadline = this.read_deadline;
+                if tokio::time::timeout(deadline, this.check(object)).await.is_err() {
+                    eprintln!(
+                        "hyperoffload: mount: {}: its cached blocks are not checked after {:.1} s: this open is read through the mount",
+                        this.objects[object].info.name,
+                        deadline.as_secs_f64()
+                    );
+                }
+                this.open(object, reply, false);
+            });
+            return;
+        }
+        if mode == OpenMode::Passthrough {
+            if state.backing.is_none() {
+                let file = self.cache.data_file(served.cache);
+                match reply.open_backing(&*file) {
+                    Ok(backing) => state.backing = Some(backing),
+                    Err(error) => self.turn_passthrough_off(format!(
+                        "the kernel refused the cache file of {} as a backing file (FUSE_DEV_IOC_BACKING_OPEN: {error})",
+                        served.info.name
+                    )),
+                }
+            }
+            mode = match &state.backing {
+                // Held whole from the first passthrough open on: the kernel reads the
+                // file from then on, outside any read the cache could pin.
+                Some(backing) if state.opens.passthrough > 0 || self.cache.hold(served.cache) => {
+                    state.opens.passthrough += 1;
+                    self.passthrough_opens.fetch_add(1, Ordering::Relaxed);
+                    reply.opened_passthrough(PASSTHROUGH_FH, FopenFlags::empty(), backing);
+                    return;
+                }
+                // A block was evicted since it was looked at.
+                Some(_) => OpenMode::Fuse(Why::NotCached),
+                None => OpenMode::Fuse(Why::Off),
+            };
+        }
+        let OpenMode::Fuse(why) = mode else {
+            unreachable!("{mode:?} answered above");
+        };
+        state.opens.fuse += 1;
+        self.fuse_opens[why_index(why).0].fetch_add(1, Ordering::Relaxed);
+        // The object's version is fixed for the mount: the kernel may keep its pages
+        // across opens.
+        reply.opened(FUSE_FH, FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    /// The kernel released a handle of `object`.
+    pub fn release(&self, object: usize, fh: FileHandle) {
+        let mut state = hyperoffload_lock(&self.objects[object].opens);
+        let count = match fh {
+            PASSTHROUGH_FH => &mut state.opens.passthrough,
+            FUSE_FH => &mut state.opens.fuse,
+            _ => return,
+        };
+        *count = count.saturating_sub(1);
     }
 
     /// The bytes `bytes` of object `object`, from the cache where it has them, else
@@ -330,6 +520,25 @@ impl Filesystem for MountFs {
         while config.set_max_readahead(want).is_err() && want > 128 << 10 {
             want /= 2;
         }
+        if self.shared.passthrough_off().is_none() {
+            let offered = config
+                .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+                .map_err(|_| {
+                    "the kernel does not offer it (Linux 6.9 or newer, CONFIG_FUSE_PASSTHROUGH)"
+                        .to_string()
+                })
+                .and_then(|()| {
+                    config
+                        .set_max_stack_depth(MAX_STACK_DEPTH)
+                        .map(drop)
+                        .map_err(|most| {
+                            format!("the kernel allows a stacking depth of {most} at most")
+                        })
+                });
+            if let Err(why) = offered {
+                self.shared.turn_passthrough_off(why);
+            }
+        }
         Ok(())
     }
 
@@ -353,18 +562,32 @@ impl Filesystem for MountFs {
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         match self.tree.node(ino.0).map(|n| &n.kind) {
-            Some(Kind::File(_)) => {
+            Some(Kind::File(object)) => {
                 if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
                     reply.error(Errno::EROFS);
                 } else {
-                    // The object's version is fixed for the mount: the kernel may keep
-                    // its pages across opens.
-                    reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+                    self.shared.open(*object, reply, true);
                 }
             }
             Some(Kind::Dir(_)) => reply.error(Errno::EISDIR),
             None => reply.error(Errno::ENOENT),
         }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if let Some(Kind::File(object)) = self.tree.node(ino.0).map(|n| &n.kind) {
+            self.shared.release(*object, fh);
+        }
+        reply.ok();
     }
 
     fn read(

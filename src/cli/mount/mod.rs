@@ -21,6 +21,7 @@ use hyperoffload::remote::consistency::version_key;
 use hyperoffload::remote::eviction::{EvictionOrder, Lru};
 use hyperoffload::remote::graph_eviction::GraphOrder;
 use hyperoffload::remote::model_pass::{ModelPass, Parse};
+use hyperoffload::remote::passthrough::Why;
 use hyperoffload::remote::retry::RetryPolicy;
 use hyperoffload::remote::source::{check_name, Source};
 use hyperoffload::remote::tree::Tree;
@@ -71,6 +72,11 @@ pub struct MountArgs {
     /// Let other users read the mount (FUSE's allow_other).
     #[arg(long)]
     allow_other: bool,
+    /// Never open a file with FUSE passthrough: every read goes through the mount, even
+    /// of an object wholly cached (by default the kernel reads those from the cache
+    /// file itself, Linux 6.9 or newer, as root).
+    #[arg(long)]
+    no_passthrough: bool,
     /// Write what the mount did (remote requests and bytes, cache hits, evictions) as
     /// JSON to this file when it ends.
     #[arg(long)]
@@ -161,6 +167,8 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             cache: id,
             changed: AtomicBool::new(false),
             advised: (0..blocks).map(|_| AtomicBool::new(false)).collect(),
+            opens: Default::default(),
+            checking: Default::default(),
         });
     }
     let total: u64 = objects.iter().map(|o| o.info.size).sum();
@@ -173,9 +181,19 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         args.max_inflight as usize,
         args.readahead,
     ));
+    if args.no_passthrough {
+        shared.turn_passthrough_off("--no-passthrough".to_string());
+    } else if let Err(error) = shared.cache.opens_direct() {
+        // The kernel opens the cache file with the program's flags, O_DIRECT included.
+        shared.turn_passthrough_off(format!(
+            "the cache directory {} refuses O_DIRECT ({error})",
+            args.cache_dir.display()
+        ));
+    }
     if let Some(graph) = &graph {
         learn_passes(&shared, graph, &runtime, args.block);
     }
+    shared.check_cached();
     let filesystem = fs::MountFs {
         tree,
         shared: Arc::clone(&shared),
@@ -276,9 +294,11 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     shared.cache.flush().context("writing the cache index")?;
     let summary = summary(&shared);
     eprintln!(
-        "hyperoffload: unmounted {}{}: {} reads ({}), {} failed; remote: {} GETs ({}), {} retries; cache: {} hit, {} stored, {} evicted, holds {}",
+        "hyperoffload: unmounted {}{}: opens: {} with passthrough, {} through the mount; {} reads ({}), {} failed; remote: {} GETs ({}), {} retries; cache: {} hit, {} stored, {} evicted, holds {}",
         args.dir.display(),
         signal.map(|s| format!(" on {s}")).unwrap_or_default(),
+        summary["passthrough_opens"],
+        summary["fuse_opens"]["total"],
         summary["reads"],
         format_size(summary["read_bytes"].as_u64().unwrap_or(0)),
         summary["read_errors"],
@@ -346,7 +366,26 @@ fn learn_passes(
 fn summary(shared: &fs::Shared) -> serde_json::Value {
     let remote = &shared.remote.stats;
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let mut fuse_opens = serde_json::Map::new();
+    let mut total = 0;
+    for why in [
+        Why::Off,
+        Why::NotCached,
+        Why::NotChecked,
+        Why::OpenThroughFuse,
+    ] {
+        let (index, name) = fs::why_index(why);
+        let count = load(&shared.fuse_opens[index]);
+        total += count;
+        fuse_opens.insert(name.to_string(), count.into());
+    }
+    fuse_opens.insert("total".to_string(), total.into());
     serde_json::json!({
+        // Opens the kernel reads from the cache file itself: their reads are in none
+        // of the counts below.
+        "passthrough_opens": load(&shared.passthrough_opens),
+        "passthrough_off": shared.passthrough_off(),
+        "fuse_opens": fuse_opens,
         "reads": load(&shared.reads),
         "read_bytes": load(&shared.read_bytes),
         "read_errors": load(&shared.read_errors),
