@@ -49,21 +49,35 @@ usage() {
 # ---------------------------------------------------------------------------------------
 # Packages
 
-install_packages() {
-  local missing=() pkg
+missing_packages() {
+  local pkg
   for pkg in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
-      missing+=("$pkg")
+      echo "$pkg"
   done
+}
+
+install_packages() {
+  local missing
+  mapfile -t missing < <(missing_packages)
   ((${#missing[@]})) || return 0
   [ "$(id -u)" -eq 0 ] || die "need root to install ${missing[*]} (or install them yourself)"
-  log "installing ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  # apt's lists may be absent on a fresh image; update only when the install fails.
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  }
+  # Tests start several clusters at once: one installs, the others wait for it and then
+  # find nothing missing (dpkg's own lock fails at once rather than wait).
+  exec 7>"${TMPDIR:-/tmp}/hyperoffload-ceph-install.lock"
+  flock -w 1800 7 || die "another install of ${missing[*]} did not finish within 30 min"
+  mapfile -t missing < <(missing_packages)
+  if ((${#missing[@]})); then
+    log "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    local apt=(apt-get -o DPkg::Lock::Timeout=600)
+    # apt's lists may be absent on a fresh image; update only when the install fails.
+    "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
+      "${apt[@]}" update -qq >/dev/null
+      "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    }
+  fi
+  exec 7>&-
 }
 
 # ---------------------------------------------------------------------------------------
