@@ -6,8 +6,12 @@
 //! end one of them); the following budget gives memory back as the hog takes it, and
 //! takes it again once the hog is gone.
 //!
+//! The same with llama-completion decoding a 1 GiB model beside the hog: the text is
+//! the plain run's and tokens keep coming while the hog holds its memory.
+//!
 //! No timing is asserted: how fast the budget fell is a figure for
-//! `tools/pressure-bench.sh`. The waits are bounded only so that a hang fails.
+//! `tools/pressure-bench.sh`, how fast decoding recovered one for
+//! `tools/pressure-decode.sh`. The waits are bounded only so that a hang fails.
 
 mod common;
 mod shim_support;
@@ -25,6 +29,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::TempDir;
+use shim_support::llama;
 use shim_support::*;
 
 const MIB: u64 = 1 << 20;
@@ -68,7 +73,11 @@ held.clear()
 "#;
 
 fn cgroup_or_skip(name: &str) -> Option<cgroup::MemoryCgroup> {
-    match cgroup::MemoryCgroup::create(name, Some(LIMIT)) {
+    cgroup_of_or_skip(name, LIMIT)
+}
+
+fn cgroup_of_or_skip(name: &str, limit: u64) -> Option<cgroup::MemoryCgroup> {
+    match cgroup::MemoryCgroup::create(name, Some(limit)) {
         Ok(cgroup) => Some(cgroup),
         Err(error) if skip_allowed() => {
             eprintln!("skipped: {error}");
@@ -221,6 +230,153 @@ fn the_budget_gives_memory_back_to_a_hog_and_takes_it_again_after() {
     );
     assert!(before_hog > LIMIT / 2);
     assert!(cgroup.peak_bytes().unwrap() <= LIMIT);
+    drop(cgroup);
+}
+
+/// The llama test's cgroup: a 1 GiB model and llama.cpp's own buffers (a context of 512
+/// tokens) fit in it beside nothing; beside a hog of 60 % a fixed budget of the model
+/// would not.
+const LLAMA_LIMIT: u64 = 1536 * MIB;
+const LLAMA_HOG: u64 = LLAMA_LIMIT / 10 * 6;
+/// Tokens generated: enough that the decode outlasts the hog and its aftermath.
+const LLAMA_TOKENS: u32 = 256;
+/// Tokens written before the hog starts.
+const TOKENS_BEFORE_HOG: usize = 16;
+
+/// llama-completion decoding a 1 GiB model under `hyperoffload run` (no `--budget`)
+/// while a hog takes 60 % of their cgroup and then exits: nobody is OOM-killed, tokens
+/// keep coming beside the hog, the budget falls below what the hog leaves and grows back
+/// after it, and the text is the plain run's. No rate is asserted (that is
+/// `tools/pressure-decode.sh`'s figure).
+#[test]
+fn llama_decodes_beside_a_hog_and_its_budget_comes_back() {
+    let Some((bin, small)) = llama::llama_and_model() else {
+        return;
+    };
+    let Some(cgroup) = cgroup_of_or_skip(
+        &format!("hyperoffload-test-llama-hog-{}", std::process::id()),
+        LLAMA_LIMIT,
+    ) else {
+        return;
+    };
+    let dir = TempDir::new("launcher-pressure-llama");
+    let model = dir.path("model.gguf");
+    let synth = Command::new(LAUNCHER)
+        .args(["synth", "--like"])
+        .arg(&small)
+        .args(["--size", "1G", "--type", "Q8_0", "--out"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&synth, "synth");
+    // A small context: the program's KV cache is charged to the cgroup too.
+    let mut args = llama::greedy_completion_args(&model, LLAMA_TOKENS);
+    args.extend(["-c".to_string(), "512".to_string()]);
+    let completion = bin.join("llama-completion");
+    let plain = Command::new(&completion)
+        .args(&args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_success(&plain, "the plain run");
+
+    let stats = dir.path("stats.json");
+    let mut victim = launcher();
+    victim
+        .arg("--stats")
+        .arg(&stats)
+        .arg("--")
+        .arg(&completion)
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    in_cgroup(&mut victim, &cgroup);
+    let mut victim = victim.spawn().unwrap();
+    // Each write of the program's output, with its time: a token each, or a few.
+    let writes = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(Instant, Vec<u8>)>::new()));
+    let reader = {
+        let writes = std::sync::Arc::clone(&writes);
+        let mut out = victim.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 1 << 16];
+            loop {
+                match std::io::Read::read(&mut out, &mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => writes
+                        .lock()
+                        .unwrap()
+                        .push((Instant::now(), buffer[..n].to_vec())),
+                }
+            }
+        })
+    };
+    let victim_pid = victim.id() as i32;
+    wait_for("the first tokens", Duration::from_secs(180), || {
+        assert!(
+            !common::process_ended(victim_pid),
+            "the program ended before the hog"
+        );
+        writes.lock().unwrap().len() >= TOKENS_BEFORE_HOG
+    });
+
+    let hog_start = Instant::now();
+    let mut hog = Command::new(python());
+    hog.args(["-c", HOG_SCRIPT])
+        .args([
+            LLAMA_HOG.to_string(),
+            HOG_STEP.to_string(),
+            "0.3".to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    in_cgroup(&mut hog, &cgroup);
+    let hog = hog.spawn().unwrap().wait_with_output().unwrap();
+    let hog_end = Instant::now();
+    assert_success(&hog, "the hog");
+    assert!(
+        !common::process_ended(victim_pid),
+        "the program ended beside the hog: make LLAMA_TOKENS larger"
+    );
+
+    let output = wait_within(victim, Duration::from_secs(300))
+        .unwrap_or_else(|output| panic!("the program did not finish: {}", stderr(&output)));
+    reader.join().unwrap();
+    assert_success(&output, "llama-completion under the pager beside the hog");
+    assert_eq!(oom_kills(&cgroup), 0, "nobody is OOM-killed");
+    let writes = writes.lock().unwrap();
+    let text: Vec<u8> = writes.iter().flat_map(|(_, bytes)| bytes.clone()).collect();
+    assert_eq!(
+        String::from_utf8_lossy(&text),
+        stdout(&plain),
+        "the text differs from the plain run's"
+    );
+    let beside = (writes.iter())
+        .filter(|(at, _)| (hog_start..hog_end).contains(at))
+        .count();
+    assert!(beside > 0, "no token while the hog held its memory");
+
+    let json = read_stats(&stats);
+    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
+        .map(|point| point["bytes"].as_u64().unwrap())
+        .collect();
+    let lowest = *history.iter().min().unwrap();
+    let lowest_at = history.iter().position(|&bytes| bytes == lowest).unwrap();
+    assert!(
+        lowest <= LLAMA_LIMIT - LLAMA_HOG,
+        "never below {}: {history:?}",
+        LLAMA_LIMIT - LLAMA_HOG
+    );
+    assert!(
+        history[lowest_at..].iter().any(|&bytes| bytes > 2 * lowest),
+        "never grew back: {history:?}"
+    );
+    assert!(cgroup.peak_bytes().unwrap() <= LLAMA_LIMIT);
+    eprintln!(
+        "{} writes, {beside} beside the hog ({:.1} s); budget history {history:?}",
+        writes.len(),
+        (hog_end - hog_start).as_secs_f64()
+    );
     drop(cgroup);
 }
 
