@@ -125,6 +125,25 @@ fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The budget's values over the run, from the stats' `budget_history`.
+fn budget_history(stats: &serde_json::Value) -> Vec<u64> {
+    (stats["budget_history"].as_array().unwrap().iter())
+        .map(|point| point["bytes"].as_u64().unwrap())
+        .collect()
+}
+
+/// The budget fell to `floor` or below (what the hog left), and after its lowest rose
+/// to more than twice that again.
+fn assert_fell_below_and_grew_back(history: &[u64], floor: u64) {
+    let lowest = *history.iter().min().unwrap();
+    let lowest_at = history.iter().position(|&bytes| bytes == lowest).unwrap();
+    assert!(lowest <= floor, "never below {floor}: {history:?}");
+    assert!(
+        history[lowest_at..].iter().any(|&bytes| bytes > 2 * lowest),
+        "never grew back: {history:?}"
+    );
+}
+
 fn sha256_of(path: &Path) -> String {
     let output = Command::new(python())
         .args([
@@ -212,22 +231,10 @@ fn the_budget_gives_memory_back_to_a_hog_and_takes_it_again_after() {
 
     // The budget fell below what the hog left and rose again.
     let json = read_stats(&stats);
-    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
-        .map(|point| point["bytes"].as_u64().unwrap())
-        .collect();
+    let history = budget_history(&json);
     let start = history[0];
-    let lowest = *history.iter().min().unwrap();
-    let lowest_at = history.iter().position(|&bytes| bytes == lowest).unwrap();
     assert!(start > LIMIT / 2, "started at {start}: {history:?}");
-    assert!(
-        lowest <= LIMIT - HOG,
-        "never below {}: {history:?}",
-        LIMIT - HOG
-    );
-    assert!(
-        history[lowest_at..].iter().any(|&bytes| bytes > 2 * lowest),
-        "never grew back: {history:?}"
-    );
+    assert_fell_below_and_grew_back(&history, LIMIT - HOG);
     assert!(before_hog > LIMIT / 2);
     assert!(cgroup.peak_bytes().unwrap() <= LIMIT);
     drop(cgroup);
@@ -357,20 +364,8 @@ fn llama_decodes_beside_a_hog_and_its_budget_comes_back() {
     assert!(beside > 0, "no token while the hog held its memory");
 
     let json = read_stats(&stats);
-    let history: Vec<u64> = (json["budget_history"].as_array().unwrap().iter())
-        .map(|point| point["bytes"].as_u64().unwrap())
-        .collect();
-    let lowest = *history.iter().min().unwrap();
-    let lowest_at = history.iter().position(|&bytes| bytes == lowest).unwrap();
-    assert!(
-        lowest <= LLAMA_LIMIT - LLAMA_HOG,
-        "never below {}: {history:?}",
-        LLAMA_LIMIT - LLAMA_HOG
-    );
-    assert!(
-        history[lowest_at..].iter().any(|&bytes| bytes > 2 * lowest),
-        "never grew back: {history:?}"
-    );
+    let history = budget_history(&json);
+    assert_fell_below_and_grew_back(&history, LLAMA_LIMIT - LLAMA_HOG);
     assert!(cgroup.peak_bytes().unwrap() <= LLAMA_LIMIT);
     eprintln!(
         "{} writes, {beside} beside the hog ({:.1} s); budget history {history:?}",

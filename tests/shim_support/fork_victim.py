@@ -108,13 +108,7 @@ elif mode in ("outlive", "outlive-raw"):
         gone = os.getppid() != parent
         plain = open(path, "rb").read()
         page = 4096
-        differ = zeros = 0
-        for start in range(0, len(m), page):
-            got = m[start:start + page]
-            if got != plain[start:start + page]:
-                differ += 1
-                if got.count(0) == len(got):
-                    zeros += 1
+        differ, zeros = check_pages(m, plain, page)
         print("outlived", "parent-gone" if gone else "parent-alive", hashes(m), flush=True)
         print("pages", (len(m) + page - 1) // page, "differ", differ, "zeros", zeros, flush=True)
         os._exit(0)
