@@ -198,6 +198,7 @@ fn moe_request(target: u64, experts: u64, used: u64, ff_ratio: Option<f64>) -> S
             used,
             ff_ratio,
             skew: 2.0,
+            affinity: 0.0,
         }),
     }
 }
@@ -289,6 +290,78 @@ fn fine_grained_experts_are_narrow_and_bad_expert_counts_are_refused() {
             .unwrap_err()
             .to_string();
         assert!(error.contains("expert"), "{experts}/{used}: {error}");
+    }
+}
+
+/// The routers of a model in layer order, as rows of floats.
+fn router_rows(
+    model: &GgufFile,
+    bytes: &[u8],
+    layers: u64,
+    experts: u64,
+    n_embd: u64,
+) -> Vec<Vec<Vec<f32>>> {
+    (0..layers)
+        .map(|i| {
+            let router = model
+                .tensor(&format!("blk.{i}.ffn_gate_inp.weight"))
+                .unwrap();
+            let start = (model.data_offset + router.offset) as usize;
+            bytes[start..start + (n_embd * experts * 4) as usize]
+                .chunks_exact(n_embd as usize * 4)
+                .map(|row| {
+                    row.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn correlation(a: &[f32], b: &[f32]) -> f64 {
+    let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| f64::from(p * q)).sum::<f64>();
+    dot(a, b) / (dot(a, a) * dot(b, b)).sqrt()
+}
+
+/// With router affinity every expert's router row has a predecessor in the layer
+/// before that it follows by the affinity; without, none. Out-of-range affinities are
+/// refused.
+#[test]
+fn router_affinity_relates_each_layer_to_the_one_before() {
+    let Some(small) = small() else { return };
+    let request = |affinity: f32| {
+        let mut request = moe_request(96 << 20, 8, 2, None);
+        if let Some(moe) = request.moe.as_mut() {
+            moe.affinity = affinity;
+        }
+        request
+    };
+    for (affinity, expected) in [(0.0f32, 0.0f64), (0.7, 0.7)] {
+        let plan = synth::plan_request(&small, &request(affinity)).unwrap();
+        let bytes = synth::write(&plan, Vec::new(), 3, |_| {}).unwrap();
+        let model = GgufFile::parse(&bytes).unwrap();
+        let s = plan.shape;
+        assert!(s.n_layer >= 2);
+        let routers = router_rows(&model, &bytes, s.n_layer, 8, s.n_embd);
+        for pair in routers.windows(2) {
+            for row in &pair[1] {
+                let best = pair[0]
+                    .iter()
+                    .map(|before| correlation(row, before))
+                    .fold(f64::MIN, f64::max);
+                assert!(
+                    (best - expected).abs() < 0.15,
+                    "affinity {affinity}: best correlation {best}"
+                );
+            }
+        }
+    }
+    for affinity in [-0.1, 1.5, f32::NAN] {
+        let error = synth::plan_request(&small, &request(affinity))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("router affinity"), "{affinity}: {error}");
     }
 }
 

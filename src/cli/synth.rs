@@ -56,6 +56,12 @@ pub struct SynthArgs {
     /// 0 about evenly; each layer favours different experts.
     #[arg(long, requires = "experts", default_value_t = 2.0)]
     router_skew: f32,
+    /// How much each layer's router follows the layer before it (with --experts), 0
+    /// to 1: 0 makes each layer's picks independent of the last; higher makes tokens
+    /// that pick an expert in one layer tend to pick its successor in the next, as
+    /// trained routers do.
+    #[arg(long, requires = "experts", default_value_t = 0.0)]
+    router_affinity: f32,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -100,6 +106,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             used: args.experts_used,
             ff_ratio: args.expert_ff_ratio,
             skew: args.router_skew,
+            affinity: args.router_affinity,
         }),
     };
     let plan = synth::plan_request(&small, &request).with_context(|| {

@@ -25,7 +25,21 @@ pub enum Fill {
     /// more for some experts than for others, and top-k picks those more often: expert
     /// popularity is skewed, differently in each layer (each router has its own seed).
     /// Filled whole: the ranking spans every row.
-    Router { std: f32, skew: f32, row_len: u64 },
+    ///
+    /// With `affinity` above 0 the routers of consecutive layers are related: each row
+    /// of layer l + 1 (in a random matching of rows) takes `affinity` of its direction
+    /// from a row of layer l and the rest afresh (`RouterChain`). The residual stream
+    /// changes little from one layer's router to the next, so a token whose state
+    /// points along an expert's row in layer l tends to pick its successor in l + 1.
+    /// Each row keeps its predecessor's scale: popularity follows the chain, and which experts
+    /// are popular still differs per layer (the matching is random).
+    Router {
+        std: f32,
+        skew: f32,
+        affinity: f32,
+        layer: u32,
+        row_len: u64,
+    },
 }
 
 /// The f16 bit pattern nearest to `x` (round to nearest even); values below the
@@ -129,9 +143,12 @@ pub fn fill(ty: GgmlType, what: Fill, buf: &mut [u8], rng: &mut SmallRng) {
         (GgmlType::F64, Fill::Weight { std }) => {
             floats(buf, 8, std, rng, |x| f64::from(x).to_le_bytes().to_vec())
         }
-        (GgmlType::F32, Fill::Router { std, skew, row_len }) => {
-            router(buf, std, skew, row_len, rng)
-        }
+        (
+            GgmlType::F32,
+            Fill::Router {
+                std, skew, row_len, ..
+            },
+        ) => router(buf, std, skew, row_len, rng),
         // Integer tensors hold indices or counts, not weights: zeros are valid.
         (GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64, _) => buf.fill(0),
         // A quantized "constant" (never produced by the planner) gets weight data.
@@ -156,6 +173,89 @@ fn router(buf: &mut [u8], std: f32, skew: f32, row_len: u64, rng: &mut SmallRng)
         };
         let scale = (skew * (0.5 - position)).exp();
         floats(row, 4, std * scale, rng, |x| x.to_le_bytes().to_vec());
+    }
+}
+
+/// Routers with affinity between consecutive layers (see `Fill::Router`), made layer
+/// by layer: each layer's rows follow the directions of the layer made before it.
+pub struct RouterChain {
+    /// The previous layer's row directions (elements of unit variance, before the
+    /// row's scale and the router's `std`).
+    directions: Vec<Vec<f32>>,
+    /// The previous layer's rows' ranks of scale.
+    ranks: Vec<usize>,
+}
+
+impl RouterChain {
+    pub fn new() -> Self {
+        Self {
+            directions: Vec::new(),
+            ranks: Vec::new(),
+        }
+    }
+
+    /// The next layer's router as f32 bytes: `rows` rows of `row_len` elements. The
+    /// first layer made (or one whose shape differs from the one before) is drawn
+    /// afresh.
+    pub fn next_layer(
+        &mut self,
+        rows: usize,
+        row_len: usize,
+        std: f32,
+        skew: f32,
+        affinity: f32,
+        rng: &mut SmallRng,
+    ) -> Vec<u8> {
+        let mut ranks: Vec<usize> = (0..rows).collect();
+        ranks.shuffle(rng);
+        let mut predecessors: Vec<usize> = (0..rows).collect();
+        predecessors.shuffle(rng);
+        let follows = affinity > 0.0
+            && self.directions.len() == rows
+            && self.directions.iter().all(|row| row.len() == row_len);
+        if follows {
+            // A row keeps its predecessor's scale: an expert whose predecessor was
+            // popular is popular too, and its logits spread as its predecessor's did,
+            // so the token that picked one picks the other. Which experts are popular
+            // still differs per layer (the matching is random).
+            ranks = predecessors.iter().map(|&p| self.ranks[p]).collect();
+        }
+        let (kept, fresh) = if follows {
+            (affinity, (1.0 - affinity * affinity).max(0.0).sqrt())
+        } else {
+            (0.0, 1.0)
+        };
+        // Uniform on [-a, a] has unit variance for a = sqrt(3); the sum of two
+        // independent unit-variance parts weighed kept^2 + fresh^2 = 1 has it too.
+        let a = 3f32.sqrt();
+        let mut directions = Vec::with_capacity(rows);
+        let mut bytes = Vec::with_capacity(rows * row_len * 4);
+        for row in 0..rows {
+            let position = if rows > 1 {
+                ranks[row] as f32 / (rows - 1) as f32
+            } else {
+                0.5
+            };
+            let scale = std * (skew * (0.5 - position)).exp();
+            let before = follows.then(|| &self.directions[predecessors[row]]);
+            let direction: Vec<f32> = (0..row_len)
+                .map(|i| {
+                    let x: f32 = rng.gen_range(-a..=a);
+                    fresh * x + before.map_or(0.0, |b| kept * b[i])
+                })
+                .collect();
+            bytes.extend(direction.iter().flat_map(|d| (d * scale).to_le_bytes()));
+            directions.push(direction);
+        }
+        self.directions = directions;
+        self.ranks = ranks;
+        bytes
+    }
+}
+
+impl Default for RouterChain {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -286,6 +386,58 @@ fn quantized(ty: GgmlType, std: f32, buf: &mut [u8], rng: &mut SmallRng) {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    fn rows(bytes: &[u8], row_len: usize) -> Vec<Vec<f32>> {
+        bytes
+            .chunks_exact(row_len * 4)
+            .map(|row| {
+                row.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn correlation(a: &[f32], b: &[f32]) -> f32 {
+        let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| p * q).sum::<f32>();
+        dot(a, b) / (dot(a, a) * dot(b, b)).sqrt()
+    }
+
+    #[test]
+    fn chained_routers_follow_the_layer_before_by_their_affinity() {
+        let (experts, row_len) = (8, 512);
+        let mut rng = SmallRng::seed_from_u64(5);
+        let mut chain = RouterChain::new();
+        let first = rows(
+            &chain.next_layer(experts, row_len, 0.1, 2.0, 0.8, &mut rng),
+            row_len,
+        );
+        let second = rows(
+            &chain.next_layer(experts, row_len, 0.1, 2.0, 0.8, &mut rng),
+            row_len,
+        );
+        // Each row of the second layer has one predecessor it correlates with at about
+        // the affinity, and keeps its scale; the others it does not correlate with.
+        for row in &second {
+            let mut by_correlation: Vec<(f32, &Vec<f32>)> =
+                first.iter().map(|f| (correlation(row, f), f)).collect();
+            by_correlation.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let (best, predecessor) = by_correlation[0];
+            assert!((best - 0.8).abs() < 0.08, "{best}");
+            assert!(by_correlation[1].0.abs() < 0.2, "{}", by_correlation[1].0);
+            let norm = |r: &[f32]| r.iter().map(|x| x * x).sum::<f32>().sqrt();
+            let ratio = norm(row) / norm(predecessor);
+            assert!((ratio - 1.0).abs() < 0.1, "scale kept: {ratio}");
+        }
+        // Without affinity a layer is drawn afresh.
+        let third = rows(
+            &chain.next_layer(experts, row_len, 0.1, 2.0, 0.0, &mut rng),
+            row_len,
+        );
+        for row in &third {
+            assert!(second.iter().all(|s| correlation(row, s).abs() < 0.2));
+        }
+    }
 
     #[test]
     fn f16_conversion_round_trips_small_values() {

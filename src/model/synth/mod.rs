@@ -7,6 +7,7 @@ mod fill;
 mod metadata;
 mod plan;
 
+use std::collections::HashMap;
 use std::io::{self, Write};
 
 use rand::rngs::SmallRng;
@@ -19,7 +20,7 @@ pub use plan::{
 };
 
 use crate::model::ggml_type::GgmlType;
-use crate::model::gguf::{GgufWriteError, GgufWriter};
+use crate::model::gguf::{GgufWriteError, GgufWriter, NewTensor};
 
 /// The order tensors are written in. Real converters differ, and the order decides
 /// how far apart in the file the tensors of one step are.
@@ -76,6 +77,41 @@ fn tensor_seed(seed: u64, name: &str) -> u64 {
     })
 }
 
+/// The routers with affinity between layers (`Fill::Router`), by name: made in layer
+/// order, whatever order the file has, each from its own tensor's seed. Small: a
+/// router is experts x n_embd floats.
+fn chained_routers(plan: &SynthPlan, seed: u64) -> HashMap<String, Vec<u8>> {
+    let mut routers: Vec<(u32, &NewTensor, f32, f32, f32, u64)> = plan
+        .tensors
+        .iter()
+        .filter_map(|tensor| match plan.fills.get(&tensor.name) {
+            Some(&Fill::Router {
+                std,
+                skew,
+                affinity,
+                layer,
+                row_len,
+            }) if affinity > 0.0 && tensor.ggml_type == GgmlType::F32 => {
+                Some((layer, tensor, std, skew, affinity, row_len))
+            }
+            _ => None,
+        })
+        .collect();
+    routers.sort_by_key(|&(layer, ..)| layer);
+    let mut chain = fill::RouterChain::new();
+    routers
+        .into_iter()
+        .map(|(_, tensor, std, skew, affinity, row_len)| {
+            let row_len = row_len.max(1) as usize;
+            let elements: u64 = tensor.dims.iter().product();
+            let rows = elements as usize / row_len;
+            let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &tensor.name));
+            let bytes = chain.next_layer(rows, row_len, std, skew, affinity, &mut rng);
+            (tensor.name.clone(), bytes)
+        })
+        .collect()
+}
+
 /// Writes the planned model to `out`, calling `progress` with the bytes of tensor data
 /// written so far. Streams: memory use is one chunk whatever the model size.
 pub fn write<W: Write>(
@@ -87,6 +123,7 @@ pub fn write<W: Write>(
     let mut writer = GgufWriter::new(out, &plan.metadata, plan.tensors.clone(), plan.alignment)?;
     let mut buf = vec![0u8; CHUNK];
     let mut done = 0u64;
+    let mut chained = chained_routers(plan, seed);
     let placed_tensors = writer.tensors().to_vec();
     for (new, placed) in plan.tensors.iter().zip(placed_tensors) {
         let what = plan
@@ -94,6 +131,20 @@ pub fn write<W: Write>(
             .get(&new.name)
             .copied()
             .unwrap_or(Fill::Weight { std: 0.02 });
+        if let Some(bytes) = chained.remove(&new.name) {
+            if bytes.len() as u64 != placed.size {
+                return Err(SynthError::Unsupported(format!(
+                    "router {} holds {} bytes, not the {} planned",
+                    new.name,
+                    bytes.len(),
+                    placed.size
+                )));
+            }
+            writer.write_data(&bytes)?;
+            done += placed.size;
+            progress(done);
+            continue;
+        }
         let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &new.name));
         // Whole blocks per chunk, so each chunk is valid data on its own. A router's
         // rows share one random ranking, so it is made in one piece (it is small:

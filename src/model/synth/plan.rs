@@ -117,6 +117,9 @@ const GLOBAL_EXEC_ORDER: &[&str] = &[
     "output.weight",
 ];
 
+/// The token embedding's element spread in a model whose routers have affinity.
+const AFFINE_EMBEDDING_STD: f32 = 4.0;
+
 /// A mixture of experts in place of each layer's feed-forward network, as llama.cpp
 /// runs it for the llama architecture (Mixtral's layout): a router `ffn_gate_inp` and
 /// the merged expert tensors `ffn_{gate,up,down}_exps`, expert index outermost.
@@ -134,6 +137,13 @@ pub struct MoeSpec {
     /// the log of its rows' scales (see `Fill::Router`). 0 gives every expert about the
     /// same share.
     pub skew: f32,
+    /// How much each layer's router follows the one before it (see `Fill::Router`),
+    /// 0 to 1: 0 draws every layer's router afresh, so which experts a token picks in
+    /// one layer says nothing of the next; above 0, each expert of layer l + 1 has a
+    /// predecessor in layer l whose router row it shares this part of, so tokens that
+    /// pick one tend to pick the other, as in trained routers (inter-layer expert
+    /// affinity).
+    pub affinity: f32,
 }
 
 impl MoeSpec {
@@ -166,6 +176,12 @@ impl MoeSpec {
             return Err(SynthError::Unsupported(format!(
                 "router skew {}: must be 0 to 8",
                 self.skew
+            )));
+        }
+        if !(self.affinity.is_finite() && (0.0..=1.0).contains(&self.affinity)) {
+            return Err(SynthError::Unsupported(format!(
+                "router affinity {}: must be 0 to 1",
+                self.affinity
             )));
         }
         Ok(())
@@ -695,7 +711,7 @@ fn tensors_in_exec_order(
 ) -> (Vec<NewTensor>, HashMap<String, Fill>) {
     let mut tensors = Vec::new();
     let mut fills = HashMap::new();
-    let mut add = |name: String, role: &str, ggml_type: GgmlType| {
+    let mut add = |name: String, role: &str, layer: u32, ggml_type: GgmlType| {
         let dims = shape.dims(role).unwrap_or_default();
         let what = if role.contains("norm") || role.starts_with("rope_freqs") {
             Fill::Constant(1.0)
@@ -703,7 +719,13 @@ fn tensors_in_exec_order(
             Fill::Router {
                 std: 1.0 / (shape.n_embd.max(1) as f32).sqrt(),
                 skew: moe.map_or(0.0, |moe| moe.skew),
+                affinity: moe.map_or(0.0, |moe| moe.affinity),
+                layer,
                 row_len: shape.n_embd,
+            }
+        } else if role == "token_embd.weight" && moe.is_some_and(|moe| moe.affinity > 0.0) {
+            Fill::Weight {
+                std: AFFINE_EMBEDDING_STD,
             }
         } else if role.ends_with(".bias") {
             Fill::Weight { std: 0.01 }
@@ -732,7 +754,7 @@ fn tensors_in_exec_order(
         .iter()
         .partition(|r| global_rank(&r.name) < 2);
     for role in before {
-        add(role.name.clone(), &role.name, role.types[0]);
+        add(role.name.clone(), &role.name, 0, role.types[0]);
     }
     let mut layer_roles = layer.to_vec();
     layer_roles.sort_by_key(|r| {
@@ -746,12 +768,13 @@ fn tensors_in_exec_order(
             add(
                 format!("blk.{i}.{}", role.name),
                 &role.name,
+                i as u32,
                 layer_type(role, i, shape.n_layer),
             );
         }
     }
     for role in after {
-        add(role.name.clone(), &role.name, role.types[0]);
+        add(role.name.clone(), &role.name, 0, role.types[0]);
     }
 
     (tensors, fills)
