@@ -152,6 +152,11 @@ pub struct Stats {
     /// demand paging because the program did not follow them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prediction: Option<crate::policy::ConfidenceSummary>,
+    /// For a mixture of experts under the graph policy: how well the experts a token
+    /// used in one layer predicted those of the next (co-activation), against
+    /// popularity alone, and whether eviction follows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub co_activation: Option<crate::policy::CoActivationSummary>,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

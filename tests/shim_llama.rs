@@ -616,6 +616,80 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     );
 }
 
+/// Issue 19: where the router has inter-layer affinity (`synth --router-affinity`), the
+/// graph policy learns from faults which experts of the next layer follow those a
+/// token used, predicts them better than popularity does (out of sample, as the run
+/// goes), lets eviction follow that, and saves the pairs beside the model for the next
+/// run, which starts from them. llama-bench decodes random tokens, so popularity alone
+/// cannot predict the next layer well.
+#[test]
+fn experts_that_run_together_are_learned_and_saved() {
+    let Some((bin, small)) = llama_and_model() else {
+        return;
+    };
+    let dir = TempDir::new("shim-llama-co-activation");
+    let model = dir.path("affine.gguf");
+    let synth = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .args(["synth", "--like"])
+        .arg(&small)
+        .args([
+            "--size",
+            "384M",
+            "--type",
+            "Q8_0",
+            "--experts",
+            "16",
+            "--experts-used",
+            "2",
+            "--router-affinity",
+            "0.9",
+        ])
+        .arg("--out")
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_success(&synth, "synth --router-affinity");
+    let counts = dir.path("affine.gguf.hyperoffload-experts");
+    for run in ["cold", "warm"] {
+        let stats = dir.path(&format!("stats-{run}.json"));
+        let output = launcher()
+            .args(["--budget", "25%", "--stats"])
+            .arg(&stats)
+            .arg("--")
+            .arg(bin.join("llama-bench"))
+            .arg("-m")
+            .arg(&model)
+            .args(["-p", "0", "-n", "32", "-t", "2", "-r", "1", "--repack", "0"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_success(&output, run);
+        let json = read_stats(&stats);
+        let co = &json["co_activation"];
+        let (hits, popular) = (
+            co["hits_co_activation"].as_f64().unwrap(),
+            co["hits_popularity"].as_f64().unwrap(),
+        );
+        eprintln!("{run}: co-activation {co}");
+        assert!(co["transitions"].as_u64().unwrap() >= 100, "{co}");
+        assert!(
+            hits >= popular + 0.15,
+            "{run}: co-activation predicted {hits} of the next layer's 2, popularity {popular}"
+        );
+        assert_eq!(co["in_use"], true, "{co}");
+        let saved = std::fs::read_to_string(&counts).unwrap();
+        let (_, saved) = hyperoffload::graph::expert_store::decode(&saved, &counts).unwrap();
+        assert!(saved.pairs.len() >= 32, "{} pairs saved", saved.pairs.len());
+        assert!(saved.experts.iter().any(|count| count.paired_tokens > 0.0));
+        let in_use = json["config"]["policy_in_use"].as_str().unwrap_or_default();
+        assert_eq!(
+            in_use.contains("experts from"),
+            run == "warm",
+            "{run}: {in_use}"
+        );
+    }
+}
+
 /// A model file named as Ollama names its blobs (`blobs/sha256-<hash>`, no extension) is
 /// served because it starts as a GGUF does: the same text, bytes read through the
 /// pager, no `--match` needed. A large file of another kind under such a name is not.

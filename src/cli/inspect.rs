@@ -16,7 +16,9 @@ use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedC
 use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
-use hyperoffload::policy::graph::expert_counts_from_faults;
+use hyperoffload::policy::graph::{
+    co_activation_from_faults, expert_counts_from_faults, CoActivationSummary,
+};
 use hyperoffload::size::format_size;
 use serde_json::json;
 
@@ -288,7 +290,11 @@ fn write_heat_map(args: &InspectArgs, graph: &ModelGraph, out: &Path) -> anyhow:
         );
     }
     let (counts, source) = match &args.trace {
-        Some(trace) => (expert_counts_of_trace(trace, &args.model)?, trace.clone()),
+        Some(trace) => {
+            let (counts, co_activation) = expert_counts_of_trace(trace, &args.model)?;
+            print_co_activation(&co_activation);
+            (counts, trace.clone())
+        }
         None => match expert_store::load(&args.model)? {
             LoadedCounts::Fresh { path, counts } => (counts, path),
             LoadedCounts::Stale { path, reason } => {
@@ -335,8 +341,31 @@ fn write_heat_map(args: &InspectArgs, graph: &ModelGraph, out: &Path) -> anyhow:
     Ok(())
 }
 
-/// Expert use counted from a demand trace recorded on `model`.
-fn expert_counts_of_trace(trace: &Path, model: &Path) -> anyhow::Result<ExpertCounts> {
+/// How predictable the trace's routing was from one layer to the next.
+fn print_co_activation(summary: &CoActivationSummary) {
+    println!(
+        "\n## co-activation\n\nOver {} transitions from one expert layer to the next, replayed \
+         in order as the pager learns them: of the {:.2} experts a token used in the next \
+         layer, {:.2} were among as many most likely given the experts it used in this one, \
+         {:.2} among the most popular; eviction {} co-activation at the end.",
+        summary.transitions,
+        summary.experts_per_transition,
+        summary.hits_co_activation,
+        summary.hits_popularity,
+        if summary.in_use {
+            "follows"
+        } else {
+            "does not follow"
+        }
+    );
+}
+
+/// Expert use counted from a demand trace recorded on `model`, and how well
+/// co-activation predicted it.
+fn expert_counts_of_trace(
+    trace: &Path,
+    model: &Path,
+) -> anyhow::Result<(ExpertCounts, CoActivationSummary)> {
     let mut workload = super::simulate::read_trace(trace, None)?;
     let graph = Arc::new(super::simulate::trace_model_graph(
         model,
@@ -348,7 +377,11 @@ fn expert_counts_of_trace(trace: &Path, model: &Path) -> anyhow::Result<ExpertCo
         .iter()
         .copied()
         .zip(workload.offsets.iter().map(|&offset| Some(offset)));
-    expert_counts_from_faults(&graph, faults).context("the model has no routed experts")
+    let counts = expert_counts_from_faults(&graph, faults.clone())
+        .context("the model has no routed experts")?;
+    let co_activation =
+        co_activation_from_faults(&graph, faults).context("the model has no routed experts")?;
+    Ok((counts, co_activation))
 }
 
 /// The routed experts as the pager sees them: how many per layer and per token, the

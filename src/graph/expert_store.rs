@@ -4,17 +4,21 @@
 //! be written, under `${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/learned/`.
 //!
 //! Small JSON: a format name and version, the key of the model file (as for learned
-//! graphs, see [`store`](super::store)), and per expert (layer, expert) the tokens in
-//! which it was seen used and the tokens it was observed over. A file whose key does
-//! not match the model is stale: reported, not used. A file that does not parse is an
-//! error, never a panic.
+//! graphs, see [`store`](super::store)), per expert (layer, expert) the tokens in
+//! which it was seen used and the tokens it was observed over, and the co-activation
+//! counts: per pair of experts of consecutive layers the tokens that used both, and per
+//! expert the tokens those pairs were counted over (version 2; a version 1 file has no
+//! pairs and is read as such). A file whose key does not match the model is stale:
+//! reported, not used. A file that does not parse is an error, never a panic.
 
 use std::path::{Path, PathBuf};
 
 use super::store::{decode_versioned, write_atomically, ModelKey, StoreError};
 
 const FORMAT: &str = "hyperoffload-experts";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// The version before co-activation counts, still read.
+const VERSION_WITHOUT_PAIRS: u32 = 1;
 const SUFFIX: &str = ".hyperoffload-experts";
 
 /// How often one expert was seen used.
@@ -26,12 +30,30 @@ pub struct ExpertCount {
     pub uses: f64,
     /// Tokens over which its use was observed (`uses` at most).
     pub tokens: f64,
+    /// Tokens in which it was counted as the first of co-activation pairs (see
+    /// `ExpertPair`).
+    #[serde(default)]
+    pub paired_tokens: f64,
+}
+
+/// How often a token used both `expert` of `layer` and `next_expert` of the next
+/// layer with experts, `next_layer`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertPair {
+    pub layer: u32,
+    pub expert: u32,
+    pub next_layer: u32,
+    pub next_expert: u32,
+    /// Tokens (at most the first expert's `paired_tokens`).
+    pub tokens: f64,
 }
 
 /// What was learned of a model's experts.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExpertCounts {
     pub experts: Vec<ExpertCount>,
+    #[serde(default)]
+    pub pairs: Vec<ExpertPair>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -40,6 +62,8 @@ struct FileBody {
     version: u32,
     model: ModelKey,
     experts: Vec<ExpertCount>,
+    #[serde(default)]
+    pairs: Vec<ExpertPair>,
 }
 
 /// The result of looking for saved counts.
@@ -85,6 +109,7 @@ pub fn encode(key: &ModelKey, counts: &ExpertCounts) -> String {
         version: VERSION,
         model: key.clone(),
         experts: counts.experts.clone(),
+        pairs: counts.pairs.clone(),
     };
     // Plain numbers and strings: serialising cannot fail.
     serde_json::to_string(&body).unwrap_or_default()
@@ -92,26 +117,43 @@ pub fn encode(key: &ModelKey, counts: &ExpertCounts) -> String {
 
 /// Parses a counts file's text; `path` only names it in errors.
 pub fn decode(text: &str, path: &Path) -> Result<(ModelKey, ExpertCounts), StoreError> {
-    let body: FileBody = decode_versioned(text, path, FORMAT, VERSION)?;
+    let body: FileBody = match decode_versioned(text, path, FORMAT, VERSION) {
+        Err(StoreError::UnsupportedVersion { found, .. }) if found == VERSION_WITHOUT_PAIRS => {
+            decode_versioned(text, path, FORMAT, VERSION_WITHOUT_PAIRS)?
+        }
+        other => other?,
+    };
+    let malformed = |reason: String| StoreError::Malformed {
+        path: path.to_path_buf(),
+        reason,
+    };
     for count in &body.experts {
         let sane = count.uses.is_finite()
             && count.tokens.is_finite()
+            && count.paired_tokens.is_finite()
             && count.uses >= 0.0
-            && count.uses <= count.tokens;
+            && count.uses <= count.tokens
+            && count.paired_tokens >= 0.0;
         if !sane {
-            return Err(StoreError::Malformed {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "layer {} expert {}: {} uses in {} tokens",
-                    count.layer, count.expert, count.uses, count.tokens
-                ),
-            });
+            return Err(malformed(format!(
+                "layer {} expert {}: {} uses in {} tokens, {} paired",
+                count.layer, count.expert, count.uses, count.tokens, count.paired_tokens
+            )));
+        }
+    }
+    for pair in &body.pairs {
+        if !(pair.tokens.is_finite() && pair.tokens >= 0.0) || pair.next_layer <= pair.layer {
+            return Err(malformed(format!(
+                "pair layer {} expert {} -> layer {} expert {}: {} tokens",
+                pair.layer, pair.expert, pair.next_layer, pair.next_expert, pair.tokens
+            )));
         }
     }
     Ok((
         body.model,
         ExpertCounts {
             experts: body.experts,
+            pairs: body.pairs,
         },
     ))
 }
@@ -187,15 +229,33 @@ mod tests {
                     expert: 3,
                     uses: 12.0,
                     tokens: 40.0,
+                    paired_tokens: 12.0,
                 },
                 ExpertCount {
                     layer: 1,
                     expert: 0,
                     uses: 0.5,
                     tokens: 7.25,
+                    paired_tokens: 0.0,
                 },
             ],
+            pairs: vec![ExpertPair {
+                layer: 0,
+                expert: 3,
+                next_layer: 1,
+                next_expert: 0,
+                tokens: 0.5,
+            }],
         }
+    }
+
+    #[test]
+    fn a_version_1_file_is_read_without_pairs() {
+        let text = r#"{"format":"hyperoffload-experts","version":1,"model":{"size":1,"mtime_ns":1,"head_hash":"0"},"experts":[{"layer":0,"expert":1,"uses":1,"tokens":2}]}"#;
+        let (_, counts) = decode(text, Path::new("x")).unwrap();
+        assert_eq!(counts.experts.len(), 1);
+        assert_eq!(counts.experts[0].paired_tokens, 0.0);
+        assert!(counts.pairs.is_empty());
     }
 
     #[test]
@@ -231,6 +291,10 @@ mod tests {
             (
                 r#"{"format":"hyperoffload-experts","version":1,"model":{"size":1,"mtime_ns":1,"head_hash":"0"},"experts":[{"layer":0,"expert":1,"uses":5,"tokens":2}]}"#,
                 "5 uses in 2 tokens",
+            ),
+            (
+                r#"{"format":"hyperoffload-experts","version":2,"model":{"size":1,"mtime_ns":1,"head_hash":"0"},"experts":[],"pairs":[{"layer":3,"expert":1,"next_layer":3,"next_expert":0,"tokens":1}]}"#,
+                "layer 3 expert 1 -> layer 3",
             ),
         ] {
             let error = decode(text, path).unwrap_err().to_string();

@@ -22,15 +22,17 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use self::co_activation::CoActivationSummary;
 pub use self::confidence::ConfidenceSummary;
 use self::confidence::{lands_as_planned, Confidence, Planned};
 use self::expert_use::ExpertUse;
 use self::streaming::{plan_streaming, StreamPlan};
 use super::{BlockRef, FaultEvent, RegionId, RegionInfo};
 use crate::geometry::BlockGeometry;
-use crate::graph::expert_store::{ExpertCount, ExpertCounts};
+use crate::graph::expert_store::{ExpertCount, ExpertCounts, ExpertPair};
 use crate::graph::{CyclicOrder, GraphSource, ModelGraph};
 
+mod co_activation;
 mod confidence;
 mod eviction;
 mod expert_blocks;
@@ -167,18 +169,34 @@ impl GraphPrediction {
             .experts
             .counts()
             .filter(|&(_, _, tokens)| tokens > 0.0);
+        let pairs = progress
+            .experts
+            .pairs()
+            .map(|pair| {
+                let (from, to) = (experts.group(pair.from), experts.group(pair.to));
+                ExpertPair {
+                    layer: from.layer,
+                    expert: from.expert,
+                    next_layer: to.layer,
+                    next_expert: to.expert,
+                    tokens: pair.tokens,
+                }
+            })
+            .collect();
         Some(ExpertCounts {
             experts: counts
-                .map(|(group, uses, tokens)| {
-                    let group = experts.group(group);
+                .map(|(id, uses, tokens)| {
+                    let group = experts.group(id);
                     ExpertCount {
                         layer: group.layer,
                         expert: group.expert,
                         uses: uses.min(tokens),
                         tokens,
+                        paired_tokens: progress.experts.pair_basis(id),
                     }
                 })
                 .collect(),
+            pairs,
         })
     }
 
@@ -194,11 +212,23 @@ impl GraphPrediction {
             .enumerate()
             .map(|(id, group)| ((group.layer, group.expert), id as u32))
             .collect();
+        let mut pairs: HashMap<u32, Vec<(u32, f64)>> = HashMap::new();
+        for pair in &counts.pairs {
+            let from = groups.get(&(pair.layer, pair.expert));
+            let to = groups.get(&(pair.next_layer, pair.next_expert));
+            if let (Some(&from), Some(&to)) = (from, to) {
+                pairs.entry(from).or_default().push((to, pair.tokens));
+            }
+        }
         let mut progress = self.lock();
         let mut matched = 0;
         for count in &counts.experts {
             if let Some(&group) = groups.get(&(count.layer, count.expert)) {
                 progress.experts.seed(group, count.uses, count.tokens);
+                let from_it = pairs.get(&group).map_or(&[][..], Vec::as_slice);
+                progress
+                    .experts
+                    .seed_pairs(group, count.paired_tokens, from_it);
                 matched += 1;
             }
         }
@@ -209,6 +239,12 @@ impl GraphPrediction {
     /// of the order prefetch leaves to demand paging now.
     pub fn confidence(&self) -> ConfidenceSummary {
         self.lock().confidence.summary()
+    }
+
+    /// How well co-activation predicts the next layer's experts; `None` for a model
+    /// without routed experts.
+    pub fn co_activation(&self) -> Option<CoActivationSummary> {
+        (!self.graph.experts().is_empty()).then(|| self.lock().experts.co_activation())
     }
 
     /// The streamed set chosen for the bound model (empty until a region binds).
@@ -346,14 +382,19 @@ impl Progress {
     }
 
     /// How many positions ahead the routed-expert block `global` is expected to be
-    /// used next: to its layer, then `1/p - 1` passes more (`p` its use per token), as
-    /// the expected wait of a block used with probability `p` each pass.
+    /// used next: to its layer (`d`), used there with probability `q`, else a pass more
+    /// for every `1/p` (`p` its use per token): `d + (1 - q) L / p` for a pass of `L`.
+    /// `q` is `p` but for the layers just ahead of the current token, where what the
+    /// token used in this layer tells more (`ExpertUse::this_token_probability`);
+    /// with `q = p` it is `d + L (1/p - 1)`, the expected wait of a block used with
+    /// probability `p` each pass.
     fn expected_next_use(&self, graph: &ModelGraph, global: u32) -> f64 {
         let groups = graph.experts().groups_of(global);
         if groups.iter().any(|&group| self.experts.reading_now(group)) {
             return 0.0;
         }
         let (probability, anchor) = self.expert_block_use(graph, global);
+        let this_token = self.experts.this_token_block_probability(groups);
         let order = graph.order();
         let to_layer = if order.is_empty() {
             0.0
@@ -366,7 +407,7 @@ impl Progress {
         if probability <= 0.0 {
             return f64::INFINITY;
         }
-        to_layer + order.len().max(1) as f64 * (1.0 / probability - 1.0)
+        to_layer + order.len().max(1) as f64 * (1.0 - this_token).max(0.0) / probability
     }
 
     /// Positions behind the cursor that a lagging thread may still be reading: back to
@@ -422,6 +463,28 @@ fn lag_behind(order: &CyclicOrder, from: u32, to: u32) -> Option<u32> {
 /// (a block shared with a tensor every token reads is in it) and in some expert group.
 fn is_routed_expert(graph: &ModelGraph, global: u32) -> bool {
     !graph.order().contains(global) && !graph.experts().groups_of(global).is_empty()
+}
+
+/// What co-activation learns from a demand trace (see `expert_counts_from_faults`):
+/// how well, replayed in order, it predicts each next layer's experts. `None` for a
+/// model without routed experts.
+pub fn co_activation_from_faults(
+    graph: &Arc<ModelGraph>,
+    faults: impl IntoIterator<Item = (u32, Option<u32>)>,
+) -> Option<CoActivationSummary> {
+    let prediction = GraphPrediction::new(Arc::clone(graph));
+    {
+        let mut progress = prediction.lock();
+        for (block, offset) in faults {
+            for group in progress
+                .experts_in_use(graph, block, offset)
+                .unwrap_or_default()
+            {
+                progress.experts.used(group);
+            }
+        }
+    }
+    prediction.co_activation()
 }
 
 /// How often each expert ran in a demand trace: `faults` are the blocks (and offsets in

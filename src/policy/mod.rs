@@ -29,7 +29,10 @@ mod readahead;
 mod recording;
 
 pub use fifo::FifoEviction;
-pub use graph::{graph_policies, ConfidenceSummary, GraphEviction, GraphPrediction, GraphPrefetch};
+pub use graph::{
+    graph_policies, CoActivationSummary, ConfidenceSummary, GraphEviction, GraphPrediction,
+    GraphPrefetch,
+};
 pub use lru::{ClockEviction, LruEviction};
 pub use readahead::{NoPrefetch, SequentialReadahead};
 pub use recording::RecordingEviction;
@@ -213,6 +216,12 @@ pub trait PrefetchPolicy: Send {
     /// For a policy that follows a prediction: how often the program landed where it
     /// said, and where the policy has stopped reading ahead because it did not.
     fn confidence(&self) -> Option<ConfidenceSummary> {
+        None
+    }
+
+    /// For a policy that learns which experts of a mixture run together: how well
+    /// that predicts the next layer's.
+    fn co_activation(&self) -> Option<CoActivationSummary> {
         None
     }
 }

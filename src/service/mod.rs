@@ -394,6 +394,7 @@ impl FaultService {
         stats.read_latency_us = self.read_latency.summary();
         stats.elapsed_s = self.start.elapsed().as_secs_f64();
         stats.prediction = self.prefetch.confidence();
+        stats.co_activation = self.prefetch.co_activation();
         let refused = self
             .regions
             .values()

@@ -108,9 +108,11 @@ mod tests {
             expert,
             uses,
             tokens: 10.0,
+            paired_tokens: 0.0,
         };
         let counts = ExpertCounts {
             experts: vec![count(0, 0, 10.0), count(0, 1, 0.0), count(1, 3, 5.0)],
+            pairs: Vec::new(),
         };
         let svg = expert_heat_map("m <1>", &counts);
         assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));

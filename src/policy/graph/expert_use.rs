@@ -19,6 +19,7 @@
 //!
 //! Pure bookkeeping over group and block numbers (see `graph::ExpertMap`).
 
+use super::co_activation::{CoActivation, CoActivationSummary, Pair};
 use crate::graph::ExpertMap;
 
 /// Tokens of prior belief: the prior counts as this many tokens of observation. A
@@ -85,6 +86,8 @@ pub struct ExpertUse {
     prior: f64,
     token: u64,
     last_layer: Option<u32>,
+    /// Which experts of the next layers the current token is likely to use.
+    co: CoActivation,
 }
 
 impl ExpertUse {
@@ -106,9 +109,11 @@ impl ExpertUse {
                 }
             })
             .collect();
+        let layers: Vec<u32> = map.groups().iter().map(|group| group.layer).collect();
         Self {
             groups,
-            layers: map.groups().iter().map(|group| group.layer).collect(),
+            co: CoActivation::new(&layers),
+            layers,
             prior: map.prior_use(),
             token: 0,
             last_layer: None,
@@ -175,7 +180,48 @@ impl ExpertUse {
                 use_.expose(token, token + 1);
             }
             use_.forget_old_history();
+            let mut co = std::mem::take(&mut self.co);
+            co.used(token, group, &|group| self.probability(group));
+            self.co = co;
         }
+    }
+
+    /// The probability that the current token uses `group` before it ends: from the
+    /// experts it used in the layer it is in (`CoActivation`) for the layers just
+    /// ahead, where that has been paying; else the expert's popularity (`probability`).
+    pub fn this_token_probability(&self, group: u32) -> f64 {
+        self.co
+            .this_token(group, self.token, &|group| self.probability(group))
+            .unwrap_or_else(|| self.probability(group))
+    }
+
+    /// `block_probability` for the rest of the current token.
+    pub fn this_token_block_probability(&self, groups: &[u32]) -> f64 {
+        1.0 - groups
+            .iter()
+            .map(|&group| 1.0 - self.this_token_probability(group))
+            .product::<f64>()
+    }
+
+    /// How well co-activation has predicted the next layer's experts.
+    pub fn co_activation(&self) -> CoActivationSummary {
+        self.co.summary()
+    }
+
+    /// The co-activation counts: every pair of experts of consecutive layers seen used
+    /// in one token, and per expert the tokens it was counted over as the first.
+    pub fn pairs(&self) -> impl Iterator<Item = Pair> + '_ {
+        self.co.pairs()
+    }
+
+    pub fn pair_basis(&self, group: u32) -> f64 {
+        self.co.basis(group)
+    }
+
+    /// Starts `group`'s co-activation counts from an earlier run's (see
+    /// `CoActivation::seed`).
+    pub fn seed_pairs(&mut self, group: u32, basis: f64, pairs: &[(u32, f64)]) {
+        self.co.seed(group, basis, pairs);
     }
 
     /// Whether `group` was seen in use in the current token.

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::co_activation::CoActivationSummary;
 use super::confidence::{ConfidenceSummary, Planned};
 use super::idle_fill::IdleFill;
 use super::{is_routed_expert, progress_steps, GraphPrediction, Progress};
@@ -198,6 +199,10 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn confidence(&self) -> Option<ConfidenceSummary> {
         Some(self.prediction.confidence())
+    }
+
+    fn co_activation(&self) -> Option<CoActivationSummary> {
+        self.prediction.co_activation()
     }
 
     fn device_bytes(&self) -> Option<u64> {

@@ -843,8 +843,10 @@ fn idle_fill_asks_for_the_most_used_experts_that_are_not_resident() {
                 expert: g.expert,
                 uses: uses(g.layer, g.expert),
                 tokens: 100.0,
+                paired_tokens: 0.0,
             })
             .collect(),
+        pairs: Vec::new(),
     };
     prefetch.prediction.seed_expert_counts(&counts);
     let (first, second) = (group_of(&graph, 3, 5), group_of(&graph, 7, 1));

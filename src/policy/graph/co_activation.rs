@@ -1,0 +1,573 @@
+//! Co-activation of experts in consecutive layers, learned from faults: which experts of
+//! layer l + 1 a token picks given those it picked in layer l.
+//!
+//! Trained routers are not independent from layer to layer: the residual stream changes
+//! little between two layers' routers, so a token that picks expert i in one layer picks
+//! some experts of the next far more often than their popularity alone says (inter-layer
+//! expert affinity). Knowing where the current token went in this layer then says which
+//! experts of the next layers it is likely to need, and eviction can keep those and let
+//! go of the ones it is unlikely to need before the token ends.
+//!
+//! Counted per pair of consecutive expert layers (*slots*): for each expert `i` the
+//! tokens in which it was seen used (`basis`), and for each expert `j` of the next slot
+//! the tokens in which both were (`pairs`). The estimate of `P(j | i)` shrinks toward
+//! `j`'s popularity `p_j` by `PRIOR_TOKENS`: `(pairs + w p_j) / (basis + w)`, so that
+//! with nothing learned the outlook is popularity. Given the experts seen in the current
+//! layer, a layer further ahead is reached by the chain `q' = q T / sum(q)` (which keeps
+//! `sum_j q'_j` at the experts a token picks when each row of `T` sums to them).
+//!
+//! The outlook is used only while it pays: every transition whose two layers were both
+//! seen whole is scored out of sample (the prediction is made before that token's pairs
+//! are counted), the conditional against popularity alone (Brier score, moving average),
+//! and the conditional is used only while it scores better. Routing with no affinity
+//! scores the same or worse and leaves popularity in charge.
+//!
+//! Pure bookkeeping over group numbers (see `graph::ExpertMap`).
+
+use std::cell::RefCell;
+
+/// Tokens of prior belief in each conditional: the popularity weighs as this many tokens
+/// of observed pairs.
+const PRIOR_TOKENS: f64 = 8.0;
+/// When an expert's basis reaches this many tokens its row is halved, so that routing
+/// that drifts is followed (as `expert_use` does with use counts).
+const HISTORY_TOKENS: f64 = 512.0;
+/// Counts from an earlier run weigh at most this many tokens.
+const SEED_TOKENS: f64 = 128.0;
+/// Weight of one transition in the moving scores.
+const SCORE_WEIGHT: f64 = 1.0 / 64.0;
+/// Transitions scored before the outlook may be used.
+const SCORED_BEFORE_USE: u32 = 32;
+/// How much better than popularity the conditional must score to be used.
+const SCORE_MARGIN: f64 = 0.98;
+/// Expert layers ahead the outlook reaches; beyond, the chain is all but popularity.
+const HORIZON: usize = 4;
+
+/// What the outlook is keyed by: it changes only when a use is counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OutlookKey {
+    token: u64,
+    slot: usize,
+    seen: usize,
+    version: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct CoActivation {
+    /// Per group: its slot (index into `slots`) and its index within the slot.
+    slot_of: Vec<(usize, usize)>,
+    /// Per slot (expert layers in order): its groups.
+    slots: Vec<Vec<u32>>,
+    /// Per group: tokens in which it was seen used, as the `from` of pairs.
+    basis: Vec<f64>,
+    /// Per slot but the last: row-major `slots[s].len() x slots[s + 1].len()`.
+    pairs: Vec<Vec<f64>>,
+    /// The token being counted and, per slot, the groups seen used in it.
+    token: u64,
+    seen: Vec<Vec<u32>>,
+    /// Slots of this token whose groups' basis is counted: a slot's is counted once the
+    /// token has left the slot after it, when the pairs from it are complete.
+    based: usize,
+    /// The slot of the latest counted use.
+    last_slot: Option<usize>,
+    /// The conditional prediction for a slot made when the token entered it (from the
+    /// slot before, seen whole), with popularity's: scored when the token leaves it.
+    pending: Option<Pending>,
+    score_conditional: f64,
+    score_popularity: f64,
+    scored: u32,
+    /// Over every scored transition: the experts the token used in the later layer,
+    /// and how many of them were among as many most likely by each prediction.
+    used_total: u64,
+    hits_conditional: u64,
+    hits_popularity: u64,
+    /// Bumped at every change of the counts or the scores.
+    version: u64,
+    outlook: RefCell<Option<(OutlookKey, Vec<f64>)>>,
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    token: u64,
+    slot: usize,
+    conditional: Vec<f64>,
+    popularity: Vec<f64>,
+}
+
+/// How well co-activation predicted the next layer's experts, for the stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CoActivationSummary {
+    /// Transitions from one expert layer to the next seen whole and judged.
+    pub transitions: u64,
+    /// Per transition: the experts the token used in the later layer.
+    pub experts_per_transition: f64,
+    /// Per transition: how many of them were among as many experts most likely given
+    /// the earlier layer's (co-activation), and by popularity alone.
+    pub hits_co_activation: f64,
+    pub hits_popularity: f64,
+    /// Whether eviction follows co-activation now: it has been scoring better.
+    pub in_use: bool,
+}
+
+/// One counted pair, for saving: `from` in layer `layer`, `to` in the next expert layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Pair {
+    pub from: u32,
+    pub to: u32,
+    pub tokens: f64,
+}
+
+impl CoActivation {
+    /// `layers`: each group's layer.
+    pub(super) fn new(layers: &[u32]) -> Self {
+        let mut distinct: Vec<u32> = layers.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); distinct.len()];
+        let mut slot_of = Vec::with_capacity(layers.len());
+        for (group, layer) in layers.iter().enumerate() {
+            let slot = distinct.binary_search(layer).unwrap_or(0);
+            slot_of.push((slot, slots[slot].len()));
+            slots[slot].push(group as u32);
+        }
+        let pairs = slots
+            .windows(2)
+            .map(|w| vec![0.0; w[0].len() * w[1].len()])
+            .collect();
+        Self {
+            basis: vec![0.0; layers.len()],
+            seen: vec![Vec::new(); slots.len()],
+            slot_of,
+            slots,
+            pairs,
+            ..Self::default()
+        }
+    }
+
+    /// A use of `group` counted in `token` (once per group and token, tokens never
+    /// going back). `popularity` is each group's use probability now.
+    pub(super) fn used(&mut self, token: u64, group: u32, popularity: &dyn Fn(u32) -> f64) {
+        let Some(&(slot, _)) = self.slot_of.get(group as usize) else {
+            return;
+        };
+        if token != self.token {
+            self.leave_slot();
+            self.count_basis(self.slots.len());
+            self.token = token;
+            self.seen.iter_mut().for_each(Vec::clear);
+            self.last_slot = None;
+            self.based = 0;
+        }
+        if self.last_slot.is_some_and(|last| slot > last) {
+            self.leave_slot();
+            // Slots before `slot - 1` have their successor behind the token now.
+            self.count_basis(slot.saturating_sub(1));
+        }
+        if self.last_slot != Some(slot) && self.seen[slot].is_empty() {
+            self.enter_slot(slot, popularity);
+        }
+        self.last_slot = Some(self.last_slot.map_or(slot, |last| last.max(slot)));
+        self.count(slot, group);
+        self.version += 1;
+    }
+
+    /// Counts `group`'s pairs with the groups seen in the slots either side this token.
+    fn count(&mut self, slot: usize, group: u32) {
+        let (_, index) = self.slot_of[group as usize];
+        if slot > 0 {
+            let width = self.slots[slot].len();
+            for &from in &self.seen[slot - 1] {
+                let (_, row) = self.slot_of[from as usize];
+                self.pairs[slot - 1][row * width + index] += 1.0;
+            }
+        }
+        if slot + 1 < self.slots.len() {
+            let width = self.slots[slot + 1].len();
+            let row = &mut self.pairs[slot][index * width..(index + 1) * width];
+            for &to in &self.seen[slot + 1] {
+                row[self.slot_of[to as usize].1] += 1.0;
+            }
+        }
+        self.seen[slot].push(group);
+    }
+
+    /// Counts the basis of the groups seen in this token's slots before `end` not
+    /// counted yet: a token in which a group was used counts once the token has been
+    /// seen in the next slot too (else it says nothing of the pairs).
+    fn count_basis(&mut self, end: usize) {
+        let end = end.min(self.slots.len().saturating_sub(1));
+        for slot in self.based..end {
+            if self.seen[slot + 1].is_empty() {
+                continue;
+            }
+            let width = self.slots[slot + 1].len();
+            for &group in &self.seen[slot] {
+                let (_, index) = self.slot_of[group as usize];
+                let basis = &mut self.basis[group as usize];
+                *basis += 1.0;
+                if *basis >= HISTORY_TOKENS {
+                    *basis /= 2.0;
+                    for count in &mut self.pairs[slot][index * width..(index + 1) * width] {
+                        *count /= 2.0;
+                    }
+                }
+            }
+        }
+        self.based = self.based.max(end);
+    }
+
+    /// The token enters `slot`: predicts it from the slot before, if that was seen in
+    /// this token, before any of this slot's pairs are counted.
+    fn enter_slot(&mut self, slot: usize, popularity: &dyn Fn(u32) -> f64) {
+        self.pending = None;
+        if slot == 0 || self.seen[slot - 1].is_empty() {
+            return;
+        }
+        let popular: Vec<f64> = self.slots[slot].iter().map(|&g| popularity(g)).collect();
+        let conditional = self.step(slot - 1, &indicator(&self.seen[slot - 1], self), &popular);
+        self.pending = Some(Pending {
+            token: self.token,
+            slot,
+            conditional,
+            popularity: popular,
+        });
+    }
+
+    /// The token leaves the slot of its latest use: scores the prediction made for it.
+    fn leave_slot(&mut self) {
+        let Some(pending) = self.pending.take() else {
+            return;
+        };
+        if pending.token != self.token || Some(pending.slot) != self.last_slot {
+            return;
+        }
+        let seen = &self.seen[pending.slot];
+        let brier = |predicted: &[f64]| -> f64 {
+            self.slots[pending.slot]
+                .iter()
+                .zip(predicted)
+                .map(|(group, &p)| {
+                    let y = if seen.contains(group) { 1.0 } else { 0.0 };
+                    (p - y) * (p - y)
+                })
+                .sum()
+        };
+        let (conditional, popularity) = (brier(&pending.conditional), brier(&pending.popularity));
+        let hits = |predicted: &[f64]| -> u64 {
+            let mut ranked: Vec<usize> = (0..predicted.len()).collect();
+            ranked.sort_by(|&a, &b| predicted[b].total_cmp(&predicted[a]));
+            let groups = &self.slots[pending.slot];
+            ranked[..seen.len().min(ranked.len())]
+                .iter()
+                .filter(|&&at| seen.contains(&groups[at]))
+                .count() as u64
+        };
+        self.used_total += seen.len() as u64;
+        self.hits_conditional += hits(&pending.conditional);
+        self.hits_popularity += hits(&pending.popularity);
+        if self.scored == 0 {
+            self.score_conditional = conditional;
+            self.score_popularity = popularity;
+        } else {
+            self.score_conditional += SCORE_WEIGHT * (conditional - self.score_conditional);
+            self.score_popularity += SCORE_WEIGHT * (popularity - self.score_popularity);
+        }
+        self.scored = self.scored.saturating_add(1);
+        self.version += 1;
+    }
+
+    /// One step of the chain: from the use probabilities `q` of slot `from`'s groups
+    /// (by index in the slot) to those of slot `from + 1`, given their popularity.
+    fn step(&self, from: usize, q: &[f64], popular: &[f64]) -> Vec<f64> {
+        let width = self.slots[from + 1].len();
+        let total: f64 = q.iter().sum();
+        if total <= 0.0 {
+            return popular.to_vec();
+        }
+        let mut next = vec![0.0; width];
+        for (row, &weight) in q.iter().enumerate() {
+            if weight <= 0.0 {
+                continue;
+            }
+            let group = self.slots[from][row] as usize;
+            let basis = self.basis[group];
+            let counts = &self.pairs[from][row * width..(row + 1) * width];
+            for ((out, &count), &p) in next.iter_mut().zip(counts).zip(popular) {
+                let conditional = (count + PRIOR_TOKENS * p) / (basis + PRIOR_TOKENS);
+                *out += weight * conditional.min(1.0);
+            }
+        }
+        next.iter_mut().for_each(|x| *x = (*x / total).min(1.0));
+        next
+    }
+
+    pub(super) fn summary(&self) -> CoActivationSummary {
+        let per = |count: u64| {
+            if self.scored == 0 {
+                0.0
+            } else {
+                count as f64 / f64::from(self.scored)
+            }
+        };
+        CoActivationSummary {
+            transitions: u64::from(self.scored),
+            experts_per_transition: per(self.used_total),
+            hits_co_activation: per(self.hits_conditional),
+            hits_popularity: per(self.hits_popularity),
+            in_use: self.pays(),
+        }
+    }
+
+    /// Whether the conditional outlook has scored better than popularity.
+    pub(super) fn pays(&self) -> bool {
+        self.scored >= SCORED_BEFORE_USE
+            && self.score_conditional < SCORE_MARGIN * self.score_popularity
+    }
+
+    /// The probability that the current token uses `group`, for a group in an expert
+    /// layer after the one the token is in (`current_layer`'s slot, seen through the
+    /// uses counted), within `HORIZON` layers; `None` elsewhere, or while the outlook
+    /// does not pay: popularity is the estimate there.
+    pub(super) fn this_token(
+        &self,
+        group: u32,
+        current_token: u64,
+        popularity: &dyn Fn(u32) -> f64,
+    ) -> Option<f64> {
+        let &(slot, index) = self.slot_of.get(group as usize)?;
+        let current = self.last_slot.filter(|_| self.token == current_token)?;
+        if slot <= current || slot > current + HORIZON || !self.pays() {
+            return None;
+        }
+        let key = OutlookKey {
+            token: self.token,
+            slot: current,
+            seen: self.seen[current].len(),
+            version: self.version,
+        };
+        let mut cache = self.outlook.borrow_mut();
+        if cache.as_ref().is_none_or(|(cached, _)| *cached != key) {
+            *cache = Some((key, self.outlook_from(current, popularity)));
+        }
+        let (_, outlook) = cache.as_ref()?;
+        let offset: usize = self.slots[current + 1..slot].iter().map(Vec::len).sum();
+        outlook.get(offset + index).copied()
+    }
+
+    /// The chain from the groups seen in slot `current` through `HORIZON` slots: the
+    /// slots' probabilities one after another, from slot `current + 1`.
+    fn outlook_from(&self, current: usize, popularity: &dyn Fn(u32) -> f64) -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut q = indicator(&self.seen[current], self);
+        for from in current..(current + HORIZON).min(self.slots.len() - 1) {
+            let popular: Vec<f64> = self.slots[from + 1]
+                .iter()
+                .map(|&g| popularity(g))
+                .collect();
+            q = self.step(from, &q, &popular);
+            out.extend_from_slice(&q);
+        }
+        out
+    }
+
+    /// Every counted pair, with the basis of its `from` (`basis`).
+    pub(super) fn pairs(&self) -> impl Iterator<Item = Pair> + '_ {
+        self.pairs
+            .iter()
+            .enumerate()
+            .flat_map(move |(from_slot, counts)| {
+                let width = self.slots[from_slot + 1].len();
+                counts
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &tokens)| tokens > 0.0)
+                    .map(move |(at, &tokens)| Pair {
+                        from: self.slots[from_slot][at / width],
+                        to: self.slots[from_slot + 1][at % width],
+                        tokens,
+                    })
+            })
+    }
+
+    pub(super) fn basis(&self, group: u32) -> f64 {
+        self.basis.get(group as usize).copied().unwrap_or(0.0)
+    }
+
+    /// Starts from an earlier run's counts: `group`'s basis, and the pairs from it,
+    /// scaled together to weigh at most `SEED_TOKENS` tokens. Pairs not from `group` to
+    /// a group of the next expert layer, or counted more often than the basis, are
+    /// ignored.
+    pub(super) fn seed(&mut self, group: u32, basis: f64, pairs: &[(u32, f64)]) {
+        let Some(&(slot, row)) = self.slot_of.get(group as usize) else {
+            return;
+        };
+        if !(basis.is_finite() && basis > 0.0) || slot + 1 >= self.slots.len() {
+            return;
+        }
+        let scale = (SEED_TOKENS / basis).min(1.0);
+        self.basis[group as usize] = basis * scale;
+        let width = self.slots[slot + 1].len();
+        for &(to, tokens) in pairs {
+            let Some(&(to_slot, column)) = self.slot_of.get(to as usize) else {
+                continue;
+            };
+            if to_slot == slot + 1 && tokens.is_finite() && (0.0..=basis).contains(&tokens) {
+                self.pairs[slot][row * width + column] = tokens * scale;
+            }
+        }
+        self.version += 1;
+    }
+}
+
+/// 1 for each group of `seen` at its index in its slot (all of one slot), else 0.
+fn indicator(seen: &[u32], co: &CoActivation) -> Vec<f64> {
+    let Some(&first) = seen.first() else {
+        return Vec::new();
+    };
+    let (slot, _) = co.slot_of[first as usize];
+    let mut q = vec![0.0; co.slots[slot].len()];
+    for &group in seen {
+        q[co.slot_of[group as usize].1] = 1.0;
+    }
+    q
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three layers of four experts: groups 0-3, 4-7, 8-11.
+    fn three_layers() -> CoActivation {
+        CoActivation::new(&[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    }
+
+    const QUARTER: &dyn Fn(u32) -> f64 = &|_| 0.25;
+
+    /// `tokens` tokens, each using one expert per layer as `route` picks by token.
+    fn run(co: &mut CoActivation, tokens: std::ops::Range<u64>, route: impl Fn(u64) -> [u32; 3]) {
+        for token in tokens {
+            for group in route(token) {
+                co.used(token, group, QUARTER);
+            }
+        }
+    }
+
+    #[test]
+    fn with_nothing_learned_the_outlook_is_popularity_and_unused() {
+        let mut co = three_layers();
+        co.used(0, 1, QUARTER);
+        assert!(!co.pays());
+        assert_eq!(co.this_token(5, 0, QUARTER), None);
+        // Even asked directly, the chain of an empty table is popularity.
+        let q = co.outlook_from(0, QUARTER);
+        assert!(q.iter().all(|&p| (p - 0.25).abs() < 1e-9), "{q:?}");
+    }
+
+    #[test]
+    fn a_chain_of_affine_experts_is_learned_scored_and_followed() {
+        let mut co = three_layers();
+        // Expert e of layer 0 is always followed by e in layer 1 and e in layer 2.
+        run(&mut co, 0..200, |t| {
+            let e = (t * 7 % 4) as u32;
+            [e, 4 + e, 8 + e]
+        });
+        assert!(
+            co.pays(),
+            "{} vs {}",
+            co.score_conditional,
+            co.score_popularity
+        );
+        let summary = co.summary();
+        assert_eq!(
+            summary.transitions,
+            2 * 200 - 1,
+            "the last token's second is still open"
+        );
+        assert!(summary.hits_co_activation > 0.9, "{summary:?}");
+        assert!(summary.hits_popularity < 0.5, "{summary:?}");
+        assert!(summary.in_use);
+        co.used(200, 2, QUARTER);
+        let next = co.this_token(6, 200, QUARTER).unwrap();
+        let other = co.this_token(5, 200, QUARTER).unwrap();
+        assert!(next > 0.85, "{next}");
+        assert!(other < 0.05, "{other}");
+        // Two layers ahead through the chain.
+        let far = co.this_token(10, 200, QUARTER).unwrap();
+        assert!(far > 0.75, "{far}");
+        // Behind or in the current layer: none.
+        assert_eq!(co.this_token(1, 200, QUARTER), None);
+        assert_eq!(co.this_token(6, 199, QUARTER), None);
+    }
+
+    #[test]
+    fn independent_routing_does_not_pay() {
+        let mut co = three_layers();
+        let mut state = 12345u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % 4) as u32
+        };
+        let routes: Vec<[u32; 3]> = (0..400).map(|_| [next(), 4 + next(), 8 + next()]).collect();
+        run(&mut co, 0..400, |t| routes[t as usize]);
+        assert!(co.scored > 300);
+        assert!(
+            !co.pays(),
+            "{} vs {}",
+            co.score_conditional,
+            co.score_popularity
+        );
+    }
+
+    #[test]
+    fn pairs_round_trip_through_seed() {
+        let mut co = three_layers();
+        run(&mut co, 0..10, |_| [0, 5, 10]);
+        let pairs: Vec<Pair> = co.pairs().collect();
+        assert_eq!(
+            pairs,
+            [
+                Pair {
+                    from: 0,
+                    to: 5,
+                    tokens: 10.0
+                },
+                Pair {
+                    from: 5,
+                    to: 10,
+                    tokens: 10.0
+                }
+            ]
+        );
+        // The open token's pairs are counted, its basis once the token is past layer 1.
+        assert_eq!(co.basis(0), 10.0);
+        assert_eq!(co.basis(5), 9.0);
+        let mut fresh = three_layers();
+        fresh.seed(0, co.basis(0), &[(5, 10.0), (9, 3.0), (6, 11.0)]);
+        assert_eq!(fresh.basis(0), 10.0);
+        let seeded: Vec<Pair> = fresh.pairs().collect();
+        assert_eq!(
+            seeded,
+            [Pair {
+                from: 0,
+                to: 5,
+                tokens: 10.0
+            }],
+            "wrong layer, too many: ignored"
+        );
+    }
+
+    #[test]
+    fn the_last_layer_has_no_outlook_and_a_new_token_starts_clean() {
+        let mut co = three_layers();
+        run(&mut co, 0..100, |t| {
+            let e = (t % 4) as u32;
+            [e, 4 + e, 8 + e]
+        });
+        co.used(100, 8, QUARTER);
+        assert_eq!(co.this_token(0, 100, QUARTER), None);
+        co.used(101, 3, QUARTER);
+        assert!(co.this_token(7, 101, QUARTER).unwrap() > 0.75);
+    }
+}
