@@ -8,7 +8,8 @@
 #           whole object (curl) and then running the same command on the local copy.
 #   decode  decode tok/s (llama's eval rate, -n $TOKENS) with the whole model in the
 #           cache tier, --budget 50 %, against the same command on the local file;
-#           MOUNT_ARGS (e.g. --no-passthrough) go to the mount of this part.
+#           MOUNT_ARGS (e.g. --no-passthrough, --max-get 2M) go to the mounts of this
+#           part and of ttft.
 #   fetch   bytes fetched from the remote per token with a cache tier of 50 % of the
 #           model at --budget $FETCH_BUDGET: the difference of two cold runs (-n 4 and
 #           -n $((4 + FETCH_TOKENS))) over FETCH_TOKENS, against model - budget - cache.
@@ -132,7 +133,8 @@ if [[ ",$parts," == *,ttft,* ]]; then
       drop_caches
       if [ "$side" = mount ]; then
         rm -rf "$work/cache-cold"
-        mount_start "$work/cache-cold"
+        # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
+        mount_start "$work/cache-cold" ${MOUNT_ARGS:-}
         t="$(completion "$mnt/model.gguf" 1 50%)"
         mount_stop
         mounted+=("$t")
