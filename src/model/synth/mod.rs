@@ -113,7 +113,8 @@ fn chained_routers(plan: &SynthPlan, seed: u64) -> HashMap<String, Vec<u8>> {
 }
 
 /// Writes the planned model to `out`, calling `progress` with the bytes of tensor data
-/// written so far. Streams: memory use is one chunk whatever the model size.
+/// written so far. Streams: memory use is one chunk whatever the model size, and the
+/// routers of a model with router affinity (`chained_routers`, made before the rest).
 pub fn write<W: Write>(
     plan: &SynthPlan,
     out: W,

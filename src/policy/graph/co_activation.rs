@@ -10,17 +10,22 @@
 //!
 //! Counted per pair of consecutive expert layers (*slots*): for each expert `i` the
 //! tokens in which it was seen used (`basis`), and for each expert `j` of the next slot
-//! the tokens in which both were (`pairs`). The estimate of `P(j | i)` shrinks toward
+//! the tokens in which both were (`pairs`). A pager hears of a use only when it faults,
+//! so a token's transition from one slot to the next counts only where the next slot
+//! was wholly observed: each of its experts seen used, or observable (not wholly
+//! resident, or watched) from the token's entry into the slot to its leaving it. An
+//! expert used silently would otherwise count as not following, and eviction would
+//! turn against the resident experts it cannot see. The estimate of `P(j | i)` shrinks toward
 //! `j`'s popularity `p_j` by `PRIOR_TOKENS`: `(pairs + w p_j) / (basis + w)`, so that
-//! with nothing learned the outlook is popularity. Given the experts seen in the current
-//! layer, a layer further ahead is reached by the chain `q' = q T / sum(q)` (which keeps
-//! `sum_j q'_j` at the experts a token picks when each row of `T` sums to them).
+//! with nothing learned the outlook is popularity. The outlook reaches the next expert
+//! layer only (`HORIZON`): the gate below judges one step, and what it has not judged is
+//! not used.
 //!
-//! The outlook is used only while it pays: every transition whose two layers were both
-//! seen whole is scored out of sample (the prediction is made before that token's pairs
-//! are counted), the conditional against popularity alone (Brier score, moving average),
-//! and the conditional is used only while it scores better. Routing with no affinity
-//! scores the same or worse and leaves popularity in charge.
+//! The outlook is used only while it pays: every transition whose later layer was
+//! wholly observed is scored out of sample (predicted when the token enters the layer,
+//! before that token is counted), the conditional against popularity alone (Brier
+//! score, moving average), and the conditional is used only while it scores better.
+//! Routing with no affinity scores the same or worse and leaves popularity in charge.
 //!
 //! Pure bookkeeping over group numbers (see `graph::ExpertMap`).
 
@@ -40,8 +45,8 @@ const SCORE_WEIGHT: f64 = 1.0 / 64.0;
 const SCORED_BEFORE_USE: u32 = 32;
 /// How much better than popularity the conditional must score to be used.
 const SCORE_MARGIN: f64 = 0.98;
-/// Expert layers ahead the outlook reaches; beyond, the chain is all but popularity.
-const HORIZON: usize = 4;
+/// Expert layers ahead the outlook reaches: as far as the gate judges (one step).
+const HORIZON: usize = 1;
 
 /// What the outlook is keyed by: it changes only when a use is counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,9 +70,12 @@ pub(super) struct CoActivation {
     /// The token being counted and, per slot, the groups seen used in it.
     token: u64,
     seen: Vec<Vec<u32>>,
-    /// Slots of this token whose groups' basis is counted: a slot's is counted once the
-    /// token has left the slot after it, when the pairs from it are complete.
+    /// Slots of this token whose transition to the next is counted (or passed over):
+    /// a transition counts once the token has left the later slot.
     based: usize,
+    /// Per slot: whether every group of it was observable when this token entered it
+    /// (the group entering excepted: its fault is what was seen).
+    observed_from_entry: Vec<bool>,
     /// The slot of the latest counted use.
     last_slot: Option<usize>,
     /// The conditional prediction for a slot made when the token entered it (from the
@@ -109,7 +117,7 @@ pub struct CoActivationSummary {
     pub in_use: bool,
 }
 
-/// One counted pair, for saving: `from` in layer `layer`, `to` in the next expert layer.
+/// One counted pair, for saving: `from` and `to` in consecutive expert layers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Pair {
     pub from: u32,
@@ -137,6 +145,7 @@ impl CoActivation {
         Self {
             basis: vec![0.0; layers.len()],
             seen: vec![Vec::new(); slots.len()],
+            observed_from_entry: vec![false; slots.len()],
             slot_of,
             slots,
             pairs,
@@ -145,71 +154,76 @@ impl CoActivation {
     }
 
     /// A use of `group` counted in `token` (once per group and token, tokens never
-    /// going back). `popularity` is each group's use probability now.
-    pub(super) fn used(&mut self, token: u64, group: u32, popularity: &dyn Fn(u32) -> f64) {
+    /// going back). `popularity` is each group's use probability now; `observable`
+    /// whether a use of a group would fault now (see the module's doc).
+    pub(super) fn used(
+        &mut self,
+        token: u64,
+        group: u32,
+        popularity: &dyn Fn(u32) -> f64,
+        observable: &dyn Fn(u32) -> bool,
+    ) {
         let Some(&(slot, _)) = self.slot_of.get(group as usize) else {
             return;
         };
         if token != self.token {
-            self.leave_slot();
-            self.count_basis(self.slots.len());
+            self.leave_slot(observable);
+            self.count_transitions(self.slots.len(), observable);
             self.token = token;
             self.seen.iter_mut().for_each(Vec::clear);
             self.last_slot = None;
             self.based = 0;
         }
         if self.last_slot.is_some_and(|last| slot > last) {
-            self.leave_slot();
-            // Slots before `slot - 1` have their successor behind the token now.
-            self.count_basis(slot.saturating_sub(1));
+            self.leave_slot(observable);
+            // Transitions into slots before `slot` are behind the token now.
+            self.count_transitions(slot.saturating_sub(1), observable);
         }
         if self.last_slot != Some(slot) && self.seen[slot].is_empty() {
+            self.observed_from_entry[slot] = self.slots[slot]
+                .iter()
+                .all(|&other| other == group || observable(other));
             self.enter_slot(slot, popularity);
         }
         self.last_slot = Some(self.last_slot.map_or(slot, |last| last.max(slot)));
-        self.count(slot, group);
+        self.seen[slot].push(group);
         self.version += 1;
     }
 
-    /// Counts `group`'s pairs with the groups seen in the slots either side this token.
-    fn count(&mut self, slot: usize, group: u32) {
-        let (_, index) = self.slot_of[group as usize];
-        if slot > 0 {
-            let width = self.slots[slot].len();
-            for &from in &self.seen[slot - 1] {
-                let (_, row) = self.slot_of[from as usize];
-                self.pairs[slot - 1][row * width + index] += 1.0;
-            }
-        }
-        if slot + 1 < self.slots.len() {
-            let width = self.slots[slot + 1].len();
-            let row = &mut self.pairs[slot][index * width..(index + 1) * width];
-            for &to in &self.seen[slot + 1] {
-                row[self.slot_of[to as usize].1] += 1.0;
-            }
-        }
-        self.seen[slot].push(group);
+    /// Whether this token's use of `slot` is known whole: observable from its entry,
+    /// and every group of it seen used or observable still.
+    fn wholly_observed(&self, slot: usize, observable: &dyn Fn(u32) -> bool) -> bool {
+        self.observed_from_entry[slot]
+            && self.slots[slot]
+                .iter()
+                .all(|group| self.seen[slot].contains(group) || observable(*group))
     }
 
-    /// Counts the basis of the groups seen in this token's slots before `end` not
-    /// counted yet: a token in which a group was used counts once the token has been
-    /// seen in the next slot too (else it says nothing of the pairs).
-    fn count_basis(&mut self, end: usize) {
+    /// Counts this token's transitions into the slots before `end + 1` not counted yet:
+    /// for each group seen in the earlier slot a token of basis, and a pair with each
+    /// seen in the later, where the later was wholly observed.
+    fn count_transitions(&mut self, end: usize, observable: &dyn Fn(u32) -> bool) {
         let end = end.min(self.slots.len().saturating_sub(1));
         for slot in self.based..end {
-            if self.seen[slot + 1].is_empty() {
+            if self.seen[slot].is_empty() || !self.wholly_observed(slot + 1, observable) {
                 continue;
             }
             let width = self.slots[slot + 1].len();
+            let columns: Vec<usize> = self.seen[slot + 1]
+                .iter()
+                .map(|&to| self.slot_of[to as usize].1)
+                .collect();
             for &group in &self.seen[slot] {
                 let (_, index) = self.slot_of[group as usize];
+                let row = &mut self.pairs[slot][index * width..(index + 1) * width];
+                for &column in &columns {
+                    row[column] += 1.0;
+                }
                 let basis = &mut self.basis[group as usize];
                 *basis += 1.0;
                 if *basis >= HISTORY_TOKENS {
                     *basis /= 2.0;
-                    for count in &mut self.pairs[slot][index * width..(index + 1) * width] {
-                        *count /= 2.0;
-                    }
+                    row.iter_mut().for_each(|count| *count /= 2.0);
                 }
             }
         }
@@ -233,12 +247,16 @@ impl CoActivation {
         });
     }
 
-    /// The token leaves the slot of its latest use: scores the prediction made for it.
-    fn leave_slot(&mut self) {
+    /// The token leaves the slot of its latest use: scores the prediction made for it,
+    /// if the slot was wholly observed.
+    fn leave_slot(&mut self, observable: &dyn Fn(u32) -> bool) {
         let Some(pending) = self.pending.take() else {
             return;
         };
-        if pending.token != self.token || Some(pending.slot) != self.last_slot {
+        if pending.token != self.token
+            || Some(pending.slot) != self.last_slot
+            || !self.wholly_observed(pending.slot, observable)
+        {
             return;
         }
         let seen = &self.seen[pending.slot];
@@ -370,7 +388,9 @@ impl CoActivation {
         out
     }
 
-    /// Every counted pair, with the basis of its `from` (`basis`).
+    /// Every counted pair of at least half a token (halving leaves the rest a trace
+    /// of no weight against the prior; dropping it keeps what is saved small). The
+    /// basis of each `from` is `basis`.
     pub(super) fn pairs(&self) -> impl Iterator<Item = Pair> + '_ {
         self.pairs
             .iter()
@@ -380,7 +400,7 @@ impl CoActivation {
                 counts
                     .iter()
                     .enumerate()
-                    .filter(|&(_, &tokens)| tokens > 0.0)
+                    .filter(|&(_, &tokens)| tokens >= 0.5)
                     .map(move |(at, &tokens)| Pair {
                         from: self.slots[from_slot][at / width],
                         to: self.slots[from_slot + 1][at % width],
@@ -395,8 +415,8 @@ impl CoActivation {
 
     /// Starts from an earlier run's counts: `group`'s basis, and the pairs from it,
     /// scaled together to weigh at most `SEED_TOKENS` tokens. Pairs not from `group` to
-    /// a group of the next expert layer, or counted more often than the basis, are
-    /// ignored.
+    /// a group of the next expert layer are ignored; one counted more often than the
+    /// basis counts as often.
     pub(super) fn seed(&mut self, group: u32, basis: f64, pairs: &[(u32, f64)]) {
         let Some(&(slot, row)) = self.slot_of.get(group as usize) else {
             return;
@@ -411,8 +431,8 @@ impl CoActivation {
             let Some(&(to_slot, column)) = self.slot_of.get(to as usize) else {
                 continue;
             };
-            if to_slot == slot + 1 && tokens.is_finite() && (0.0..=basis).contains(&tokens) {
-                self.pairs[slot][row * width + column] = tokens * scale;
+            if to_slot == slot + 1 && tokens.is_finite() && tokens >= 0.0 {
+                self.pairs[slot][row * width + column] = tokens.min(basis) * scale;
             }
         }
         self.version += 1;
@@ -442,12 +462,14 @@ mod tests {
     }
 
     const QUARTER: &dyn Fn(u32) -> f64 = &|_| 0.25;
+    /// Every group observable: nothing resident.
+    const ALL: &dyn Fn(u32) -> bool = &|_| true;
 
     /// `tokens` tokens, each using one expert per layer as `route` picks by token.
     fn run(co: &mut CoActivation, tokens: std::ops::Range<u64>, route: impl Fn(u64) -> [u32; 3]) {
         for token in tokens {
             for group in route(token) {
-                co.used(token, group, QUARTER);
+                co.used(token, group, QUARTER, ALL);
             }
         }
     }
@@ -455,7 +477,7 @@ mod tests {
     #[test]
     fn with_nothing_learned_the_outlook_is_popularity_and_unused() {
         let mut co = three_layers();
-        co.used(0, 1, QUARTER);
+        co.used(0, 1, QUARTER, ALL);
         assert!(!co.pays());
         assert_eq!(co.this_token(5, 0, QUARTER), None);
         // Even asked directly, the chain of an empty table is popularity.
@@ -486,14 +508,13 @@ mod tests {
         assert!(summary.hits_co_activation > 0.9, "{summary:?}");
         assert!(summary.hits_popularity < 0.5, "{summary:?}");
         assert!(summary.in_use);
-        co.used(200, 2, QUARTER);
+        co.used(200, 2, QUARTER, ALL);
         let next = co.this_token(6, 200, QUARTER).unwrap();
         let other = co.this_token(5, 200, QUARTER).unwrap();
         assert!(next > 0.85, "{next}");
         assert!(other < 0.05, "{other}");
-        // Two layers ahead through the chain.
-        let far = co.this_token(10, 200, QUARTER).unwrap();
-        assert!(far > 0.75, "{far}");
+        // Two layers ahead: beyond what the gate judges.
+        assert_eq!(co.this_token(10, 200, QUARTER), None);
         // Behind or in the current layer: none.
         assert_eq!(co.this_token(1, 200, QUARTER), None);
         assert_eq!(co.this_token(6, 199, QUARTER), None);
@@ -536,26 +557,54 @@ mod tests {
                 Pair {
                     from: 5,
                     to: 10,
-                    tokens: 10.0
+                    tokens: 9.0
                 }
             ]
         );
-        // The open token's pairs are counted, its basis once the token is past layer 1.
+        // The open token's transition into layer 1 is counted (it has left layer 1),
+        // into layer 2 not yet.
         assert_eq!(co.basis(0), 10.0);
         assert_eq!(co.basis(5), 9.0);
         let mut fresh = three_layers();
         fresh.seed(0, co.basis(0), &[(5, 10.0), (9, 3.0), (6, 11.0)]);
         assert_eq!(fresh.basis(0), 10.0);
         let seeded: Vec<Pair> = fresh.pairs().collect();
+        let pair = |to, tokens| Pair {
+            from: 0,
+            to,
+            tokens,
+        };
         assert_eq!(
             seeded,
-            [Pair {
-                from: 0,
-                to: 5,
-                tokens: 10.0
-            }],
-            "wrong layer, too many: ignored"
+            [pair(5, 10.0), pair(6, 10.0)],
+            "a pair into another layer is ignored, one above the basis counts as often"
         );
+    }
+
+    #[test]
+    fn a_layer_with_an_expert_that_could_be_used_unseen_is_not_counted() {
+        let mut co = three_layers();
+        // Group 6 of layer 1 is resident and unwatched: its use would not fault.
+        let unseen: &dyn Fn(u32) -> bool = &|group| group != 6;
+        for token in 0..50 {
+            for group in [0, 4, 8] {
+                co.used(token, group, QUARTER, unseen);
+            }
+        }
+        // Into layer 1: never wholly observed, so nothing counted nor scored; into
+        // layer 2: counted.
+        assert_eq!(co.basis(0), 0.0);
+        assert_eq!(co.basis(4), 49.0);
+        assert!(co.pairs().all(|pair| pair.from != 0));
+        assert_eq!(co.summary().transitions, 49);
+        // Seen used, a group that could go unseen does not stop the count.
+        let mut co = three_layers();
+        for token in 0..10 {
+            for group in [0, 6, 8] {
+                co.used(token, group, QUARTER, unseen);
+            }
+        }
+        assert_eq!(co.basis(0), 10.0);
     }
 
     #[test]
@@ -565,9 +614,9 @@ mod tests {
             let e = (t % 4) as u32;
             [e, 4 + e, 8 + e]
         });
-        co.used(100, 8, QUARTER);
+        co.used(100, 8, QUARTER, ALL);
         assert_eq!(co.this_token(0, 100, QUARTER), None);
-        co.used(101, 3, QUARTER);
+        co.used(101, 3, QUARTER, ALL);
         assert!(co.this_token(7, 101, QUARTER).unwrap() > 0.75);
     }
 }

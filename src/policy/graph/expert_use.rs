@@ -181,7 +181,11 @@ impl ExpertUse {
             }
             use_.forget_old_history();
             let mut co = std::mem::take(&mut self.co);
-            co.used(token, group, &|group| self.probability(group));
+            co.used(token, group, &|group| self.probability(group), &|group| {
+                self.groups
+                    .get(group as usize)
+                    .is_some_and(GroupUse::observable)
+            });
             self.co = co;
         }
     }
