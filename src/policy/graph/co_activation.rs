@@ -47,6 +47,17 @@ const SCORED_BEFORE_USE: u32 = 32;
 const SCORE_MARGIN: f64 = 0.98;
 /// Expert layers ahead the outlook reaches: as far as the gate judges (one step).
 const HORIZON: usize = 1;
+/// An expert of the next layer at least this likely to be used by the current token is
+/// read before the router asks for it (`speculate`).
+const SPECULATE_AT: f64 = 0.5;
+/// Speculative reads resolved before their hit rate is judged, and the weight of the
+/// history it is judged over.
+const SPECULATION_JUDGED_AFTER: f64 = 16.0;
+const SPECULATION_HISTORY: f64 = 256.0;
+/// The hit rate below which speculative reads stop: a read the token does not use costs
+/// the device the time of one it does, and an eviction; at half, what they save in
+/// waits is about what they cost.
+const SPECULATION_PAYS_AT: f64 = 0.5;
 
 /// What the outlook is keyed by: it changes only when a use is counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +100,15 @@ pub(super) struct CoActivation {
     used_total: u64,
     hits_conditional: u64,
     hits_popularity: u64,
+    /// Groups read ahead of the router this token (`speculate`), not yet seen used.
+    speculated: Vec<u32>,
+    /// Speculative reads that the token then used, and those it did not (halved
+    /// together at `SPECULATION_HISTORY`).
+    speculation_hits: f64,
+    speculation_misses: f64,
+    /// Totals for the stats.
+    speculated_total: u64,
+    speculated_used: u64,
     /// Bumped at every change of the counts or the scores.
     version: u64,
     outlook: RefCell<Option<(OutlookKey, Vec<f64>)>>,
@@ -115,6 +135,10 @@ pub struct CoActivationSummary {
     pub hits_popularity: f64,
     /// Whether eviction follows co-activation now: it has been scoring better.
     pub in_use: bool,
+    /// Experts read ahead of the router because co-activation made them likely, and
+    /// how many of them the token then used.
+    pub speculated: u64,
+    pub speculated_used: u64,
 }
 
 /// One counted pair, for saving: `from` and `to` in consecutive expert layers.
@@ -169,6 +193,8 @@ impl CoActivation {
         if token != self.token {
             self.leave_slot(observable);
             self.count_transitions(self.slots.len(), observable);
+            let missed = std::mem::take(&mut self.speculated).len() as f64;
+            self.judge_speculation(0.0, missed);
             self.token = token;
             self.seen.iter_mut().for_each(Vec::clear);
             self.last_slot = None;
@@ -187,7 +213,68 @@ impl CoActivation {
         }
         self.last_slot = Some(self.last_slot.map_or(slot, |last| last.max(slot)));
         self.seen[slot].push(group);
+        if let Some(at) = self.speculated.iter().position(|&g| g == group) {
+            self.speculated.swap_remove(at);
+            self.speculated_used += 1;
+            self.judge_speculation(1.0, 0.0);
+        }
         self.version += 1;
+    }
+
+    fn judge_speculation(&mut self, hits: f64, misses: f64) {
+        self.speculation_hits += hits;
+        self.speculation_misses += misses;
+        if self.speculation_hits + self.speculation_misses >= SPECULATION_HISTORY {
+            self.speculation_hits /= 2.0;
+            self.speculation_misses /= 2.0;
+        }
+    }
+
+    /// Whether reading experts ahead of the router pays: co-activation does, and the
+    /// speculative reads judged so far were used at least `SPECULATION_PAYS_AT` of the
+    /// time.
+    fn speculation_pays(&self) -> bool {
+        let judged = self.speculation_hits + self.speculation_misses;
+        self.pays()
+            && (judged < SPECULATION_JUDGED_AFTER
+                || self.speculation_hits >= SPECULATION_PAYS_AT * judged)
+    }
+
+    /// The experts of the next expert layer worth reading before the router asks for
+    /// them: at least `SPECULATE_AT` likely to be used by the current token, `wanted`
+    /// (not resident, not being read), and not asked for already this token; none while
+    /// speculation does not pay. Those returned count as speculated: the token's use of
+    /// one is a hit, the token ending without it a miss.
+    pub(super) fn speculate(
+        &mut self,
+        current_token: u64,
+        popularity: &dyn Fn(u32) -> f64,
+        wanted: &dyn Fn(u32) -> bool,
+    ) -> Vec<u32> {
+        if !self.speculation_pays() || self.token != current_token {
+            return Vec::new();
+        }
+        let Some(next) = self.last_slot.map(|slot| slot + 1) else {
+            return Vec::new();
+        };
+        let Some(groups) = self.slots.get(next) else {
+            return Vec::new();
+        };
+        let chosen: Vec<u32> = groups
+            .iter()
+            .copied()
+            .filter(|&group| {
+                !self.seen[next].contains(&group)
+                    && !self.speculated.contains(&group)
+                    && wanted(group)
+                    && self
+                        .this_token(group, current_token, popularity)
+                        .is_some_and(|q| q >= SPECULATE_AT)
+            })
+            .collect();
+        self.speculated.extend_from_slice(&chosen);
+        self.speculated_total += chosen.len() as u64;
+        chosen
     }
 
     /// Whether this token's use of `slot` is known whole: observable from its entry,
@@ -333,6 +420,8 @@ impl CoActivation {
             hits_co_activation: per(self.hits_conditional),
             hits_popularity: per(self.hits_popularity),
             in_use: self.pays(),
+            speculated: self.speculated_total,
+            speculated_used: self.speculated_used,
         }
     }
 
@@ -518,6 +607,35 @@ mod tests {
         // Behind or in the current layer: none.
         assert_eq!(co.this_token(1, 200, QUARTER), None);
         assert_eq!(co.this_token(6, 199, QUARTER), None);
+    }
+
+    #[test]
+    fn likely_experts_of_the_next_layer_are_speculated_while_they_are_used() {
+        let mut co = three_layers();
+        run(&mut co, 0..200, |t| {
+            let e = (t * 7 % 4) as u32;
+            [e, 4 + e, 8 + e]
+        });
+        let wanted: &dyn Fn(u32) -> bool = &|_| true;
+        co.used(200, 2, QUARTER, ALL);
+        assert_eq!(co.speculate(200, QUARTER, wanted), [6]);
+        assert!(
+            co.speculate(200, QUARTER, wanted).is_empty(),
+            "once a token"
+        );
+        co.used(200, 6, QUARTER, ALL);
+        assert_eq!(co.summary().speculated_used, 1);
+        // Routing changes: the successor is now never used, and speculation stops once
+        // its misses are judged.
+        let mut asked = 0;
+        for token in 201..260 {
+            co.used(token, 1, QUARTER, ALL);
+            asked += co.speculate(token, QUARTER, wanted).len();
+            co.used(token, 7, QUARTER, ALL);
+            co.used(token, 11, QUARTER, ALL);
+        }
+        assert!((8..40).contains(&asked), "{asked}");
+        assert!(co.speculate(260, QUARTER, wanted).is_empty());
     }
 
     #[test]

@@ -207,6 +207,17 @@ impl ExpertUse {
             .product::<f64>()
     }
 
+    /// The experts of the next layer to read before the router asks for them
+    /// (`CoActivation::speculate`): likely, not wholly resident, not being read.
+    pub fn speculate(&mut self) -> Vec<u32> {
+        let mut co = std::mem::take(&mut self.co);
+        let chosen = co.speculate(self.token, &|group| self.probability(group), &|group| {
+            !self.wholly_resident(group) && !self.reading_now(group)
+        });
+        self.co = co;
+        chosen
+    }
+
     /// How well co-activation has predicted the next layer's experts.
     pub fn co_activation(&self) -> CoActivationSummary {
         self.co.summary()

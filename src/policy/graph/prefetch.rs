@@ -242,6 +242,9 @@ impl PrefetchPolicy for GraphPrefetch {
             return;
         };
         self.ask_idle_fill(graph, &progress, fault.block.region, out);
+        if in_use.is_some() {
+            speculate(graph, &mut progress, fault.block.region, out);
+        }
         if let Some((last_position, last_ns)) = self.last {
             let steps = progress_steps(order, last_position, position);
             self.progress_steps += steps;
@@ -313,6 +316,27 @@ impl PrefetchPolicy for GraphPrefetch {
             from: position,
             reach: (reach + window).min(u32::MAX as u64) as u32,
         });
+    }
+}
+
+/// At an expert fault: the experts of the next layer that co-activation makes likely
+/// enough, read ahead of the router (`ExpertUse::speculate`).
+fn speculate(
+    graph: &ModelGraph,
+    progress: &mut Progress,
+    region: RegionId,
+    out: &mut Vec<PrefetchRequest>,
+) {
+    let experts = graph.experts();
+    for group in progress.experts.speculate() {
+        for block in experts.group(group).blocks() {
+            if progress.resident[block as usize] || !is_routed_expert(graph, block) {
+                continue;
+            }
+            if let Some(block_ref) = progress.local(graph, block, region) {
+                out.push(PrefetchRequest::eager(block_ref));
+            }
+        }
     }
 }
 
