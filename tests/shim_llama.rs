@@ -405,6 +405,30 @@ fn in_memory_cgroup(name: &str, model: &Path, mut command: Command) -> (std::pro
     (output, peak)
 }
 
+/// Writes a Q8_0 mixture of experts like `small` of about `size` to `model` (16 experts
+/// per layer, 2 used per token), with `extra` synth arguments.
+fn synth_mixture(small: &Path, model: &Path, size: &str, extra: &[&str]) {
+    let synth = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+        .args(["synth", "--like"])
+        .arg(small)
+        .args([
+            "--size",
+            size,
+            "--type",
+            "Q8_0",
+            "--experts",
+            "16",
+            "--experts-used",
+            "2",
+        ])
+        .args(extra)
+        .arg("--out")
+        .arg(model)
+        .output()
+        .unwrap();
+    assert_success(&synth, "synth --experts");
+}
+
 /// Issue 19: a mixture of experts, as `hyperoffload synth --experts` makes it (16
 /// experts per layer, 2 used per token, a router that favours some in each layer), gives
 /// llama-completion's greedy text unchanged under the pager at a quarter of the model,
@@ -421,24 +445,7 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     };
     let dir = TempDir::new("shim-llama-moe");
     let model = dir.path("moe.gguf");
-    let synth = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
-        .args(["synth", "--like"])
-        .arg(&small)
-        .args([
-            "--size",
-            "192M",
-            "--type",
-            "Q8_0",
-            "--experts",
-            "16",
-            "--experts-used",
-            "2",
-        ])
-        .arg("--out")
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert_success(&synth, "synth --experts");
+    synth_mixture(&small, &model, "192M", &[]);
     let inspect = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
         .arg("inspect")
         .arg(&model)
@@ -629,26 +636,7 @@ fn experts_that_run_together_are_learned_and_saved() {
     };
     let dir = TempDir::new("shim-llama-co-activation");
     let model = dir.path("affine.gguf");
-    let synth = Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
-        .args(["synth", "--like"])
-        .arg(&small)
-        .args([
-            "--size",
-            "384M",
-            "--type",
-            "Q8_0",
-            "--experts",
-            "16",
-            "--experts-used",
-            "2",
-            "--router-affinity",
-            "0.9",
-        ])
-        .arg("--out")
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert_success(&synth, "synth --router-affinity");
+    synth_mixture(&small, &model, "384M", &["--router-affinity", "0.9"]);
     let counts = dir.path("affine.gguf.hyperoffload-experts");
     for run in ["cold", "warm"] {
         let stats = dir.path(&format!("stats-{run}.json"));

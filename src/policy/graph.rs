@@ -465,13 +465,15 @@ fn is_routed_expert(graph: &ModelGraph, global: u32) -> bool {
     !graph.order().contains(global) && !graph.experts().groups_of(global).is_empty()
 }
 
-/// What co-activation learns from a demand trace (see `expert_counts_from_faults`):
-/// how well, replayed in order, it predicts each next layer's experts. `None` for a
-/// model without routed experts.
-pub fn co_activation_from_faults(
+/// A prediction that has followed a demand trace's expert faults: `faults` are the
+/// blocks (and offsets in them) a program faulted on, in order, through one region
+/// presenting the whole model of `graph` (as `hyperoffload run --policy demand` records
+/// them: every block a token uses faults), counted as the graph policy counts them,
+/// tokens told apart by the layers of the expert faults.
+fn replayed(
     graph: &Arc<ModelGraph>,
     faults: impl IntoIterator<Item = (u32, Option<u32>)>,
-) -> Option<CoActivationSummary> {
+) -> Arc<GraphPrediction> {
     let prediction = GraphPrediction::new(Arc::clone(graph));
     {
         let mut progress = prediction.lock();
@@ -484,31 +486,26 @@ pub fn co_activation_from_faults(
             }
         }
     }
-    prediction.co_activation()
+    prediction
 }
 
-/// How often each expert ran in a demand trace: `faults` are the blocks (and offsets in
-/// them) a program faulted on, in order, through one region presenting the whole model
-/// of `graph` (as `hyperoffload run --policy demand` records them: every block a token
-/// uses faults). Counted as the graph policy counts them, tokens told apart by the
-/// layers of the expert faults. `None` for a model without routed experts.
+/// How often each expert ran in a demand trace (see `replayed`). `None` for a model
+/// without routed experts.
 pub fn expert_counts_from_faults(
     graph: &Arc<ModelGraph>,
     faults: impl IntoIterator<Item = (u32, Option<u32>)>,
 ) -> Option<ExpertCounts> {
-    let prediction = GraphPrediction::new(Arc::clone(graph));
-    {
-        let mut progress = prediction.lock();
-        for (block, offset) in faults {
-            for group in progress
-                .experts_in_use(graph, block, offset)
-                .unwrap_or_default()
-            {
-                progress.experts.used(group);
-            }
-        }
-    }
-    prediction.expert_counts()
+    replayed(graph, faults).expert_counts()
+}
+
+/// What co-activation learns from a demand trace (see `replayed`): how well, replayed
+/// in order, it predicts each next layer's experts. `None` for a model without routed
+/// experts.
+pub fn co_activation_from_faults(
+    graph: &Arc<ModelGraph>,
+    faults: impl IntoIterator<Item = (u32, Option<u32>)>,
+) -> Option<CoActivationSummary> {
+    replayed(graph, faults).co_activation()
 }
 
 /// Both graph policies over one shared prediction.
