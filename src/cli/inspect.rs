@@ -16,9 +16,7 @@ use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedC
 use hyperoffload::graph::experts::model_block_cuts;
 use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
-use hyperoffload::policy::graph::{
-    co_activation_from_faults, expert_counts_from_faults, CoActivationSummary,
-};
+use hyperoffload::policy::graph::{expert_use_from_faults, CoActivationSummary};
 use hyperoffload::size::format_size;
 use serde_json::json;
 
@@ -377,11 +375,7 @@ fn expert_counts_of_trace(
         .iter()
         .copied()
         .zip(workload.offsets.iter().map(|&offset| Some(offset)));
-    let counts = expert_counts_from_faults(&graph, faults.clone())
-        .context("the model has no routed experts")?;
-    let co_activation =
-        co_activation_from_faults(&graph, faults).context("the model has no routed experts")?;
-    Ok((counts, co_activation))
+    expert_use_from_faults(&graph, faults).context("the model has no routed experts")
 }
 
 /// The routed experts as the pager sees them: how many per layer and per token, the

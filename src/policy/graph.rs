@@ -489,23 +489,15 @@ fn replayed(
     prediction
 }
 
-/// How often each expert ran in a demand trace (see `replayed`). `None` for a model
-/// without routed experts.
-pub fn expert_counts_from_faults(
+/// What a demand trace says of a model's experts (see `replayed`): how often each ran,
+/// and how well co-activation, replayed in order, predicted each next layer's. `None`
+/// for a model without routed experts.
+pub fn expert_use_from_faults(
     graph: &Arc<ModelGraph>,
     faults: impl IntoIterator<Item = (u32, Option<u32>)>,
-) -> Option<ExpertCounts> {
-    replayed(graph, faults).expert_counts()
-}
-
-/// What co-activation learns from a demand trace (see `replayed`): how well, replayed
-/// in order, it predicts each next layer's experts. `None` for a model without routed
-/// experts.
-pub fn co_activation_from_faults(
-    graph: &Arc<ModelGraph>,
-    faults: impl IntoIterator<Item = (u32, Option<u32>)>,
-) -> Option<CoActivationSummary> {
-    replayed(graph, faults).co_activation()
+) -> Option<(ExpertCounts, CoActivationSummary)> {
+    let prediction = replayed(graph, faults);
+    Some((prediction.expert_counts()?, prediction.co_activation()?))
 }
 
 /// Both graph policies over one shared prediction.

@@ -18,8 +18,7 @@
 //! turn against the resident experts it cannot see. The estimate of `P(j | i)` shrinks toward
 //! `j`'s popularity `p_j` by `PRIOR_TOKENS`: `(pairs + w p_j) / (basis + w)`, so that
 //! with nothing learned the outlook is popularity. The outlook reaches the next expert
-//! layer only (`HORIZON`): the gate below judges one step, and what it has not judged is
-//! not used.
+//! layer only: the gate below judges one step, and what it has not judged is not used.
 //!
 //! The outlook is used only while it pays: every transition whose later layer was
 //! wholly observed is scored out of sample (predicted when the token enters the layer,
@@ -45,8 +44,6 @@ const SCORE_WEIGHT: f64 = 1.0 / 64.0;
 const SCORED_BEFORE_USE: u32 = 32;
 /// How much better than popularity the conditional must score to be used.
 const SCORE_MARGIN: f64 = 0.98;
-/// Expert layers ahead the outlook reaches: as far as the gate judges (one step).
-const HORIZON: usize = 1;
 /// An expert of the next layer at least this likely to be used by the current token is
 /// read before the router asks for it (`speculate`).
 const SPECULATE_AT: f64 = 0.5;
@@ -58,15 +55,6 @@ const SPECULATION_HISTORY: f64 = 256.0;
 /// the device the time of one it does, and an eviction; at half, what they save in
 /// waits is about what they cost.
 const SPECULATION_PAYS_AT: f64 = 0.5;
-
-/// What the outlook is keyed by: it changes only when a use is counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct OutlookKey {
-    token: u64,
-    slot: usize,
-    seen: usize,
-    version: u64,
-}
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct CoActivation {
@@ -109,9 +97,10 @@ pub(super) struct CoActivation {
     /// Totals for the stats.
     speculated_total: u64,
     speculated_used: u64,
-    /// Bumped at every change of the counts or the scores.
+    /// Bumped at every change of the counts, the scores or the uses seen.
     version: u64,
-    outlook: RefCell<Option<(OutlookKey, Vec<f64>)>>,
+    /// The next slot's outlook, as of `version`.
+    outlook: RefCell<Option<(u64, Vec<f64>)>>,
 }
 
 #[derive(Debug, Clone)]
@@ -324,8 +313,7 @@ impl CoActivation {
         if slot == 0 || self.seen[slot - 1].is_empty() {
             return;
         }
-        let popular: Vec<f64> = self.slots[slot].iter().map(|&g| popularity(g)).collect();
-        let conditional = self.step(slot - 1, &indicator(&self.seen[slot - 1], self), &popular);
+        let (conditional, popular) = self.predict(slot - 1, popularity);
         self.pending = Some(Pending {
             token: self.token,
             slot,
@@ -381,8 +369,8 @@ impl CoActivation {
         self.version += 1;
     }
 
-    /// One step of the chain: from the use probabilities `q` of slot `from`'s groups
-    /// (by index in the slot) to those of slot `from + 1`, given their popularity.
+    /// From the use probabilities `q` of slot `from`'s groups (by index in the slot; 1
+    /// for those seen) to those of slot `from + 1`, given their popularity.
     fn step(&self, from: usize, q: &[f64], popular: &[f64]) -> Vec<f64> {
         let width = self.slots[from + 1].len();
         let total: f64 = q.iter().sum();
@@ -431,10 +419,9 @@ impl CoActivation {
             && self.score_conditional < SCORE_MARGIN * self.score_popularity
     }
 
-    /// The probability that the current token uses `group`, for a group in an expert
-    /// layer after the one the token is in (`current_layer`'s slot, seen through the
-    /// uses counted), within `HORIZON` layers; `None` elsewhere, or while the outlook
-    /// does not pay: popularity is the estimate there.
+    /// The probability that the current token uses `group`, for a group of the expert
+    /// layer after the one the token is in (seen through the uses counted); `None`
+    /// elsewhere, or while the outlook does not pay: popularity is the estimate there.
     pub(super) fn this_token(
         &self,
         group: u32,
@@ -443,38 +430,28 @@ impl CoActivation {
     ) -> Option<f64> {
         let &(slot, index) = self.slot_of.get(group as usize)?;
         let current = self.last_slot.filter(|_| self.token == current_token)?;
-        if slot <= current || slot > current + HORIZON || !self.pays() {
+        if slot != current + 1 || !self.pays() {
             return None;
         }
-        let key = OutlookKey {
-            token: self.token,
-            slot: current,
-            seen: self.seen[current].len(),
-            version: self.version,
-        };
         let mut cache = self.outlook.borrow_mut();
-        if cache.as_ref().is_none_or(|(cached, _)| *cached != key) {
-            *cache = Some((key, self.outlook_from(current, popularity)));
+        if cache
+            .as_ref()
+            .is_none_or(|&(version, _)| version != self.version)
+        {
+            *cache = Some((self.version, self.predict(current, popularity).0));
         }
-        let (_, outlook) = cache.as_ref()?;
-        let offset: usize = self.slots[current + 1..slot].iter().map(Vec::len).sum();
-        outlook.get(offset + index).copied()
+        cache.as_ref()?.1.get(index).copied()
     }
 
-    /// The chain from the groups seen in slot `current` through `HORIZON` slots: the
-    /// slots' probabilities one after another, from slot `current + 1`.
-    fn outlook_from(&self, current: usize, popularity: &dyn Fn(u32) -> f64) -> Vec<f64> {
-        let mut out = Vec::new();
-        let mut q = indicator(&self.seen[current], self);
-        for from in current..(current + HORIZON).min(self.slots.len() - 1) {
-            let popular: Vec<f64> = self.slots[from + 1]
-                .iter()
-                .map(|&g| popularity(g))
-                .collect();
-            q = self.step(from, &q, &popular);
-            out.extend_from_slice(&q);
-        }
-        out
+    /// The next slot's use probabilities given the groups seen in `slot` this token
+    /// (co-activation), and by popularity alone.
+    fn predict(&self, slot: usize, popularity: &dyn Fn(u32) -> f64) -> (Vec<f64>, Vec<f64>) {
+        let popular: Vec<f64> = self.slots[slot + 1]
+            .iter()
+            .map(|&g| popularity(g))
+            .collect();
+        let conditional = self.step(slot, &indicator(&self.seen[slot], self), &popular);
+        (conditional, popular)
     }
 
     /// Every counted pair of at least half a token (halving leaves the rest a trace
@@ -569,8 +546,8 @@ mod tests {
         co.used(0, 1, QUARTER, ALL);
         assert!(!co.pays());
         assert_eq!(co.this_token(5, 0, QUARTER), None);
-        // Even asked directly, the chain of an empty table is popularity.
-        let q = co.outlook_from(0, QUARTER);
+        // Even asked directly, the prediction of an empty table is popularity.
+        let (q, _) = co.predict(0, QUARTER);
         assert!(q.iter().all(|&p| (p - 0.25).abs() < 1e-9), "{q:?}");
     }
 

@@ -86,7 +86,7 @@ pub struct ExpertUse {
     prior: f64,
     token: u64,
     last_layer: Option<u32>,
-    /// Which experts of the next layers the current token is likely to use.
+    /// Which experts of the next layer the current token is likely to use.
     co: CoActivation,
 }
 
@@ -191,8 +191,8 @@ impl ExpertUse {
     }
 
     /// The probability that the current token uses `group` before it ends: from the
-    /// experts it used in the layer it is in (`CoActivation`) for the layers just
-    /// ahead, where that has been paying; else the expert's popularity (`probability`).
+    /// experts it used in the layer it is in (`CoActivation`) for the next layer, where
+    /// that has been paying; else the expert's popularity (`probability`).
     pub fn this_token_probability(&self, group: u32) -> f64 {
         self.co
             .this_token(group, self.token, &|group| self.probability(group))
@@ -201,10 +201,7 @@ impl ExpertUse {
 
     /// `block_probability` for the rest of the current token.
     pub fn this_token_block_probability(&self, groups: &[u32]) -> f64 {
-        1.0 - groups
-            .iter()
-            .map(|&group| 1.0 - self.this_token_probability(group))
-            .product::<f64>()
+        any_of(groups, |group| self.this_token_probability(group))
     }
 
     /// The experts of the next layer to read before the router asks for them
@@ -224,7 +221,7 @@ impl ExpertUse {
     }
 
     /// The co-activation counts: every pair of experts of consecutive layers seen used
-    /// in one token, and per expert the tokens it was counted over as the first.
+    /// in one token (`pair_basis`: the tokens each was counted over as the first).
     pub fn pairs(&self) -> impl Iterator<Item = Pair> + '_ {
         self.co.pairs()
     }
@@ -343,11 +340,17 @@ impl ExpertUse {
     /// The probability that a token reads a block holding bytes of `groups`: that it
     /// uses at least one of them (independently, as an estimate).
     pub fn block_probability(&self, groups: &[u32]) -> f64 {
-        1.0 - groups
-            .iter()
-            .map(|&group| 1.0 - self.probability(group))
-            .product::<f64>()
+        any_of(groups, |group| self.probability(group))
     }
+}
+
+/// The probability that at least one of `groups` is used, each with `probability`,
+/// independently.
+fn any_of(groups: &[u32], probability: impl Fn(u32) -> f64) -> f64 {
+    1.0 - groups
+        .iter()
+        .map(|&group| 1.0 - probability(group))
+        .product::<f64>()
 }
 
 #[cfg(test)]

@@ -147,16 +147,15 @@ impl GraphPrefetch {
         if experts.is_empty() {
             return;
         }
-        for group in (self.idle_fill).next_groups(&progress.experts, experts.groups().len()) {
-            for block in experts.group(group).blocks() {
-                if progress.resident[block as usize] || !is_routed_expert(graph, block) {
-                    continue;
-                }
-                if let Some(block_ref) = progress.local(graph, block, region) {
-                    out.push(PrefetchRequest::idle_fill(block_ref));
-                }
-            }
-        }
+        let groups = (self.idle_fill).next_groups(&progress.experts, experts.groups().len());
+        ask_for_groups(
+            graph,
+            progress,
+            &groups,
+            region,
+            PrefetchRequest::idle_fill,
+            out,
+        );
     }
 
     /// Bytes to keep in flight ahead of the program: what it consumes while a read
@@ -327,14 +326,35 @@ fn speculate(
     region: RegionId,
     out: &mut Vec<PrefetchRequest>,
 ) {
+    let groups = progress.experts.speculate();
+    ask_for_groups(
+        graph,
+        progress,
+        &groups,
+        region,
+        PrefetchRequest::eager,
+        out,
+    );
+}
+
+/// Asks, as `request` makes them, for the routed-expert blocks of `groups` that are
+/// not resident, in the region `region` where it presents them.
+fn ask_for_groups(
+    graph: &ModelGraph,
+    progress: &Progress,
+    groups: &[u32],
+    region: RegionId,
+    request: fn(BlockRef) -> PrefetchRequest,
+    out: &mut Vec<PrefetchRequest>,
+) {
     let experts = graph.experts();
-    for group in progress.experts.speculate() {
+    for &group in groups {
         for block in experts.group(group).blocks() {
             if progress.resident[block as usize] || !is_routed_expert(graph, block) {
                 continue;
             }
             if let Some(block_ref) = progress.local(graph, block, region) {
-                out.push(PrefetchRequest::eager(block_ref));
+                out.push(request(block_ref));
             }
         }
     }
