@@ -308,3 +308,58 @@ fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::R
     }
     Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser, Debug)]
+    struct Bench {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(line: &str) -> Result<BenchArgs, clap::Error> {
+        Bench::try_parse_from(std::iter::once("bench").chain(line.split_whitespace()))
+            .map(|bench| bench.args)
+    }
+
+    #[test]
+    fn the_arguments_are_well_formed() {
+        // clap's own checks of the definitions (the ids `requires` and
+        // `conflicts_with` name exist, ...): in debug builds only, so in a `cargo test`
+        // without --release; the next test checks the same relations by their effect.
+        Bench::command().debug_assert();
+    }
+
+    #[test]
+    fn a_local_or_a_remote_model_with_its_budgets() {
+        let local = parse("--model m.gguf --llama-bin b").unwrap();
+        assert_eq!(local.model(), Path::new("m.gguf"));
+        assert_eq!(local.budgets(), [25.0, 50.0, 75.0, 90.0, 125.0]);
+        let remote = parse(
+            "--remote s3://b/p --model-key m.gguf --cache-dir c --llama-bin b \
+             --mount-arg --no-passthrough --mount-arg=--block=4M --parts ttft,fetch",
+        )
+        .unwrap();
+        assert_eq!(remote.budgets(), [50.0]);
+        assert_eq!(remote.remote.mount_args, ["--no-passthrough", "--block=4M"]);
+        assert_eq!(
+            remote.remote.parts,
+            [remote::Part::Ttft, remote::Part::Fetch]
+        );
+        let remote =
+            parse("--remote s3://b --model-key m --cache-dir c --llama-bin b --budgets 30,60")
+                .unwrap();
+        assert_eq!(remote.budgets(), [30.0, 60.0]);
+        // Neither model, both, or a remote one without its key or cache directory.
+        assert!(parse("--llama-bin b").is_err());
+        assert!(
+            parse("--model m --remote s3://b --model-key m --cache-dir c --llama-bin b").is_err()
+        );
+        assert!(parse("--remote s3://b --cache-dir c --llama-bin b").is_err());
+        assert!(parse("--remote s3://b --model-key m --llama-bin b").is_err());
+        assert!(parse("--model m --model-key k --llama-bin b").is_err());
+    }
+}
