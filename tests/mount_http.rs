@@ -987,7 +987,24 @@ fn bench_remote_reports_ttft_decode_and_fetched_bytes_per_token() {
         "{results}"
     );
 
-    // Bad input: an object that is not there, a store that does not answer.
+    // Bad input: a mount that does not come up, an object that is not there, a store
+    // that does not answer.
+    let (output, took) = bench(&nginx.url(), "model.gguf", &["--mount-arg=--block=3"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("hyperoffload mount ended") && stderr.contains("--block 3"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}: {stderr}");
+    let (output, took) = bench(&nginx.url(), "model.gguf", &["--mount-timeout", "0.001"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("hyperoffload mount was not up in"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}: {stderr}");
     let (output, took) = bench(&nginx.url(), "missing.gguf", &[]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());

@@ -254,9 +254,13 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 .push(ttft(&setup, &client, &runtime, share, &mut records)?);
         }
     }
+    // The local copy, downloaded by this run (ttft downloads it every round): one left
+    // by an earlier run may be of another version of the object.
+    let mut have_copy = remote.parts.contains(&Part::Ttft);
     if remote.parts.contains(&Part::Decode) {
-        if !setup.local.is_file() {
+        if !have_copy {
             download(&setup, &client, &runtime)?;
+            have_copy = true;
         }
         warm_cache_tier(&setup)?;
         for &share in &budgets {
@@ -264,7 +268,7 @@ pub(super) fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     if remote.parts.contains(&Part::Fetch) {
-        if !setup.local.is_file() {
+        if !have_copy {
             download(&setup, &client, &runtime)?;
         }
         summary.fetch = Some(fetch(&setup, &mut records)?);
@@ -750,7 +754,7 @@ impl<'a> MountChild<'a> {
                 let log = tail(&mount.log_text(), 20);
                 drop(mount);
                 bail!(
-                    "hyperoffload mount was not up in {:.0} s (--mount-timeout); its log:\n{log}",
+                    "hyperoffload mount was not up in {} s (--mount-timeout); its log:\n{log}",
                     setup.mount_timeout.as_secs_f64()
                 );
             }
@@ -805,6 +809,10 @@ impl<'a> MountChild<'a> {
         let started = Instant::now();
         loop {
             if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    // Killed by the signal before it could unmount, say while starting.
+                    detach_if_stale(&self.setup.mount_point)?;
+                }
                 return Ok(status);
             }
             if started.elapsed() > self.setup.mount_timeout {
@@ -812,7 +820,7 @@ impl<'a> MountChild<'a> {
                 let _ = child.wait();
                 let _ = hyperoffload::sys::unmount_lazy(&self.setup.mount_point);
                 bail!(
-                    "hyperoffload mount did not end in {:.0} s after SIGTERM (killed):\n{}",
+                    "hyperoffload mount did not end in {} s after SIGTERM (killed):\n{}",
                     self.setup.mount_timeout.as_secs_f64(),
                     tail(&self.log_text(), 20)
                 );
@@ -835,6 +843,13 @@ impl Drop for MountChild<'_> {
 /// The mount point, made if need be; a mount left there by an earlier run that died
 /// (its directory answers ENOTCONN) is detached first.
 fn prepare_mount_point(dir: &Path) -> anyhow::Result<()> {
+    detach_if_stale(dir)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+/// Detaches a FUSE mount on `dir` whose process is gone (the directory answers
+/// ENOTCONN): a mount killed before it could unmount leaves one.
+fn detach_if_stale(dir: &Path) -> anyhow::Result<()> {
     if let Err(error) = std::fs::metadata(dir) {
         if error.raw_os_error() == Some(libc::ENOTCONN) {
             eprintln!("bench: {}: a stale mount, detached", dir.display());
@@ -842,7 +857,7 @@ fn prepare_mount_point(dir: &Path) -> anyhow::Result<()> {
                 .with_context(|| format!("detaching the stale mount {}", dir.display()))?;
         }
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+    Ok(())
 }
 
 #[cfg(test)]

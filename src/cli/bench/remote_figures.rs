@@ -204,7 +204,8 @@ pub(super) fn remote_markdown(summary: &RemoteSummary) -> String {
             "### Time to the first token, cold\n\n`-n 1`, the page cache dropped before each \
              run. Mount: an empty cache tier, the mount up before the clock starts; local: \
              the whole object downloaded (one streaming GET, the mount's client), then the \
-             same run on the copy.\n"
+             same run on the copy (whose pages the download left in the page cache, as any \
+             download does).\n"
         );
         let _ = writeln!(
             out,
