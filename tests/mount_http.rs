@@ -829,3 +829,191 @@ fn a_model_read_in_passes_fetches_model_minus_cache_each_pass() {
         );
     }
 }
+
+/// `hyperoffload bench --remote` end to end against nginx serving SmolLM2, one round
+/// per part: the report has the three parts with positive figures, the bytes fetched
+/// per token are the mount's stats' (and nginx sent at least what the mounts counted),
+/// and the mounted runs print the local runs' text. No timing is asserted: figures
+/// belong in benchmarks. Then the errors for a missing object and a store that does
+/// not answer, each bounded in time.
+#[test]
+fn bench_remote_reports_ttft_decode_and_fetched_bytes_per_token() {
+    if !fuse_or_skip() {
+        return;
+    }
+    let Some((bin, model)) = shim_support::llama::llama_and_model() else {
+        return;
+    };
+    let tmp = TempDir::new("bench-remote");
+    let www = tmp.path("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::copy(&model, www.join("model.gguf")).unwrap();
+    let model_len = std::fs::metadata(&model).unwrap().len();
+    let nginx = Nginx::start(tmp.path("nginx"), www.clone());
+    let out = tmp.path("out");
+    let bench = |source: &str, key: &str, extra: &[&str]| {
+        let started = Instant::now();
+        let output = Command::new(LAUNCHER)
+            .arg("bench")
+            .args(["--remote", source, "--model-key", key, "--llama-bin"])
+            .arg(&bin)
+            .arg("--cache-dir")
+            .arg(tmp.path("cache"))
+            .arg("--out")
+            .arg(&out)
+            .args(extra)
+            .env("HYPEROFFLOAD_SHIM", shim_support::shim())
+            .stdin(Stdio::null())
+            .output()
+            .expect("hyperoffload bench");
+        (output, started.elapsed())
+    };
+    let (output, _) = bench(
+        &nginx.url(),
+        "model.gguf",
+        &[
+            "--budgets",
+            "50",
+            "--runs",
+            "1",
+            "--tokens",
+            "4",
+            "--fetch-tokens",
+            "4",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench --remote failed:\n{stderr}");
+    eprintln!("{stderr}");
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("remote.json")).unwrap()).unwrap();
+    let summary = &report["summary"];
+    let runs = report["runs"].as_array().unwrap();
+    let median = |v: &serde_json::Value| v["median"].as_f64().unwrap_or(-1.0);
+    assert_eq!(summary["model_len"], model_len);
+    // Time to the first token: both sides, and the cold mount fetched the model whole.
+    let ttft = &summary["ttft"][0];
+    for figure in ["mount_s", "local_s", "download_s", "local_run_s"] {
+        assert!(median(&ttft[figure]) > 0.0, "ttft {figure}: {summary}");
+    }
+    assert!(
+        median(&ttft["mount_remote_bytes"]) >= model_len as f64,
+        "a cold first token reads the whole model: {summary}"
+    );
+    // Decode: both sides' eval rates; the warm cache tier fetched nothing.
+    let decode = &summary["decode"][0];
+    assert!(median(&decode["mount_tps"]) > 0.0, "{summary}");
+    assert!(median(&decode["local_tps"]) > 0.0, "{summary}");
+    assert_eq!(median(&decode["mount_remote_bytes"]), 0.0, "{summary}");
+    // Bytes per token: the difference of the two fetch runs' mount stats over 4 tokens.
+    let fetch = &summary["fetch"];
+    assert_eq!(fetch["tokens"], serde_json::json!([4, 8]));
+    assert_eq!(fetch["cache"], model_len / 2);
+    let per_token = median(&fetch["per_token"]);
+    assert!(per_token > 0.0, "{summary}");
+    let fetched_by = |tokens: u64| {
+        let run = runs
+            .iter()
+            .find(|r| r["part"] == "fetch" && r["side"] == "mount" && r["tokens"] == tokens)
+            .unwrap_or_else(|| panic!("no fetch run of {tokens} tokens: {report}"));
+        let stats = shim_support::read_stats(Path::new(run["mount_stats_file"].as_str().unwrap()));
+        let bytes = stats["remote"]["bytes"].as_u64().unwrap();
+        assert_eq!(run["mount"]["remote_bytes"], bytes);
+        bytes
+    };
+    assert_eq!(
+        per_token,
+        (fetched_by(8) as f64 - fetched_by(4) as f64) / 4.0
+    );
+    let floor = fetch["floor"].as_u64().unwrap();
+    assert_eq!(
+        floor,
+        model_len - fetch["budget"].as_u64().unwrap() - model_len / 2
+    );
+    // nginx sent at least every byte the mounts counted (a GET cut short by an unmount
+    // is in its log, not in the mount's count), and the downloads besides.
+    let counted: u64 = runs
+        .iter()
+        .filter_map(|r| r["mount"]["remote_bytes"].as_u64())
+        .sum();
+    let (gets, sent) = nginx.gets();
+    assert!(
+        sent >= counted + model_len,
+        "nginx sent {sent} bytes in {gets} GETs; the mounts counted {counted}, plus one download of {model_len}"
+    );
+    // The same text through the mount as from the local file, per part and length.
+    assert_eq!(summary["text_identical"], true);
+    for mounted in runs.iter().filter(|r| r["side"] == "mount") {
+        let local = runs
+            .iter()
+            .find(|r| {
+                r["side"] == "local"
+                    && r["part"] == mounted["part"]
+                    && r["tokens"] == mounted["tokens"]
+            })
+            .unwrap_or_else(|| panic!("no local run for {mounted}"));
+        assert_eq!(mounted["text"], local["text"]);
+        assert!(!mounted["text"].as_str().unwrap().is_empty(), "{mounted}");
+    }
+    let results = std::fs::read_to_string(out.join("results.md")).unwrap();
+    for heading in [
+        "## A model in an object store",
+        "### Time to the first token, cold",
+        "### Decode with a warm cache tier",
+        "### Bytes fetched from the remote per token",
+    ] {
+        assert!(results.contains(heading), "{heading}:\n{results}");
+    }
+    // A second remote run replaces the section rather than adding one.
+    let (output, _) = bench(
+        &nginx.url(),
+        "model.gguf",
+        &["--runs", "1", "--parts", "ttft"],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let results = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert_eq!(
+        results.matches("## A model in an object store").count(),
+        1,
+        "{results}"
+    );
+    assert!(
+        !results.contains("### Decode with a warm cache tier"),
+        "{results}"
+    );
+
+    // Bad input: a mount that does not come up, an object that is not there, a store
+    // that does not answer.
+    let (output, took) = bench(&nginx.url(), "model.gguf", &["--mount-arg=--block=3"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("hyperoffload mount ended") && stderr.contains("--block 3"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}: {stderr}");
+    let (output, took) = bench(&nginx.url(), "model.gguf", &["--mount-timeout", "0.001"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("hyperoffload mount was not up in"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}: {stderr}");
+    let (output, took) = bench(&nginx.url(), "missing.gguf", &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("missing.gguf"), "{stderr}");
+    assert!(took < Duration::from_secs(30), "{took:?}: {stderr}");
+    nginx.stop();
+    let (output, took) = bench(&nginx.url(), "model.gguf", &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains(&nginx.url()), "{stderr}");
+    assert!(took < Duration::from_secs(60), "{took:?}: {stderr}");
+}

@@ -70,7 +70,7 @@ impl Floors {
         Ok(if experts > 0 {
             // Every pager run saves what it learned of the experts for the next: the first
             // run of this bench starts cold, as a first run of the model does.
-            forget_expert_counts(&args.model);
+            forget_expert_counts(args.model());
             let trace = record_demand_trace(args)?;
             eprintln!(
                 "bench: mixture of experts ({experts} experts in all): floors from {}",
@@ -78,7 +78,7 @@ impl Floors {
             );
             let mut workload = crate::cli::simulate::read_trace(&trace, None)?;
             let graph =
-                crate::cli::simulate::trace_model_graph(&args.model, &trace, &mut workload)?;
+                crate::cli::simulate::trace_model_graph(args.model(), &trace, &mut workload)?;
             let workload = workload.with_tokens_from_order(graph.order());
             let passes = workload.token_starts.len();
             if passes < (args.tokens + TRACE_EXTRA_TOKENS) as usize {

@@ -14,10 +14,18 @@
 //! and results.md. `run` measures the references and the floors once, then per budget
 //! compares the two sides on decode and on the first token and measures the pager's
 //! bytes per token.
+//!
+//! With `--remote SOURCE --model-key NAME` it benchmarks a model in an object store
+//! instead (`remote`, `remote_figures`): time to the first token through `hyperoffload
+//! mount` against downloading the whole object and then running, decode speed with a
+//! warm cache tier against the local copy, and the bytes fetched from the remote per
+//! token with a cache tier of half the model.
 
 mod floors;
 mod programs;
 mod reference;
+mod remote;
+mod remote_figures;
 mod results;
 
 use std::path::{Path, PathBuf};
@@ -40,14 +48,14 @@ use results::{latency_median, results_markdown, side_median, Measured, Row};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// The model llama-bench decodes (GGUF).
-    #[arg(long)]
-    model: PathBuf,
-    /// llama.cpp's bin directory (holding llama-bench).
+    /// The model llama-bench decodes (GGUF). Not with --remote.
+    #[arg(long, required_unless_present = "remote", conflicts_with = "remote")]
+    model: Option<PathBuf>,
+    /// llama.cpp's bin directory (holding llama-bench, and llama-completion).
     #[arg(long)]
     llama_bin: PathBuf,
-    /// Budgets, in percent of the model.
-    #[arg(long, value_delimiter = ',', default_value = "25,50,75,90,125")]
+    /// Budgets, in percent of the model [default: 25,50,75,90,125; with --remote, 50].
+    #[arg(long, value_delimiter = ',')]
     budgets: Vec<f64>,
     /// Runs per side and budget (medians are reported).
     #[arg(long, default_value_t = 3)]
@@ -61,6 +69,32 @@ pub struct BenchArgs {
     /// Output directory.
     #[arg(long, default_value = "bench")]
     out: PathBuf,
+    #[command(flatten)]
+    remote: remote::RemoteArgs,
+}
+
+impl BenchArgs {
+    /// The local model (clap requires --model unless --remote is given, and the remote
+    /// bench never asks for it).
+    fn model(&self) -> &Path {
+        self.model
+            .as_deref()
+            .expect("--model is required without --remote")
+    }
+
+    /// The budgets asked for, or the default of the mode.
+    fn budgets(&self) -> Vec<f64> {
+        match (self.budgets.is_empty(), self.remote.source.is_some()) {
+            (false, _) => self.budgets.clone(),
+            (true, false) => vec![25.0, 50.0, 75.0, 90.0, 125.0],
+            (true, true) => vec![50.0],
+        }
+    }
+}
+
+/// `share` percent of a model of `model_len` bytes, in whole pages.
+fn budget_bytes(model_len: u64, share: f64) -> u64 {
+    ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096)
 }
 
 /// The upper median.
@@ -76,12 +110,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.tokens == 0 || args.runs == 0 {
         bail!("--tokens and --runs must be at least 1");
     }
+    if let Some(share) = args
+        .budgets()
+        .into_iter()
+        .find(|share| !(share.is_finite() && *share > 0.0))
+    {
+        bail!("--budgets {share}: a budget is a percentage above 0");
+    }
+    if args.remote.source.is_some() {
+        return remote::run(&args);
+    }
     std::fs::create_dir_all(&args.out)?;
-    let model = ModelFile::open(&args.model)?;
+    let model = ModelFile::open(args.model())?;
     let model_len = model.file_len;
     eprintln!(
         "bench: {} ({})",
-        args.model.display(),
+        args.model().display(),
         format_size(model_len)
     );
     let references = References::measure(&args)?;
@@ -92,7 +136,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     super::compare::command::catch_interrupts();
     let interrupted = &super::compare::command::INTERRUPTED;
     let mut rows = Vec::new();
-    for &share in &args.budgets {
+    for share in args.budgets() {
         rows.push(measure_budget(
             &args,
             share,
@@ -142,7 +186,7 @@ fn measure_budget(
     floors: &Floors,
     interrupted: &AtomicBool,
 ) -> anyhow::Result<Row> {
-    let budget = ((model_len as f64 * share / 100.0) as u64).next_multiple_of(4096);
+    let budget = budget_bytes(model_len, share);
     let dir = args.out.join(format!("budget-{share}pct"));
     eprintln!("bench: budget {share}% = {}", format_size(budget));
     let config = |program, out_dir| -> anyhow::Result<CompareConfig> {
@@ -152,19 +196,19 @@ fn measure_budget(
             cgroup_limit: None,
             runs: args.runs,
             out_dir,
-            model: Some(args.model.clone()),
+            model: Some(args.model().to_path_buf()),
             launcher: std::env::current_exe()?,
         })
     };
     // The device's rate drifts over minutes, so each budget's floor uses the device as
     // measured right before and right after its decode runs, not only at the start.
-    let mut device_beside = device_limit(&args.model)?;
+    let mut device_beside = device_limit(args.model())?;
     let report = compare(
         &config(llama_bench_command(args, args.tokens), dir.clone())?,
         interrupted,
         print_progress,
     )?;
-    device_beside.extend(device_limit(&args.model)?);
+    device_beside.extend(device_limit(args.model())?);
     let device_bps = median(&mut device_beside).expect("six measurements");
     eprintln!(
         "bench:   device limit beside the runs {:.0} MB/s",
@@ -225,7 +269,7 @@ fn print_progress(record: &RunRecord) {
 /// next): a first run that had learned less would read more in the tokens both make.
 fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::Result<f64> {
     let launcher = std::env::current_exe()?;
-    let counts = expert_store::beside(&args.model);
+    let counts = expert_store::beside(args.model());
     let saved = std::fs::read(&counts).ok();
     let mut read = Vec::new();
     for (i, tokens) in [2, 2 + args.tokens].into_iter().enumerate() {
@@ -263,4 +307,59 @@ fn pager_bytes_per_token(args: &BenchArgs, budget: u64, dir: &Path) -> anyhow::R
         read.push(bytes as f64);
     }
     Ok((read[1] - read[0]).max(0.0) / args.tokens as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser, Debug)]
+    struct Bench {
+        #[command(flatten)]
+        args: BenchArgs,
+    }
+
+    fn parse(line: &str) -> Result<BenchArgs, clap::Error> {
+        Bench::try_parse_from(std::iter::once("bench").chain(line.split_whitespace()))
+            .map(|bench| bench.args)
+    }
+
+    #[test]
+    fn the_arguments_are_well_formed() {
+        // clap's own checks of the definitions (the ids `requires` and
+        // `conflicts_with` name exist, ...): in debug builds only, so in a `cargo test`
+        // without --release; the next test checks the same relations by their effect.
+        Bench::command().debug_assert();
+    }
+
+    #[test]
+    fn a_local_or_a_remote_model_with_its_budgets() {
+        let local = parse("--model m.gguf --llama-bin b").unwrap();
+        assert_eq!(local.model(), Path::new("m.gguf"));
+        assert_eq!(local.budgets(), [25.0, 50.0, 75.0, 90.0, 125.0]);
+        let remote = parse(
+            "--remote s3://b/p --model-key m.gguf --cache-dir c --llama-bin b \
+             --mount-arg --no-passthrough --mount-arg=--block=4M --parts ttft,fetch",
+        )
+        .unwrap();
+        assert_eq!(remote.budgets(), [50.0]);
+        assert_eq!(remote.remote.mount_args, ["--no-passthrough", "--block=4M"]);
+        assert_eq!(
+            remote.remote.parts,
+            [remote::Part::Ttft, remote::Part::Fetch]
+        );
+        let remote =
+            parse("--remote s3://b --model-key m --cache-dir c --llama-bin b --budgets 30,60")
+                .unwrap();
+        assert_eq!(remote.budgets(), [30.0, 60.0]);
+        // Neither model, both, or a remote one without its key or cache directory.
+        assert!(parse("--llama-bin b").is_err());
+        assert!(
+            parse("--model m --remote s3://b --model-key m --cache-dir c --llama-bin b").is_err()
+        );
+        assert!(parse("--remote s3://b --cache-dir c --llama-bin b").is_err());
+        assert!(parse("--remote s3://b --model-key m --llama-bin b").is_err());
+        assert!(parse("--model m --model-key k --llama-bin b").is_err());
+    }
 }

@@ -1,7 +1,9 @@
 //! The llama.cpp command lines the bench runs: llama-bench's decode test and
-//! llama-completion's cold start to the first token.
+//! llama-completion's cold start to the first token (and its decode, for the remote
+//! bench).
 
 use std::ffi::OsString;
+use std::path::Path;
 
 use super::BenchArgs;
 
@@ -11,7 +13,7 @@ pub(super) fn llama_bench_command(args: &BenchArgs, tokens: u32) -> Vec<OsString
     [
         bench.into_os_string(),
         "-m".into(),
-        args.model.clone().into_os_string(),
+        args.model().as_os_str().to_owned(),
         "-p".into(),
         "0".into(),
         "-n".into(),
@@ -41,18 +43,32 @@ pub(super) const FIRST_TOKEN_PROMPT: &str = "The capital of France is";
 /// program's own memory (KV cache, compute buffers) is large, and the kernel side,
 /// whose cgroup counts it, would run out of memory at the small budgets.
 pub(super) fn first_token_command(args: &BenchArgs) -> Vec<OsString> {
-    let completion = args.llama_bin.join("llama-completion");
+    completion_command(&args.llama_bin, args.model(), 1, args.threads, false)
+}
+
+/// `llama-completion` from `llama_bin` on `model` generating `tokens` tokens greedily
+/// from `FIRST_TOKEN_PROMPT`, as `first_token_command` says; with `ignore_eos`, exactly
+/// `tokens` of them (an end of text does not stop it), so that runs of different
+/// lengths differ by a known number of tokens.
+pub(super) fn completion_command(
+    llama_bin: &Path,
+    model: &Path,
+    tokens: u32,
+    threads: u32,
+    ignore_eos: bool,
+) -> Vec<OsString> {
+    let completion = llama_bin.join("llama-completion");
     let mut command = vec![
         completion.into_os_string(),
         "-m".into(),
-        args.model.clone().into_os_string(),
+        model.as_os_str().to_owned(),
     ];
     command.extend(
         [
             "-p",
             FIRST_TOKEN_PROMPT,
             "-n",
-            "1",
+            &tokens.to_string(),
             "-c",
             "256",
             "--temp",
@@ -60,7 +76,7 @@ pub(super) fn first_token_command(args: &BenchArgs) -> Vec<OsString> {
             "--seed",
             "1",
             "-t",
-            &args.threads.to_string(),
+            &threads.to_string(),
             "-no-cnv",
             "--no-display-prompt",
             "--no-warmup",
@@ -69,5 +85,8 @@ pub(super) fn first_token_command(args: &BenchArgs) -> Vec<OsString> {
         .into_iter()
         .map(OsString::from),
     );
+    if ignore_eos {
+        command.push("--ignore-eos".into());
+    }
     command
 }

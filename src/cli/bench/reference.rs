@@ -24,7 +24,7 @@ pub(super) struct References {
 
 impl References {
     pub fn measure(args: &BenchArgs) -> anyhow::Result<References> {
-        let device_bps = median(&mut device_limit(&args.model)?).expect("three measurements");
+        let device_bps = median(&mut device_limit(args.model())?).expect("three measurements");
         eprintln!("bench: device limit {:.0} MB/s", device_bps / 1e6);
         let warm_tps = warm_tokens_per_s(args)?;
         eprintln!("bench: warm decode {warm_tps:.2} tok/s");
@@ -81,7 +81,7 @@ pub(super) fn device_limit(model: &Path) -> anyhow::Result<Vec<f64>> {
 /// run below the device's limit measured alone (docs/design.md, "Measuring against the
 /// device"). Returns (alone, during decode).
 fn device_during_decode(args: &BenchArgs) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
-    let pager_shaped = || read_rate(&args.model, 2 << 20, 2, 1 << 30);
+    let pager_shaped = || read_rate(args.model(), 2 << 20, 2, 1 << 30);
     let mut alone = Vec::new();
     for _ in 0..3 {
         alone.push(pager_shaped()?);

@@ -148,7 +148,7 @@ fn write_method(
          pager's with the model resident: {:.3} s. Kernel: the unchanged program in a memory \
          cgroup limited to the budget (page cache included); pager: `hyperoffload run \
          --budget` with the default policies.\n",
-        args.model.display(),
+        args.model().display(),
         mib(model.len as f64),
         args.tokens,
         args.threads,
@@ -324,13 +324,14 @@ mod tests {
 
     fn args() -> BenchArgs {
         BenchArgs {
-            model: "m.gguf".into(),
+            model: Some("m.gguf".into()),
             llama_bin: "bin".into(),
             budgets: vec![50.0],
             runs: 3,
             tokens: 8,
             threads: 2,
             out: "bench".into(),
+            remote: Default::default(),
         }
     }
 

@@ -5,7 +5,8 @@
 //! the filesystem (`fs.rs`, fuser), and the mount's life here.
 
 mod fs;
-mod remote;
+/// Also the remote bench's client (`bench --remote` downloads the model with it).
+pub(super) mod remote;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

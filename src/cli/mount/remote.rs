@@ -275,6 +275,63 @@ impl Remote {
         }
     }
 
+    /// The whole of `object` (the version opened) in one streaming GET, written to
+    /// `dest` as it arrives: what a node does that copies a model before running it.
+    /// Not retried (a download that fails fails the caller); each step (the answer, then
+    /// every chunk of the body) may take the policy's attempt timeout. Returns the
+    /// bytes written, counted in the stats as a GET's.
+    pub async fn download(
+        &self,
+        object: &ObjectInfo,
+        dest: &std::path::Path,
+    ) -> anyhow::Result<u64> {
+        use std::io::Write as _;
+        let step = self.policy.attempt_timeout;
+        let options = GetOptions {
+            if_match: Some(object.etag.clone()),
+            ..GetOptions::default()
+        };
+        self.stats.gets.fetch_add(1, Ordering::Relaxed);
+        let result = tokio::time::timeout(step, self.store.get_opts(&object.key, options))
+            .await
+            .map_err(|_| timeout_error(step))
+            .and_then(|result| result)
+            .with_context(|| format!("{}: GET {}", object.name, object.key))?;
+        let mut file = std::io::BufWriter::with_capacity(
+            8 << 20,
+            std::fs::File::create(dest).with_context(|| format!("creating {}", dest.display()))?,
+        );
+        let mut stream = result.into_stream();
+        let mut written = 0u64;
+        loop {
+            let chunk = tokio::time::timeout(step, stream.try_next())
+                .await
+                .map_err(|_| timeout_error(step))
+                .and_then(|chunk| chunk)
+                .with_context(|| {
+                    format!("{}: GET {} after {written} bytes", object.name, object.key)
+                })?;
+            let Some(chunk) = chunk else { break };
+            file.write_all(&chunk)
+                .with_context(|| format!("writing {}", dest.display()))?;
+            written += chunk.len() as u64;
+            self.stats
+                .bytes
+                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
+        file.flush()
+            .with_context(|| format!("writing {}", dest.display()))?;
+        if written != object.size {
+            anyhow::bail!(
+                "{}: GET {} gave {written} bytes, the object has {}",
+                object.name,
+                object.key,
+                object.size
+            );
+        }
+        Ok(written)
+    }
+
     async fn get_once(&self, object: &ObjectInfo, range: Range<u64>) -> Result<Bytes, Attempt> {
         let options = GetOptions {
             if_match: Some(object.etag.clone()),
