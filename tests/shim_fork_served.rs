@@ -198,6 +198,47 @@ fn a_served_forked_child_that_execs_another_program_runs_it_unchanged() {
     assert!(json["forked_children"].as_u64().unwrap() >= 1, "{json}");
 }
 
+#[test]
+fn a_served_forked_child_cannot_move_what_it_inherited_and_no_process_reads_zeros() {
+    let setup = setup("served-fork-remap");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "remap", "", &stats);
+    assert_success(&output, "remap");
+    let seen = stdout(&output);
+    let einval = libc::EINVAL.to_string();
+    // Moved, the range would lose its registration, and the child's reads of blocks
+    // not resident would put pages of zeros into the file every process maps.
+    assert_eq!(
+        line(&seen, "child move "),
+        vec![format!("refused {einval}").as_str()],
+        "{seen}"
+    );
+    assert_eq!(
+        line(&seen, "child grow "),
+        vec![format!("refused {einval}").as_str()],
+        "{seen}"
+    );
+    assert_eq!(
+        line(&seen, "child pages differ "),
+        vec!["0 zeros 0"],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child after unmap "), vec!["moved"], "{seen}");
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_eq!(
+        line(&seen, "parent pages differ "),
+        vec!["0 zeros 0"],
+        "{seen}"
+    );
+    assert_served(&output, &stats, 1);
+    let messages = stderr(&output);
+    assert_eq!(
+        messages.matches("forked child inherited").count(),
+        1,
+        "said once: {messages}"
+    );
+}
+
 /// The parent exits first, in `mode`; the child then reads every page.
 fn outliving_child_reads_the_file(mode: &str, why: &str) {
     let setup = setup(&format!("served-fork-{mode}"));

@@ -313,6 +313,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: size_t) -> c_int {
     if let Some(result) = with_shim(|shim| shim.unmap(addr as usize, len)) {
         return c_result(result);
     }
+    fork_child::unmapped_in_child(addr as usize, len);
     // SAFETY: the caller's request, unchanged.
     unsafe { raw::munmap(addr, len) }
 }
@@ -336,6 +337,7 @@ pub unsafe extern "C" fn mremap(
             .then_some(())
     })
     .is_some()
+        || fork_child::refuses_remap_in_child(old as usize, old_len, fixed)
     {
         raw::set_errno(libc::EINVAL);
         return libc::MAP_FAILED;

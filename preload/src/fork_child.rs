@@ -14,16 +14,19 @@
 //! - parent (after): drops the plan and the lock.
 //! - child (after, the forking thread alone): marks the process a forked child, maps
 //!   the plan, says so the first time, then drops the plan and the lock, unlocking the
-//!   child's copy.
+//!   child's copy. With a pager that serves forks the plan maps nothing: the child
+//!   keeps the ranges it inherits served, and `mremap` of them is refused there as in
+//!   the program (`ServedRanges`; `refuses_remap_in_child`).
 
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::MutexGuard;
+use std::sync::{Mutex, MutexGuard};
 
 use hyperoffload::size::format_size;
 use hyperoffload::sys::getpid;
 
-use crate::fork_plan::ForkPlan;
+use crate::fork_plan::{ForkPlan, ServedRanges};
 use crate::raw;
 use crate::state::{self, Reentry};
 
@@ -42,6 +45,56 @@ thread_local! {
 /// Set in the parent once a child has been given a plan: later children stay quiet.
 static SAID: AtomicBool = AtomicBool::new(false);
 static REGISTERED: AtomicBool = AtomicBool::new(false);
+
+/// In a served forked child (and its own children, which inherit the memory): the
+/// ranges it inherited served. Never used in the program itself. Only `try_lock`ed: a
+/// copy locked by a thread that a later fork left behind stays locked, and the calls
+/// then pass through as before.
+static SERVED_HERE: Mutex<ServedRanges> = Mutex::new(ServedRanges::empty());
+static WARNED_REMAP: AtomicBool = AtomicBool::new(false);
+/// Set with `SERVED_HERE`: every other process pays one load for its munmaps and
+/// mremaps.
+static HAS_SERVED: AtomicBool = AtomicBool::new(false);
+
+/// In a forked child: whether an `mremap` of `old..old + old_len` (to `fixed`, with
+/// MREMAP_FIXED) touches a range it inherited served, and is to be refused (a warning
+/// once). False in any other process.
+pub fn refuses_remap_in_child(old: usize, old_len: usize, fixed: Option<(usize, usize)>) -> bool {
+    if !HAS_SERVED.load(Ordering::Acquire) || !state::is_forked_child() {
+        return false;
+    }
+    let Ok(served) = SERVED_HERE.try_lock() else {
+        return false;
+    };
+    if served.is_empty() {
+        return false;
+    }
+    let page = hyperoffload::sys::page_size() as usize;
+    let span = |addr: usize, len: usize| -> Range<usize> {
+        addr..addr.saturating_add(len.max(1)).next_multiple_of(page)
+    };
+    let refused = served.touches(&span(old, old_len))
+        || fixed.is_some_and(|(a, l)| served.touches(&span(a, l)));
+    drop(served);
+    if refused && !WARNED_REMAP.swap(true, Ordering::Relaxed) {
+        raw::write_stderr(
+            b"hyperoffload: mremap of a model mapping a forked child inherited from its \
+              served parent is not supported; refused with EINVAL\n",
+        );
+    }
+    refused
+}
+
+/// In a forked child: `addr..addr + len` is being unmapped, so whatever is mapped there
+/// later is not a served range.
+pub fn unmapped_in_child(addr: usize, len: usize) {
+    if !HAS_SERVED.load(Ordering::Acquire) || !state::is_forked_child() {
+        return;
+    }
+    if let Ok(mut served) = SERVED_HERE.try_lock() {
+        served.forget(&(addr..addr.saturating_add(len)));
+    }
+}
 
 /// Registers the handlers, once. Called in the owner once a mapping is managed.
 pub fn register_once() {
@@ -106,9 +159,16 @@ extern "C" fn parent() {
 
 extern "C" fn child() {
     state::become_forked_child();
-    let Some(prepared) = take() else {
+    let Some(mut prepared) = take() else {
         return;
     };
+    if !prepared.plan.served.is_empty() {
+        // The forking thread alone runs here, and the program never locks it.
+        if let Ok(mut served) = SERVED_HERE.try_lock() {
+            *served = std::mem::take(&mut prepared.plan.served);
+            HAS_SERVED.store(true, Ordering::Release);
+        }
+    }
     let applied = prepared.plan.apply();
     raw::write_stderr(&prepared.message);
     if applied.failed > 0 {

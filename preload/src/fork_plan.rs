@@ -38,6 +38,58 @@ pub struct PlanRange {
 pub struct ForkPlan {
     pub files: Vec<PlanFile>,
     pub ranges: Vec<PlanRange>,
+    /// With a pager that serves forks: the managed ranges the child inherits, served
+    /// from its parent's pager, where it must not `mremap` (see `ServedRanges`).
+    pub served: ServedRanges,
+}
+
+/// The address ranges a forked child inherits served (`--serve-forks`): a region's
+/// memfd, mapped shared and registered with the child's userfaultfd. A move of such a
+/// range (`mremap`) would drop its registration without `UFFD_FEATURE_EVENT_REMAP`,
+/// and the child's next access to a hole of the memfd would put a page of zeros into
+/// the file, where every process, the program too, then reads zeros. So the child's
+/// `mremap` touching one is refused with EINVAL, as the program's own is; a range the
+/// child unmaps is forgotten (something else may be mapped there later).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ServedRanges(Vec<Range<usize>>);
+
+impl ServedRanges {
+    /// None (a `const` for statics).
+    pub const fn empty() -> Self {
+        Self(Vec::new())
+    }
+
+    pub fn new(ranges: impl IntoIterator<Item = Range<usize>>) -> Self {
+        Self(ranges.into_iter().filter(|r| r.start < r.end).collect())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether any served page lies in `range`.
+    pub fn touches(&self, range: &Range<usize>) -> bool {
+        self.0
+            .iter()
+            .any(|served| served.start < range.end && range.start < served.end)
+    }
+
+    /// `range` was unmapped: the parts of served ranges in it are no longer served.
+    pub fn forget(&mut self, range: &Range<usize>) {
+        if !self.touches(range) {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.0.len() + 1);
+        for served in self.0.drain(..) {
+            if served.start < range.start {
+                kept.push(served.start..served.end.min(range.start));
+            }
+            if range.end < served.end {
+                kept.push(served.start.max(range.end)..served.end);
+            }
+        }
+        self.0 = kept;
+    }
 }
 
 /// What `apply` did.
@@ -114,6 +166,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_served_range_is_touched_by_any_overlap_and_forgotten_where_unmapped() {
+        let mut served = ServedRanges::new([0x10000..0x20000, 0x40000..0x41000, 0x50..0x50]);
+        assert!(served.touches(&(0x1f000..0x30000)));
+        assert!(served.touches(&(0x0..0x10001)));
+        assert!(!served.touches(&(0x20000..0x40000)), "ends are exclusive");
+        assert!(!served.touches(&(0x50..0x51)), "empty ranges are dropped");
+        served.forget(&(0x12000..0x14000));
+        assert_eq!(
+            served,
+            ServedRanges::new([0x10000..0x12000, 0x14000..0x20000, 0x40000..0x41000])
+        );
+        assert!(!served.touches(&(0x12000..0x14000)));
+        served.forget(&(0x0..0x100000));
+        assert!(served.is_empty());
+    }
+
+    #[test]
     fn a_plan_counts_its_bytes() {
         let plan = ForkPlan {
             files: Vec::new(),
@@ -131,6 +200,7 @@ mod tests {
                     file: 0,
                 },
             ],
+            served: ServedRanges::default(),
         };
         assert_eq!(plan.bytes(), 0x5000);
         assert!(!plan.is_empty());
@@ -151,6 +221,7 @@ mod tests {
                 offset: 0,
                 file: 0,
             }],
+            served: ServedRanges::default(),
         };
         assert_eq!(
             plan.apply(),

@@ -14,7 +14,8 @@
 //! - exec: the process the launcher started keeps the shim through every exec (same
 //!   pid: wrappers, `env`); children (other pids) do not, unless HYPEROFFLOAD_INHERIT=1
 //!   (`process_claim`, `env_scrub`).
-//! - mremap of managed memory: refused with EINVAL (and a warning once).
+//! - mremap of managed memory: refused with EINVAL (and a warning once); in a served
+//!   forked child, of the ranges it inherited served (`fork_child`).
 //! - mlock of managed memory: pins within the budget; beyond it, ENOMEM and a warning.
 //! - MAP_FIXED requests pass through; one over managed memory releases that part first.
 //! - setuid/setgid (AT_SECURE) programs: the shim stays off and reads no environment.

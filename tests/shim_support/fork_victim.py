@@ -75,6 +75,62 @@ elif mode == "readers":
         p.join()
     print("readers", " ".join(digests), flush=True)
     print("whole", hashlib.sha256(open(path, "rb").read()).hexdigest()[:16], flush=True)
+elif mode == "remap":
+    # A child moves (mremap) a mapping it inherited served: refused with EINVAL, as in
+    # the program, and every page still reads the file's bytes, in the child and, after
+    # it, in the parent. Once unmapped, the range is the child's to remap.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                            ctypes.c_int, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    failed = ctypes.c_void_p(-1).value
+    size = os.fstat(f.fileno()).st_size
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    assert addr not in (None, failed), ctypes.get_errno()
+    class Raw:
+        def __init__(self, at):
+            self.at = at
+        def __len__(self):
+            return size
+        def __getitem__(self, s):
+            a, b = s.start, min(s.stop, size)
+            return ctypes.string_at(self.at + a, b - a)
+    m = Raw(addr)
+    a, b = quarters(size)[0]
+    hashlib.sha256(m[a:b]).digest()
+    plain = open(path, "rb").read()
+    pid = os.fork()
+    if pid == 0:
+        MAYMOVE, FIXED = 1, 2
+        target = libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        moved = libc.mremap(addr, size, size, MAYMOVE | FIXED, target)
+        print("child move", "refused" if moved == failed else "moved",
+              ctypes.get_errno() if moved == failed else 0, flush=True)
+        if moved != failed:
+            # Read where it went (what a program that moved it does).
+            addr = moved
+            m = Raw(moved)
+        grown = libc.mremap(addr, size, 2 * size, MAYMOVE, None)
+        print("child grow", "refused" if grown == failed else "moved",
+              ctypes.get_errno() if grown == failed else 0, flush=True)
+        differ, zeros = check_pages(m, plain)
+        print("child pages differ", differ, "zeros", zeros, flush=True)
+        # Unmapped, the range is no longer served: an anonymous mapping put there
+        # moves as any other.
+        libc.munmap(addr, size)
+        anon = libc.mmap(addr, 1 << 20, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)
+        again = libc.mremap(anon, 1 << 20, 1 << 20, MAYMOVE | FIXED, target)
+        print("child after unmap", "refused" if again == failed else "moved", flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    differ, zeros = check_pages(m, plain)
+    print("parent pages differ", differ, "zeros", zeros, flush=True)
 elif mode in ("outlive", "outlive-raw"):
     import time
     if mode == "outlive-raw":

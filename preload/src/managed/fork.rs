@@ -6,7 +6,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::MutexGuard;
 
 use super::{lock, PagerSlot, Shim};
-use crate::fork_plan::{ForkPlan, PlanFile, PlanRange};
+use crate::fork_plan::{ForkPlan, PlanFile, PlanRange, ServedRanges};
 
 impl Shim {
     /// Just before a fork: holds `layout`, so that no managed mapping is made or removed
@@ -18,8 +18,15 @@ impl Shim {
         let served =
             matches!(&*lock(&self.pager), PagerSlot::Running(pager) if pager.serves_forks());
         if served {
-            // The child inherits the regions and the pager serves it: nothing to map.
-            return (layout, ForkPlan::default());
+            // The child inherits the regions and the pager serves it: nothing to map,
+            // only ranges it must not move.
+            let served =
+                ServedRanges::new(lock(&self.registry).live_parts().map(|(_, part, _)| part));
+            let plan = ForkPlan {
+                served,
+                ..ForkPlan::default()
+            };
+            return (layout, plan);
         }
         let files = lock(&self.files)
             .iter()
@@ -40,6 +47,11 @@ impl Shim {
                 file: managed.file,
             })
             .collect();
-        (layout, ForkPlan { files, ranges })
+        let plan = ForkPlan {
+            files,
+            ranges,
+            served: ServedRanges::default(),
+        };
+        (layout, plan)
     }
 }
