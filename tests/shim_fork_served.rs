@@ -239,6 +239,21 @@ fn a_served_forked_child_cannot_move_what_it_inherited_and_no_process_reads_zero
     );
 }
 
+#[test]
+fn a_child_of_the_raw_fork_system_call_is_served_like_any_other() {
+    // No fork handler runs for it (as for `_Fork` or a raw `clone`): the kernel's fork
+    // event alone hands the pager the child's userfaultfd.
+    let setup = setup("served-fork-raw");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, "rawfork", "", &stats);
+    assert_success(&output, "rawfork");
+    let seen = stdout(&output);
+    assert_eq!(line(&seen, "child pages differ "), vec!["0 zeros 0"], "{seen}");
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_eq!(line(&seen, "parent pages differ "), vec!["0 zeros 0"], "{seen}");
+    assert_served(&output, &stats, 1);
+}
+
 /// The parent exits first, in `mode`; the child then reads every page.
 fn outliving_child_reads_the_file(mode: &str, why: &str) {
     let setup = setup(&format!("served-fork-{mode}"));

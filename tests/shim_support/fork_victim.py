@@ -131,6 +131,25 @@ elif mode == "remap":
     print("child status", status, flush=True)
     differ, zeros = check_pages(m, plain)
     print("parent pages differ", differ, "zeros", zeros, flush=True)
+elif mode == "rawfork":
+    # A child made by the fork system call itself: no fork handler runs in it or in
+    # the parent (as for _Fork or a raw clone), and the kernel's fork event still
+    # hands the pager its userfaultfd.
+    import ctypes, platform
+    sys_fork = {"x86_64": 57}.get(platform.machine())
+    assert sys_fork is not None, platform.machine()
+    libc = ctypes.CDLL(None, use_errno=True)
+    plain = open(path, "rb").read()
+    pid = libc.syscall(sys_fork)
+    assert pid >= 0, ctypes.get_errno()
+    if pid == 0:
+        differ, zeros = check_pages(m, plain)
+        print("child pages differ", differ, "zeros", zeros, flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status", status, flush=True)
+    differ, zeros = check_pages(m, plain)
+    print("parent pages differ", differ, "zeros", zeros, flush=True)
 elif mode in ("outlive", "outlive-raw"):
     import time
     if mode == "outlive-raw":
