@@ -248,9 +248,17 @@ fn a_child_of_the_raw_fork_system_call_is_served_like_any_other() {
     let output = under_pager(&setup, "rawfork", "", &stats);
     assert_success(&output, "rawfork");
     let seen = stdout(&output);
-    assert_eq!(line(&seen, "child pages differ "), vec!["0 zeros 0"], "{seen}");
+    assert_eq!(
+        line(&seen, "child pages differ "),
+        vec!["0 zeros 0"],
+        "{seen}"
+    );
     assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
-    assert_eq!(line(&seen, "parent pages differ "), vec!["0 zeros 0"], "{seen}");
+    assert_eq!(
+        line(&seen, "parent pages differ "),
+        vec!["0 zeros 0"],
+        "{seen}"
+    );
     assert_served(&output, &stats, 1);
 }
 
