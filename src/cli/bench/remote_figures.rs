@@ -7,6 +7,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+pub(super) use crate::cli::compare::figures::Spread;
+
 /// A side of a remote comparison.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -29,38 +31,8 @@ pub(super) fn side_order(round: usize) -> [RemoteSide; 2] {
     }
 }
 
-/// The median of some measurements (the mean of the middle two for an even count) and
-/// their range.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub(super) struct Spread {
-    pub median: f64,
-    pub min: f64,
-    pub max: f64,
-    pub count: usize,
-}
-
+/// How a spread of measurements reads in the remote section.
 impl Spread {
-    /// None for no measurements; NaNs are left out.
-    pub fn of(values: &[f64]) -> Option<Spread> {
-        let mut sorted: Vec<f64> = values.iter().copied().filter(|v| !v.is_nan()).collect();
-        if sorted.is_empty() {
-            return None;
-        }
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        let median = if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-        };
-        Some(Spread {
-            median,
-            min: sorted[0],
-            max: sorted[n - 1],
-            count: n,
-        })
-    }
-
     /// `median (min-max, N runs)` with `digits` decimals, after dividing by `unit`.
     pub fn show(&self, unit: f64, digits: usize) -> String {
         format!(
@@ -68,8 +40,8 @@ impl Spread {
             self.median / unit,
             self.min / unit,
             self.max / unit,
-            self.count,
-            if self.count == 1 { "" } else { "s" }
+            self.runs,
+            if self.runs == 1 { "" } else { "s" }
         )
     }
 }
@@ -332,7 +304,7 @@ mod tests {
         assert_eq!(Spread::of(&[f64::NAN]), None);
         let odd = Spread::of(&[3.0, 1.0, 2.0]).unwrap();
         assert_eq!(
-            (odd.median, odd.min, odd.max, odd.count),
+            (odd.median, odd.min, odd.max, odd.runs),
             (2.0, 1.0, 3.0, 3)
         );
         let even = Spread::of(&[4.0, 1.0, 2.0, 10.0]).unwrap();
