@@ -303,10 +303,7 @@ mod tests {
         assert_eq!(Spread::of(&[]), None);
         assert_eq!(Spread::of(&[f64::NAN]), None);
         let odd = Spread::of(&[3.0, 1.0, 2.0]).unwrap();
-        assert_eq!(
-            (odd.median, odd.min, odd.max, odd.runs),
-            (2.0, 1.0, 3.0, 3)
-        );
+        assert_eq!((odd.median, odd.min, odd.max, odd.runs), (2.0, 1.0, 3.0, 3));
         let even = Spread::of(&[4.0, 1.0, 2.0, 10.0]).unwrap();
         assert_eq!(even.median, 3.0);
         assert_eq!(even.show(1.0, 1), "3.0 (1.0-10.0, 4 runs)");
