@@ -680,6 +680,16 @@ pub fn recv_with_fds_waiting(
     recv_with_fds(socket, buffer)
 }
 
+/// Whether process `pid` exists (kill(2) with signal 0; a zombie does).
+pub fn process_exists(pid: i32) -> bool {
+    rustix::process::Pid::from_raw(pid).is_some_and(|pid| {
+        !matches!(
+            rustix::process::test_kill_process(pid),
+            Err(rustix::io::Errno::SRCH)
+        )
+    })
+}
+
 /// symlink(2): `link` made to lead to `target`; EEXIST if `link` exists.
 pub fn symlink(target: &std::path::Path, link: &std::path::Path) -> io::Result<()> {
     Ok(rustix::fs::symlink(target, link)?)

@@ -172,7 +172,8 @@ impl FaultService {
             format!("{live} forked child process(es)")
         } else {
             format!(
-                "{live} forked child process(es) and {guests} other process(es) of the run                  attached to its regions"
+                "{live} forked child process(es) and {guests} other process(es) of the run \
+                 attached to its regions"
             )
         };
         let mut message = format!(

@@ -73,6 +73,11 @@ impl ShareHost {
             return;
         }
         let target = Path::new(self.socket_path.file_name().unwrap_or_default());
+        if std::fs::read_link(&link).is_ok_and(|to| to == target) {
+            // Claimed by this process's shim before it started the pager.
+            self.links.push(link);
+            return;
+        }
         for _ in 0..2 {
             match sys::symlink(target, &link) {
                 Ok(()) => {
@@ -240,7 +245,7 @@ impl FaultService {
         match region {
             Some((id, region)) => {
                 let Some(shape) = &region.shape else {
-                    return share.send(token, &Message::Refused, &[]);
+                    return share.send(token, &Message::Refused { not_yet: false }, &[]);
                 };
                 let message = Message::Attached {
                     region: id,
@@ -253,7 +258,15 @@ impl FaultService {
                 }
                 sent
             }
-            None => share.send(token, &Message::Refused, &[]),
+            None => {
+                // No region of the file at all: this process claimed it (the link) and
+                // has not mapped it yet.
+                let not_yet = !self
+                    .regions
+                    .values()
+                    .any(|region| key_of(region.file.identity()) == *file);
+                share.send(token, &Message::Refused { not_yet }, &[])
+            }
         }
     }
 

@@ -32,6 +32,8 @@ pub enum AttachError {
     NoHost(std::io::Error),
     #[error("the host serves this file, but no region of it with this offset and length")]
     Refused,
+    #[error("the host has not mapped the file yet")]
+    NotYet,
     #[error("the host's answer: {0}")]
     Protocol(#[from] ProtocolError),
     #[error("the host's answer was not `Attached` or `Refused`")]
@@ -131,18 +133,52 @@ fn host_pid_of(link: &Path) -> i32 {
         .unwrap_or(0)
 }
 
-/// Whether a host other than this process serves the file `key` in `dir`.
-pub fn host_of(dir: &Path, key: &FileKey) -> Option<i32> {
-    let link = dir.join(share_link_name(key.dev, key.ino));
-    let pid = host_pid_of(&link);
-    (pid != 0 && pid != sys::getpid()).then_some(pid)
+/// Who serves a file in the share directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This process: it made the link (before starting its pager), or had it already.
+    Mine,
+    /// Another live process of the run.
+    Other(i32),
 }
 
-/// Attaches to the host serving `len` bytes of `key`'s file from `offset`: maps its
-/// region's file (`map_len` bytes, the program's `prot`, which must not be writable)
-/// and serves the mapping's faults through the host.
+/// Claims the file `key` in `dir` for this process (`share-<dev>-<ino>.sock` made to
+/// lead to this process's socket, atomically), unless another live process has it. A
+/// link left by a process that is gone is replaced.
+pub fn claim(dir: &Path, key: &FileKey) -> std::io::Result<Claim> {
+    let link = dir.join(share_link_name(key.dev, key.ino));
+    let me = sys::getpid();
+    let mine = super::host_socket_name(me);
+    for _ in 0..4 {
+        match sys::symlink(Path::new(&mine), &link) {
+            Ok(()) => return Ok(Claim::Mine),
+            Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {
+                let pid = host_pid_of(&link);
+                if pid == me {
+                    return Ok(Claim::Mine);
+                }
+                if pid > 0 && sys::process_exists(pid) {
+                    return Ok(Claim::Other(pid));
+                }
+                let _ = sys::unlink(&link);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Err(std::io::Error::from_raw_os_error(libc::EEXIST))
+}
+
+/// How long a guest keeps asking a host that is starting (no socket yet, or no region
+/// of the file yet).
+const STARTING_HOST_WAIT: Duration = Duration::from_secs(10);
+
+/// Attaches to the host (`host_pid`) serving `len` bytes of `key`'s file from `offset`:
+/// maps its region's file (`map_len` bytes, the program's `prot`, which must not be
+/// writable) and serves the mapping's faults through the host. Waits for a host that
+/// is starting, while it lives.
 pub fn attach(
     dir: &Path,
+    host_pid: i32,
     key: &FileKey,
     offset: u64,
     len: u64,
@@ -150,8 +186,49 @@ pub fn attach(
     prot: i32,
 ) -> Result<Attachment, AttachError> {
     let link = dir.join(share_link_name(key.dev, key.ino));
-    let host_pid = host_pid_of(&link);
-    let socket = sys::connect_seqpacket(&link).map_err(AttachError::NoHost)?;
+    let deadline = std::time::Instant::now() + STARTING_HOST_WAIT;
+    let pause = || std::thread::sleep(Duration::from_millis(5));
+    let starting = |error: &std::io::Error| {
+        matches!(
+            error.raw_os_error(),
+            Some(libc::ENOENT | libc::ECONNREFUSED)
+        )
+    };
+    loop {
+        let socket = match sys::connect_seqpacket(&link) {
+            Ok(socket) => socket,
+            Err(error)
+                if starting(&error)
+                    && sys::process_exists(host_pid)
+                    && std::time::Instant::now() < deadline =>
+            {
+                pause();
+                continue;
+            }
+            Err(error) => return Err(AttachError::NoHost(error)),
+        };
+        match ask(socket, host_pid, key, offset, len, map_len, prot) {
+            Err(AttachError::NotYet)
+                if sys::process_exists(host_pid) && std::time::Instant::now() < deadline =>
+            {
+                pause();
+            }
+            Err(AttachError::NotYet) => return Err(AttachError::Refused),
+            other => return other,
+        }
+    }
+}
+
+/// Asks for the region over `socket`, and maps it.
+fn ask(
+    socket: OwnedFd,
+    host_pid: i32,
+    key: &FileKey,
+    offset: u64,
+    len: u64,
+    map_len: usize,
+    prot: i32,
+) -> Result<Attachment, AttachError> {
     let attach = Message::Attach {
         file: *key,
         offset,
@@ -177,7 +254,8 @@ pub fn attach(
             data_len,
             shape_len,
         } => (region, data_len, shape_len),
-        Message::Refused => return Err(AttachError::Refused),
+        Message::Refused { not_yet: true } => return Err(AttachError::NotYet),
+        Message::Refused { not_yet: false } => return Err(AttachError::Refused),
         _ => return Err(AttachError::Unexpected),
     };
     let file = fds.pop().expect("two descriptors");

@@ -36,8 +36,10 @@ pub enum Message {
         /// Bytes of the memfd (data, page rounded).
         shape_len: u64,
     },
-    /// Host to guest: no live region maps that (the guest pages for itself).
-    Refused,
+    /// Host to guest: no live region maps that (the guest pages for itself); with
+    /// `not_yet`, the host has no region of that file yet (it claimed the file and is
+    /// starting: the guest asks again).
+    Refused { not_yet: bool },
     /// Guest to host: a thread of mine faulted on the page at `offset` of `region`.
     Fault { region: u32, offset: u64 },
     /// Host to guest: the page at `offset` is in the memfd now (wake the threads).
@@ -88,7 +90,7 @@ impl Message {
         match self {
             Message::Attach { .. } => ATTACH,
             Message::Attached { .. } => ATTACHED,
-            Message::Refused => REFUSED,
+            Message::Refused { .. } => REFUSED,
             Message::Fault { .. } => FAULT,
             Message::Ready { .. } => READY,
             Message::Poison { .. } => POISON,
@@ -126,7 +128,7 @@ impl Message {
                 put64(&mut out, *data_len);
                 put64(&mut out, *shape_len);
             }
-            Message::Refused => {}
+            Message::Refused { not_yet } => out.push(u8::from(*not_yet)),
             Message::Fault { region, offset }
             | Message::Ready { region, offset }
             | Message::Poison { region, offset } => {
@@ -168,7 +170,9 @@ impl Message {
                 data_len: reader.u64()?,
                 shape_len: reader.u64()?,
             },
-            REFUSED => Message::Refused,
+            REFUSED => Message::Refused {
+                not_yet: reader.take::<1>()?[0] != 0,
+            },
             FAULT => Message::Fault {
                 region: reader.u32()?,
                 offset: reader.u64()?,
@@ -238,7 +242,8 @@ mod tests {
                 data_len: 128 << 20,
                 shape_len: (128 << 20) + 4096,
             },
-            Message::Refused,
+            Message::Refused { not_yet: false },
+            Message::Refused { not_yet: true },
             Message::Fault {
                 region: 3,
                 offset: 1 << 21,

@@ -13,7 +13,7 @@
 
 use std::sync::atomic::Ordering;
 
-use hyperoffload::share::guest::{attach, host_of, key_of_stat, Attachment};
+use hyperoffload::share::guest::{attach, claim, key_of_stat, Attachment, Claim};
 use hyperoffload::share::protocol::FileKey;
 
 use super::{lock, page, MappedFile, Shim};
@@ -54,10 +54,14 @@ impl Shim {
             return None;
         }
         let key: FileKey = key_of_stat(&file.stat);
-        host_of(dir, &key)?;
+        // The first process of the run to map the file claims it (before its pager
+        // starts, so that one starting at the same moment waits for it and attaches).
+        let Ok(Claim::Other(host)) = claim(dir, &key) else {
+            return None;
+        };
         let map_len = request.len.next_multiple_of(page());
         let _layout = lock(&self.layout);
-        match attach(dir, &key, offset, data_len, map_len, request.prot) {
+        match attach(dir, host, &key, offset, data_len, map_len, request.prot) {
             Ok(attachment) => {
                 let base = attachment.base();
                 let host = attachment.host_pid();
