@@ -463,8 +463,7 @@ impl Served {
                 return;
             }
             if socket_ready {
-                loop {
-                    let Some(open) = &socket else { break };
+                while let Some(open) = &socket {
                     let event = match sys::recv_with_fds(open.as_fd(), &mut buffer) {
                         Ok(sys::Received::Message(len, fds)) => {
                             match Message::decode(&buffer[..len], fds.len()) {

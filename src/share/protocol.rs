@@ -254,7 +254,7 @@ mod tests {
             },
             Message::Poison {
                 region: 3,
-                offset: u64::MAX & !4095,
+                offset: !4095,
             },
         ]
     }

@@ -28,16 +28,6 @@ pub(super) struct Attached {
     pub prot: libc::c_int,
 }
 
-/// What the guests of this process did, for its report.
-#[derive(Debug, Default, Clone)]
-pub struct GuestReport {
-    pub hosts: Vec<i32>,
-    pub mappings: u64,
-    pub forwarded: u64,
-    pub filled_bytes: u64,
-    pub host_gone: bool,
-}
-
 impl Shim {
     /// With a share directory: maps `file` from the host serving it, if another process
     /// of the run does and the request is read-only. The address, or None (the caller
@@ -121,17 +111,7 @@ impl Shim {
         }
         self.attached_count
             .fetch_sub(stopped.len(), Ordering::AcqRel);
-        let mut done = lock(&self.guest_done);
         for one in stopped {
-            let counters = one.attachment.counters();
-            let host = one.attachment.host_pid();
-            if !done.hosts.contains(&host) {
-                done.hosts.push(host);
-            }
-            done.mappings += 1;
-            done.forwarded += counters.forwarded.load(Ordering::Relaxed);
-            done.filled_bytes += counters.filled_bytes.load(Ordering::Relaxed);
-            done.host_gone |= counters.host_gone.load(Ordering::Relaxed);
             one.attachment.stop_leaving_mapped();
         }
     }
@@ -162,27 +142,5 @@ impl Shim {
                 )
             })
             .collect()
-    }
-
-    /// What the attached mappings did so far (those alive).
-    pub fn guest_report(&self) -> Option<GuestReport> {
-        let attached = lock(&self.attached);
-        let done = lock(&self.guest_done).clone();
-        if attached.is_empty() && done.mappings == 0 {
-            return None;
-        }
-        let mut report = done;
-        for one in attached.iter() {
-            let counters = one.attachment.counters();
-            let host = one.attachment.host_pid();
-            if !report.hosts.contains(&host) {
-                report.hosts.push(host);
-            }
-            report.mappings += 1;
-            report.forwarded += counters.forwarded.load(Ordering::Relaxed);
-            report.filled_bytes += counters.filled_bytes.load(Ordering::Relaxed);
-            report.host_gone |= counters.host_gone.load(Ordering::Relaxed);
-        }
-        Some(report)
     }
 }

@@ -40,7 +40,6 @@ use crate::raw;
 use crate::read_ahead;
 use crate::registry::{Piece, Registry};
 use crate::seen::Seen;
-pub use attached::GuestReport;
 
 mod attached;
 mod calls;
@@ -158,8 +157,6 @@ pub struct Shim {
     /// Mappings served by another process's pager (`attached`), and how many.
     attached: Mutex<Vec<attached::Attached>>,
     attached_count: AtomicUsize,
-    /// What the attached mappings already unmapped did.
-    guest_done: Mutex<attached::GuestReport>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -204,7 +201,6 @@ impl Shim {
             cmdline: std::sync::OnceLock::new(),
             attached: Mutex::new(Vec::new()),
             attached_count: AtomicUsize::new(0),
-            guest_done: Mutex::new(attached::GuestReport::default()),
         }
     }
 
