@@ -33,6 +33,7 @@ pub mod ring;
 pub mod served_files;
 mod service;
 pub mod shaped_region;
+pub mod share;
 pub mod shared_store;
 pub mod shim_config;
 pub mod size;

@@ -20,6 +20,7 @@
 //! | `HYPEROFFLOAD_VERBOSE` | `1`: say on stderr what is taken over and why not | `0` |
 //! | `HYPEROFFLOAD_INHERIT` | `1`: programs this one executes keep the shim | `0` |
 //! | `HYPEROFFLOAD_KEEPER` | set by the launcher, not configuration: the descriptor number of its keeper's socket (`crate::keeper`), which the launched process inherits; with `SERVE_FORKS`, its pagers hand the keeper their regions and forked children, so that those children read the files' bytes when the process ends by `_exit`, a signal or an exec. Other processes close it | none |
+//! | `HYPEROFFLOAD_SHARE_DIR` | set by the launcher under `--inherit`, not configuration: a directory private to the run where the pagers of its processes meet (`crate::share`). Every pager then uses file-shaped regions (as with `SERVE_FORKS`) and lets the other processes of the run attach to them; a process about to map a file another one serves maps that pager's region instead of starting a pager of its own, sharing its resident blocks and budget | none |
 //! | `HYPEROFFLOAD_PROCESS` | which process the launcher started: the launcher sets it to [`PROCESS_UNCLAIMED`], the first program image that loads the shim overwrites it in place with its own identity, and every later image in that same process (exec through a wrapper) finds its own there and keeps the pager; any other process is a child (see the shim's `process_claim`) | unset: the process that loads the shim is served, its children are not |
 
 use std::path::PathBuf;
@@ -48,6 +49,7 @@ pub const ENV_VERBOSE: &str = "HYPEROFFLOAD_VERBOSE";
 pub const ENV_INHERIT: &str = "HYPEROFFLOAD_INHERIT";
 pub const ENV_PROCESS: &str = "HYPEROFFLOAD_PROCESS";
 pub const ENV_KEEPER: &str = "HYPEROFFLOAD_KEEPER";
+pub const ENV_SHARE_DIR: &str = "HYPEROFFLOAD_SHARE_DIR";
 
 /// `HYPEROFFLOAD_PROCESS` as the launcher sets it: a placeholder as wide as any identity
 /// the shim writes over it (environment strings can be edited in place, never grown).
@@ -73,6 +75,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_INHERIT,
     ENV_PROCESS,
     ENV_KEEPER,
+    ENV_SHARE_DIR,
 ];
 
 pub const DEFAULT_PATTERNS: &[&str] = &["*.gguf", "*.safetensors"];
@@ -281,6 +284,9 @@ pub struct ShimConfig {
     /// The keeper's socket, by descriptor number (see `ENV_KEEPER`; set by the launcher
     /// beside this configuration, never by `to_env`).
     pub keeper_fd: Option<i32>,
+    /// The run's share directory (see `ENV_SHARE_DIR`; set by the launcher under
+    /// `--inherit`).
+    pub share_dir: Option<PathBuf>,
 }
 
 impl ShimConfig {
@@ -349,6 +355,7 @@ impl ShimConfig {
             verbose: false,
             inherit: false,
             keeper_fd: None,
+            share_dir: None,
         }
     }
 
@@ -453,6 +460,11 @@ impl ShimConfig {
         config.trace_path = path(ENV_TRACE)?;
         config.verbose = flag(&lookup, ENV_VERBOSE)?;
         config.inherit = flag(&lookup, ENV_INHERIT)?;
+        config.share_dir = path(ENV_SHARE_DIR)?;
+        if config.share_dir.is_some() {
+            // Only file-shaped regions can be shared.
+            config.serve_forks = true;
+        }
         if let Some(value) = lookup(ENV_KEEPER) {
             let fd = value.trim().parse::<i32>().ok().filter(|&fd| fd > 2);
             config.keeper_fd = Some(fd.ok_or_else(|| {
@@ -501,6 +513,9 @@ impl ShimConfig {
         }
         if let Some(path) = &self.trace_path {
             env.push((ENV_TRACE, path.display().to_string()));
+        }
+        if let Some(path) = &self.share_dir {
+            env.push((ENV_SHARE_DIR, path.display().to_string()));
         }
         env
     }

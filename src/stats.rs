@@ -143,6 +143,10 @@ pub struct Stats {
     /// every hole when children outlive the service or a region they map is unmapped,
     /// and pages they read where the program unmapped part of a region.
     pub child_fill_bytes: u64,
+    /// Guests (other processes of the run's tree, `crate::share`) that attached to a
+    /// region of this pager, and the faults they forwarded (counted in `faults` too).
+    pub guests: u64,
+    pub guest_faults: u64,
     /// With zero copy: memory the frames hold (in use, or free and kept for the next
     /// read), now and at most. Bounded by the budget plus a region's short last block.
     pub frame_memory_bytes: u64,

@@ -616,6 +616,90 @@ pub fn send_with_fds(
     }
 }
 
+/// A unix `SOCK_SEQPACKET` socket listening at `path` (bind(2), listen(2)),
+/// close-on-exec and nonblocking (`accept_seqpacket` answers None when nobody waits).
+pub fn listen_seqpacket(path: &std::path::Path) -> io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let socket = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    let address = SocketAddrUnix::new(path)?;
+    rustix::net::bind(&socket, &address)?;
+    rustix::net::listen(&socket, 64)?;
+    Ok(socket)
+}
+
+/// Takes one connection waiting on `listener` (accept4(2)), close-on-exec and
+/// nonblocking; None when none waits.
+pub fn accept_seqpacket(listener: BorrowedFd<'_>) -> io::Result<Option<OwnedFd>> {
+    use rustix::net::SocketFlags;
+    loop {
+        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK) {
+            Ok(socket) => return Ok(Some(socket)),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) => return Ok(None),
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// A unix `SOCK_SEQPACKET` socket connected to `path` (which may be a symlink to the
+/// socket), close-on-exec, blocking.
+pub fn connect_seqpacket(path: &std::path::Path) -> io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let socket = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let address = SocketAddrUnix::new(path)?;
+    loop {
+        match rustix::net::connect(&socket, &address) {
+            Ok(()) => return Ok(socket),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+/// Receives one message on a `SOCK_SEQPACKET` socket, waiting for it (`recv_with_fds`
+/// otherwise), up to `timeout`.
+pub fn recv_with_fds_waiting(
+    socket: BorrowedFd<'_>,
+    buffer: &mut [u8],
+    timeout: std::time::Duration,
+) -> io::Result<Received> {
+    let mut fds = [PollFd::new(&socket, PollFlags::IN)];
+    if poll(&mut fds, timeout)? == 0 {
+        return Err(errno(libc::ETIMEDOUT));
+    }
+    recv_with_fds(socket, buffer)
+}
+
+/// Whether process `pid` exists (kill(2) with signal 0; a zombie does).
+pub fn process_exists(pid: i32) -> bool {
+    rustix::process::Pid::from_raw(pid).is_some_and(|pid| {
+        !matches!(
+            rustix::process::test_kill_process(pid),
+            Err(rustix::io::Errno::SRCH)
+        )
+    })
+}
+
+/// symlink(2): `link` made to lead to `target`; EEXIST if `link` exists.
+pub fn symlink(target: &std::path::Path, link: &std::path::Path) -> io::Result<()> {
+    Ok(rustix::fs::symlink(target, link)?)
+}
+
+/// unlink(2).
+pub fn unlink(path: &std::path::Path) -> io::Result<()> {
+    Ok(rustix::fs::unlink(path)?)
+}
+
 /// The most descriptors `send_with_fds` sends with one message, and `recv_with_fds`
 /// takes from one.
 pub const MAX_SENT_FDS: usize = 4;

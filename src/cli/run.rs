@@ -155,7 +155,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     refuse_existing_outputs(&args)?;
     let private = PrivateDir::create()?;
     let shim_stats = private.0.join("stats.json");
-    let config = shim_config(&args, &shim_stats)?;
+    let mut config = shim_config(&args, &shim_stats)?;
+    if config.inherit {
+        // The processes of the run meet there to share the models they map
+        // (`hyperoffload::share`).
+        let dir = private.0.join("share");
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        config.share_dir = Some(dir);
+    }
     let command = program_command(&args, &config, &shim);
     let ended = run_supervised(command, &program, config.serve_forks)?;
     let stats = std::fs::read_to_string(&shim_stats).ok();

@@ -41,6 +41,7 @@ pub struct PagerBuilder {
     zero_copy: bool,
     serve_forks: bool,
     keeper: Option<std::os::fd::OwnedFd>,
+    share_dir: Option<std::path::PathBuf>,
     #[cfg(feature = "fault-injection")]
     faults: InjectedFaults,
 }
@@ -64,6 +65,7 @@ impl Default for PagerBuilder {
             zero_copy: false,
             serve_forks: false,
             keeper: None,
+            share_dir: None,
             #[cfg(feature = "fault-injection")]
             faults: InjectedFaults::default(),
         }
@@ -313,6 +315,14 @@ impl PagerBuilder {
         })
     }
 
+    /// With `serve_forks`: a directory private to the run (`crate::share`) where this
+    /// pager lets other processes of the run that map the same files attach to its
+    /// regions, so that they share its resident blocks and budget.
+    pub fn share_dir(mut self, dir: std::path::PathBuf) -> Self {
+        self.share_dir = Some(dir);
+        self
+    }
+
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = sys::page_size();
         let max_read = self.checked_max_read(page)?;
@@ -371,6 +381,7 @@ impl PagerBuilder {
                 serve_forks,
                 forks_refused,
                 keeper: self.keeper.filter(|_| serve_forks),
+                share_dir: self.share_dir.filter(|_| serve_forks),
                 #[cfg(feature = "fault-injection")]
                 faults: self.faults,
             },

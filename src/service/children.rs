@@ -41,6 +41,20 @@ pub(super) enum Source {
     Parent,
     /// A forked child's, by its ring token.
     Child(u32),
+    /// A guest's (another process of the run mapping a region's file, `sharing`), by
+    /// its connection's ring token: answered with a message, not on a userfaultfd.
+    Guest(u32),
+}
+
+impl Source {
+    /// The token a waiter from this source is recorded under (None: the program's,
+    /// which installs wake).
+    pub(super) fn waiting_token(self) -> Option<u32> {
+        match self {
+            Source::Parent => None,
+            Source::Child(token) | Source::Guest(token) => Some(token),
+        }
+    }
 }
 
 /// What a child's thread waiting on a block needs, by the block's state.
@@ -77,6 +91,8 @@ struct ChildWait {
     token: u32,
     block: BlockRef,
     page_addr: usize,
+    /// The page's offset in its region (a guest is answered with it).
+    offset: u64,
 }
 
 /// The forked children served, and their threads waiting.
@@ -98,12 +114,18 @@ impl Children {
             .map(|child| &child.uffd)
     }
 
-    pub(super) fn wait(&mut self, token: u32, block: BlockRef, page_addr: usize) {
+    pub(super) fn wait(&mut self, token: u32, block: BlockRef, page_addr: usize, offset: u64) {
         self.waits.push(ChildWait {
             token,
             block,
             page_addr,
+            offset,
         });
+    }
+
+    /// Forgets what `token` (a guest gone) waited for.
+    pub(super) fn forget_waits(&mut self, token: u32) {
+        self.waits.retain(|wait| wait.token != token);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -182,6 +204,7 @@ impl FaultService {
         match source {
             Source::Parent => &self.uffd,
             Source::Child(token) => self.children.get(token).unwrap_or(&self.uffd),
+            Source::Guest(_) => &self.uffd,
         }
     }
 
@@ -237,6 +260,17 @@ impl FaultService {
                 .get(&wait.block.region)
                 .filter(|region| !region.removed)
                 .map(|region| region.state(wait.block.index));
+            if wait.token >= super::sharing::TOKEN_GUEST_BASE {
+                // A region unmapped meanwhile was filled for the guests first: told
+                // ready, the guest checks the page and reads it itself if need be.
+                let ready = match settle(state) {
+                    Settle::Wait => return true,
+                    Settle::Wake => true,
+                    Settle::Poison => state != Some(BlockState::Poisoned),
+                };
+                self.answer_guest(wait.token, wait.block.region.0, wait.offset, ready);
+                return false;
+            }
             let Some(uffd) = self.children.get(wait.token) else {
                 return false;
             };

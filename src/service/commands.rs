@@ -130,6 +130,9 @@ impl FaultService {
         self.locator
             .insert(base, region.layout.map_len as usize, id);
         self.tell_keeper_region(id, &region);
+        if region.shape.is_some() {
+            self.share_region(region.file.identity());
+        }
         let info = region.info(id, self.budget.limit(), zero_copy);
         self.prefetch.region_added(&info);
         self.eviction.region_added(&info);

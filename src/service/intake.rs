@@ -45,6 +45,8 @@ impl FaultService {
                     Some(uffd) => uffd,
                     None => return Ok(()),
                 },
+                // A guest's faults come as messages (`sharing::guest_readable`).
+                Source::Guest(_) => return Ok(()),
             };
             let events = uffd
                 .read_events(&mut self.events)
@@ -94,6 +96,11 @@ impl FaultService {
         let page = self.page();
         let page_addr = addr & !(page - 1);
         let Some((id, offset)) = self.locator.lookup(addr) else {
+            if let Source::Guest(token) = source {
+                // Checked when the message came: not reached. Told to look for itself.
+                self.answer_guest_at(token, page_addr, true);
+                return None;
+            }
             if let Source::Child(token) = source {
                 // The program unmapped the region the child still maps: nothing is
                 // served there any more.
@@ -109,6 +116,10 @@ impl FaultService {
         let index = match region.layout.locate(offset) {
             Location::PastEof => {
                 // As with a file mapping: a whole page past the end of the file is SIGBUS.
+                if let Source::Guest(token) = source {
+                    self.answer_guest(token, id.0, offset & !(page as u64 - 1), false);
+                    return None;
+                }
                 poison_range(self.uffd_of(source), page_addr, page, page);
                 return None;
             }
@@ -116,6 +127,15 @@ impl FaultService {
         };
         let page_offset = offset & !(page as u64 - 1);
         let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
+        if let (Source::Guest(token), true) = (
+            source,
+            in_a_hole || region.state(index) == BlockState::Unmapped,
+        ) {
+            // The program unmapped this page: the guest reads it into the memfd itself
+            // (it checks the page on `Ready`).
+            self.answer_guest(token, id.0, page_offset, true);
+            return None;
+        }
         if let (Source::Child(token), true) = (source, in_a_hole) {
             // The program unmapped this page after the fork: installs go through its
             // mapping and would never reach the child's (the child would fault again
@@ -223,9 +243,13 @@ impl FaultService {
                 // The fault raced with the install that already woke it (or, in a
                 // forked child, the install woke the program's threads only).
                 let page = self.config.page_size as usize;
-                let _ = self
-                    .uffd_of(fault.source)
-                    .wake(fault.page_addr as *mut libc::c_void, page);
+                if let Source::Guest(token) = fault.source {
+                    self.answer_guest_at(token, fault.page_addr, true);
+                } else {
+                    let _ = self
+                        .uffd_of(fault.source)
+                        .wake(fault.page_addr as *mut libc::c_void, page);
+                }
                 FaultOutcome::Resident
             }
             BlockState::Reading => FaultOutcome::InFlight,
@@ -240,8 +264,10 @@ impl FaultService {
                     .entry(block)
                     .or_default()
                     .push(waiter(FaultOutcome::Staged));
-                if let Source::Child(token) = fault.source {
-                    self.children.wait(token, block, fault.page_addr);
+                if let Some(token) = fault.source.waiting_token() {
+                    let base = self.regions[&block.region].base;
+                    let offset = (fault.page_addr - base) as u64;
+                    self.children.wait(token, block, fault.page_addr, offset);
                 }
                 self.install_staged(block, place)?;
                 return Ok((FaultOutcome::Staged, false));
@@ -255,10 +281,12 @@ impl FaultService {
         };
         if outcome != FaultOutcome::Resident {
             self.waiters.entry(block).or_default().push(waiter(outcome));
-            if let Source::Child(token) = fault.source {
-                // Installs wake the program's threads; a child's are woken once the
-                // block settles (`settle_children`).
-                self.children.wait(token, block, fault.page_addr);
+            if let Some(token) = fault.source.waiting_token() {
+                // Installs wake the program's threads; a child's are woken (a guest's
+                // answered) once the block settles (`settle_children`).
+                let base = self.regions[&block.region].base;
+                let offset = (fault.page_addr - base) as u64;
+                self.children.wait(token, block, fault.page_addr, offset);
             }
         }
         Ok((outcome, false))

@@ -38,6 +38,7 @@ mod reads;
 mod region;
 mod resize;
 mod room;
+mod sharing;
 mod staging;
 
 use std::collections::{HashMap, VecDeque};
@@ -104,6 +105,9 @@ pub(crate) struct ServiceConfig {
     /// With `serve_forks`: the keeper's socket (`crate::keeper`), a session on which
     /// the service starts from its own thread.
     pub keeper: Option<std::os::fd::OwnedFd>,
+    /// With `serve_forks`: the run's share directory (`crate::share`), where this
+    /// pager lets other processes of the run attach to its regions.
+    pub share_dir: Option<std::path::PathBuf>,
     #[cfg(feature = "fault-injection")]
     pub faults: InjectedFaults,
 }
@@ -163,6 +167,8 @@ pub(crate) struct FaultService {
     /// The keeper outside the process, told of regions and children (with
     /// `ServiceConfig::keeper`).
     keeper: Option<KeeperLink>,
+    /// Guests attached to this pager's regions (with `ServiceConfig::share_dir`).
+    share: Option<sharing::ShareHost>,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -253,6 +259,7 @@ impl FaultService {
             backlog: Backlog::default(),
             pages_kept: false,
             keeper: None,
+            share: None,
         })
     }
 
@@ -309,6 +316,7 @@ impl FaultService {
         if let Some(pool) = &self.installs {
             self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
         }
+        self.start_sharing()?;
         loop {
             if self.load.demand_in_flight() >= self.config.demand_spin_min_reads
                 && !self.config.demand_spin.is_zero()
@@ -331,6 +339,10 @@ impl FaultService {
                     Completion::Readable { token, rearm } => {
                         if token == crate::ring::UNWATCH_TOKEN {
                             // A child's poll was ended: nothing to do.
+                        } else if token >= sharing::TOKEN_GUEST_BASE {
+                            self.guest_readable(token, rearm)?;
+                        } else if token == sharing::TOKEN_SHARE_LISTEN {
+                            self.share_listen_readable(rearm)?;
                         } else if token >= TOKEN_CHILD_BASE {
                             self.child_readable(token, rearm)?;
                         } else if token == TOKEN_UFFD {

@@ -53,7 +53,7 @@ impl FaultService {
         // A fork that returned has had its event read, maybe into the backlog only.
         self.take_backlog()?;
         self.reap_children()?;
-        if self.children.is_empty() {
+        if self.children.is_empty() && !self.has_guests() {
             return Ok(());
         }
         // From here on an eviction must not make a hole again.
@@ -84,11 +84,11 @@ impl FaultService {
             return Ok(());
         }
         self.take_backlog()?;
-        if self.children.is_empty() {
+        if self.children.is_empty() && !self.has_guests() {
             return Ok(());
         }
         self.reap_children()?;
-        if self.children.is_empty() {
+        if self.children.is_empty() && !self.has_guests() {
             return Ok(());
         }
         let Some(region) = self.regions.get(&id) else {
@@ -167,8 +167,17 @@ impl FaultService {
 
     fn say_filled(&mut self, why: &str, bytes: u64, failures: &[String]) {
         let live = self.children.live();
+        let guests = self.guest_count();
+        let who = if guests == 0 {
+            format!("{live} forked child process(es)")
+        } else {
+            format!(
+                "{live} forked child process(es) and {guests} other process(es) of the run \
+                 attached to its regions"
+            )
+        };
         let mut message = format!(
-            "hyperoffload: {live} forked child process(es) {why}: filled {:.1} MiB of the \
+            "hyperoffload: {who} {why}: filled {:.1} MiB of the \
              models they map from the files, beyond the budget, so that they read the \
              files' bytes without the pager\n",
             bytes as f64 / (1 << 20) as f64

@@ -127,6 +127,11 @@ impl Shim {
         old_len: usize,
         new_addr: Option<(usize, usize)>,
     ) -> bool {
+        if self.touches_attached(old, old_len)
+            || new_addr.is_some_and(|(addr, len)| self.touches_attached(addr, len))
+        {
+            return true;
+        }
         if !self.has_mappings() {
             return false;
         }

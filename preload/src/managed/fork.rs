@@ -17,17 +17,6 @@ impl Shim {
         let layout = lock(&self.layout);
         let served =
             matches!(&*lock(&self.pager), PagerSlot::Running(pager) if pager.serves_forks());
-        if served {
-            // The child inherits the regions and the pager serves it: nothing to map,
-            // only ranges it must not move.
-            let served =
-                ServedRanges::new(lock(&self.registry).live_parts().map(|(_, part, _)| part));
-            let plan = ForkPlan {
-                served,
-                ..ForkPlan::default()
-            };
-            return (layout, plan);
-        }
         let files = lock(&self.files)
             .iter()
             .map(|file| PlanFile {
@@ -38,15 +27,40 @@ impl Shim {
                 ino: file.ino,
             })
             .collect();
-        let ranges = lock(&self.registry)
-            .live_parts()
-            .map(|(base, part, managed)| PlanRange {
-                offset: managed.file_offset + (part.start - base) as u64,
-                range: part,
-                prot: managed.prot,
-                file: managed.file,
+        // Mappings served by another process's pager (`attached`) are MADV_DONTFORK:
+        // the child maps the file there.
+        let mut ranges: Vec<PlanRange> = self
+            .attached_ranges()
+            .into_iter()
+            .map(|(range, file, offset, prot)| PlanRange {
+                range,
+                prot,
+                offset,
+                file,
             })
             .collect();
+        if served {
+            // The child inherits the regions and the pager serves it: nothing to map
+            // for them, only ranges it must not move.
+            let served =
+                ServedRanges::new(lock(&self.registry).live_parts().map(|(_, part, _)| part));
+            let plan = ForkPlan {
+                files,
+                ranges,
+                served,
+            };
+            return (layout, plan);
+        }
+        ranges.extend(
+            lock(&self.registry)
+                .live_parts()
+                .map(|(base, part, managed)| PlanRange {
+                    offset: managed.file_offset + (part.start - base) as u64,
+                    range: part,
+                    prot: managed.prot,
+                    file: managed.file,
+                }),
+        );
         let plan = ForkPlan {
             files,
             ranges,

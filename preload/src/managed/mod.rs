@@ -41,6 +41,7 @@ use crate::read_ahead;
 use crate::registry::{Piece, Registry};
 use crate::seen::Seen;
 
+mod attached;
 mod calls;
 mod fork;
 mod seen_files;
@@ -153,6 +154,9 @@ pub struct Shim {
     /// The program's arguments (`/proc/self/cmdline`), read once: the names it gave its
     /// files are those it started with (see `given_name`).
     cmdline: std::sync::OnceLock<Vec<u8>>,
+    /// Mappings served by another process's pager (`attached`), and how many.
+    attached: Mutex<Vec<attached::Attached>>,
+    attached_count: AtomicUsize,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -195,6 +199,8 @@ impl Shim {
             warned_map: AtomicBool::new(false),
             on_pager_start,
             cmdline: std::sync::OnceLock::new(),
+            attached: Mutex::new(Vec::new()),
+            attached_count: AtomicUsize::new(0),
         }
     }
 
@@ -324,6 +330,9 @@ impl Shim {
                 if let Some(socket) = self.keeper_socket() {
                     builder = builder.keeper(socket);
                 }
+                if let Some(dir) = &self.config.share_dir {
+                    builder = builder.share_dir(dir.clone());
+                }
                 if self.config.budget == BudgetSpec::Auto {
                     // The budget follows pressure (see `state::start_following`), up to
                     // this.
@@ -375,6 +384,9 @@ impl Shim {
         let file = self.take_file(request)?;
         let offset = request.offset as u64;
         let data_len = (request.len as u64).min(file.size - offset);
+        if let Some(base) = self.try_attach(&file, request, offset, data_len) {
+            return Some(base);
+        }
         let block_cuts = self.block_cuts(&file);
         let Some(pager) = self.pager_for(&file, offset, data_len, &block_cuts) else {
             let error = match &*lock(&self.pager) {
@@ -750,6 +762,7 @@ impl Shim {
     /// munmap: releases exactly the managed part of the range and unmaps the rest as the
     /// kernel would.
     pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
+        self.unmap_attached(addr, len);
         if !self.has_mappings() {
             return None;
         }

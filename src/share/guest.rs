@@ -1,0 +1,500 @@
+//! The guest's side of `crate::share`: a process about to map a file that a host of the
+//! same run serves maps the host's region file (memfd) instead, registers that mapping
+//! with a userfaultfd of its own, and forwards its faults to the host. One thread per
+//! attachment polls the userfaultfd, the socket and a stop signal; what it does for each
+//! event is `Guest::decide`'s.
+//!
+//! If the host goes away while the mapping lives, the thread fills every hole of the
+//! memfd from the file (`hole_fill`) and wakes the whole mapping; later faults are
+//! answered by reading the page into the memfd and waking it.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use thiserror::Error;
+use userfaultfd::{Event, EventBuffer, FeatureFlags, Uffd, UffdBuilder};
+
+use super::protocol::{FileKey, Message, ProtocolError, MAX_MESSAGE};
+use super::{share_link_name, Guest, GuestAction, GuestEvent};
+use crate::hole_fill::{fill_holes, fill_page, FillSource, FILL_CHUNK};
+use crate::sys;
+
+/// How long a guest waits for the host's answer to `Attach`.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Error)]
+pub enum AttachError {
+    #[error("no host serves this file ({0})")]
+    NoHost(std::io::Error),
+    #[error("the host serves this file, but no region of it with this offset and length")]
+    Refused,
+    #[error("the host has not mapped the file yet")]
+    NotYet,
+    #[error("the host's answer: {0}")]
+    Protocol(#[from] ProtocolError),
+    #[error("the host's answer was not `Attached` or `Refused`")]
+    Unexpected,
+    #[error("{what} failed: {error}")]
+    Sys {
+        what: &'static str,
+        error: std::io::Error,
+    },
+}
+
+fn sys_error(what: &'static str) -> impl FnOnce(std::io::Error) -> AttachError {
+    move |error| AttachError::Sys { what, error }
+}
+
+/// What an attachment did, for the process's report.
+#[derive(Debug, Default)]
+pub struct GuestCounters {
+    pub forwarded: AtomicU64,
+    pub filled_pages: AtomicU64,
+    pub filled_bytes: AtomicU64,
+    pub host_gone: AtomicBool,
+}
+
+/// A live attached mapping. Dropping it stops its thread and unmaps it.
+pub struct Attachment {
+    base: usize,
+    map_len: usize,
+    host_pid: i32,
+    stop: OwnedFd,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<GuestCounters>,
+    /// Whether dropping it unmaps the mapping (not when the program's munmap does).
+    unmap_on_drop: bool,
+}
+
+impl Attachment {
+    /// Stops serving the mapping and leaves it mapped, for the caller to unmap (the
+    /// program's munmap, passed on to the kernel).
+    pub fn stop_leaving_mapped(mut self) {
+        self.unmap_on_drop = false;
+    }
+
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    pub fn map_len(&self) -> usize {
+        self.map_len
+    }
+
+    /// The host's process id (0 if its socket's name did not say).
+    pub fn host_pid(&self) -> i32 {
+        self.host_pid
+    }
+
+    pub fn counters(&self) -> &Arc<GuestCounters> {
+        &self.counters
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        let _ = sys::write(self.stop.as_fd(), &1u64.to_ne_bytes());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if self.unmap_on_drop {
+            // SAFETY: the attachment owns the mapping; its owner unmaps it by dropping
+            // it.
+            let _ = unsafe { sys::munmap(self.base, self.map_len) };
+        }
+    }
+}
+
+/// The file key of the file `stat` describes.
+pub fn key_of_stat(stat: &sys::Stat) -> FileKey {
+    FileKey {
+        dev: stat.st_dev,
+        ino: stat.st_ino,
+        size: stat.st_size as u64,
+        mtime_ns: (stat.st_mtime as i128 * 1_000_000_000 + stat.st_mtime_nsec as i128) as i64,
+    }
+}
+
+/// The host's pid from the name its link leads to (`host-<pid>.sock`).
+fn host_pid_of(link: &Path) -> i32 {
+    std::fs::read_link(link)
+        .ok()
+        .and_then(|target| {
+            let name = target.file_name()?.to_str()?.to_owned();
+            name.strip_prefix("host-")?
+                .strip_suffix(".sock")?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// Who serves a file in the share directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This process: it made the link (before starting its pager), or had it already.
+    Mine,
+    /// Another live process of the run.
+    Other(i32),
+}
+
+/// Claims the file `key` in `dir` for this process (`share-<dev>-<ino>.sock` made to
+/// lead to this process's socket, atomically), unless another live process has it. A
+/// link left by a process that is gone is replaced.
+pub fn claim(dir: &Path, key: &FileKey) -> std::io::Result<Claim> {
+    let link = dir.join(share_link_name(key.dev, key.ino));
+    let me = sys::getpid();
+    let mine = super::host_socket_name(me);
+    for _ in 0..4 {
+        match sys::symlink(Path::new(&mine), &link) {
+            Ok(()) => return Ok(Claim::Mine),
+            Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {
+                let pid = host_pid_of(&link);
+                if pid == me {
+                    return Ok(Claim::Mine);
+                }
+                if pid > 0 && sys::process_exists(pid) {
+                    return Ok(Claim::Other(pid));
+                }
+                let _ = sys::unlink(&link);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Err(std::io::Error::from_raw_os_error(libc::EEXIST))
+}
+
+/// How long a guest keeps asking a host that is starting (no socket yet, or no region
+/// of the file yet).
+const STARTING_HOST_WAIT: Duration = Duration::from_secs(10);
+
+/// Attaches to the host (`host_pid`) serving `len` bytes of `key`'s file from `offset`:
+/// maps its region's file (`map_len` bytes, the program's `prot`, which must not be
+/// writable) and serves the mapping's faults through the host. Waits for a host that
+/// is starting, while it lives.
+pub fn attach(
+    dir: &Path,
+    host_pid: i32,
+    key: &FileKey,
+    offset: u64,
+    len: u64,
+    map_len: usize,
+    prot: i32,
+) -> Result<Attachment, AttachError> {
+    let link = dir.join(share_link_name(key.dev, key.ino));
+    let deadline = std::time::Instant::now() + STARTING_HOST_WAIT;
+    let pause = || std::thread::sleep(Duration::from_millis(5));
+    let starting = |error: &std::io::Error| {
+        matches!(
+            error.raw_os_error(),
+            Some(libc::ENOENT | libc::ECONNREFUSED)
+        )
+    };
+    loop {
+        let socket = match sys::connect_seqpacket(&link) {
+            Ok(socket) => socket,
+            Err(error)
+                if starting(&error)
+                    && sys::process_exists(host_pid)
+                    && std::time::Instant::now() < deadline =>
+            {
+                pause();
+                continue;
+            }
+            Err(error) => return Err(AttachError::NoHost(error)),
+        };
+        match ask(socket, host_pid, key, offset, len, map_len, prot) {
+            Err(AttachError::NotYet)
+                if sys::process_exists(host_pid) && std::time::Instant::now() < deadline =>
+            {
+                pause();
+            }
+            Err(AttachError::NotYet) => return Err(AttachError::Refused),
+            other => return other,
+        }
+    }
+}
+
+/// Asks for the region over `socket`, and maps it.
+fn ask(
+    socket: OwnedFd,
+    host_pid: i32,
+    key: &FileKey,
+    offset: u64,
+    len: u64,
+    map_len: usize,
+    prot: i32,
+) -> Result<Attachment, AttachError> {
+    let attach = Message::Attach {
+        file: *key,
+        offset,
+        len,
+    };
+    sys::send_with_fds(socket.as_fd(), &attach.encode(), &[])
+        .map_err(sys_error("sending Attach"))?;
+    let mut buffer = [0u8; MAX_MESSAGE];
+    let (bytes, mut fds) =
+        match sys::recv_with_fds_waiting(socket.as_fd(), &mut buffer, ATTACH_TIMEOUT)
+            .map_err(sys_error("waiting for the host"))?
+        {
+            sys::Received::Message(bytes, fds) => (bytes, fds),
+            sys::Received::Empty | sys::Received::Closed => {
+                return Err(AttachError::NoHost(std::io::Error::from_raw_os_error(
+                    libc::ECONNRESET,
+                )))
+            }
+        };
+    let (region, data_len, shape_len) = match Message::decode(&buffer[..bytes], fds.len())? {
+        Message::Attached {
+            region,
+            data_len,
+            shape_len,
+        } => (region, data_len, shape_len),
+        Message::Refused { not_yet: true } => return Err(AttachError::NotYet),
+        Message::Refused { not_yet: false } => return Err(AttachError::Refused),
+        _ => return Err(AttachError::Unexpected),
+    };
+    let file = fds.pop().expect("two descriptors");
+    let memfd = fds.pop().expect("two descriptors");
+    // SAFETY: a new mapping at an address the kernel picks replaces nothing.
+    let base = unsafe {
+        sys::mmap(
+            0,
+            map_len,
+            libc::PROT_NONE,
+            libc::MAP_SHARED,
+            memfd.as_raw_fd(),
+            0,
+        )
+    }
+    .map_err(sys_error("mapping the host's region"))?;
+    let unmap = |error: AttachError| {
+        // SAFETY: the mapping was made above and nothing refers to it yet.
+        let _ = unsafe { sys::munmap(base, map_len) };
+        error
+    };
+    let uffd = new_uffd().map_err(unmap)?;
+    uffd.register(base as *mut libc::c_void, map_len)
+        .map_err(|error| {
+            unmap(AttachError::Sys {
+                what: "registering the mapping",
+                error: std::io::Error::other(format!("{error:?}")),
+            })
+        })?;
+    // SAFETY: the mapping is this function's; advice and protection change only it.
+    unsafe {
+        // A forked child must not inherit it: its copy would not be registered, and a
+        // read of a hole would put a page of zeros into the file every process maps.
+        let _ = sys::madvise_raw(base, map_len, libc::MADV_DONTFORK);
+        sys::mprotect(base, map_len, prot).map_err(|error| unmap(sys_error("mprotect")(error)))?;
+    }
+    let stop = sys::eventfd().map_err(|error| unmap(sys_error("eventfd")(error)))?;
+    let stop_read =
+        sys::dup_cloexec(stop.as_fd()).map_err(|error| unmap(sys_error("dup")(error)))?;
+    let counters = Arc::new(GuestCounters::default());
+    let served = Served {
+        base,
+        map_len,
+        region,
+        data_len,
+        shape_len,
+        memfd,
+        file,
+        page: sys::page_size(),
+        file_offset: offset,
+        counters: Arc::clone(&counters),
+    };
+    let thread = std::thread::Builder::new()
+        .name("hyperoffload-guest".into())
+        .spawn(move || served.run(uffd, socket, stop_read))
+        .map_err(|error| unmap(sys_error("starting the guest thread")(error)))?;
+    Ok(Attachment {
+        base,
+        map_len,
+        host_pid,
+        stop,
+        thread: Some(thread),
+        counters,
+        unmap_on_drop: true,
+    })
+}
+
+fn new_uffd() -> Result<Uffd, AttachError> {
+    UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(false)
+        .require_features(FeatureFlags::from_bits_retain(
+            crate::uffd_ext::FEATURE_POISON,
+        ))
+        .create()
+        .map_err(|error| AttachError::Sys {
+            what: "userfaultfd",
+            error: std::io::Error::other(format!("{error:?}")),
+        })
+}
+
+/// What the guest thread serves.
+struct Served {
+    base: usize,
+    map_len: usize,
+    region: u32,
+    data_len: u64,
+    shape_len: u64,
+    memfd: OwnedFd,
+    file: OwnedFd,
+    page: u64,
+    file_offset: u64,
+    counters: Arc<GuestCounters>,
+}
+
+impl Served {
+    fn source(&self) -> FillSource<'_> {
+        FillSource {
+            file: self.file.as_fd(),
+            file_offset: self.file_offset,
+            data_len: self.data_len,
+        }
+    }
+
+    fn wake(&self, uffd: &Uffd, offset: u64, len: usize) {
+        let _ = uffd.wake((self.base + offset as usize) as *mut libc::c_void, len);
+    }
+
+    /// Reads the page at `offset` into the memfd if it is a hole, and wakes it; SIGBUS
+    /// there if it cannot be read.
+    fn fill_and_wake(&self, uffd: &Uffd, offset: u64) {
+        let page = self.page as usize;
+        if offset >= self.data_len {
+            let _ = sys::uffdio_poison(uffd.as_fd(), self.base + offset as usize, page);
+            return;
+        }
+        match fill_page(self.memfd.as_fd(), self.source(), offset, self.page) {
+            Ok(bytes) => {
+                self.counters
+                    .filled_bytes
+                    .fetch_add(bytes, Ordering::Relaxed);
+                self.wake(uffd, offset, page);
+            }
+            Err(_) => {
+                let _ = sys::uffdio_poison(uffd.as_fd(), self.base + offset as usize, page);
+            }
+        }
+    }
+
+    fn act(&self, uffd: &Uffd, socket: &mut Option<OwnedFd>, guest: &mut Guest, event: GuestEvent) {
+        match guest.decide(event) {
+            GuestAction::Forward(offset) => {
+                let message = Message::Fault {
+                    region: self.region,
+                    offset,
+                };
+                self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+                let sent = socket.as_ref().is_some_and(|socket| {
+                    sys::send_with_fds(socket.as_fd(), &message.encode(), &[]).is_ok()
+                });
+                if !sent {
+                    *socket = None;
+                    self.act(uffd, socket, guest, GuestEvent::HostGone);
+                    self.act(uffd, socket, guest, GuestEvent::Fault(offset));
+                }
+            }
+            // The page is in the memfd now, unless it was punched out again since, or
+            // the host no longer serves its region (it filled the file first): then
+            // read it here.
+            GuestAction::Wake(offset) | GuestAction::FillPage(offset) => {
+                self.fill_and_wake(uffd, offset)
+            }
+            GuestAction::Poison(offset) => {
+                let _ = sys::uffdio_poison(
+                    uffd.as_fd(),
+                    self.base + offset as usize,
+                    self.page as usize,
+                );
+            }
+            GuestAction::FillAll => {
+                *socket = None;
+                self.counters.host_gone.store(true, Ordering::Relaxed);
+                let mut buffer = vec![0u8; FILL_CHUNK as usize];
+                let filled = fill_holes(
+                    self.memfd.as_fd(),
+                    self.shape_len,
+                    self.source(),
+                    &mut buffer,
+                );
+                self.counters
+                    .filled_bytes
+                    .fetch_add(filled.bytes, Ordering::Relaxed);
+                self.wake(uffd, 0, self.map_len);
+            }
+            GuestAction::Nothing => {}
+        }
+    }
+
+    fn run(self, uffd: Uffd, socket: OwnedFd, stop: OwnedFd) {
+        let mut socket = Some(socket);
+        let mut guest = Guest::default();
+        let mut events = EventBuffer::new(64);
+        let mut buffer = [0u8; MAX_MESSAGE];
+        loop {
+            let (uffd_ready, socket_ready, stopped) = {
+                let mut fds = vec![
+                    sys::PollFd::new(&uffd, sys::PollFlags::IN),
+                    sys::PollFd::new(&stop, sys::PollFlags::IN),
+                ];
+                if let Some(socket) = &socket {
+                    fds.push(sys::PollFd::new(socket, sys::PollFlags::IN));
+                }
+                if sys::poll(&mut fds, Duration::from_secs(3600)).is_err() {
+                    continue;
+                }
+                let ready = |fd: &sys::PollFd<'_>| !fd.revents().is_empty();
+                (
+                    ready(&fds[0]),
+                    fds.get(2).is_some_and(ready),
+                    ready(&fds[1]),
+                )
+            };
+            if stopped {
+                return;
+            }
+            if socket_ready {
+                while let Some(open) = &socket {
+                    let event = match sys::recv_with_fds(open.as_fd(), &mut buffer) {
+                        Ok(sys::Received::Message(len, fds)) => {
+                            match Message::decode(&buffer[..len], fds.len()) {
+                                Ok(Message::Ready { offset, .. }) => GuestEvent::Ready(offset),
+                                Ok(Message::Poison { offset, .. }) => GuestEvent::Poison(offset),
+                                _ => GuestEvent::HostGone,
+                            }
+                        }
+                        Ok(sys::Received::Empty) => break,
+                        Ok(sys::Received::Closed) | Err(_) => GuestEvent::HostGone,
+                    };
+                    self.act(&uffd, &mut socket, &mut guest, event);
+                }
+            }
+            if uffd_ready {
+                let Ok(read) = uffd.read_events(&mut events) else {
+                    continue;
+                };
+                let faults: Vec<u64> = read
+                    .flatten()
+                    .filter_map(|event| match event {
+                        Event::Pagefault { addr, .. } => {
+                            Some((addr as usize - self.base) as u64 & !(self.page - 1))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                for offset in faults {
+                    self.act(&uffd, &mut socket, &mut guest, GuestEvent::Fault(offset));
+                }
+            }
+        }
+    }
+}
