@@ -168,6 +168,16 @@ pub fn claim(dir: &Path, key: &FileKey) -> std::io::Result<Claim> {
     Err(std::io::Error::from_raw_os_error(libc::EEXIST))
 }
 
+/// Gives up this process's claim on `key` (its pager cannot host it: it could not
+/// start, or its regions cannot be shared), so that processes waiting for it page the
+/// file themselves at once instead of after `STARTING_HOST_WAIT`.
+pub fn release_claim(dir: &Path, key: &FileKey) {
+    let link = dir.join(share_link_name(key.dev, key.ino));
+    if host_pid_of(&link) == sys::getpid() {
+        let _ = sys::unlink(&link);
+    }
+}
+
 /// How long a guest keeps asking a host that is starting (no socket yet, or no region
 /// of the file yet).
 const STARTING_HOST_WAIT: Duration = Duration::from_secs(10);
@@ -199,6 +209,7 @@ pub fn attach(
             Ok(socket) => socket,
             Err(error)
                 if starting(&error)
+                    && host_pid_of(&link) == host_pid
                     && sys::process_exists(host_pid)
                     && std::time::Instant::now() < deadline =>
             {

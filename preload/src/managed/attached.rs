@@ -13,11 +13,12 @@
 
 use std::sync::atomic::Ordering;
 
-use hyperoffload::share::guest::{attach, claim, key_of_stat, Attachment, Claim};
+use hyperoffload::share::guest::{attach, claim, key_of_stat, release_claim, Attachment, Claim};
 use hyperoffload::share::protocol::FileKey;
 
 use super::{lock, page, MappedFile, Shim};
 use hyperoffload::map_candidate::MapRequest;
+use hyperoffload::Pager;
 
 /// One attached mapping.
 pub(super) struct Attached {
@@ -83,6 +84,19 @@ impl Shim {
                 });
                 None
             }
+        }
+    }
+
+    /// After this process's pager was asked for `file` (it claimed the file in
+    /// `try_attach`): a pager that did not start, or whose regions cannot be shared
+    /// (fork events refused: no `CAP_SYS_PTRACE`), hosts nothing, and the claim goes,
+    /// so that other processes of the run do not wait for it.
+    pub(super) fn release_claim_unless_hosting(&self, file: &MappedFile, pager: Option<&Pager>) {
+        let Some(dir) = self.config.share_dir.as_ref() else {
+            return;
+        };
+        if !pager.is_some_and(Pager::serves_forks) {
+            release_claim(dir, &key_of_stat(&file.stat));
         }
     }
 

@@ -388,7 +388,9 @@ impl Shim {
             return Some(base);
         }
         let block_cuts = self.block_cuts(&file);
-        let Some(pager) = self.pager_for(&file, offset, data_len, &block_cuts) else {
+        let pager = self.pager_for(&file, offset, data_len, &block_cuts);
+        self.release_claim_unless_hosting(&file, pager.as_ref());
+        let Some(pager) = pager else {
             let error = match &*lock(&self.pager) {
                 PagerSlot::Failed(error) => error.clone(),
                 _ => "it was not started".to_string(),
