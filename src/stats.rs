@@ -147,6 +147,8 @@ pub struct Stats {
     /// region of this pager, and the faults they forwarded (counted in `faults` too).
     pub guests: u64,
     pub guest_faults: u64,
+    /// Each guest as it attached: `pid (command)`.
+    pub guest_processes: Vec<String>,
     /// With zero copy: memory the frames hold (in use, or free and kept for the next
     /// read), now and at most. Bounded by the budget plus a region's short last block.
     pub frame_memory_bytes: u64,

@@ -646,6 +646,13 @@ pub fn accept_seqpacket(listener: BorrowedFd<'_>) -> io::Result<Option<OwnedFd>>
     }
 }
 
+/// The pid of the process at the other end of a connected unix socket (as it was when
+/// it connected: SO_PEERCRED).
+pub fn peer_pid(socket: BorrowedFd<'_>) -> io::Result<i32> {
+    let credentials = rustix::net::sockopt::socket_peercred(socket)?;
+    Ok(credentials.pid.as_raw_nonzero().get())
+}
+
 /// A unix `SOCK_SEQPACKET` socket connected to `path` (which may be a symlink to the
 /// socket), close-on-exec, blocking.
 pub fn connect_seqpacket(path: &std::path::Path) -> io::Result<OwnedFd> {

@@ -194,4 +194,11 @@ fn two_llama_completions_started_by_a_shell_share_one_pager_and_say_the_same() {
         "{}",
         stats[0]
     );
+    // The summary names both processes: the host, and the guest that shared its pager.
+    let messages = stderr(&output);
+    assert!(
+        messages.contains("(llama-completion), and sharing its pager pid ")
+            && messages.matches("(llama-completion)").count() >= 2,
+        "{messages}"
+    );
 }

@@ -263,7 +263,18 @@ fn served_process(stats: &serde_json::Value) -> String {
         return String::new();
     };
     let name = program.rsplit('/').next().unwrap_or(program);
-    format!("; served pid {pid} ({name})")
+    let guests: Vec<&str> = stats["guest_processes"]
+        .as_array()
+        .map(|list| list.iter().filter_map(|p| p.as_str()).collect())
+        .unwrap_or_default();
+    if guests.is_empty() {
+        format!("; served pid {pid} ({name})")
+    } else {
+        format!(
+            "; served pid {pid} ({name}), and sharing its pager pid {}",
+            guests.join(", pid ")
+        )
+    }
 }
 
 #[cfg(test)]
@@ -335,6 +346,20 @@ mod tests {
             summary(stats)
         );
         assert!(!summary(STATS).contains("served pid"));
+        let shared = STATS.replacen(
+            '{',
+            r#"{"pid": 4242, "program": "/usr/bin/llama-completion",
+               "guest_processes": ["4243 (llama-completion)", "4250 (python3)"], "#,
+            1,
+        );
+        assert!(
+            summary(&shared).ends_with(
+                "; served pid 4242 (llama-completion), and sharing its pager pid 4243 \
+                 (llama-completion), pid 4250 (python3)"
+            ),
+            "{}",
+            summary(&shared)
+        );
     }
 
     #[test]

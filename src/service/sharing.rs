@@ -170,6 +170,18 @@ impl FaultService {
             return Ok(());
         };
         while let Ok(Some(socket)) = sys::accept_seqpacket(share.listener.as_fd()) {
+            if let Ok(pid) = sys::peer_pid(socket.as_fd()) {
+                // For the launcher's summary: which processes this pager served.
+                // The program's file name (comm is cut to 15 bytes).
+                let program = std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .ok()
+                    .and_then(|exe| Some(exe.file_name()?.to_string_lossy().into_owned()))
+                    .unwrap_or_default();
+                let process = format!("{pid} ({program})");
+                if !self.stats.guest_processes.contains(&process) {
+                    self.stats.guest_processes.push(process);
+                }
+            }
             let token = TOKEN_GUEST_BASE + share.next_token;
             share.next_token += 1;
             self.ring.watch(socket.as_raw_fd(), token)?;
