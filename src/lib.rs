@@ -42,6 +42,7 @@ pub mod stats;
 pub mod sys;
 pub mod trace;
 mod uffd_ext;
+mod wire;
 
 pub use pager::{BudgetError, MapError, MapOptions, Pager, PagerBuilder, PagerError, Region};
 pub use stats::Stats;

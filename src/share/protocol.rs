@@ -5,6 +5,7 @@
 //!
 //! Layout: a tag byte, then the fields in order, little-endian.
 
+use crate::wire::{Reader, Short};
 use thiserror::Error;
 
 /// Which file, and which part of it, a guest wants to map.
@@ -196,27 +197,9 @@ impl Message {
     }
 }
 
-struct Reader<'a> {
-    rest: &'a [u8],
-    tag: u8,
-}
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], ProtocolError> {
-        if self.rest.len() < N {
-            return Err(ProtocolError::Short { tag: self.tag });
-        }
-        let (head, rest) = self.rest.split_at(N);
-        self.rest = rest;
-        Ok(head.try_into().expect("N bytes"))
-    }
-
-    fn u64(&mut self) -> Result<u64, ProtocolError> {
-        self.take::<8>().map(u64::from_le_bytes)
-    }
-
-    fn u32(&mut self) -> Result<u32, ProtocolError> {
-        self.take::<4>().map(u32::from_le_bytes)
+impl From<Short> for ProtocolError {
+    fn from(short: Short) -> Self {
+        ProtocolError::Short { tag: short.tag }
     }
 }
 
