@@ -270,29 +270,85 @@ struct UffdioContinue {
 const UFFDIO_CONTINUE: rustix::ioctl::Opcode =
     rustix::ioctl::opcode::read_write::<UffdioContinue>(0xAA, 0x07);
 
-/// Whether the address space `uffd` serves still exists. UFFDIO_CONTINUE checks that the
-/// address space has users before anything else it does to the range and fails with
-/// ESRCH once the process exited or exec'd; the kernel gives a userfaultfd no other
-/// sign of that (no event, no hangup on poll). `addr` must be page aligned, and either
-/// in a range registered for missing faults only (the ioctl, when the process lives,
-/// changes nothing there and fails with EINVAL) or in none registered with `uffd`
-/// (ENOENT).
-pub fn uffd_process_alive(uffd: BorrowedFd<'_>, addr: usize) -> bool {
+/// UFFDIO_CONTINUE on `[start, start + len)` of a range registered on `uffd` for minor
+/// faults: maps the pages the shared-memory file behind the range already holds into
+/// the address space `uffd` serves, and wakes the threads waiting there. Returns the
+/// outcome and the kernel's `mapped` field (bytes done, or a negated errno when none
+/// were).
+pub fn uffdio_continue(uffd: BorrowedFd<'_>, start: usize, len: usize) -> (io::Result<()>, i64) {
     let mut arg = UffdioContinue {
         range: UffdioRange {
-            start: addr as u64,
-            len: page_size(),
+            start: start as u64,
+            len: len as u64,
         },
         mode: 0,
         mapped: 0,
     };
     // SAFETY: UFFDIO_CONTINUE reads and writes one `struct uffdio_continue`, which `arg`
-    // is. On a range registered for missing faults only it maps nothing (EINVAL); it
-    // never writes user memory.
+    // is. It maps pages the file already holds into a range registered with this uffd;
+    // it never writes user memory.
     let result = unsafe {
         rustix::ioctl::ioctl(
             uffd,
             rustix::ioctl::Updater::<UFFDIO_CONTINUE, UffdioContinue>::new(&mut arg),
+        )
+    };
+    (result.map_err(io::Error::from), arg.mapped)
+}
+
+const UFFDIO_WAKE: rustix::ioctl::Opcode = rustix::ioctl::opcode::read::<UffdioRange>(0xAA, 0x02);
+
+/// UFFDIO_WAKE: wakes the threads waiting on faults in `[start, start + len)`.
+pub fn uffdio_wake(uffd: BorrowedFd<'_>, start: usize, len: usize) -> io::Result<()> {
+    let mut range = UffdioRange {
+        start: start as u64,
+        len: len as u64,
+    };
+    // SAFETY: UFFDIO_WAKE reads one `struct uffdio_range`, which `range` is; it changes
+    // no memory.
+    unsafe {
+        rustix::ioctl::ioctl(
+            uffd,
+            rustix::ioctl::Updater::<UFFDIO_WAKE, UffdioRange>::new(&mut range),
+        )
+    }
+    .map_err(io::Error::from)
+}
+
+/// `struct uffdio_writeprotect` (include/uapi/linux/userfaultfd.h).
+#[repr(C)]
+struct UffdioWriteprotect {
+    range: UffdioRange,
+    mode: u64,
+}
+
+const UFFDIO_WRITEPROTECT: rustix::ioctl::Opcode =
+    rustix::ioctl::opcode::read_write::<UffdioWriteprotect>(0xAA, 0x06);
+
+/// Whether the address space `uffd` serves still exists. UFFDIO_WRITEPROTECT takes a
+/// reference on the address space before it looks at the range and fails with ESRCH
+/// once the process exited or exec'd; the kernel gives a userfaultfd no other sign of
+/// that (no event, no hangup on poll). Asked to remove write protection from a range
+/// not registered for it (ours never are), it changes nothing and fails with ENOENT;
+/// so any page-aligned `addr` the kernel accepts will do. (UFFDIO_CONTINUE would tell as
+/// well, but on a range registered for minor faults it maps whatever page the file
+/// holds, and a page being read is there before its bytes are.)
+pub fn uffd_process_alive(uffd: BorrowedFd<'_>, addr: usize) -> bool {
+    let mut arg = UffdioWriteprotect {
+        range: UffdioRange {
+            start: addr as u64,
+            len: page_size(),
+        },
+        // Neither MODE_WP nor MODE_DONTWAKE: un-protect, which on a range without write
+        // protection is refused before it changes anything.
+        mode: 0,
+    };
+    // SAFETY: UFFDIO_WRITEPROTECT reads one `struct uffdio_writeprotect`, which `arg`
+    // is; on ranges not registered for write protection it changes nothing.
+    let result = unsafe {
+        rustix::ioctl::ioctl(
+            uffd,
+            rustix::ioctl::Updater::<UFFDIO_WRITEPROTECT, UffdioWriteprotect>::new(&mut arg),
         )
     };
     !matches!(result, Err(rustix::io::Errno::SRCH))

@@ -38,6 +38,62 @@ pub fn poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> Partial {
     partial(result, updated, len)
 }
 
+/// Maps `[start, start + len)` (page aligned, in a range registered on `uffd` for minor
+/// faults) from the shared-memory file behind it (UFFDIO_CONTINUE), which wakes the
+/// threads waiting there. The caller guarantees the file's pages there hold their
+/// bytes. One call does the range when it can; after a refusal, page by page: a page
+/// already mapped (EEXIST) or not mapped in this address space (ENOENT: the range spans
+/// a page the process unmapped, or several mappings) is passed over. Where the kernel
+/// refuses otherwise (the address space changing under a fork: EAGAIN; no page in the
+/// file, punched since: EFAULT; not registered for minor faults: EINVAL) the page's
+/// threads are woken instead: they fault again and are served then. Returns the bytes
+/// mapped.
+pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: usize) -> u64 {
+    let mut done = 0usize;
+    let mut mapped = 0u64;
+    // After a refusal, one page alone (the one that stopped it), then the rest at once.
+    let mut single_until = 0usize;
+    while done < len {
+        let chunk = if done < single_until {
+            page
+        } else {
+            len - done
+        };
+        let (result, field) = crate::sys::uffdio_continue(uffd, start + done, chunk);
+        match partial(result, field, chunk) {
+            Partial::Done => {
+                done += chunk;
+                mapped += chunk as u64;
+            }
+            // Part done (the kernel then says EAGAIN, whatever stopped it): the page that
+            // stopped it alone next.
+            Partial::Stopped { done: part, .. } if part > 0 => {
+                done += part as usize;
+                mapped += part;
+                single_until = done + page;
+            }
+            Partial::Stopped {
+                errno: Errno::ESRCH,
+                ..
+            } => return mapped,
+            // The refusal may be of the whole range (ENOENT: it spans mappings).
+            Partial::Stopped { .. } if chunk > page => single_until = done + page,
+            Partial::Stopped { errno, .. } => {
+                if !matches!(errno, Errno::EEXIST | Errno::ENOENT) {
+                    wake(uffd, start + done, page);
+                }
+                done += page;
+            }
+        }
+    }
+    mapped
+}
+
+/// UFFDIO_WAKE of `[start, start + len)`; a failure means nobody waits there.
+fn wake(uffd: BorrowedFd<'_>, start: usize, len: usize) {
+    let _ = crate::sys::uffdio_wake(uffd, start, len);
+}
+
 fn partial(result: std::io::Result<()>, done_field: i64, len: usize) -> Partial {
     match result {
         Ok(_) => Partial::Done,

@@ -347,10 +347,13 @@ fn serve_orphan(orphans: &mut Vec<Orphan>, index: usize, events: &mut EventBuffe
                             .then(|| fill_page(region.shape.as_fd(), source(region), offset, page))
                     });
                     match served {
+                        // Mapped from the file where the child's range is registered
+                        // for minor faults (reads in place: every page the file holds
+                        // comes here once), else woken to map it itself.
                         Some(Ok(_)) => {
-                            let _ = orphan
-                                .uffd
-                                .wake(page_addr as *mut libc::c_void, page as usize);
+                            let page = page as usize;
+                            let uffd = orphan.uffd.as_fd();
+                            crate::uffd_ext::continue_or_wake(uffd, page_addr as usize, page, page);
                         }
                         // A page nobody can give: SIGBUS, as a file mapping gives for an
                         // unreadable page, rather than a fault answered forever.

@@ -19,6 +19,7 @@ use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
 #[cfg(feature = "fault-injection")]
 use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
+use crate::shaped_region::ShapeFiles;
 use crate::shared_store::{FrameStore, Tmpfs};
 use crate::sys::HUGE_PAGE;
 use crate::{budget_floor, sys, uffd_ext};
@@ -261,6 +262,26 @@ impl PagerBuilder {
         Ok(max_read)
     }
 
+    /// Serving forks: the userfaultfd (with fork events), where file-shaped regions'
+    /// files are made when blocks are read straight into them (None: copied in), and
+    /// why they are copied if they are.
+    fn shaping_uffd(&self) -> Result<(Uffd, Option<ShapeFiles>, Option<String>), PagerError> {
+        let fork = FeatureFlags::EVENT_FORK.bits();
+        if !self.zero_copy {
+            return Ok((create_uffd(fork)?, None, Some("turned off".into())));
+        }
+        // Read straight into the file, a block's pages are there before its bytes:
+        // every process must meet them as minor faults until the read is done.
+        match create_uffd(fork | uffd_ext::FEATURE_MINOR_SHMEM) {
+            Ok(uffd) => Ok((uffd, Some(ShapeFiles::new()), None)),
+            Err(error) => {
+                let uffd = create_uffd(fork)?;
+                let why = format!("userfaultfd lacks minor faults on shmem ({error})");
+                Ok((uffd, None, Some(why)))
+            }
+        }
+    }
+
     /// The userfaultfd and, with zero copy, the frame store; or why blocks are copied.
     fn uffd_and_frames(&self) -> Result<(Uffd, Option<FrameStore>, Option<String>), PagerError> {
         let (store, zero_copy_refused) = if !self.zero_copy {
@@ -326,9 +347,13 @@ impl PagerBuilder {
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = sys::page_size();
         let max_read = self.checked_max_read(page)?;
+        let mut shape_files = None;
         let (uffd, store, zero_copy_refused, forks_refused) = if self.serve_forks {
-            match create_uffd(FeatureFlags::EVENT_FORK.bits()) {
-                Ok(uffd) => (uffd, None, Some("forked children are served".into()), None),
+            match self.shaping_uffd() {
+                Ok((uffd, files, copied)) => {
+                    shape_files = files;
+                    (uffd, None, copied, None)
+                }
                 Err(error) => {
                     let (uffd, store, refused) = self.uffd_and_frames()?;
                     let why =
@@ -379,6 +404,7 @@ impl PagerBuilder {
                 thread_nice: self.thread_nice,
                 zero_copy_refused,
                 serve_forks,
+                read_in_place: serve_forks && shape_files.is_some(),
                 forks_refused,
                 keeper: self.keeper.filter(|_| serve_forks),
                 share_dir: self.share_dir.filter(|_| serve_forks),
@@ -411,6 +437,7 @@ impl PagerBuilder {
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
                 serve_forks,
+                shape_files: shape_files.filter(|_| serve_forks),
                 owner: sys::getpid(),
             }),
         })

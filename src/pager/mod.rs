@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use thiserror::Error;
-use userfaultfd::Uffd;
+use userfaultfd::{RegisterMode, Uffd};
 
 use crate::command::{Command, Shared};
 use crate::file::{BackingFile, OpenError};
@@ -229,6 +229,9 @@ struct PagerInner {
     /// Whether forked children are served (`PagerBuilder::serve_forks`): regions are
     /// file-shaped and inherited.
     serve_forks: bool,
+    /// Serving forks with blocks read in place: where regions' files are made (None:
+    /// blocks are copied into memfds).
+    shape_files: Option<crate::shaped_region::ShapeFiles>,
     /// The process the service thread runs in. A forked child has a copy of this value
     /// but no service thread, and the regions are not mapped there (MADV_DONTFORK):
     /// asking the service would wait forever, and unregistering or unmapping would act
@@ -467,22 +470,58 @@ impl Pager {
         // it readable fills nothing.
         let serve_forks = self.inner.serve_forks;
         let mapping = Mapping::reserve(map_len as usize, align, serve_forks)?;
-        let shape = if serve_forks {
-            // SAFETY: the data pages of the reservation just made, which nothing uses.
-            let file = unsafe { crate::shaped_region::map_shaped(mapping.base, needed as usize) }
-                .map_err(|source| MapError::Reserve {
-                len: map_len,
-                source,
-            })?;
-            Some(file)
-        } else {
-            None
+        let reserve_error = |source| MapError::Reserve {
+            len: map_len,
+            source,
         };
-        // SAFETY: registers exactly the mapping just reserved, which this region owns.
-        self.inner
-            .uffd
-            .register(mapping.base as *mut libc::c_void, mapping.len)
-            .map_err(|error| MapError::Register(format!("{error:?}")))?;
+        let shape = match (serve_forks, &self.inner.shape_files) {
+            (false, _) => None,
+            (true, Some(files)) => {
+                let huge = crate::shaped_region::blocks_are_huge_pages(
+                    self.inner.block_size,
+                    options.offset,
+                    &options.block_cuts,
+                );
+                let file = files.create(needed, huge).map_err(reserve_error)?;
+                // SAFETY: the data pages of the reservation just made, which nothing
+                // uses.
+                unsafe {
+                    crate::shaped_region::map_file_over(mapping.base, needed as usize, &file)
+                }
+                .map_err(reserve_error)?;
+                Some(file)
+            }
+            // SAFETY: the data pages of the reservation just made, which nothing uses.
+            (true, None) => Some(
+                unsafe { crate::shaped_region::map_shaped(mapping.base, needed as usize) }
+                    .map_err(reserve_error)?,
+            ),
+        };
+        let register = |start: usize, len: usize, mode| {
+            self.inner
+                .uffd
+                .register_with_mode(start as *mut libc::c_void, len, mode)
+                .map_err(|error| MapError::Register(format!("{error:?}")))
+        };
+        if shape.is_some() && self.inner.shape_files.is_some() {
+            // Read in place: the file's pages exist before their bytes do (see
+            // `shaped_region`). The reservation past the data is anonymous, where minor
+            // faults cannot be registered.
+            register(
+                mapping.base,
+                needed as usize,
+                RegisterMode::MISSING | RegisterMode::MINOR,
+            )?;
+            if mapping.len > needed as usize {
+                register(
+                    mapping.base + needed as usize,
+                    mapping.len - needed as usize,
+                    RegisterMode::MISSING,
+                )?;
+            }
+        } else {
+            register(mapping.base, mapping.len, RegisterMode::MISSING)?;
+        }
         let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
         let layout = RegionLayout::new(geometry, map_len, page);
         let (reply, answer) = sync_channel(1);

@@ -16,8 +16,9 @@ use std::fmt;
 pub(super) enum StagedIn {
     /// In this stash buffer (blocks are copied in).
     Stash(u32),
-    /// In the block's own frame, not yet mapped (zero copy).
-    Frame,
+    /// Where it will be mapped from, not yet mapped: its frame (zero copy) or the
+    /// region's file (reads in place).
+    InPlace,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -132,7 +133,7 @@ mod tests {
         BlockState::Queued,
         BlockState::Reading,
         BlockState::Staged(StagedIn::Stash(3)),
-        BlockState::Staged(StagedIn::Frame),
+        BlockState::Staged(StagedIn::InPlace),
         BlockState::Resident,
         BlockState::Poisoned,
         BlockState::Unmapped,
@@ -162,8 +163,8 @@ mod tests {
     #[test]
     fn a_marker_is_staged_then_installed_or_discarded() {
         use BlockEvent::*;
-        let staged = [Queued, ReadIssued, Staged(StagedIn::Frame)];
-        assert_eq!(walk(&staged), Ok(BlockState::Staged(StagedIn::Frame)));
+        let staged = [Queued, ReadIssued, Staged(StagedIn::InPlace)];
+        assert_eq!(walk(&staged), Ok(BlockState::Staged(StagedIn::InPlace)));
         assert_eq!(
             walk(&[&staged[..], &[Installed]].concat()),
             Ok(BlockState::Resident)
@@ -212,7 +213,7 @@ mod tests {
             BlockEvent::Queued,
             BlockEvent::Dequeued,
             BlockEvent::ReadIssued,
-            BlockEvent::Staged(StagedIn::Frame),
+            BlockEvent::Staged(StagedIn::InPlace),
             BlockEvent::Installed,
             BlockEvent::Released,
             BlockEvent::ReadFailed,

@@ -25,6 +25,7 @@ use super::block_state::BlockState;
 use super::installs::poison_range;
 use super::{FaultService, ServiceError};
 use crate::policy::BlockRef;
+use crate::uffd_ext;
 
 /// Ring tokens of children's userfaultfds start here (below: the program's, commands,
 /// installs).
@@ -277,7 +278,21 @@ impl FaultService {
             match settle(state) {
                 Settle::Wait => true,
                 Settle::Wake => {
-                    let _ = uffd.wake(wait.page_addr as *mut libc::c_void, page);
+                    // Read in place, the child maps the block from the file itself (its
+                    // mapping is the program's as it was at the fork); copied in, the
+                    // page is there and the child's fault maps it.
+                    let region = &self.regions[&wait.block.region];
+                    match (&region.view, state) {
+                        (Some(_), Some(BlockState::Resident)) => {
+                            let memory = region.layout.block_memory(wait.block.index);
+                            let start = region.base + memory.start as usize;
+                            let len = (memory.end - memory.start) as usize;
+                            uffd_ext::continue_or_wake(uffd.as_fd(), start, len, page);
+                        }
+                        _ => {
+                            let _ = uffd.wake(wait.page_addr as *mut libc::c_void, page);
+                        }
+                    }
                     false
                 }
                 Settle::Poison => {
@@ -348,7 +363,7 @@ mod tests {
         assert_eq!(settle(Some(BlockState::Queued)), Settle::Wait);
         assert_eq!(settle(Some(BlockState::Reading)), Settle::Wait);
         assert_eq!(
-            settle(Some(BlockState::Staged(StagedIn::Frame))),
+            settle(Some(BlockState::Staged(StagedIn::InPlace))),
             Settle::Wait
         );
         assert_eq!(settle(Some(BlockState::Resident)), Settle::Wake);

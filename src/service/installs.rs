@@ -68,6 +68,13 @@ impl FaultService {
             self.installed(slot, now);
             return Ok(());
         }
+        if region.view.is_some() {
+            // Read in place: the bytes are in the file; map them in the program.
+            continue_mapped(&self.uffd, region, start..end, self.page());
+            let now = self.now_ns();
+            self.installed(slot, now);
+            return Ok(());
+        }
         let job = InstallJob {
             slot,
             source: self.ring.buffer(slot).as_ptr(),
@@ -117,11 +124,10 @@ impl FaultService {
         let region = &self.regions[&block.region];
         let memory = region.layout.block_memory(block.index);
         let StagedIn::Stash(stash) = place else {
-            let store = self
-                .store
-                .as_ref()
-                .expect("markers in frames need the store");
-            map_frame(&self.uffd, store, region, block.index)?;
+            match &self.store {
+                Some(store) => map_frame(&self.uffd, store, region, block.index)?,
+                None => continue_mapped(&self.uffd, region, memory, self.page()),
+            }
             self.budget
                 .unreserve(region.layout.block_bytes(block.index));
             let now = self.now_ns();
@@ -430,6 +436,14 @@ pub(super) fn map_frame(
     Ok(())
 }
 
+/// Maps the part of `range` (region offsets of a region read in place) the program still
+/// maps from the region's file (UFFDIO_CONTINUE), waking the threads waiting there.
+pub(super) fn continue_mapped(uffd: &Uffd, region: &ServedRegion, range: Range<u64>, page: usize) {
+    for part in region.mapped_parts(range) {
+        uffd_ext::continue_or_wake(uffd.as_fd(), part.start, part.end - part.start, page);
+    }
+}
+
 /// Gives block `index`'s frame back to the store (see `FrameStore::release`), if it
 /// has one.
 pub(super) fn release_frame(
@@ -501,6 +515,21 @@ pub(super) fn punch_pages(
         addr: part.start,
         error,
     })
+}
+
+/// Drops the pages of `range` (region offsets; the parts the program still maps) from
+/// a file-shaped region's file.
+pub(super) fn punch_region_pages(
+    region: &ServedRegion,
+    range: Range<u64>,
+) -> Result<(), ServiceError> {
+    let Some(file) = &region.shape else {
+        return Ok(());
+    };
+    for part in region.mapped_parts(range) {
+        punch_pages(file, region, part)?;
+    }
+    Ok(())
 }
 
 /// Whether the page at `addr` (page aligned, in a region this service serves) is in the

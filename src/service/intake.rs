@@ -1,15 +1,18 @@
 //! Fault intake: a userfaultfd event becomes a block's state change, a waiter, and news
 //! for the policies (what was touched, what to prefetch, what to watch).
 
+use std::os::fd::AsFd;
+
 use userfaultfd::Event;
 
 use super::block_state::{BlockEvent, BlockState};
 use super::children::Source;
 use super::fault_log::Waiter;
-use super::installs::{discard_pages, map_frame, page_present, poison_range};
+use super::installs::{continue_mapped, discard_pages, map_frame, page_present, poison_range};
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
 use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, Urgency};
+use crate::uffd_ext;
 
 /// Most prefetch requests held waiting for a free read slot.
 const MAX_QUEUED_PREFETCH: usize = 1 << 16;
@@ -181,7 +184,10 @@ impl FaultService {
         self.recent.record(fault.waiter.tid, block);
         self.check_injected_panic();
         let region = &self.regions[&block.region];
+        // Read in place, a resident block's pages missing from a process's page tables
+        // are its minor faults, served below.
         if self.store.is_none()
+            && region.view.is_none()
             && region.state(block.index) == BlockState::Resident
             && !page_present(fault.page_addr)
         {
@@ -241,10 +247,22 @@ impl FaultService {
                     return Ok((FaultOutcome::Resident, std::mem::take(watched)));
                 }
                 // The fault raced with the install that already woke it (or, in a
-                // forked child, the install woke the program's threads only).
+                // forked child, the install woke the program's threads only); read in
+                // place, the block is in the file but not yet in this process's page
+                // tables (a minor fault).
                 let page = self.config.page_size as usize;
+                let in_place = region.view.is_some();
+                let memory = region.layout.block_memory(block.index);
                 if let Source::Guest(token) = fault.source {
                     self.answer_guest_at(token, fault.page_addr, true);
+                } else if in_place && fault.source == Source::Parent {
+                    let region = &self.regions[&block.region];
+                    continue_mapped(&self.uffd, region, memory, page);
+                } else if in_place {
+                    // A child: its mapping is the program's as it was at the fork.
+                    let (base, uffd) = (region.base, self.uffd_of(fault.source));
+                    let (start, len) = (base + memory.start as usize, memory.end - memory.start);
+                    uffd_ext::continue_or_wake(uffd.as_fd(), start, len as usize, page);
                 } else {
                     let _ = self
                         .uffd_of(fault.source)

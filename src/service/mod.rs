@@ -100,6 +100,9 @@ pub(crate) struct ServiceConfig {
     /// Whether forked children's userfaultfds (fork events) are served; regions are then
     /// file-shaped (`crate::shaped_region`).
     pub serve_forks: bool,
+    /// With `serve_forks`: whether reads land in the regions' files through the
+    /// service's view of them, and are mapped with UFFDIO_CONTINUE (else copied in).
+    pub read_in_place: bool,
     /// Why forked children are not served though asked for.
     pub forks_refused: Option<String>,
     /// With `serve_forks`: the keeper's socket (`crate::keeper`), a session on which

@@ -141,7 +141,9 @@ impl FaultService {
             Some(bytes) => {
                 self.stats.child_fill_bytes += bytes;
                 if let Some(uffd) = self.children.get(token) {
-                    let _ = uffd.wake(page_addr as *mut libc::c_void, page);
+                    // Mapped from the file where the child's range is registered for
+                    // minor faults (reads in place), else woken to map it itself.
+                    crate::uffd_ext::continue_or_wake(uffd.as_fd(), page_addr, page, page);
                 }
             }
             None => self.orphaned_child_fault(token, page_addr),

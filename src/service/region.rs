@@ -37,6 +37,9 @@ pub(super) struct ServedRegion {
     pub shape: Option<OwnedFd>,
     /// That file's length: the region's data, page rounded.
     pub shape_len: u64,
+    /// With reads in place (`ServiceConfig::read_in_place`): the service's view of that
+    /// file, where its reads land.
+    pub view: Option<crate::shaped_region::FileView>,
 }
 
 impl ServedRegion {
@@ -66,6 +69,7 @@ impl ServedRegion {
             prot,
             shape: None,
             shape_len: 0,
+            view: None,
             layout,
         }
     }

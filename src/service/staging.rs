@@ -4,7 +4,7 @@
 //! reservation in the budget until it is installed or discarded.
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::installs::release_frame;
+use super::installs::{punch_region_pages, release_frame};
 use super::FaultService;
 use crate::policy::BlockRef;
 
@@ -25,7 +25,14 @@ impl FaultService {
                 self.budget
                     .unreserve(region.layout.block_bytes(block.index));
                 match place {
-                    StagedIn::Frame => release_frame(&mut self.store, region, block.index, false),
+                    StagedIn::InPlace if region.view.is_some() && !self.pages_kept => {
+                        // Its pages are in the region's file: punched out, as an evicted
+                        // block's (a failure leaves them, to be read over next time).
+                        let memory = region.layout.block_memory(block.index);
+                        let _ = punch_region_pages(region, memory);
+                    }
+                    StagedIn::InPlace if region.view.is_some() => {}
+                    StagedIn::InPlace => release_frame(&mut self.store, region, block.index, false),
                     StagedIn::Stash(stash) => self.stash.release(stash),
                 }
             }

@@ -16,12 +16,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use thiserror::Error;
-use userfaultfd::{Event, EventBuffer, FeatureFlags, Uffd, UffdBuilder};
+use userfaultfd::{Event, EventBuffer, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use super::protocol::{FileKey, Message, ProtocolError, MAX_MESSAGE};
 use super::{share_link_name, Guest, GuestAction, GuestEvent};
 use crate::hole_fill::{fill_holes, fill_page, FillSource, FILL_CHUNK};
 use crate::sys;
+use crate::uffd_ext::continue_or_wake;
 
 /// How long a guest waits for the host's answer to `Attach`.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -289,7 +290,11 @@ fn ask(
         error
     };
     let uffd = new_uffd().map_err(unmap)?;
-    uffd.register(base as *mut libc::c_void, map_len)
+    // Missing faults and minor ones: a host reading in place has a block's pages in the
+    // memfd before their bytes (`shaped_region`), and a page the memfd holds is mapped
+    // here only once the host says its block is in, whoever's its read was.
+    let mode = RegisterMode::MISSING | RegisterMode::MINOR;
+    uffd.register_with_mode(base as *mut libc::c_void, map_len, mode)
         .map_err(|error| {
             unmap(AttachError::Sys {
                 what: "registering the mapping",
@@ -340,7 +345,7 @@ fn new_uffd() -> Result<Uffd, AttachError> {
         .non_blocking(true)
         .user_mode_only(false)
         .require_features(FeatureFlags::from_bits_retain(
-            crate::uffd_ext::FEATURE_POISON,
+            crate::uffd_ext::FEATURE_POISON | crate::uffd_ext::FEATURE_MINOR_SHMEM,
         ))
         .create()
         .map_err(|error| AttachError::Sys {
@@ -376,8 +381,10 @@ impl Served {
         let _ = uffd.wake((self.base + offset as usize) as *mut libc::c_void, len);
     }
 
-    /// Reads the page at `offset` into the memfd if it is a hole, and wakes it; SIGBUS
-    /// there if it cannot be read.
+    /// Reads the page at `offset` into the memfd if it is a hole, and maps it (the
+    /// mapping is registered for minor faults: a page the memfd holds is not mapped
+    /// without the host's word, or this thread's) or wakes it; SIGBUS there if it cannot
+    /// be read.
     fn fill_and_wake(&self, uffd: &Uffd, offset: u64) {
         let page = self.page as usize;
         if offset >= self.data_len {
@@ -389,7 +396,7 @@ impl Served {
                 self.counters
                     .filled_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
-                self.wake(uffd, offset, page);
+                continue_or_wake(uffd.as_fd(), self.base + offset as usize, page, page);
             }
             Err(_) => {
                 let _ = sys::uffdio_poison(uffd.as_fd(), self.base + offset as usize, page);
@@ -417,7 +424,16 @@ impl Served {
             // The page is in the memfd now, unless it was punched out again since, or
             // the host no longer serves its region (it filled the file first): then
             // read it here.
-            GuestAction::Wake(offset) | GuestAction::FillPage(offset) => {
+            GuestAction::Wake(offset, len) if len > self.page => {
+                // A resident block read in place: mapped whole from the memfd.
+                let end = (offset + len).min(self.shape_len);
+                if offset < end {
+                    let start = self.base + offset as usize;
+                    let page = self.page as usize;
+                    continue_or_wake(uffd.as_fd(), start, (end - offset) as usize, page);
+                }
+            }
+            GuestAction::Wake(offset, _) | GuestAction::FillPage(offset) => {
                 self.fill_and_wake(uffd, offset)
             }
             GuestAction::Poison(offset) => {
@@ -478,7 +494,9 @@ impl Served {
                     let event = match sys::recv_with_fds(open.as_fd(), &mut buffer) {
                         Ok(sys::Received::Message(len, fds)) => {
                             match Message::decode(&buffer[..len], fds.len()) {
-                                Ok(Message::Ready { offset, .. }) => GuestEvent::Ready(offset),
+                                Ok(Message::Ready { offset, len, .. }) => {
+                                    GuestEvent::Ready(offset, len)
+                                }
                                 Ok(Message::Poison { offset, .. }) => GuestEvent::Poison(offset),
                                 _ => GuestEvent::HostGone,
                             }

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::installs::{poison_range, release_frame};
+use super::installs::{poison_range, punch_region_pages, release_frame};
 use super::staging::max_staged;
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind, RegionId};
@@ -348,7 +348,14 @@ impl FaultService {
                     off_thread: !frame.warm,
                 })
             }
-            None => None,
+            // Read in place: straight into the region's file. The block's pages were
+            // punched out when it was last evicted, so the read allocates and clears them
+            // first: off this thread, as for a cold frame.
+            None => region.view.as_ref().map(|view| Landing {
+                dest: view.at(start),
+                len,
+                off_thread: true,
+            }),
         };
         let tag = ReadTag {
             region: first.region,
@@ -451,11 +458,18 @@ impl FaultService {
         );
         // On this thread: the first attempt faulted the frame's pages in (short reads and
         // retries are rare enough not to need a worker either way).
-        let landing = self.store.as_ref().map(|store| Landing {
-            dest: store.view(region.frame(tag.first)).wrapping_add(done),
-            len,
-            off_thread: false,
-        });
+        let landing = match &self.store {
+            Some(store) => Some(Landing {
+                dest: store.view(region.frame(tag.first)).wrapping_add(done),
+                len,
+                off_thread: false,
+            }),
+            None => region.view.as_ref().map(|view| Landing {
+                dest: view.at(tag.file_offset - region.layout.geometry.file_offset + done as u64),
+                len,
+                off_thread: false,
+            }),
+        };
         let tag = self.ring.reclaim(slot);
         self.load.resubmitted(tag.prefetch, len as u64);
         match landing {
@@ -480,7 +494,19 @@ impl FaultService {
                 // writes the frame, and the service is its only user meanwhile.
                 unsafe { store.bytes_mut(frame, len) }
             }
-            None => self.ring.buffer_mut(slot),
+            None => {
+                let region = &self.regions[&tag.region];
+                match &region.view {
+                    Some(view) => {
+                        let start = tag.file_offset - region.layout.geometry.file_offset;
+                        // SAFETY: the read into the view has completed (or not started):
+                        // the device writes there no more, and no process maps these
+                        // pages until the block is installed.
+                        unsafe { std::slice::from_raw_parts_mut(view.at(start), len) }
+                    }
+                    None => self.ring.buffer_mut(slot),
+                }
+            }
         }
     }
 
@@ -505,26 +531,32 @@ impl FaultService {
             // frame's bytes: the process's resident set counts them once (the region's).
             store.forget_view(self.regions[&region_id].frame(first));
         }
+        if let Some(view) = &self.regions[&region_id].view {
+            let tag = self.ring.tag(slot).expect("completing a read in flight");
+            let start = tag.file_offset - self.regions[&region_id].layout.geometry.file_offset;
+            view.forget(start, tag.len);
+        }
         self.read_latency.record_ns(elapsed);
         self.stats.bytes_read += valid as u64;
         self.stats.blocks_read += count as u64;
         let block = BlockRef::new(region_id, first);
         self.prefetch.read_completed(block, valid as u64, elapsed);
         let staged_max = max_staged(self.config.queue_depth, self.config.block_size);
+        let in_place = self.store.is_some() || self.regions[&region_id].view.is_some();
         if install == Install::OnFault
             && !self.waiters.contains_key(&block)
-            && self.store.is_some()
+            && in_place
             && self.staged.len() < staged_max
         {
-            // With zero copy the marker's bytes are already where they will be mapped
-            // from: hold it back unmapped, and map it when the program faults on it.
+            // With zero copy or reads in place the marker's bytes are already where they
+            // will be mapped from: hold it back unmapped, and map it when the program
+            // faults on it.
             let region = self.regions.get_mut(&region_id).expect("checked live");
-            region.advance(first, BlockEvent::Staged(StagedIn::Frame));
+            region.advance(first, BlockEvent::Staged(StagedIn::InPlace));
             self.keep_as_marker(slot);
             return Ok(());
         }
-        if install == Install::OnFault && !self.waiters.contains_key(&block) && self.store.is_none()
-        {
+        if install == Install::OnFault && !self.waiters.contains_key(&block) && !in_place {
             let region = self.regions.get_mut(&region_id).expect("checked live");
             let memory = region.layout.block_memory(first);
             let len = (memory.end - memory.start) as usize;
@@ -592,6 +624,13 @@ impl FaultService {
             .regions
             .get_mut(&region_id)
             .expect("failing a live region's read");
+        if region.view.is_some() && !self.pages_kept {
+            // Read in place: whatever the read left in the file goes, so that nobody maps
+            // it and the blocks are missing (or poisoned) there again.
+            let memory = region.layout.block_memory(first).start
+                ..region.layout.block_memory(first + count - 1).end;
+            let _ = punch_region_pages(region, memory);
+        }
         if count > 1 && !region.changed {
             for index in first..first + count {
                 if region.state(index) == BlockState::Unmapped {
