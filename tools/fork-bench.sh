@@ -2,7 +2,7 @@
 # The figures of preload/README.md "Serving forked children": a Python reader of a
 # 128 MiB .gguf of random bytes under --budget 32M, in the parent, in one forked child,
 # and in two forked children reading in step (4 MiB pieces, a barrier after each), with
-# and without --serve-forks. Prints each run's reader line (digest, seconds, its
+# and without --serve-forks (its blocks read in place, and copied in). Prints each run's reader line (digest, seconds, its
 # Rss{Anon,File,Shmem} in kB) and the pager's stats that matter.
 #
 # Usage: tools/fork-bench.sh [DIR]   (DIR defaults to a new directory under /tmp)
@@ -46,7 +46,7 @@ elif mode == "two":
     for p in procs: p.join()
     print("two", *results, flush=True)
 PY
-for flags in "" "--no-zero-copy" "--serve-forks"; do
+for flags in "" "--no-zero-copy --block 2M" "--serve-forks" "--serve-forks --no-zero-copy --block 2M"; do
   for mode in parent child two; do
     rm -f "$dir/stats.json" "$model".hyperoffload-*
     echo "== [${flags:-default}] $mode"
