@@ -118,6 +118,57 @@ fn two_children_reading_one_model_in_step_read_it_once_within_one_budget() {
     assert!(peak <= BUDGET + BLOCK, "peak resident {peak}: {host}");
 }
 
+/// A guest that maps part of what its host's region maps (an offset and a length of
+/// its own) attaches to it, and both read the file's bytes with one pager.
+#[test]
+fn a_guest_mapping_part_of_the_hosts_region_shares_it() {
+    let dir = TempDir::new("share-part");
+    let model = model(&dir);
+    let out = dir.path("out");
+    std::fs::create_dir(&out).unwrap();
+    let (offset, len) = (MODEL_LEN / 4 + 8192, MODEL_LEN / 2);
+    let bytes = std::fs::read(&model).unwrap();
+    let want_slice = {
+        let slice = dir.path("slice");
+        std::fs::write(&slice, &bytes[offset as usize..(offset + len) as usize]).unwrap();
+        sha256(&slice)
+    };
+    let script = dir.path("share_victim.py");
+    std::fs::write(&script, SCRIPT).unwrap();
+    let python = python();
+    let (offset_arg, len_arg) = (offset.to_string(), len.to_string());
+    let program = [
+        python.as_os_str(),
+        script.as_os_str(),
+        "part".as_ref(),
+        model.as_os_str(),
+        out.as_os_str(),
+        offset_arg.as_ref(),
+        len_arg.as_ref(),
+    ];
+    let output = run("32M", &program);
+    assert_success(&output, "part");
+    let seen = stdout(&output);
+    let context = format!("{seen}\n{}", stderr(&output));
+    assert!(seen.contains("slice status 0"), "{context}");
+    assert!(
+        seen.contains(&format!("hash slice {want_slice}")),
+        "{context}"
+    );
+    assert!(
+        seen.contains(&format!("hash whole {}", sha256(&model))),
+        "{context}"
+    );
+    let stats = all_stats(&out);
+    assert_eq!(stats.len(), 1, "one pager for both: {stats:?}");
+    assert_eq!(stats[0]["guests"], 1, "{}", stats[0]);
+    assert!(
+        stats[0]["guest_faults"].as_u64().unwrap() > 0,
+        "{}",
+        stats[0]
+    );
+}
+
 /// A guest reads every page of the mapping after its host ended (`how`: `exit` or
 /// `kill`): all of them the file's bytes.
 fn guest_outlives_host(how: &str) {

@@ -255,9 +255,10 @@ impl FaultService {
             return false;
         };
         let found = region_for_attach(candidates, file, offset, len);
-        let region = found.and_then(|id| self.regions.get(&RegionId(id)).map(|r| (id, r)));
+        let region =
+            found.and_then(|(id, start)| self.regions.get(&RegionId(id)).map(|r| (id, start, r)));
         match region {
-            Some((id, region)) => {
+            Some((id, start, region)) => {
                 let Some(shape) = &region.shape else {
                     return share.send(token, &Message::Refused { not_yet: false }, &[]);
                 };
@@ -265,6 +266,7 @@ impl FaultService {
                     region: id,
                     data_len: region.layout.geometry.data_len,
                     shape_len: region.shape_len,
+                    start,
                 };
                 let sent = share.send(token, &message, &[shape.as_fd(), region.file.buffered()]);
                 if sent {

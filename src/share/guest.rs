@@ -31,7 +31,7 @@ const ATTACH_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum AttachError {
     #[error("no host serves this file ({0})")]
     NoHost(std::io::Error),
-    #[error("the host serves this file, but no region of it with this offset and length")]
+    #[error("the host serves this file, but no region of it holds this range")]
     Refused,
     #[error("the host has not mapped the file yet")]
     NotYet,
@@ -260,18 +260,22 @@ fn ask(
                 )))
             }
         };
-    let (region, data_len, shape_len) = match Message::decode(&buffer[..bytes], fds.len())? {
+    let (region, data_len, shape_len, start) = match Message::decode(&buffer[..bytes], fds.len())? {
         Message::Attached {
             region,
             data_len,
             shape_len,
-        } => (region, data_len, shape_len),
+            start,
+        } => (region, data_len, shape_len, start),
         Message::Refused { not_yet: true } => return Err(AttachError::NotYet),
         Message::Refused { not_yet: false } => return Err(AttachError::Refused),
         _ => return Err(AttachError::Unexpected),
     };
     let file = fds.pop().expect("two descriptors");
     let memfd = fds.pop().expect("two descriptors");
+    if start % sys::page_size() != 0 || start > offset {
+        return Err(AttachError::Unexpected);
+    }
     // SAFETY: a new mapping at an address the kernel picks replaces nothing.
     let base = unsafe {
         sys::mmap(
@@ -280,7 +284,7 @@ fn ask(
             libc::PROT_NONE,
             libc::MAP_SHARED,
             memfd.as_raw_fd(),
-            0,
+            start as i64,
         )
     }
     .map_err(sys_error("mapping the host's region"))?;
@@ -318,10 +322,11 @@ fn ask(
         region,
         data_len,
         shape_len,
+        start,
         memfd,
         file,
         page: sys::page_size(),
-        file_offset: offset,
+        file_offset: offset - start,
         counters: Arc::clone(&counters),
     };
     let thread = std::thread::Builder::new()
@@ -354,16 +359,21 @@ fn new_uffd() -> Result<Uffd, AttachError> {
         })
 }
 
-/// What the guest thread serves.
+/// What the guest thread serves. Offsets in messages, fills and `Guest` are the
+/// region's (its memfd's); the mapping shows the region from `start` on.
 struct Served {
     base: usize,
     map_len: usize,
     region: u32,
+    /// The region's data bytes, and its memfd's length.
     data_len: u64,
     shape_len: u64,
+    /// Where the mapping starts in the region.
+    start: u64,
     memfd: OwnedFd,
     file: OwnedFd,
     page: u64,
+    /// Where the region starts in the file.
     file_offset: u64,
     counters: Arc<GuestCounters>,
 }
@@ -377,8 +387,28 @@ impl Served {
         }
     }
 
+    /// The part of the region's `offset..offset + len` this mapping shows, as addresses.
+    fn addresses(&self, offset: u64, len: u64) -> Option<(usize, usize)> {
+        let start = offset.max(self.start);
+        let end = (offset + len).min(self.start + self.map_len as u64);
+        (start < end).then(|| {
+            (
+                self.base + (start - self.start) as usize,
+                (end - start) as usize,
+            )
+        })
+    }
+
     fn wake(&self, uffd: &Uffd, offset: u64, len: usize) {
-        let _ = uffd.wake((self.base + offset as usize) as *mut libc::c_void, len);
+        if let Some((addr, len)) = self.addresses(offset, len as u64) {
+            let _ = uffd.wake(addr as *mut libc::c_void, len);
+        }
+    }
+
+    fn poison(&self, uffd: &Uffd, offset: u64) {
+        if let Some((addr, len)) = self.addresses(offset, self.page) {
+            let _ = sys::uffdio_poison(uffd.as_fd(), addr, len);
+        }
     }
 
     /// Reads the page at `offset` into the memfd if it is a hole, and maps it (the
@@ -386,21 +416,19 @@ impl Served {
     /// without the host's word, or this thread's) or wakes it; SIGBUS there if it cannot
     /// be read.
     fn fill_and_wake(&self, uffd: &Uffd, offset: u64) {
-        let page = self.page as usize;
         if offset >= self.data_len {
-            let _ = sys::uffdio_poison(uffd.as_fd(), self.base + offset as usize, page);
-            return;
+            return self.poison(uffd, offset);
         }
         match fill_page(self.memfd.as_fd(), self.source(), offset, self.page) {
             Ok(bytes) => {
                 self.counters
                     .filled_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
-                continue_or_wake(uffd.as_fd(), self.base + offset as usize, page, page);
+                if let Some((addr, len)) = self.addresses(offset, self.page) {
+                    continue_or_wake(uffd.as_fd(), addr, len, self.page as usize);
+                }
             }
-            Err(_) => {
-                let _ = sys::uffdio_poison(uffd.as_fd(), self.base + offset as usize, page);
-            }
+            Err(_) => self.poison(uffd, offset),
         }
     }
 
@@ -426,23 +454,15 @@ impl Served {
             // read it here.
             GuestAction::Wake(offset, len) if len > self.page => {
                 // A resident block read in place: mapped whole from the memfd.
-                let end = (offset + len).min(self.shape_len);
-                if offset < end {
-                    let start = self.base + offset as usize;
-                    let page = self.page as usize;
-                    continue_or_wake(uffd.as_fd(), start, (end - offset) as usize, page);
+                let len = len.min(self.shape_len.saturating_sub(offset));
+                if let Some((addr, len)) = self.addresses(offset, len) {
+                    continue_or_wake(uffd.as_fd(), addr, len, self.page as usize);
                 }
             }
             GuestAction::Wake(offset, _) | GuestAction::FillPage(offset) => {
                 self.fill_and_wake(uffd, offset)
             }
-            GuestAction::Poison(offset) => {
-                let _ = sys::uffdio_poison(
-                    uffd.as_fd(),
-                    self.base + offset as usize,
-                    self.page as usize,
-                );
-            }
+            GuestAction::Poison(offset) => self.poison(uffd, offset),
             GuestAction::FillAll => {
                 *socket = None;
                 self.counters.host_gone.store(true, Ordering::Relaxed);
@@ -456,7 +476,7 @@ impl Served {
                 self.counters
                     .filled_bytes
                     .fetch_add(filled.bytes, Ordering::Relaxed);
-                self.wake(uffd, 0, self.map_len);
+                self.wake(uffd, self.start, self.map_len);
             }
             GuestAction::Nothing => {}
         }
@@ -515,7 +535,8 @@ impl Served {
                     .flatten()
                     .filter_map(|event| match event {
                         Event::Pagefault { addr, .. } => {
-                            Some((addr as usize - self.base) as u64 & !(self.page - 1))
+                            let at = (addr as usize - self.base) as u64 & !(self.page - 1);
+                            Some(self.start + at)
                         }
                         _ => None,
                     })

@@ -38,25 +38,26 @@ pub struct HostRegion {
     pub removed: bool,
 }
 
-/// The region that serves an `Attach` of `len` bytes of `file` from `offset`: a live
-/// file-shaped region of that same file (device, inode, size and modification time)
-/// with the same offset and length. The newest such (highest id) if several.
+/// The region that serves an `Attach` of `len` bytes of `file` from `offset`, and where
+/// that range starts in the region: a live file-shaped region of that same file
+/// (device, inode, size and modification time) whose data holds the whole range. The
+/// newest such (highest id) if several.
 pub fn region_for_attach(
     regions: impl IntoIterator<Item = HostRegion>,
     file: &FileKey,
     offset: u64,
     len: u64,
-) -> Option<u32> {
+) -> Option<(u32, u64)> {
     regions
         .into_iter()
         .filter(|region| {
             region.shaped
                 && !region.removed
                 && region.file == *file
-                && region.file_offset == offset
-                && region.data_len == len
+                && region.file_offset <= offset
+                && offset.saturating_add(len) <= region.file_offset + region.data_len
         })
-        .map(|region| region.id)
+        .map(|region| (region.id, offset - region.file_offset))
         .max()
 }
 
@@ -149,13 +150,45 @@ mod tests {
 
     #[test]
     fn an_attach_finds_a_live_shaped_region_of_the_same_file_and_range() {
-        assert_eq!(region_for_attach([region(1)], &FILE, 0, 128 << 20), Some(1));
+        assert_eq!(
+            region_for_attach([region(1)], &FILE, 0, 128 << 20),
+            Some((1, 0))
+        );
         assert_eq!(
             region_for_attach([region(1), region(4), region(2)], &FILE, 0, 128 << 20),
-            Some(4),
+            Some((4, 0)),
             "the newest"
         );
         assert_eq!(region_for_attach([], &FILE, 0, 128 << 20), None);
+    }
+
+    #[test]
+    fn an_attach_of_part_of_a_region_starts_where_that_part_does() {
+        let len = 128 << 20;
+        assert_eq!(
+            region_for_attach([region(1)], &FILE, 4096, len - 4096),
+            Some((1, 4096))
+        );
+        assert_eq!(region_for_attach([region(1)], &FILE, 0, 4096), Some((1, 0)));
+        let later = HostRegion {
+            file_offset: 1 << 20,
+            data_len: 8 << 20,
+            ..region(2)
+        };
+        assert_eq!(
+            region_for_attach([later], &FILE, 3 << 20, 2 << 20),
+            Some((2, 2 << 20))
+        );
+        assert_eq!(
+            region_for_attach([later], &FILE, 0, 2 << 20),
+            None,
+            "begins before the region"
+        );
+        assert_eq!(
+            region_for_attach([later], &FILE, 8 << 20, 2 << 20),
+            None,
+            "ends past it"
+        );
     }
 
     #[test]
@@ -171,11 +204,7 @@ mod tests {
         };
         assert_eq!(region_for_attach([gone], &FILE, 0, len), None);
         assert_eq!(region_for_attach([copied], &FILE, 0, len), None);
-        assert_eq!(
-            region_for_attach([region(1)], &FILE, 4096, len - 4096),
-            None
-        );
-        assert_eq!(region_for_attach([region(1)], &FILE, 0, len - 4096), None);
+        assert_eq!(region_for_attach([region(1)], &FILE, 4096, len), None);
         for other in [
             FileKey { ino: 43, ..FILE },
             FileKey { dev: 1, ..FILE },

@@ -36,6 +36,9 @@ pub enum Message {
         data_len: u64,
         /// Bytes of the memfd (data, page rounded).
         shape_len: u64,
+        /// Where the guest's range starts in the region (and its memfd): the guest
+        /// may ask for part of what the region maps.
+        start: u64,
     },
     /// Host to guest: no live region maps that (the guest pages for itself); with
     /// `not_yet`, the host has no region of that file yet (it claimed the file and is
@@ -125,10 +128,12 @@ impl Message {
                 region,
                 data_len,
                 shape_len,
+                start,
             } => {
                 put32(&mut out, *region);
                 put64(&mut out, *data_len);
                 put64(&mut out, *shape_len);
+                put64(&mut out, *start);
             }
             Message::Refused { not_yet } => out.push(u8::from(*not_yet)),
             Message::Fault { region, offset } | Message::Poison { region, offset } => {
@@ -178,6 +183,7 @@ impl Message {
                 region: reader.u32()?,
                 data_len: reader.u64()?,
                 shape_len: reader.u64()?,
+                start: reader.u64()?,
             },
             REFUSED => Message::Refused {
                 not_yet: reader.take::<1>()?[0] != 0,
@@ -233,6 +239,7 @@ mod tests {
                 region: 3,
                 data_len: 128 << 20,
                 shape_len: (128 << 20) + 4096,
+                start: 1 << 20,
             },
             Message::Refused { not_yet: false },
             Message::Refused { not_yet: true },

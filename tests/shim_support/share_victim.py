@@ -9,6 +9,9 @@
 # guest child then maps it and reads one page; the host ends (HOW: `exit`, or `kill`:
 # SIGKILL to itself); once it is reaped the guest compares every page of the mapping
 # with the file read by read(2) and prints `pages N differ D zeros Z`.
+# `part FILE OUT OFFSET LEN`: a host child maps the whole file and touches it; a guest
+# child then maps LEN bytes from OFFSET (part of the host's region) and hashes them;
+# then the host hashes the whole mapping. Prints `hash slice HEX` and `hash whole HEX`.
 import glob, hashlib, mmap, os, shutil, signal, subprocess, sys
 
 PIECE = 4 << 20
@@ -70,8 +73,40 @@ def me(*args):
     return [sys.executable, __file__, *args]
 
 
+def whole(path):
+    m = mapping(path)
+    m[0]
+    os.write(1, b'mapped\n')
+    sys.stdin.readline()
+    print('hash whole', hashlib.sha256(m[:]).hexdigest(), flush=True)
+
+
+def part(path, offset, length):
+    f = open(path, 'rb')
+    m = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=offset)
+    h = hashlib.sha256()
+    for off in range(0, len(m), PIECE):
+        h.update(m[off:off + PIECE])
+    print('hash slice', h.hexdigest(), flush=True)
+
+
 mode = sys.argv[1]
-if mode == 'reader':
+if mode == 'whole':
+    whole(sys.argv[2])
+elif mode == 'slice':
+    part(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+elif mode == 'part':
+    path, out, offset, length = sys.argv[2:6]
+    h = subprocess.Popen(me('whole', path), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert h.stdout.readline() == b'mapped\n'
+    g = subprocess.Popen(me('slice', path, offset, length))
+    print('slice status', g.wait(), flush=True)
+    h.stdin.write(b'go\n')
+    h.stdin.close()
+    sys.stdout.write(h.stdout.read().decode())
+    print('whole status', h.wait(), flush=True)
+    copy_stats(out)
+elif mode == 'reader':
     reader(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 elif mode == 'host':
     host(sys.argv[2], sys.argv[3])
