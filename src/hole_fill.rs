@@ -102,6 +102,36 @@ pub fn fill_page(
     Ok(bytes.len() as u64)
 }
 
+/// The 2 MiB-aligned piece of a region's file around region offset `offset`, clipped
+/// to its `data_len` bytes of data (None past them): what a rewrite covers. A file of
+/// huge pages allocates 2 MiB at a time, so one page written into a hole would leave
+/// the other 511 present as zeros; and in a file read in place a page that is not a
+/// hole may hold what a read left unfinished.
+pub fn chunk_around(offset: u64, data_len: u64) -> Option<Range<u64>> {
+    let start = offset - offset % crate::sys::HUGE_PAGE;
+    let end = (start + crate::sys::HUGE_PAGE).min(data_len);
+    (offset < data_len).then_some(start..end)
+}
+
+/// Writes the file's bytes over the whole chunk around `offset` (`chunk_around`),
+/// holes and pages alike; returns the chunk (region offsets).
+pub fn rewrite_chunk(
+    shape: BorrowedFd<'_>,
+    source: FillSource<'_>,
+    offset: u64,
+) -> std::io::Result<Range<u64>> {
+    let chunk = chunk_around(offset, source.data_len).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("offset {offset} is past the region's data"),
+        )
+    })?;
+    let mut bytes = vec![0u8; (chunk.end - chunk.start) as usize];
+    read_exact(source.file, &mut bytes, source.file_offset + chunk.start)?;
+    write_all(shape, &bytes, chunk.start)?;
+    Ok(chunk)
+}
+
 /// pread(2) until `buffer` is full; an end of file before that is an error.
 pub fn read_exact(
     file: BorrowedFd<'_>,
@@ -150,6 +180,21 @@ mod tests {
             pieces,
             vec![0..4096, 8192..16384, 16384..20480, 24576..28000]
         );
+    }
+
+    #[test]
+    fn a_rewrite_covers_the_huge_page_around_the_offset_within_the_data() {
+        let mib = 1 << 20;
+        assert_eq!(chunk_around(0, 8 * mib), Some(0..2 * mib));
+        assert_eq!(
+            chunk_around(5 * mib + 4096, 8 * mib),
+            Some(4 * mib..6 * mib)
+        );
+        assert_eq!(
+            chunk_around(7 * mib, 7 * mib + 100),
+            Some(6 * mib..7 * mib + 100)
+        );
+        assert_eq!(chunk_around(8 * mib, 8 * mib), None);
     }
 
     #[test]

@@ -22,10 +22,18 @@
 //!   reads land in huge pages (a virtio disk gives about twice the bandwidth into them);
 //!   otherwise in one with small pages, or a memfd without CAP_SYS_ADMIN. CONTINUE maps
 //!   the pages one page-table entry each; the copy it saves is the larger cost.
-//! - **Copied** (without minor faults on shmem, or with zero copy turned off): the
-//!   range is registered for missing faults only and a block is installed with
-//!   UFFDIO_COPY, which puts each page in the file (and maps it in the faulting process)
-//!   with its bytes in one step.
+//! - **Copied** (without minor faults on shmem, with zero copy turned off, or in a
+//!   pager whose regions other processes of the run attach to, `crate::share`: a guest
+//!   maps the file's pages itself, from its own thread, and would map a page a read had
+//!   allocated but not yet filled): the range is registered for missing faults only and
+//!   a block is installed with UFFDIO_COPY, which puts each page in the file (and maps it
+//!   in the faulting process) with its bytes in one step.
+//!
+//! After the service, the keeper (`crate::keeper`) rewrites a whole 2 MiB piece of the
+//! file from the model before it maps any of it for a child (`hole_fill::rewrite_chunk`):
+//! a read in place the service never finished may have left pages there, and a page
+//! written alone into a hole of a huge-page file would leave its neighbours present as
+//! zeros.
 //!
 //! The mapping is made from the read-write descriptor: userfaultfd refuses to register
 //! a shared mapping that could never be made writable (EPERM without VM_MAYWRITE, since
@@ -118,22 +126,30 @@ pub struct FileView {
 }
 
 impl FileView {
-    /// Maps all `len` bytes of `file` (read-write), shared.
+    /// Maps all `len` bytes of `file` (read-write), shared, not inherited by a fork.
     pub fn new(file: &OwnedFd, len: u64) -> std::io::Result<Self> {
         let len = len as usize;
         // SAFETY: a new mapping at an address the kernel picks replaces nothing; the file
-        // is `len` bytes long.
+        // is `len` bytes long. Mapped inaccessible and only then made writable: under
+        // mlockall(MCL_FUTURE) the kernel fills every new accessible mapping at once,
+        // which would allocate the whole file.
         let addr = unsafe {
             sys::mmap(
                 0,
                 len,
-                libc::PROT_READ | libc::PROT_WRITE,
+                libc::PROT_NONE,
                 libc::MAP_SHARED | libc::MAP_NORESERVE,
                 file.as_raw_fd(),
                 0,
             )
         }?;
-        Ok(Self { addr, len })
+        let view = Self { addr, len };
+        // SAFETY: the mapping just made, which nothing uses yet.
+        unsafe { sys::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) }?;
+        // A forked child must not share the service's view (and cannot use it).
+        // SAFETY: advises only the mapping just made; DONTFORK discards nothing.
+        unsafe { sys::madvise(addr, len, sys::Advice::LinuxDontFork) }?;
+        Ok(view)
     }
 
     /// The view of the file's byte `offset` (below its length).

@@ -41,13 +41,13 @@ pub fn poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> Partial {
 /// Maps `[start, start + len)` (page aligned, in a range registered on `uffd` for minor
 /// faults) from the shared-memory file behind it (UFFDIO_CONTINUE), which wakes the
 /// threads waiting there. The caller guarantees the file's pages there hold their
-/// bytes. One call does the range when it can; after a refusal, page by page: a page
-/// already mapped (EEXIST) or not mapped in this address space (ENOENT: the range spans
-/// a page the process unmapped, or several mappings) is passed over. Where the kernel
-/// refuses otherwise (the address space changing under a fork: EAGAIN; no page in the
-/// file, punched since: EFAULT; not registered for minor faults: EINVAL) the page's
-/// threads are woken instead: they fault again and are served then. Returns the bytes
-/// mapped.
+/// bytes. One call does the range when it can; after a refusal, the page that stopped
+/// it alone, which is passed over and woken if it is refused too: already mapped
+/// (EEXIST), not mapped in this address space (ENOENT: the range spans a page the
+/// process unmapped, or several mappings), the address space changing under a fork
+/// (EAGAIN), or no page in the file (EFAULT: punched since). A thread woken there finds
+/// its page or faults again and is served then. (On a range registered for missing
+/// faults only the kernel maps the page all the same.) Returns the bytes mapped.
 pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: usize) -> u64 {
     let mut done = 0usize;
     let mut mapped = 0u64;
@@ -78,15 +78,26 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
             } => return mapped,
             // The refusal may be of the whole range (ENOENT: it spans mappings).
             Partial::Stopped { .. } if chunk > page => single_until = done + page,
-            Partial::Stopped { errno, .. } => {
-                if !matches!(errno, Errno::EEXIST | Errno::ENOENT) {
-                    wake(uffd, start + done, page);
-                }
+            // Passed over: woken (a thread waiting there finds the page mapped already,
+            // or faults again and is served then).
+            Partial::Stopped { .. } => {
+                wake(uffd, start + done, page);
                 done += page;
             }
         }
     }
     mapped
+}
+
+/// Maps the page at `addr` from the file behind it (UFFDIO_CONTINUE); whether it is
+/// mapped now (by this call or before). False: the file has no page there, or the range
+/// is not one the file backs; nothing was woken.
+pub fn continue_page(uffd: BorrowedFd<'_>, addr: usize, page: usize) -> bool {
+    let (result, field) = crate::sys::uffdio_continue(uffd, addr, page);
+    match partial(result, field, page) {
+        Partial::Done => true,
+        Partial::Stopped { errno, .. } => errno == Errno::EEXIST,
+    }
 }
 
 /// UFFDIO_WAKE of `[start, start + len)`; a failure means nobody waits there.

@@ -22,7 +22,7 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 
 use super::protocol::Message;
 use super::state::{Ending, HeldRegion, Keeper};
-use crate::hole_fill::{fill_holes, fill_page, FillSource, FILL_CHUNK};
+use crate::hole_fill::{fill_holes, rewrite_chunk, FillSource, FILL_CHUNK};
 use crate::sys::{self, PollFd, PollFlags, Received};
 
 /// The largest message (a child handed over with some thousand regions).
@@ -248,7 +248,10 @@ fn finish_session(ending: Ending<OwnedFd>, report: &mut KeeperReport) -> Vec<Orp
         })
         .collect();
     let to_fill = ending.to_fill(&live);
-    if to_fill.is_empty() {
+    // Served even if they map no region held: they may map one the program unmapped
+    // (filled then), where their faults still come here (minor ones, for a region read
+    // in place).
+    if !live.contains(&true) {
         return Vec::new();
     }
     let outliving = live.iter().filter(|&&alive| alive).count() as u64;
@@ -343,26 +346,34 @@ fn serve_orphan(orphans: &mut Vec<Orphan>, index: usize, events: &mut EventBuffe
                     let page_addr = addr as u64 & !(page - 1);
                     let served = orphan.regions.iter().find_map(|region| {
                         let offset = page_addr.checked_sub(region.base)?;
-                        (offset < region.shape_len)
-                            .then(|| fill_page(region.shape.as_fd(), source(region), offset, page))
+                        (offset < region.shape_len).then(|| {
+                            // Rewritten whatever the file holds there: a read in place
+                            // the service did not finish may have left its pages.
+                            let chunk =
+                                rewrite_chunk(region.shape.as_fd(), source(region), offset)?;
+                            Ok::<_, std::io::Error>(
+                                region.base + chunk.start..region.base + chunk.end,
+                            )
+                        })
                     });
+                    let uffd = orphan.uffd.as_fd();
+                    let page = page as usize;
                     match served {
-                        // Mapped from the file where the child's range is registered
-                        // for minor faults (reads in place: every page the file holds
-                        // comes here once), else woken to map it itself.
-                        Some(Ok(_)) => {
-                            let page = page as usize;
-                            let uffd = orphan.uffd.as_fd();
-                            crate::uffd_ext::continue_or_wake(uffd, page_addr as usize, page, page);
+                        // Mapped from the file where the child's range is registered for
+                        // minor faults (reads in place: every page the file holds comes
+                        // here once), else woken to map it itself.
+                        Some(Ok(chunk)) => {
+                            let (start, end) = (chunk.start as usize, chunk.end as usize);
+                            let end = end.next_multiple_of(page);
+                            crate::uffd_ext::continue_or_wake(uffd, start, end - start, page);
                         }
+                        // Outside the regions held (one the program unmapped, filled
+                        // before it forgot it): mapped if the file holds the page.
+                        None if crate::uffd_ext::continue_page(uffd, page_addr as usize, page) => {}
                         // A page nobody can give: SIGBUS, as a file mapping gives for an
                         // unreadable page, rather than a fault answered forever.
                         _ => {
-                            let _ = sys::uffdio_poison(
-                                orphan.uffd.as_fd(),
-                                page_addr as usize,
-                                page as usize,
-                            );
+                            let _ = sys::uffdio_poison(uffd, page_addr as usize, page);
                         }
                     }
                 }

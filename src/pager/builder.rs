@@ -348,7 +348,7 @@ impl PagerBuilder {
         let page = sys::page_size();
         let max_read = self.checked_max_read(page)?;
         let mut shape_files = None;
-        let (uffd, store, zero_copy_refused, forks_refused) = if self.serve_forks {
+        let (uffd, store, mut zero_copy_refused, forks_refused) = if self.serve_forks {
             match self.shaping_uffd() {
                 Ok((uffd, files, copied)) => {
                     shape_files = files;
@@ -366,6 +366,14 @@ impl PagerBuilder {
             (uffd, store, refused, None)
         };
         let serve_forks = self.serve_forks && forks_refused.is_none();
+        // A pager whose regions other processes attach to copies blocks in: a guest maps
+        // the memfd's pages itself, and one a read in place had allocated but not yet
+        // filled would be mapped as it is.
+        let shape_files = shape_files.filter(|_| serve_forks && self.share_dir.is_none());
+        if serve_forks && self.share_dir.is_some() && zero_copy_refused.is_none() {
+            zero_copy_refused =
+                Some("its regions are shared with other processes of the run".into());
+        }
         let zero_copy = store.is_some();
         // A read fills one frame: blocks are read one at a time (they are 2 MiB or more).
         let max_read = if zero_copy { self.block_size } else { max_read };
@@ -404,7 +412,7 @@ impl PagerBuilder {
                 thread_nice: self.thread_nice,
                 zero_copy_refused,
                 serve_forks,
-                read_in_place: serve_forks && shape_files.is_some(),
+                read_in_place: shape_files.is_some(),
                 forks_refused,
                 keeper: self.keeper.filter(|_| serve_forks),
                 share_dir: self.share_dir.filter(|_| serve_forks),
@@ -437,7 +445,7 @@ impl PagerBuilder {
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
                 serve_forks,
-                shape_files: shape_files.filter(|_| serve_forks),
+                shape_files,
                 owner: sys::getpid(),
             }),
         })

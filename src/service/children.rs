@@ -282,8 +282,8 @@ impl FaultService {
                     // mapping is the program's as it was at the fork); copied in, the
                     // page is there and the child's fault maps it.
                     let region = &self.regions[&wait.block.region];
-                    match (&region.view, state) {
-                        (Some(_), Some(BlockState::Resident)) => {
+                    match (region.minor, state) {
+                        (true, Some(BlockState::Resident)) => {
                             let memory = region.layout.block_memory(wait.block.index);
                             let start = region.base + memory.start as usize;
                             let len = (memory.end - memory.start) as usize;
@@ -313,6 +313,11 @@ impl FaultService {
         let Some(uffd) = self.children.get(token) else {
             return;
         };
+        // Registered for minor faults, the child faults on pages the file holds too: the
+        // program filled the region before it let it go, and such a page is mapped.
+        if uffd_ext::continue_page(uffd.as_fd(), page_addr, page) {
+            return;
+        }
         self.stats.poisoned_pages += poison_range(uffd, page_addr, page, page);
         if !std::mem::replace(&mut self.children.said_orphaned, true) {
             crate::sys::write_stderr(

@@ -126,6 +126,7 @@ impl FaultService {
             region.shape_len =
                 crate::sys::fstat(file.as_raw_fd()).map_or(0, |stat| stat.st_size as u64);
             if self.config.read_in_place {
+                region.minor = true;
                 // Without a view the region's reads are copied in (UFFDIO_COPY fills holes
                 // of any file-shaped region); they are slower, not wrong.
                 region.view = crate::shaped_region::FileView::new(&file, region.shape_len).ok();

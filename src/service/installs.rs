@@ -517,8 +517,9 @@ pub(super) fn punch_pages(
     })
 }
 
-/// Drops the pages of `range` (region offsets; the parts the program still maps) from
-/// a file-shaped region's file.
+/// Drops the pages of `range` (region offsets) from a file-shaped region's file, the
+/// parts the program unmapped too: a read in place fills the whole block, and forked
+/// children may still map those parts.
 pub(super) fn punch_region_pages(
     region: &ServedRegion,
     range: Range<u64>,
@@ -526,10 +527,15 @@ pub(super) fn punch_region_pages(
     let Some(file) = &region.shape else {
         return Ok(());
     };
-    for part in region.mapped_parts(range) {
-        punch_pages(file, region, part)?;
-    }
-    Ok(())
+    let Some((offset, len)) =
+        crate::shaped_region::file_range(range.start, range.end, region.shape_len)
+    else {
+        return Ok(());
+    };
+    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+        addr: region.base + range.start as usize,
+        error,
+    })
 }
 
 /// Whether the page at `addr` (page aligned, in a region this service serves) is in the

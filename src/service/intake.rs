@@ -185,12 +185,18 @@ impl FaultService {
         self.check_injected_panic();
         let region = &self.regions[&block.region];
         // Read in place, a resident block's pages missing from a process's page tables
-        // are its minor faults, served below.
-        if self.store.is_none()
-            && region.view.is_none()
-            && region.state(block.index) == BlockState::Resident
-            && !page_present(fault.page_addr)
-        {
+        // are its minor faults, served below; but one whose page is gone from the file
+        // (punched by another process, MADV_REMOVE) would be answered by CONTINUE with a
+        // wake-up, forever.
+        let resident = region.state(block.index) == BlockState::Resident;
+        let lost = match (&region.shape, region.minor) {
+            (Some(shape), true) => {
+                let offset = (fault.page_addr - region.base) as u64;
+                resident && crate::sys::is_hole(shape.as_fd(), offset).unwrap_or(false)
+            }
+            _ => self.store.is_none() && resident && !page_present(fault.page_addr),
+        };
+        if lost {
             // Resident, yet the page is gone: dropped behind the service's back (advice
             // given to the kernel directly, say MADV_DONTNEED_LOCKED through a path the
             // shim does not see). Waking the thread, as for a fault that raced with the
@@ -251,7 +257,7 @@ impl FaultService {
                 // place, the block is in the file but not yet in this process's page
                 // tables (a minor fault).
                 let page = self.config.page_size as usize;
-                let in_place = region.view.is_some();
+                let in_place = region.minor;
                 let memory = region.layout.block_memory(block.index);
                 if let Source::Guest(token) = fault.source {
                     self.answer_guest_at(token, fault.page_addr, true);

@@ -22,17 +22,33 @@
 
 use std::os::fd::AsFd;
 
+use super::block_state::BlockState;
+use super::installs::punch_region_pages;
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
-use crate::hole_fill::{fill_holes, read_exact, write_all, FillSource, Filled, FILL_CHUNK};
+use crate::hole_fill::{fill_holes, rewrite_chunk, FillSource, Filled, FILL_CHUNK};
 use crate::policy::RegionId;
 
 /// Fills every hole of `region`'s file (file-shaped regions only) with the bytes of the
-/// file it maps, using `buffer` (`FILL_CHUNK` bytes).
+/// file it maps, using `buffer` (`FILL_CHUNK` bytes). Read in place, the pages of every
+/// block that is neither resident nor held back are punched out first: a read in flight
+/// or one that failed may have left pages there that a fill, which writes only holes,
+/// would trust. (A read in flight then lands in pages the file no longer holds, and its
+/// install maps the filled ones.)
 fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
     let Some(shape) = &region.shape else {
         return Filled::default();
     };
+    if region.minor {
+        for index in 0..region.block_count() {
+            if !matches!(
+                region.state(index),
+                BlockState::Resident | BlockState::Staged(_)
+            ) {
+                let _ = punch_region_pages(region, region.layout.block_memory(index));
+            }
+        }
+    }
     let geometry = &region.layout.geometry;
     let source = FillSource {
         file: region.file.buffered(),
@@ -102,6 +118,11 @@ impl FaultService {
             .map(|error| format!("{}: {error}", region.file.path().display()))
             .collect();
         self.stats.child_fill_bytes += filled.bytes;
+        if let Some(region) = self.regions.get_mut(&id) {
+            // Its pages are the children's now: nothing punches them out again (the
+            // removal's discarded markers included).
+            region.pages_kept = true;
+        }
         self.wake_region(id);
         self.say_filled(
             "still map a model this process unmapped",
@@ -122,28 +143,28 @@ impl FaultService {
         page_addr: usize,
     ) {
         let page = self.page();
+        // The whole huge page around it (`hole_fill::rewrite_chunk`): one page written
+        // into a hole of a huge-page file would leave its neighbours present as zeros.
         let written = self.regions.get(&id).and_then(|region| {
             let shape = region.shape.as_ref()?;
-            let data_len = region.layout.geometry.data_len;
-            let end = (page_offset + page as u64).min(data_len);
-            if page_offset >= end {
-                return None;
-            }
-            let mut bytes = vec![0u8; (end - page_offset) as usize];
-            let offset = region.layout.geometry.file_offset + page_offset;
-            read_exact(region.file.buffered(), &mut bytes, offset).ok()?;
-            match write_all(shape.as_fd(), &bytes, page_offset) {
-                Ok(()) => Some(bytes.len() as u64),
-                Err(_) => None,
-            }
+            let geometry = &region.layout.geometry;
+            let source = FillSource {
+                file: region.file.buffered(),
+                file_offset: geometry.file_offset,
+                data_len: geometry.data_len,
+            };
+            let chunk = rewrite_chunk(shape.as_fd(), source, page_offset).ok()?;
+            Some((region.base, chunk))
         });
         match written {
-            Some(bytes) => {
-                self.stats.child_fill_bytes += bytes;
+            Some((base, chunk)) => {
+                self.stats.child_fill_bytes += chunk.end - chunk.start;
                 if let Some(uffd) = self.children.get(token) {
                     // Mapped from the file where the child's range is registered for
                     // minor faults (reads in place), else woken to map it itself.
-                    crate::uffd_ext::continue_or_wake(uffd.as_fd(), page_addr, page, page);
+                    let start = base + chunk.start as usize;
+                    let len = ((chunk.end - chunk.start) as usize).next_multiple_of(page);
+                    crate::uffd_ext::continue_or_wake(uffd.as_fd(), start, len, page);
                 }
             }
             None => self.orphaned_child_fault(token, page_addr),

@@ -38,8 +38,15 @@ pub(super) struct ServedRegion {
     /// That file's length: the region's data, page rounded.
     pub shape_len: u64,
     /// With reads in place (`ServiceConfig::read_in_place`): the service's view of that
-    /// file, where its reads land.
+    /// file, where its reads land (None if it could not be made: reads are copied in).
     pub view: Option<crate::shaped_region::FileView>,
+    /// Whether the region is registered for minor faults (reads in place), in the
+    /// program and in its forked children: a page the file holds is mapped in a process
+    /// only by UFFDIO_CONTINUE, never by a wake-up.
+    pub minor: bool,
+    /// Whether the file's pages stay, whatever is evicted: filled for forked children
+    /// the program left it to (the region removed while they map it).
+    pub pages_kept: bool,
 }
 
 impl ServedRegion {
@@ -70,6 +77,8 @@ impl ServedRegion {
             shape: None,
             shape_len: 0,
             view: None,
+            minor: false,
+            pages_kept: false,
             layout,
         }
     }

@@ -181,7 +181,7 @@ impl FaultService {
             match &region.shape {
                 // File-shaped: the pages go from the file, so from every process
                 // (unless children outlive the service: `pages_kept`).
-                Some(_) if self.pages_kept => {}
+                Some(_) if self.pages_kept || region.pages_kept => {}
                 Some(file) => punch_pages(file, region, part)?,
                 None => discard_pages(part.start, part.end)?,
             }

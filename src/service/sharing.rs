@@ -12,9 +12,7 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use super::block_state::BlockState;
 use super::{FaultService, ServiceError};
-use crate::layout::Location;
 use crate::policy::RegionId;
 use crate::share::protocol::{FileKey, Message, MAX_MESSAGE};
 use crate::share::{host_socket_name, region_for_attach, share_link_name, HostRegion};
@@ -290,26 +288,7 @@ impl FaultService {
     /// cannot be read. A guest that cannot be told is forgotten at its next readiness.
     pub(super) fn answer_guest(&self, token: u32, region: u32, offset: u64, ready: bool) {
         let message = if ready {
-            let page = self.config.page_size;
-            // Read in place, a resident block is mapped whole from the file by the guest
-            // (the range is registered for minor faults there too); else the page alone.
-            let (offset, len) = self
-                .regions
-                .get(&RegionId(region))
-                .filter(|served| served.view.is_some() && !served.removed)
-                .and_then(|served| match served.layout.locate(offset) {
-                    Location::Block(index) if served.state(index) == BlockState::Resident => {
-                        let memory = served.layout.block_memory(index);
-                        Some((memory.start, memory.end - memory.start))
-                    }
-                    _ => None,
-                })
-                .unwrap_or((offset, page));
-            Message::Ready {
-                region,
-                offset,
-                len,
-            }
+            Message::Ready { region, offset }
         } else {
             Message::Poison { region, offset }
         };

@@ -25,7 +25,9 @@ impl FaultService {
                 self.budget
                     .unreserve(region.layout.block_bytes(block.index));
                 match place {
-                    StagedIn::InPlace if region.view.is_some() && !self.pages_kept => {
+                    StagedIn::InPlace
+                        if region.view.is_some() && !(self.pages_kept || region.pages_kept) =>
+                    {
                         // Its pages are in the region's file: punched out, as an evicted
                         // block's (a failure leaves them, to be read over next time).
                         let memory = region.layout.block_memory(block.index);

@@ -16,13 +16,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use thiserror::Error;
-use userfaultfd::{Event, EventBuffer, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+use userfaultfd::{Event, EventBuffer, FeatureFlags, Uffd, UffdBuilder};
 
 use super::protocol::{FileKey, Message, ProtocolError, MAX_MESSAGE};
 use super::{share_link_name, Guest, GuestAction, GuestEvent};
 use crate::hole_fill::{fill_holes, fill_page, FillSource, FILL_CHUNK};
 use crate::sys;
-use crate::uffd_ext::continue_or_wake;
 
 /// How long a guest waits for the host's answer to `Attach`.
 const ATTACH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -294,11 +293,9 @@ fn ask(
         error
     };
     let uffd = new_uffd().map_err(unmap)?;
-    // Missing faults and minor ones: a host reading in place has a block's pages in the
-    // memfd before their bytes (`shaped_region`), and a page the memfd holds is mapped
-    // here only once the host says its block is in, whoever's its read was.
-    let mode = RegisterMode::MISSING | RegisterMode::MINOR;
-    uffd.register_with_mode(base as *mut libc::c_void, map_len, mode)
+    // Missing faults only: a host that shares its regions copies blocks in (a page is
+    // in its memfd only with its bytes), so a page the memfd holds maps with no fault.
+    uffd.register(base as *mut libc::c_void, map_len)
         .map_err(|error| {
             unmap(AttachError::Sys {
                 what: "registering the mapping",
@@ -350,7 +347,7 @@ fn new_uffd() -> Result<Uffd, AttachError> {
         .non_blocking(true)
         .user_mode_only(false)
         .require_features(FeatureFlags::from_bits_retain(
-            crate::uffd_ext::FEATURE_POISON | crate::uffd_ext::FEATURE_MINOR_SHMEM,
+            crate::uffd_ext::FEATURE_POISON,
         ))
         .create()
         .map_err(|error| AttachError::Sys {
@@ -411,10 +408,8 @@ impl Served {
         }
     }
 
-    /// Reads the page at `offset` into the memfd if it is a hole, and maps it (the
-    /// mapping is registered for minor faults: a page the memfd holds is not mapped
-    /// without the host's word, or this thread's) or wakes it; SIGBUS there if it cannot
-    /// be read.
+    /// Reads the page at `offset` into the memfd if it is a hole, and wakes it; SIGBUS
+    /// there if it cannot be read.
     fn fill_and_wake(&self, uffd: &Uffd, offset: u64) {
         if offset >= self.data_len {
             return self.poison(uffd, offset);
@@ -424,9 +419,7 @@ impl Served {
                 self.counters
                     .filled_bytes
                     .fetch_add(bytes, Ordering::Relaxed);
-                if let Some((addr, len)) = self.addresses(offset, self.page) {
-                    continue_or_wake(uffd.as_fd(), addr, len, self.page as usize);
-                }
+                self.wake(uffd, offset, self.page as usize);
             }
             Err(_) => self.poison(uffd, offset),
         }
@@ -452,14 +445,7 @@ impl Served {
             // The page is in the memfd now, unless it was punched out again since, or
             // the host no longer serves its region (it filled the file first): then
             // read it here.
-            GuestAction::Wake(offset, len) if len > self.page => {
-                // A resident block read in place: mapped whole from the memfd.
-                let len = len.min(self.shape_len.saturating_sub(offset));
-                if let Some((addr, len)) = self.addresses(offset, len) {
-                    continue_or_wake(uffd.as_fd(), addr, len, self.page as usize);
-                }
-            }
-            GuestAction::Wake(offset, _) | GuestAction::FillPage(offset) => {
+            GuestAction::Wake(offset) | GuestAction::FillPage(offset) => {
                 self.fill_and_wake(uffd, offset)
             }
             GuestAction::Poison(offset) => self.poison(uffd, offset),
@@ -514,9 +500,7 @@ impl Served {
                     let event = match sys::recv_with_fds(open.as_fd(), &mut buffer) {
                         Ok(sys::Received::Message(len, fds)) => {
                             match Message::decode(&buffer[..len], fds.len()) {
-                                Ok(Message::Ready { offset, len, .. }) => {
-                                    GuestEvent::Ready(offset, len)
-                                }
+                                Ok(Message::Ready { offset, .. }) => GuestEvent::Ready(offset),
                                 Ok(Message::Poison { offset, .. }) => GuestEvent::Poison(offset),
                                 _ => GuestEvent::HostGone,
                             }

@@ -66,8 +66,8 @@ pub fn region_for_attach(
 pub enum GuestEvent {
     /// A thread faulted on the page at this offset of the mapping.
     Fault(u64),
-    /// The host says the bytes at this offset (this many) are in the memfd.
-    Ready(u64, u64),
+    /// The host says the page at this offset is in the memfd.
+    Ready(u64),
     /// The host says the page at this offset cannot be read.
     Poison(u64),
     /// The host hung up (exited, or an error on the socket).
@@ -79,9 +79,8 @@ pub enum GuestEvent {
 pub enum GuestAction {
     /// Send the fault to the host.
     Forward(u64),
-    /// Map (or wake the threads waiting at) these bytes, offset and length: they are in
-    /// the memfd.
-    Wake(u64, u64),
+    /// Wake the threads waiting at this page (its bytes are in the memfd).
+    Wake(u64),
     /// SIGBUS at this page (`UFFDIO_POISON`).
     Poison(u64),
     /// Fill every hole of the memfd from the file, then wake the whole mapping.
@@ -114,9 +113,9 @@ impl Guest {
                 self.filled_pages += 1;
                 GuestAction::FillPage(offset)
             }
-            (false, GuestEvent::Ready(offset, len)) => GuestAction::Wake(offset, len),
+            (false, GuestEvent::Ready(offset)) => GuestAction::Wake(offset),
             (false, GuestEvent::Poison(offset)) => GuestAction::Poison(offset),
-            (true, GuestEvent::Ready(..) | GuestEvent::Poison(_)) => GuestAction::Nothing,
+            (true, GuestEvent::Ready(_) | GuestEvent::Poison(_)) => GuestAction::Nothing,
             (false, GuestEvent::HostGone) => {
                 self.host_gone = true;
                 GuestAction::FillAll
@@ -222,20 +221,14 @@ mod tests {
     fn a_guest_forwards_until_the_host_goes_then_fills_for_itself() {
         let mut guest = Guest::default();
         assert_eq!(guest.decide(GuestEvent::Fault(0)), GuestAction::Forward(0));
-        assert_eq!(
-            guest.decide(GuestEvent::Ready(0, 4096)),
-            GuestAction::Wake(0, 4096)
-        );
+        assert_eq!(guest.decide(GuestEvent::Ready(0)), GuestAction::Wake(0));
         assert_eq!(
             guest.decide(GuestEvent::Poison(8192)),
             GuestAction::Poison(8192)
         );
         assert_eq!(guest.decide(GuestEvent::HostGone), GuestAction::FillAll);
         assert_eq!(guest.decide(GuestEvent::HostGone), GuestAction::Nothing);
-        assert_eq!(
-            guest.decide(GuestEvent::Ready(4096, 4096)),
-            GuestAction::Nothing
-        );
+        assert_eq!(guest.decide(GuestEvent::Ready(4096)), GuestAction::Nothing);
         assert_eq!(
             guest.decide(GuestEvent::Fault(4096)),
             GuestAction::FillPage(4096)

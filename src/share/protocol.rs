@@ -46,9 +46,8 @@ pub enum Message {
     Refused { not_yet: bool },
     /// Guest to host: a thread of mine faulted on the page at `offset` of `region`.
     Fault { region: u32, offset: u64 },
-    /// Host to guest: the `len` bytes at `offset` (a page, or the whole block holding
-    /// the page faulted on) are in the memfd now: map them or wake the threads there.
-    Ready { region: u32, offset: u64, len: u64 },
+    /// Host to guest: the page at `offset` is in the memfd now (wake the threads).
+    Ready { region: u32, offset: u64 },
     /// Host to guest: the page at `offset` cannot be read (SIGBUS there).
     Poison { region: u32, offset: u64 },
 }
@@ -136,18 +135,11 @@ impl Message {
                 put64(&mut out, *start);
             }
             Message::Refused { not_yet } => out.push(u8::from(*not_yet)),
-            Message::Fault { region, offset } | Message::Poison { region, offset } => {
+            Message::Fault { region, offset }
+            | Message::Ready { region, offset }
+            | Message::Poison { region, offset } => {
                 put32(&mut out, *region);
                 put64(&mut out, *offset);
-            }
-            Message::Ready {
-                region,
-                offset,
-                len,
-            } => {
-                put32(&mut out, *region);
-                put64(&mut out, *offset);
-                put64(&mut out, *len);
             }
         }
         out
@@ -195,7 +187,6 @@ impl Message {
             READY => Message::Ready {
                 region: reader.u32()?,
                 offset: reader.u64()?,
-                len: reader.u64()?,
             },
             _ => Message::Poison {
                 region: reader.u32()?,
@@ -250,7 +241,6 @@ mod tests {
             Message::Ready {
                 region: 3,
                 offset: 1 << 21,
-                len: 2 << 20,
             },
             Message::Poison {
                 region: 3,

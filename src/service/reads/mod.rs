@@ -624,7 +624,7 @@ impl FaultService {
             .regions
             .get_mut(&region_id)
             .expect("failing a live region's read");
-        if region.view.is_some() && !self.pages_kept {
+        if region.view.is_some() && !(self.pages_kept || region.pages_kept) {
             // Read in place: whatever the read left in the file goes, so that nobody maps
             // it and the blocks are missing (or poisoned) there again.
             let memory = region.layout.block_memory(first).start
