@@ -70,6 +70,17 @@ fn all_stats(out: &Path) -> Vec<serde_json::Value> {
     stats.iter().map(|path| read_stats(path)).collect()
 }
 
+/// The stats of the one pager of a run (the victim copied them into `out`), which one
+/// guest attached to and sent faults.
+fn one_pager_with_one_guest(out: &Path) -> serde_json::Value {
+    let mut stats = all_stats(out);
+    assert_eq!(stats.len(), 1, "one pager for both: {stats:?}");
+    let host = stats.remove(0);
+    assert_eq!(host["guests"], 1, "{host}");
+    assert!(host["guest_faults"].as_u64().unwrap() > 0, "{host}");
+    host
+}
+
 fn model(dir: &TempDir) -> PathBuf {
     let model = dir.path("m.gguf");
     pattern_file(&model, MODEL_LEN);
@@ -133,20 +144,9 @@ fn a_guest_mapping_part_of_the_hosts_region_shares_it() {
         std::fs::write(&slice, &bytes[offset as usize..(offset + len) as usize]).unwrap();
         sha256(&slice)
     };
-    let script = dir.path("share_victim.py");
-    std::fs::write(&script, SCRIPT).unwrap();
-    let python = python();
     let (offset_arg, len_arg) = (offset.to_string(), len.to_string());
-    let program = [
-        python.as_os_str(),
-        script.as_os_str(),
-        "part".as_ref(),
-        model.as_os_str(),
-        out.as_os_str(),
-        offset_arg.as_ref(),
-        len_arg.as_ref(),
-    ];
-    let output = run("32M", &program);
+    let range = [Path::new(&offset_arg), Path::new(&len_arg)];
+    let output = victim(&dir, "part", &[&model, &out, range[0], range[1]]);
     assert_success(&output, "part");
     let seen = stdout(&output);
     let context = format!("{seen}\n{}", stderr(&output));
@@ -159,14 +159,7 @@ fn a_guest_mapping_part_of_the_hosts_region_shares_it() {
         seen.contains(&format!("hash whole {}", sha256(&model))),
         "{context}"
     );
-    let stats = all_stats(&out);
-    assert_eq!(stats.len(), 1, "one pager for both: {stats:?}");
-    assert_eq!(stats[0]["guests"], 1, "{}", stats[0]);
-    assert!(
-        stats[0]["guest_faults"].as_u64().unwrap() > 0,
-        "{}",
-        stats[0]
-    );
+    one_pager_with_one_guest(&out);
 }
 
 /// A guest reads every page of the mapping after its host ended (`how`: `exit` or
@@ -237,14 +230,7 @@ fn two_llama_completions_started_by_a_shell_share_one_pager_and_say_the_same() {
         let err = std::fs::read_to_string(out.join(format!("{name}.err"))).unwrap_or_default();
         assert_eq!(text, plain, "llama-completion {name}: {err}");
     }
-    let stats = all_stats(&out);
-    assert_eq!(stats.len(), 1, "one pager for both: {stats:?}");
-    assert_eq!(stats[0]["guests"], 1, "{}", stats[0]);
-    assert!(
-        stats[0]["guest_faults"].as_u64().unwrap() > 0,
-        "{}",
-        stats[0]
-    );
+    one_pager_with_one_guest(&out);
     // The summary names both processes: the host, and the guest that shared its pager.
     let messages = stderr(&output);
     assert!(
