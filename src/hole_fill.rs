@@ -126,10 +126,20 @@ pub fn rewrite_chunk(
             format!("offset {offset} is past the region's data"),
         )
     })?;
-    let mut bytes = vec![0u8; (chunk.end - chunk.start) as usize];
-    read_exact(source.file, &mut bytes, source.file_offset + chunk.start)?;
-    write_all(shape, &bytes, chunk.start)?;
+    rewrite(shape, source, chunk.clone())?;
     Ok(chunk)
+}
+
+/// Writes the file's bytes over `range` (region offsets, within the data) of the
+/// region's file, holes and pages alike.
+pub fn rewrite(
+    shape: BorrowedFd<'_>,
+    source: FillSource<'_>,
+    range: Range<u64>,
+) -> std::io::Result<()> {
+    let mut bytes = vec![0u8; (range.end - range.start) as usize];
+    read_exact(source.file, &mut bytes, source.file_offset + range.start)?;
+    write_all(shape, &bytes, range.start)
 }
 
 /// pread(2) until `buffer` is full; an end of file before that is an error.

@@ -89,14 +89,27 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
     mapped
 }
 
-/// Maps the page at `addr` from the file behind it (UFFDIO_CONTINUE); whether it is
-/// mapped now (by this call or before). False: the file has no page there, or the range
-/// is not one the file backs; nothing was woken.
+/// Maps the page at `addr` from the file behind it (UFFDIO_CONTINUE); whether the
+/// fault there is answered: mapped now (by this call or before), or woken because the
+/// address space is changing under a fork (EAGAIN: the thread faults again and is
+/// served then). False: the file has no page there, or the range is not one the file
+/// backs; nothing was woken.
 pub fn continue_page(uffd: BorrowedFd<'_>, addr: usize, page: usize) -> bool {
     let (result, field) = crate::sys::uffdio_continue(uffd, addr, page);
     match partial(result, field, page) {
         Partial::Done => true,
-        Partial::Stopped { errno, .. } => errno == Errno::EEXIST,
+        Partial::Stopped {
+            errno: Errno::EEXIST,
+            ..
+        } => true,
+        Partial::Stopped {
+            errno: Errno::EAGAIN,
+            ..
+        } => {
+            wake(uffd, addr, page);
+            true
+        }
+        Partial::Stopped { .. } => false,
     }
 }
 

@@ -24,7 +24,7 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 use super::block_state::BlockState;
 use super::installs::poison_range;
 use super::{FaultService, ServiceError};
-use crate::policy::BlockRef;
+use crate::policy::{BlockRef, RegionId};
 use crate::uffd_ext;
 
 /// Ring tokens of children's userfaultfds start here (below: the program's, commands,
@@ -85,6 +85,9 @@ pub(super) fn settle(state: Option<BlockState>) -> Settle {
 struct Child {
     uffd: Uffd,
     token: u32,
+    /// The regions it was forked with: an address the program maps another region at
+    /// since (after unmapping one the child still maps) is not this child's.
+    regions: Vec<RegionId>,
 }
 
 /// A child's thread waiting on a block.
@@ -108,6 +111,13 @@ pub(super) struct Children {
 }
 
 impl Children {
+    /// Whether child `token` was forked with region `id` (unknown children: no).
+    pub(super) fn maps(&self, token: u32, id: RegionId) -> bool {
+        self.list
+            .iter()
+            .any(|child| child.token == token && child.regions.contains(&id))
+    }
+
     pub(super) fn get(&self, token: u32) -> Option<&Uffd> {
         self.list
             .iter()
@@ -211,12 +221,24 @@ impl FaultService {
 
     /// Starts serving the children whose userfaultfds fork events handed over.
     pub(super) fn adopt_children(&mut self, forked: Vec<Uffd>) -> Result<(), ServiceError> {
+        // What a fork copies: the regions the program maps now (a grandchild's are its
+        // parent's at most, which these include).
+        let live: Vec<RegionId> = self
+            .regions
+            .iter()
+            .filter(|(_, region)| !region.removed)
+            .map(|(&id, _)| id)
+            .collect();
         for uffd in forked {
             let token = TOKEN_CHILD_BASE + self.children.next_token;
             self.children.next_token += 1;
             self.ring.watch(uffd.as_raw_fd(), token)?;
             self.tell_keeper_child(token, &uffd);
-            self.children.list.push(Child { uffd, token });
+            self.children.list.push(Child {
+                uffd,
+                token,
+                regions: live.clone(),
+            });
             self.stats.forked_children += 1;
         }
         self.stats.live_children = self.children.live();
@@ -255,6 +277,7 @@ impl FaultService {
         }
         let page = self.page();
         let mut waits = std::mem::take(&mut self.children.waits);
+        let mut gone = Vec::new();
         waits.retain(|wait| {
             let state = self
                 .regions
@@ -295,6 +318,12 @@ impl FaultService {
                     }
                     false
                 }
+                // The program unmapped the block, or the region, while it was read: the
+                // child still maps it, and is served as any fault of its there.
+                Settle::Poison if state != Some(BlockState::Poisoned) => {
+                    gone.push((wait.token, wait.block.region, wait.offset, wait.page_addr));
+                    false
+                }
                 Settle::Poison => {
                     self.stats.poisoned_pages += poison_range(uffd, wait.page_addr, page, page);
                     false
@@ -304,6 +333,14 @@ impl FaultService {
         // Waits recorded meanwhile (none: nothing above faults) go after these.
         waits.append(&mut self.children.waits);
         self.children.waits = waits;
+        for (token, id, offset, page_addr) in gone {
+            match self.regions.get(&id).filter(|region| !region.removed) {
+                Some(_) => {
+                    self.fill_page_for_child(token, id, offset & !(page as u64 - 1), page_addr)
+                }
+                None => self.orphaned_child_fault(token, page_addr),
+            }
+        }
     }
 
     /// A child faulted where the program no longer maps a region: SIGBUS there, with

@@ -473,8 +473,12 @@ pub(super) fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -
             }
             Partial::Stopped { done, .. } => {
                 poisoned += done / page as u64;
-                // The page after what was done exists (or vanished): skip it.
-                at += done as usize + page;
+                // The page after what was done exists, vanished, or the address space is
+                // changing under a fork (EAGAIN): skip it, waking whoever waits there (it
+                // finds its page, or faults again and is answered then).
+                at += done as usize;
+                let _ = uffd.wake(at as *mut libc::c_void, page);
+                at += page;
             }
         }
     }

@@ -115,6 +115,14 @@ impl FaultService {
             let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
             return None;
         };
+        if let Source::Child(token) = source {
+            if !self.children.maps(token, id) {
+                // A region the program mapped after the fork, where the child still maps
+                // one the program unmapped (and filled) before: not the child's.
+                self.orphaned_child_fault(token, page_addr);
+                return None;
+            }
+        }
         let region = self.regions.get(&id)?;
         let index = match region.layout.locate(offset) {
             Location::PastEof => {

@@ -150,6 +150,9 @@ pub(crate) struct FaultService {
     /// Each thread's last two blocks, which eviction spares (see `recent_faults`).
     recent: RecentFaults,
     completions: Vec<Completion>,
+    /// Readiness reaped while the service waited for its reads alone
+    /// (`finish_reads_in_flight`), handled on the next turn.
+    deferred: Vec<Completion>,
     /// Worker threads that install prefetched reads (none: all installs on this thread).
     installs: Option<InstallPool>,
     installed: Vec<Installed>,
@@ -253,6 +256,7 @@ impl FaultService {
             spared: Vec::new(),
             recent: RecentFaults::default(),
             completions: Vec::new(),
+            deferred: Vec::new(),
             installs,
             installed: Vec::new(),
             ready: VecDeque::new(),
@@ -336,6 +340,7 @@ impl FaultService {
             let mut completions = std::mem::take(&mut self.completions);
             completions.clear();
             self.ring.reap(&mut completions);
+            completions.append(&mut self.deferred);
             for completion in completions.drain(..) {
                 match completion {
                     Completion::Read { slot, result } => self.read_done(slot, result)?,

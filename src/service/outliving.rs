@@ -26,15 +26,16 @@ use super::block_state::BlockState;
 use super::installs::punch_region_pages;
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
-use crate::hole_fill::{fill_holes, rewrite_chunk, FillSource, Filled, FILL_CHUNK};
+use crate::hole_fill::{chunk_around, fill_holes, rewrite, FillSource, Filled, FILL_CHUNK};
 use crate::policy::RegionId;
+use crate::ring::Completion;
 
 /// Fills every hole of `region`'s file (file-shaped regions only) with the bytes of the
-/// file it maps, using `buffer` (`FILL_CHUNK` bytes). Read in place, the pages of every
-/// block that is neither resident nor held back are punched out first: a read in flight
-/// or one that failed may have left pages there that a fill, which writes only holes,
-/// would trust. (A read in flight then lands in pages the file no longer holds, and its
-/// install maps the filled ones.)
+/// file it maps, using `buffer` (`FILL_CHUNK` bytes). Read in place (with no read in
+/// flight: `finish_reads_in_flight`), the pages of every block that is neither resident
+/// nor held back are punched out first: a read that failed, or one whose block was
+/// dropped while it was read, may have left pages there that a fill, which writes only
+/// holes, would trust.
 fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
     let Some(shape) = &region.shape else {
         return Filled::default();
@@ -59,6 +60,25 @@ fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
 }
 
 impl FaultService {
+    /// Waits until no read is in flight, completing each (readiness of the userfaultfds
+    /// and the command channel is kept for the next turn). Read in place, a read in
+    /// flight pins pages of a region's file as it goes: a fill, which writes only holes,
+    /// would trust pages pinned after it looked.
+    fn finish_reads_in_flight(&mut self) -> Result<(), ServiceError> {
+        while self.ring.reads_in_flight() > 0 {
+            self.ring.submit_and_wait(1)?;
+            let mut completions = Vec::new();
+            self.ring.reap(&mut completions);
+            for completion in completions {
+                match completion {
+                    Completion::Read { slot, result } => self.read_done(slot, result)?,
+                    other => self.deferred.push(other),
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The service is about to stop (the program exits, or drops its pager): if forked
     /// children still live, fills every region's file so they read the file's bytes
     /// after it, and keeps those pages from then on. Said once, with the bytes.
@@ -71,6 +91,9 @@ impl FaultService {
         self.reap_children()?;
         if self.children.is_empty() && !self.has_guests() {
             return Ok(());
+        }
+        if self.config.read_in_place {
+            self.finish_reads_in_flight()?;
         }
         // From here on an eviction must not make a hole again.
         self.pages_kept = true;
@@ -106,6 +129,9 @@ impl FaultService {
         self.reap_children()?;
         if self.children.is_empty() && !self.has_guests() {
             return Ok(());
+        }
+        if self.config.read_in_place {
+            self.finish_reads_in_flight()?;
         }
         let Some(region) = self.regions.get(&id) else {
             return Ok(());
@@ -143,8 +169,10 @@ impl FaultService {
         page_addr: usize,
     ) {
         let page = self.page();
-        // The whole huge page around it (`hole_fill::rewrite_chunk`): one page written
-        // into a hole of a huge-page file would leave its neighbours present as zeros.
+        // Read in place, the whole huge page around it (`hole_fill::chunk_around`): one
+        // page written into a hole of a huge-page file would leave its neighbours present
+        // as zeros. Copied in, the page alone: a page written into the file maps in the
+        // program with no fault, outside the budget.
         let written = self.regions.get(&id).and_then(|region| {
             let shape = region.shape.as_ref()?;
             let geometry = &region.layout.geometry;
@@ -153,8 +181,15 @@ impl FaultService {
                 file_offset: geometry.file_offset,
                 data_len: geometry.data_len,
             };
-            let chunk = rewrite_chunk(shape.as_fd(), source, page_offset).ok()?;
-            Some((region.base, chunk))
+            let range = match region.minor {
+                true => chunk_around(page_offset, geometry.data_len)?,
+                false => {
+                    let end = (page_offset + page as u64).min(geometry.data_len);
+                    (page_offset < end).then_some(page_offset..end)?
+                }
+            };
+            rewrite(shape.as_fd(), source, range.clone()).ok()?;
+            Some((region.base, range))
         });
         match written {
             Some((base, chunk)) => {
