@@ -19,16 +19,6 @@ const BUDGET: u64 = 32 << 20;
 const BLOCK: u64 = 2 << 20;
 const SCRIPT: &str = include_str!("shim_support/share_victim.py");
 
-fn sha256(path: &Path) -> String {
-    let output = Command::new("sha256sum").arg(path).output().unwrap();
-    assert_success(&output, "sha256sum");
-    stdout(&output)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
 /// `hyperoffload run --inherit --budget BUDGET -- program...`, killed after 120 s.
 fn run(budget: &str, program: &[&std::ffi::OsStr]) -> Output {
     Command::new("timeout")

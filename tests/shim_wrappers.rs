@@ -24,16 +24,6 @@ print("sha256", hashlib.sha256(m).hexdigest())
 print("preload has shim", int("hyperoffload" in os.environ.get("LD_PRELOAD", "")))
 "#;
 
-fn sha256(path: &Path) -> String {
-    let output = Command::new("sha256sum").arg(path).output().unwrap();
-    assert_success(&output, "sha256sum");
-    stdout(&output)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
 fn script(dir: &TempDir, name: &str, text: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let path = dir.path(name);

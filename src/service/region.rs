@@ -83,6 +83,12 @@ impl ServedRegion {
         }
     }
 
+    /// The region offset of the file's byte `file_offset` (within the region's data):
+    /// where a read of it lands in the region's file.
+    pub(super) fn region_offset(&self, file_offset: u64) -> u64 {
+        file_offset - self.layout.geometry.file_offset
+    }
+
     /// Block `index`'s state.
     pub(super) fn state(&self, index: u32) -> BlockState {
         self.blocks[index as usize]

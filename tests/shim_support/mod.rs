@@ -104,6 +104,17 @@ pub fn assert_success(output: &Output, what: &str) {
     );
 }
 
+/// The SHA-256 of the file at `path`, in hex (sha256sum).
+pub fn sha256(path: &Path) -> String {
+    let output = Command::new("sha256sum").arg(path).output().unwrap();
+    assert_success(&output, "sha256sum");
+    stdout(&output)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
 pub fn read_stats(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path)
         .unwrap_or_else(|error| panic!("stats {}: {error}", path.display()));

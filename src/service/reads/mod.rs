@@ -465,7 +465,7 @@ impl FaultService {
                 off_thread: false,
             }),
             None => region.view.as_ref().map(|view| Landing {
-                dest: view.at(tag.file_offset - region.layout.geometry.file_offset + done as u64),
+                dest: view.at(region.region_offset(tag.file_offset) + done as u64),
                 len,
                 off_thread: false,
             }),
@@ -498,7 +498,7 @@ impl FaultService {
                 let region = &self.regions[&tag.region];
                 match &region.view {
                     Some(view) => {
-                        let start = tag.file_offset - region.layout.geometry.file_offset;
+                        let start = region.region_offset(tag.file_offset);
                         // SAFETY: the read into the view has completed (or not started):
                         // the device writes there no more, and no process maps these
                         // pages until the block is installed.
@@ -531,10 +531,10 @@ impl FaultService {
             // frame's bytes: the process's resident set counts them once (the region's).
             store.forget_view(self.regions[&region_id].frame(first));
         }
-        if let Some(view) = &self.regions[&region_id].view {
+        let region = &self.regions[&region_id];
+        if let Some(view) = &region.view {
             let tag = self.ring.tag(slot).expect("completing a read in flight");
-            let start = tag.file_offset - self.regions[&region_id].layout.geometry.file_offset;
-            view.forget(start, tag.len);
+            view.forget(region.region_offset(tag.file_offset), tag.len);
         }
         self.read_latency.record_ns(elapsed);
         self.stats.bytes_read += valid as u64;
