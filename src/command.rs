@@ -30,6 +30,16 @@ pub(crate) enum PinRefused {
     },
 }
 
+/// A move of a region's new, file-shaped mapping over its old one
+/// (`Command::ShapeForFork`): `len` bytes from `from` to `to`, with `mremap`, which
+/// keeps the range registered with the userfaultfd (`UFFD_FEATURE_EVENT_REMAP`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RegionMove {
+    pub from: usize,
+    pub to: usize,
+    pub len: usize,
+}
+
 /// A request to the fault service, answered on `reply` when it has been carried out.
 pub(crate) enum Command {
     AddRegion {
@@ -58,6 +68,19 @@ pub(crate) enum Command {
         reply: SyncSender<()>,
         /// Answered once the fork's child, if any, was handed to the keeper.
         kept: SyncSender<()>,
+    },
+    /// A thread of the program is about to fork, and this pager serves forks from the
+    /// first one on (`PagerBuilder::serve_forks_at_fork`): the service makes every
+    /// region file-shaped (`service::shaping`), each built at a new address, and answers
+    /// with the moves the forking thread then makes over the regions (empty: nothing to
+    /// move). Until `ShapedForFork`, the program's faults on those regions wait.
+    ShapeForFork {
+        reply: SyncSender<Vec<RegionMove>>,
+    },
+    /// The forking thread made the moves `ShapeForFork` answered with; the kernel
+    /// refused those in `failed`.
+    ShapedForFork {
+        failed: Vec<RegionMove>,
     },
     Prefetch {
         id: RegionId,
@@ -133,6 +156,10 @@ pub(crate) struct Shared {
     pub(crate) stats: Mutex<Stats>,
     /// Forks of the program that have returned in it (see `Command::ForkComing`).
     pub(crate) forks_done: std::sync::atomic::AtomicU64,
+    /// Whether the program's forked children are served: from the start
+    /// (`PagerBuilder::serve_forks`), or since its first fork made the regions
+    /// file-shaped. Set by the service (or the builder), read by the API threads.
+    pub(crate) serving_forks: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -142,6 +169,7 @@ impl Shared {
             wakeup,
             stats: Mutex::new(Stats::default()),
             forks_done: std::sync::atomic::AtomicU64::new(0),
+            serving_forks: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

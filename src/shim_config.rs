@@ -12,7 +12,7 @@
 //! | `HYPEROFFLOAD_BLOCK` | block size, a power of two from 4K to 1G | 2M with zero copy and a budget of at least 16M, else the pager's default (4K) |
 //! | `HYPEROFFLOAD_INSTALL_THREADS` | threads installing prefetched reads beside the fault service thread (0-16) | the pager's default (2) |
 //! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
-//! | `HYPEROFFLOAD_SERVE_FORKS` | `1`: a child of `fork` is served by the pager, sharing its resident blocks and budget (file-shaped regions, blocks copied in, sized as for zero copy; see `PagerBuilder::serve_forks`); `0`: a forked child maps the files from the page cache | `0` |
+//! | `HYPEROFFLOAD_SERVE_FORKS` | `fork`: zero copy until the program first forks, which makes the regions file-shaped so that every child of `fork` is served by the pager, sharing its resident blocks and budget (`PagerBuilder::serve_forks_at_fork`); `1`: file-shaped from the start (`PagerBuilder::serve_forks`); `0`: a forked child maps the files from the page cache | `fork` |
 //! | `HYPEROFFLOAD_EXPERT_BLOCKS` | `1`: each routed expert's slice of a mixture-of-experts model's tensors is blocks of its own (`graph::experts::expert_block_cuts`), so a token reads the experts it runs and not their neighbours; `0`: blocks follow the block-size grid alone | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_SNAPSHOTS` | a directory where, while the pager runs, its stats JSON is written every half second as `snapshot-<pid>.json` (replaced atomically each time), so that a program killed by a signal, which runs no exit handlers, still leaves what it did | none |
@@ -271,8 +271,11 @@ pub struct ShimConfig {
     pub block_size: Option<u64>,
     pub install_threads: Option<usize>,
     pub zero_copy: bool,
-    /// Whether children of `fork` are served by the pager (see `ENV_SERVE_FORKS`).
+    /// Whether children of `fork` are served by the pager from the start (see
+    /// `ENV_SERVE_FORKS`).
     pub serve_forks: bool,
+    /// Whether they are served from the program's first fork on.
+    pub serve_forks_at_fork: bool,
     /// Whether routed experts' slices are blocks of their own (see `ENV_EXPERT_BLOCKS`).
     pub expert_blocks: bool,
     pub stats_path: Option<PathBuf>,
@@ -348,6 +351,7 @@ impl ShimConfig {
             install_threads: None,
             zero_copy: true,
             serve_forks: false,
+            serve_forks_at_fork: true,
             expert_blocks: true,
             stats_path: None,
             snapshot_dir: None,
@@ -451,7 +455,15 @@ impl ShimConfig {
         if lookup(ENV_ZERO_COPY).is_some() {
             config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
         }
-        config.serve_forks = flag(&lookup, ENV_SERVE_FORKS)?;
+        (config.serve_forks, config.serve_forks_at_fork) = match lookup(ENV_SERVE_FORKS)
+            .as_deref()
+            .map(str::trim)
+        {
+            None | Some("") | Some("fork") => (false, true),
+            Some("1") => (true, false),
+            Some("0") => (false, false),
+            Some(other) => return Err(bad(ENV_SERVE_FORKS, other, "must be 0, 1 or fork".into())),
+        };
         if lookup(ENV_EXPERT_BLOCKS).is_some() {
             config.expert_blocks = flag(&lookup, ENV_EXPERT_BLOCKS)?;
         }
@@ -478,6 +490,15 @@ impl ShimConfig {
         Ok(config)
     }
 
+    /// `ENV_SERVE_FORKS`'s value for this configuration.
+    fn serve_forks_value(&self) -> &'static str {
+        match (self.serve_forks, self.serve_forks_at_fork) {
+            (true, _) => "1",
+            (false, true) => "fork",
+            (false, false) => "0",
+        }
+    }
+
     /// The environment that makes the shim read this configuration back.
     pub fn to_env(&self) -> Vec<(&'static str, String)> {
         let mut env = vec![
@@ -488,7 +509,7 @@ impl ShimConfig {
             (ENV_VERBOSE, u8::from(self.verbose).to_string()),
             (ENV_INHERIT, u8::from(self.inherit).to_string()),
             (ENV_ZERO_COPY, u8::from(self.zero_copy).to_string()),
-            (ENV_SERVE_FORKS, u8::from(self.serve_forks).to_string()),
+            (ENV_SERVE_FORKS, self.serve_forks_value().to_string()),
             (ENV_EXPERT_BLOCKS, u8::from(self.expert_blocks).to_string()),
             // Not configuration: filled by the process the launcher starts.
             (ENV_PROCESS, PROCESS_UNCLAIMED.to_string()),
@@ -589,7 +610,12 @@ mod tests {
 
     #[test]
     fn serving_forks_is_asked_for_and_keeps_the_block_sizing() {
-        assert!(!read(&[]).unwrap().serve_forks);
+        let default = read(&[]).unwrap();
+        assert!(!default.serve_forks && default.serve_forks_at_fork);
+        let never = read(&[(ENV_SERVE_FORKS, "0")]).unwrap();
+        assert!(!never.serve_forks && !never.serve_forks_at_fork);
+        assert!(never.to_env().contains(&(ENV_SERVE_FORKS, "0".to_string())));
+        assert!(read(&[(ENV_SERVE_FORKS, "yes")]).is_err());
         let config = read(&[(ENV_SERVE_FORKS, "1")]).unwrap();
         assert!(config.serve_forks);
         // Blocks are still sized for huge pages: copied into the region's file, 2 MiB

@@ -418,6 +418,10 @@ fn several_gib_sparse_file() {
         let dir = TempDir::new("sparse");
         let path = dir.path("sparse.bin");
         sparse_file(&path, len, &SPARSE_DATA);
+        // Two whole passes and six random readers: every page is checked, and the
+        // budget is a quarter of the file. The cyclic reader's three passes over
+        // 3 GiB are `awkward_size_file_with_a_quarter_budget`'s, at a smaller
+        // size: here they cost CI minutes and found nothing more.
         let patterns = [
             Pattern::Sequential,
             Pattern::Sequential,
@@ -425,8 +429,8 @@ fn several_gib_sparse_file() {
             Pattern::Random,
             Pattern::Random,
             Pattern::Random,
-            Pattern::Cyclic,
-            Pattern::Sequential,
+            Pattern::Random,
+            Pattern::Random,
         ];
         run_readers(
             len,

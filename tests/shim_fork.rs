@@ -1,8 +1,11 @@
-//! fork under the pager: a forked child sees the file's bytes at every address of
-//! every served mapping (pages the parent touched and pages it did not), never a crash,
-//! and the parent goes on being served. Python as the client (`os.fork`,
-//! `multiprocessing` with the fork start method, fork then exec), under a budget of a
-//! quarter of a 128 MiB model.
+//! fork under the pager as it runs by default (`--serve-forks=at-fork`: zero copy until
+//! the first fork, which makes the regions inheritable): a forked child sees the file's
+//! bytes at every address of every served mapping (pages the parent touched and pages
+//! it did not), served by the parent's pager, never a crash, and the parent goes on
+//! being served. Python as the client (`os.fork`, `multiprocessing` with the fork start
+//! method, fork then exec), under a budget of a quarter of a 128 MiB model. With
+//! `--serve-forks=never` the child maps the file from the page cache instead, with one
+//! message.
 
 mod common;
 mod shim_support;
@@ -56,13 +59,16 @@ fn setup(name: &str) -> Setup {
     }
 }
 
-/// The script in `mode` under `hyperoffload run --budget 32M`, killed after 120 s.
-fn under_pager(setup: &Setup, mode: &str, stats: &Path) -> Output {
+/// The script in `mode` under `hyperoffload run --budget 32M` (and `options`), killed
+/// after 120 s.
+fn under_pager(setup: &Setup, options: &[&str], mode: &str, stats: &Path) -> Output {
     Command::new("timeout")
         .arg("120")
         .arg(LAUNCHER)
         .env("HYPEROFFLOAD_SHIM", shim())
-        .args(["run", "--budget", "32M", "--min-size", "1M", "--stats"])
+        .args(["run", "--budget", "32M", "--min-size", "1M"])
+        .args(options)
+        .arg("--stats")
         .arg(stats)
         .arg("--")
         .arg(&setup.python)
@@ -96,11 +102,30 @@ fn assert_parent_served(setup: &Setup, output: &Output, stats: &Path) {
     );
 }
 
+/// The children were served by the pager: blocks mapped zero copy before the fork, the
+/// regions made inheritable at it, the children's faults served, nothing left to the
+/// page cache.
+fn assert_children_served(output: &Output, stats: &Path, children: u64) {
+    let json = read_stats(stats);
+    assert_eq!(json["zero_copy"], true, "{json}");
+    assert_eq!(json["serve_forks"], true, "{json}");
+    assert!(
+        json["forked_children"].as_u64().unwrap() >= children,
+        "{json}"
+    );
+    assert!(json["child_faults"].as_u64().unwrap() > 0, "{json}");
+    let messages = stderr(output);
+    assert!(
+        !messages.contains("from the kernel's page cache"),
+        "{messages}"
+    );
+}
+
 #[test]
 fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
     let setup = setup("fork-os");
     let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, "fork", &stats);
+    let output = under_pager(&setup, &[], "fork", &stats);
     assert_success(&output, "fork");
     let seen = stdout(&output);
     assert_eq!(
@@ -110,6 +135,24 @@ fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
     );
     assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
     assert_parent_served(&setup, &output, &stats);
+    assert_children_served(&output, &stats, 1);
+}
+
+#[test]
+fn without_serving_forks_a_child_reads_the_files_bytes_from_the_page_cache() {
+    let setup = setup("fork-never");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, &["--serve-forks=never"], "fork", &stats);
+    assert_success(&output, "fork");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "child sees "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
+    assert_parent_served(&setup, &output, &stats);
+    assert_eq!(read_stats(&stats)["serve_forks"], false);
     assert_one_fork_message(&output);
 }
 
@@ -117,7 +160,24 @@ fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
 fn multiprocessing_fork_workers_read_chunks_of_the_mapping() {
     let setup = setup("fork-pool");
     let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, "pool", &stats);
+    let output = under_pager(&setup, &[], "pool", &stats);
+    assert_success(&output, "pool");
+    let seen = stdout(&output);
+    assert_eq!(
+        line(&seen, "pool "),
+        vec![setup.expected.as_str()],
+        "{seen}"
+    );
+    assert_parent_served(&setup, &output, &stats);
+    // Three workers, served from the regions the first fork made inheritable.
+    assert_children_served(&output, &stats, 3);
+}
+
+#[test]
+fn without_serving_forks_multiprocessing_workers_get_one_message() {
+    let setup = setup("fork-pool-never");
+    let stats = setup.dir.path("stats.json");
+    let output = under_pager(&setup, &["--serve-forks=never"], "pool", &stats);
     assert_success(&output, "pool");
     let seen = stdout(&output);
     assert_eq!(
@@ -134,7 +194,7 @@ fn multiprocessing_fork_workers_read_chunks_of_the_mapping() {
 fn a_forked_child_that_execs_another_program_runs_it_unchanged() {
     let setup = setup("fork-exec");
     let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, "exec", &stats);
+    let output = under_pager(&setup, &[], "exec", &stats);
     assert_success(&output, "exec");
     let seen = stdout(&output);
     assert_eq!(

@@ -2,7 +2,7 @@
 # Two forked llama.cpp decoders of one model against one (bench/fork.md): a synthetic
 # 3 GiB Q8_0 model shaped like SmolLM2, tests/victims/fork_decode.c (loads it with mmap,
 # forks, each child greedily decodes TOKENS tokens, 1 thread each, in step by STEP),
-# under `hyperoffload run --serve-forks --budget 50%` and under the kernel (the file's
+# under `hyperoffload run --serve-forks=FORKS --budget 50%` and under the kernel (the file's
 # page cache dropped first), each run in a memory cgroup of its own whose peak usage is
 # reported (v1 memory.max_usage_in_bytes, or v2 memory.peak). The kernel runs once
 # without a limit and once limited to the pager's budget plus what the pager run used
@@ -13,7 +13,8 @@
 # read_bytes, which include its reaped children's), cgroup peak.
 #
 # Usage: tools/fork-decode-bench.sh [DIR] (default /tmp/fork-decode-bench)
-# Environment: TOKENS (8), STEP (layer and token), SIZE (3G), RUNS (pager and kernel;
+# Environment: TOKENS (8), STEP (layer and token), SIZE (3G), FORKS (at-fork, the
+# default: zero copy until the fork; or always), RUNS (pager and kernel;
 # the kernel runs' cgroup limit is the peak of an earlier pager run in DIR).
 # Needs root (cgroups), the release build of the workspace, llama.cpp (tools/build-llama.sh)
 # and the SmolLM2 model (tools/fetch-model.sh).
@@ -23,6 +24,7 @@ dir=${1:-/tmp/fork-decode-bench}
 tokens=${TOKENS:-8}
 steps=${STEP:-layer token}
 size=${SIZE:-3G}
+forks=${FORKS:-at-fork}
 mkdir -p "$dir"
 launcher=$here/target/release/hyperoffload
 export HYPEROFFLOAD_SHIM=$here/target/release/libhyperoffload_preload.so
@@ -84,8 +86,8 @@ for step in $steps; do
   for procs in 1 2; do
     name=pager-$step-$procs
     rm -f "$dir/$name.json" "$model".hyperoffload-*
-    echo "== $name: hyperoffload run --serve-forks --budget 50% -- fork_decode MODEL $tokens $procs 1 $step"
-    run "$name" "" "$launcher" run --serve-forks --budget 50% --stats "$dir/$name.json" \
+    echo "== $name: hyperoffload run --serve-forks=$forks --budget 50% -- fork_decode MODEL $tokens $procs 1 $step"
+    run "$name" "" "$launcher" run --serve-forks="$forks" --budget 50% --stats "$dir/$name.json" \
       -- "$decoder" "$model" "$tokens" "$procs" 1 "$step" "$prompt"
   done
 done

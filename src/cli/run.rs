@@ -103,14 +103,24 @@ pub struct RunArgs {
     /// Let programs the target executes use the shim too (each with its own budget).
     #[arg(long)]
     inherit: bool,
-    /// Serve children of `fork` through the pager, sharing the parent's resident blocks
-    /// and budget (blocks are copied in; children still alive when the program ends,
-    /// however it ends, get the whole of the models they map, beyond the budget, and
-    /// one message; this process keeps them and serves them until they exit, and only
-    /// then returns). Without it a forked child maps the model files from the page
-    /// cache, outside the budget.
-    #[arg(long)]
-    serve_forks: bool,
+    /// When children of `fork` are served through the pager, sharing the parent's
+    /// resident blocks and budget: `at-fork` (the default) maps blocks zero copy until
+    /// the program first forks, then makes its regions inheritable (the fork waits
+    /// while the resident blocks are written into them, about 0.3 s a GiB, and blocks
+    /// are read in place from then on); `always` (or the flag alone) does so from the
+    /// start; `never` leaves a forked child to map the model files from the page cache,
+    /// outside the budget. Children still alive when the program ends, however it ends,
+    /// get the whole of the models they map, beyond the budget, and one message; this
+    /// process keeps them and serves them until they exit, and only then returns.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "WHEN",
+        default_value_t = ServeForks::AtFork,
+        num_args = 0..=1,
+        default_missing_value = "always"
+    )]
+    serve_forks: ServeForks,
     /// Say what the shim takes over and why not.
     #[arg(long, short)]
     verbose: bool,
@@ -147,6 +157,17 @@ pub(super) fn policy_arg(text: &str) -> Result<String, String> {
         })
 }
 
+/// When forked children are served (`--serve-forks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeForks {
+    /// From the program's first fork on.
+    AtFork,
+    /// From the start.
+    Always,
+    /// Never: children map the files from the page cache.
+    Never,
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let shim = find_shim()?;
     let program = resolve_program(&args.command[0])?;
@@ -167,7 +188,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         config.share_dir = Some(dir);
     }
     let command = program_command(&args, &config, &shim);
-    let ended = run_supervised(command, &program, config.serve_forks)?;
+    let keep_children = config.serve_forks || config.serve_forks_at_fork;
+    let ended = run_supervised(command, &program, keep_children)?;
     let stats = std::fs::read_to_string(&shim_stats).ok();
     let snapshot = stats
         .is_none()
@@ -306,7 +328,8 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;
     config.verbose = args.verbose;
     config.inherit = args.inherit;
-    config.serve_forks = args.serve_forks;
+    config.serve_forks = args.serve_forks == ServeForks::Always;
+    config.serve_forks_at_fork = args.serve_forks == ServeForks::AtFork;
     config.budget = checked_budget(&config)?;
     // What the shim would refuse (and then run the program unpaged, exiting 0) is refused
     // here, before the program starts: the shim reads the same variables.

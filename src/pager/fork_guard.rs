@@ -1,5 +1,8 @@
 //! Around a libc `fork` of a process whose pager serves forks: the prepare handler
-//! tells each such pager's service that a fork is coming and waits for its answer, so
+//! first has a pager that serves them only from the first fork on make its regions
+//! file-shaped (`Command::ShapeForFork`, `service::shaping`), moving each new mapping
+//! over its region with `mremap`; then it tells each pager serving forks that a fork is
+//! coming and waits for its answer, so
 //! that the service reads the fork event without allocating (see
 //! `service::fork_pause`); the parent handler counts the fork done, which ends a pause
 //! that saw no fork event (the fork failed, or no region was there to copy), and waits
@@ -64,6 +67,14 @@ extern "C" fn prepare() {
         .collect();
     let mut told = Vec::with_capacity(live.len());
     for shared in live {
+        if !shared.serving_forks.load(Ordering::Acquire) {
+            shape_regions(&shared);
+            if !shared.serving_forks.load(Ordering::Acquire) {
+                // Not made inheritable: the regions are MADV_DONTFORK, and the child
+                // maps the files from the page cache (the shim's plan).
+                continue;
+            }
+        }
         let generation = shared.forks_done.load(Ordering::Acquire);
         let (reply, answer) = sync_channel(1);
         let (kept, kept_answer) = sync_channel(1);
@@ -76,6 +87,41 @@ extern "C" fn prepare() {
         told.push((shared, kept_answer));
     }
     TOLD.with(|slot| *slot.borrow_mut() = told);
+}
+
+/// Has `shared`'s service make its regions file-shaped, and makes the moves it answers
+/// with. libc takes no lock before the prepare handlers end: the service may allocate,
+/// and the moves wait only for it to read their events.
+pub(super) fn shape_regions(shared: &Shared) {
+    let (reply, answer) = sync_channel(1);
+    shared.send(Command::ShapeForFork { reply });
+    // No time limit: the service writes every resident block into the files first, and
+    // until the moves are made the program's faults on the regions wait.
+    let Ok(moves) = answer.recv() else {
+        return;
+    };
+    if moves.is_empty() {
+        return;
+    }
+    let failed = moves
+        .into_iter()
+        .filter(|step| {
+            // SAFETY: moves the service's new mapping of a region's file over the part
+            // of the region the program maps, replacing the old mapping (of frames the
+            // service let go) in one step; the service answers faults on neither meanwhile.
+            let moved = unsafe {
+                sys::mremap(
+                    step.from,
+                    step.len,
+                    step.len,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    step.to,
+                )
+            };
+            moved.is_err()
+        })
+        .collect();
+    shared.send(Command::ShapedForFork { failed });
 }
 
 extern "C" fn parent() {

@@ -226,12 +226,9 @@ struct PagerInner {
     zero_copy: bool,
     /// The most memory mappings the live zero-copy regions may take (`map_count`).
     mappings_promised: AtomicU64,
-    /// Whether forked children are served (`PagerBuilder::serve_forks`): regions are
-    /// file-shaped and inherited.
-    serve_forks: bool,
-    /// Serving forks with blocks read in place: where regions' files are made (None:
-    /// blocks are copied into memfds).
-    shape_files: Option<crate::shaped_region::ShapeFiles>,
+    /// Serving forks with blocks read in place (from the start or from the first fork):
+    /// where regions' files are made (None: blocks are copied into memfds).
+    shape_files: Option<Arc<crate::shaped_region::ShapeFiles>>,
     /// The process the service thread runs in. A forked child has a copy of this value
     /// but no service thread, and the regions are not mapped there (MADV_DONTFORK):
     /// asking the service would wait forever, and unregistering or unmapping would act
@@ -243,6 +240,12 @@ impl PagerInner {
     /// Whether this is the process the service runs in, not a forked child.
     fn serving_here(&self) -> bool {
         sys::getpid() == self.owner
+    }
+
+    /// Whether forked children are served (`PagerBuilder::serve_forks`, or since the
+    /// first fork with `serve_forks_at_fork`): regions are file-shaped and inherited.
+    fn serve_forks(&self) -> bool {
+        self.shared.serving_forks.load(Ordering::Acquire)
     }
 }
 
@@ -321,7 +324,19 @@ impl Pager {
     /// resident blocks and within the same budget (`PagerBuilder::serve_forks`, granted):
     /// its regions are inherited and file-shaped. Otherwise they are MADV_DONTFORK.
     pub fn serves_forks(&self) -> bool {
-        self.inner.serve_forks
+        self.inner.serve_forks()
+    }
+
+    /// Makes the regions inheritable now, if this pager serves forked children from the
+    /// program's first fork on (`PagerBuilder::serve_forks_at_fork`) and has not yet:
+    /// what its fork handler does before a fork, for a caller that must know before
+    /// then (the shim plans a child's mappings in a fork handler of its own, which may
+    /// run first). Returns `serves_forks()`.
+    pub fn make_inheritable(&self) -> bool {
+        if self.inner.serving_here() && !self.serves_forks() && self.inner.shape_files.is_some() {
+            fork_guard::shape_regions(&self.inner.shared);
+        }
+        self.serves_forks()
     }
 
     /// The program is about to exit (the pager's service, a thread of it, ends with it):
@@ -331,7 +346,7 @@ impl Pager {
     /// says so. Returns once done; nothing happens without `serves_forks` or children,
     /// or in a forked child. Dropping the pager does the same.
     pub fn before_exit(&self) {
-        if !self.inner.serve_forks || !self.inner.serving_here() {
+        if !self.inner.serve_forks() || !self.inner.serving_here() {
             return;
         }
         let (reply, answer) = sync_channel(1);
@@ -468,7 +483,7 @@ impl Pager {
         // registered, no fault ever reached the service, and the program read zeros
         // where the file has its bytes. An inaccessible mapping is not filled, and making
         // it readable fills nothing.
-        let serve_forks = self.inner.serve_forks;
+        let serve_forks = self.inner.serve_forks();
         let mapping = Mapping::reserve(map_len as usize, align, serve_forks)?;
         let reserve_error = |source| MapError::Reserve {
             len: map_len,

@@ -65,6 +65,11 @@ impl FaultService {
                 self.take_backlog()?;
                 let _ = kept.send(());
             }
+            Command::ShapeForFork { reply } => {
+                let moves = self.shape_for_fork()?;
+                let _ = reply.send(moves);
+            }
+            Command::ShapedForFork { failed } => self.shaped_for_fork(&failed)?,
             Command::Prefetch { id, range } => {
                 for index in self.blocks_of(id, &range) {
                     self.queue_prefetch(PrefetchRequest::eager(BlockRef::new(id, index)));

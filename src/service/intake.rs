@@ -124,6 +124,11 @@ impl FaultService {
             }
         }
         let region = self.regions.get(&id)?;
+        if region.moving {
+            // The region is being made file-shaped for a fork (`shaping`): the thread
+            // waits until the new mapping is in place, then is woken to fault there.
+            return None;
+        }
         let index = match region.layout.locate(offset) {
             Location::PastEof => {
                 // As with a file mapping: a whole page past the end of the file is SIGBUS.

@@ -38,6 +38,7 @@ mod reads;
 mod region;
 mod resize;
 mod room;
+mod shaping;
 mod sharing;
 mod staging;
 
@@ -105,6 +106,10 @@ pub(crate) struct ServiceConfig {
     pub read_in_place: bool,
     /// Why forked children are not served though asked for.
     pub forks_refused: Option<String>,
+    /// With zero copy and `serve_forks` off: where the regions' files are made when the
+    /// program first forks, which makes them file-shaped and sets `serve_forks`
+    /// (`shaping`); None: forked children are not served.
+    pub shape_at_fork: Option<Arc<crate::shaped_region::ShapeFiles>>,
     /// With `serve_forks`: the keeper's socket (`crate::keeper`), a session on which
     /// the service starts from its own thread.
     pub keeper: Option<std::os::fd::OwnedFd>,

@@ -64,7 +64,7 @@ impl FaultService {
     /// and the command channel is kept for the next turn). Read in place, a read in
     /// flight pins pages of a region's file as it goes: a fill, which writes only holes,
     /// would trust pages pinned after it looked.
-    fn finish_reads_in_flight(&mut self) -> Result<(), ServiceError> {
+    pub(super) fn finish_reads_in_flight(&mut self) -> Result<(), ServiceError> {
         while self.ring.reads_in_flight() > 0 {
             self.ring.submit_and_wait(1)?;
             let mut completions = Vec::new();

@@ -47,6 +47,11 @@ pub(super) struct ServedRegion {
     /// Whether the file's pages stay, whatever is evicted: filled for forked children
     /// the program left it to (the region removed while they map it).
     pub pages_kept: bool,
+    /// Being made file-shaped at a fork (`shaping`): the program still maps the old
+    /// mapping, whose faults wait until the new one is moved over it.
+    pub moving: bool,
+    /// While `moving`: the new mapping's addresses, until moved over the region.
+    pub new_mapping: Option<Range<usize>>,
 }
 
 impl ServedRegion {
@@ -79,6 +84,8 @@ impl ServedRegion {
             view: None,
             minor: false,
             pages_kept: false,
+            moving: false,
+            new_mapping: None,
             layout,
         }
     }

@@ -15,8 +15,13 @@ impl Shim {
     /// `layout` (one inside the shim).
     pub fn prepare_fork(&'static self) -> (MutexGuard<'static, ()>, ForkPlan) {
         let layout = lock(&self.layout);
-        let served =
-            matches!(&*lock(&self.pager), PagerSlot::Running(pager) if pager.serves_forks());
+        let pager = match &*lock(&self.pager) {
+            PagerSlot::Running(pager) => Some(pager.clone()),
+            _ => None,
+        };
+        // A pager serving forks from the first fork on makes its regions inheritable
+        // now (its own fork handler may run after this one).
+        let served = pager.is_some_and(|pager| pager.make_inheritable());
         let files = lock(&self.files)
             .iter()
             .map(|file| PlanFile {

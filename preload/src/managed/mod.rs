@@ -278,7 +278,8 @@ impl Shim {
     /// `hyperoffload::keeper`), private to this image (close-on-exec: the inherited one
     /// stays for the next image of this process).
     fn keeper_socket(&self) -> Option<std::os::fd::OwnedFd> {
-        let fd = self.config.keeper_fd.filter(|_| self.config.serve_forks)?;
+        let forks = self.config.serve_forks || self.config.serve_forks_at_fork;
+        let fd = self.config.keeper_fd.filter(|_| forks)?;
         if !hyperoffload::sys::is_seqpacket(fd) {
             self.say(&format!(
                 "descriptor {fd} is not the keeper's socket any more (the program closed \
@@ -322,6 +323,7 @@ impl Shim {
                     .block_size(first.block_size)
                     .zero_copy(self.config.zero_copy)
                     .serve_forks(self.config.serve_forks)
+                    .serve_forks_at_fork(self.config.serve_forks_at_fork)
                     .prefetch(policies.prefetch)
                     .eviction(policies.eviction);
                 if let Some(threads) = self.config.install_threads {
