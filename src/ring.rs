@@ -243,6 +243,14 @@ impl<Tag> ReadRing<Tag> {
             .count()
     }
 
+    /// Reads issued whose completions have not been reaped yet.
+    pub fn reads_pending(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|slot| matches!(slot, Slot::InFlight(_)))
+            .count()
+    }
+
     /// Whether `checkout` would find a slot.
     pub fn has_free_slot(&self) -> bool {
         !self.free.is_empty() || self.allocated < self.max_buffers

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The figures of preload/README.md "Serving forked children": a Python reader of a
 # 128 MiB .gguf of random bytes under --budget 32M, in the parent, in one forked child,
-# and in two forked children reading in step (4 MiB pieces, a barrier after each), with
-# and without --serve-forks (its blocks read in place, and copied in). Prints each run's reader line (digest, seconds, its
+# and in two forked children reading in step (4 MiB pieces, a barrier after each): with
+# --serve-forks=never (children map the page cache), by default (zero copy until the
+# fork makes the regions inheritable), and with --serve-forks from the start (its blocks
+# read in place, and copied in). Prints each run's reader line (digest, seconds, its
 # Rss{Anon,File,Shmem} in kB) and the pager's stats that matter.
 #
 # Usage: tools/fork-bench.sh [DIR]   (DIR defaults to a new directory under /tmp)
@@ -46,7 +48,7 @@ elif mode == "two":
     for p in procs: p.join()
     print("two", *results, flush=True)
 PY
-for flags in "" "--no-zero-copy --block 2M" "--serve-forks" "--serve-forks --no-zero-copy --block 2M"; do
+for flags in "--serve-forks=never" "" "--no-zero-copy --block 2M" "--serve-forks" "--serve-forks --no-zero-copy --block 2M"; do
   for mode in parent child two; do
     rm -f "$dir/stats.json" "$model".hyperoffload-*
     echo "== [${flags:-default}] $mode"

@@ -61,11 +61,13 @@ fn fill_region(region: &ServedRegion, buffer: &mut [u8]) -> Filled {
 
 impl FaultService {
     /// Waits until no read is in flight, completing each (readiness of the userfaultfds
-    /// and the command channel is kept for the next turn). Read in place, a read in
-    /// flight pins pages of a region's file as it goes: a fill, which writes only holes,
-    /// would trust pages pinned after it looked.
+    /// and the command channel is kept for the next turn), and installs the reads that
+    /// finished. Read in place, a read in flight pins pages of a region's file as it
+    /// goes: a fill, which writes only holes, would trust pages pinned after it looked.
+    /// (Waiting for the slots to be free would wait forever: a finished read holds its
+    /// slot until it is installed.)
     pub(super) fn finish_reads_in_flight(&mut self) -> Result<(), ServiceError> {
-        while self.ring.reads_in_flight() > 0 {
+        while self.ring.reads_pending() > 0 {
             self.ring.submit_and_wait(1)?;
             let mut completions = Vec::new();
             self.ring.reap(&mut completions);
@@ -75,6 +77,9 @@ impl FaultService {
                     other => self.deferred.push(other),
                 }
             }
+        }
+        for slot in std::mem::take(&mut self.ready) {
+            self.install_read(slot)?;
         }
         Ok(())
     }

@@ -75,10 +75,9 @@ impl FaultService {
         if self.config.serve_forks || self.store.is_none() {
             return Ok(Vec::new());
         }
+        // Reads land in frames: finished and installed first. A finished read the
+        // service holds back keeps its bytes in its frame, written below as well.
         self.finish_reads_in_flight()?;
-        for slot in std::mem::take(&mut self.ready) {
-            self.install_read(slot)?;
-        }
         let prepared = match self.prepare_shapes(&files) {
             Ok(prepared) => prepared,
             Err(error) => {
@@ -182,9 +181,10 @@ impl FaultService {
             let Some(frame) = region.frames[index as usize] else {
                 continue;
             };
+            // Read, installed or not, or held back: the frame has the block's bytes.
             let holds_bytes = matches!(
                 region.state(index),
-                BlockState::Resident | BlockState::Staged(StagedIn::InPlace)
+                BlockState::Resident | BlockState::Reading | BlockState::Staged(StagedIn::InPlace)
             );
             if holds_bytes {
                 let memory = region.layout.block_memory(index);
