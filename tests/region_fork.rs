@@ -171,6 +171,112 @@ fn a_forked_child_reads_touched_and_untouched_pages_within_the_budget() {
     }
 }
 
+/// A pager serving forks from the first fork on (`serve_forks_at_fork`, as
+/// `hyperoffload run` does by default) maps blocks from frames while the process is
+/// alone; the first fork makes the region file-shaped: the child reads the file's
+/// bytes on every page the program still maps (those resident from frames and the
+/// rest), served by the parent's service within the budget, and the part the program
+/// unmapped, where something else is mapped now, is left alone in both processes.
+#[test]
+fn a_region_served_from_frames_is_made_inheritable_at_the_first_fork() {
+    if !in_child_process(
+        "a_region_served_from_frames_is_made_inheritable_at_the_first_fork",
+        Duration::from_secs(60),
+    ) {
+        return;
+    }
+    const HUGE: u64 = 2 << 20;
+    let file = (32 << 20) + 4321;
+    let budget = 8 << 20;
+    let dir = TempDir::new("region-fork-at-fork");
+    let path = dir.path("model.bin");
+    pattern_file(&path, file);
+    let Some(pager) = pager_or_skip(
+        Pager::builder()
+            .budget(budget)
+            .block_size(HUGE)
+            .zero_copy(true)
+            .serve_forks_at_fork(true)
+            .prefetch(PrefetchKind::None.build())
+            .eviction(EvictionKind::Lru.build()),
+    ) else {
+        return;
+    };
+    let before = pager.stats();
+    assert!(
+        before.zero_copy && !before.serve_forks && !pager.serves_forks(),
+        "frames until the first fork: {:?} {:?}",
+        before.zero_copy_refused,
+        before.forks_refused
+    );
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    let bytes = region.as_slice();
+    let pages = (file / 4096) as usize;
+    // A hole that cuts blocks, with a page of something else mapped in it.
+    let hole = (10 << 20) + 3 * 4096..(13 << 20) + 4096;
+    region.unmap_part(hole.clone()).unwrap();
+    let other = region.as_ptr() as usize + hole.start as usize;
+    // SAFETY: a fixed anonymous page where the region was just unmapped.
+    let mapped = unsafe {
+        libc::mmap(
+            other as *mut libc::c_void,
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    assert_eq!(mapped as usize, other);
+    // SAFETY: the page just mapped, read-write.
+    unsafe { *(other as *mut u8) = 0xa5 };
+    let in_hole = |page: &usize| hole.contains(&(*page as u64 * 4096));
+    // The parent reads the first quarter: in frames when the fork comes.
+    for page in (0..pages / 4).filter(|page| !in_hole(page)) {
+        assert_eq!(bytes[page * 4096], pattern_byte(page as u64 * 4096));
+    }
+    let all = std::fs::read(&path).unwrap();
+    let expected = digest(&all, (0..pages).filter(|page| !in_hole(page)));
+    // SAFETY: the child reads memory, computes and leaves with _exit (no allocation).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let got = digest(bytes, (0..pages).filter(|page| !in_hole(page)));
+        // SAFETY: the child's own copy of the page mapped in the hole.
+        let other_kept = unsafe { *(other as *const u8) } == 0xa5;
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(i32::from(got != expected) + 2 * i32::from(!other_kept)) };
+    }
+    assert_eq!(
+        wait_exit(pid),
+        0,
+        "1: the child saw other bytes than the file's; 2: the page in the hole was moved"
+    );
+    let after = pager.stats();
+    assert!(
+        pager.serves_forks() && after.serve_forks,
+        "made inheritable"
+    );
+    assert_eq!(after.forked_children, 1);
+    assert!(
+        after.child_faults > 0,
+        "the child's faults reached the service"
+    );
+    assert!(
+        after.peak_resident_bytes <= budget,
+        "peak {} over the budget",
+        after.peak_resident_bytes
+    );
+    // The parent reads the file's bytes after it all, and its page in the hole is its own.
+    let again = digest(bytes, (0..pages).filter(|page| !in_hole(page)));
+    assert_eq!(
+        again, expected,
+        "the parent saw other bytes than the file's"
+    );
+    // SAFETY: the page mapped in the hole above.
+    assert_eq!(unsafe { *(other as *const u8) }, 0xa5);
+}
+
 /// The program drops (unmaps) the region while a forked child still maps it: the
 /// service fills the region's file first, and the child, whose range is registered for
 /// minor faults (blocks read in place), reads the file's bytes on every page after,

@@ -1,8 +1,10 @@
-//! Two forked llama.cpp decoders of one model under `hyperoffload run --serve-forks
-//! --budget 50%` (SmolLM2-135M): tests/victims/fork_decode.c loads the model with mmap,
-//! forks, and each child greedily decodes the same prompt (llama.cpp's own binaries do
-//! not fork). Each child's text is the unforked plain run's, and two children in step
-//! read about what one reads, within one budget.
+//! Two forked llama.cpp decoders of one model under `hyperoffload run --budget 50%`
+//! (SmolLM2-135M), as it runs by default (zero copy until the fork, which makes the
+//! regions inheritable) and with `--serve-forks` (file-shaped from the start):
+//! tests/victims/fork_decode.c loads the model with mmap, forks, and each child greedily
+//! decodes the same prompt (llama.cpp's own binaries do not fork). Each child's text is
+//! the unforked plain run's, and two children in step read about what one reads, within
+//! one budget.
 
 mod common;
 mod shim_support;
@@ -101,9 +103,14 @@ fn setup(name: &str) -> Option<Setup> {
     })
 }
 
-/// `procs` forked decoders under `--serve-forks --budget 50%`: their texts are the plain
-/// run's, and the stats say they were served within the budget. Returns the bytes read.
-fn served(setup: &Setup, procs: u32, step: &str) -> u64 {
+/// `--serve-forks` as the launcher runs by default.
+const BY_DEFAULT: &str = "--serve-forks=at-fork";
+/// File-shaped from the start.
+const FROM_THE_START: &str = "--serve-forks";
+
+/// `procs` forked decoders under `forks --budget 50%`: their texts are the plain run's,
+/// and the stats say they were served within the budget. Returns the bytes read.
+fn served(setup: &Setup, forks: &str, procs: u32, step: &str) -> u64 {
     let stats = setup._dir.path(&format!("stats-{procs}-{step}.json"));
     let stats_arg = stats.to_str().unwrap();
     let output = decode(
@@ -111,7 +118,7 @@ fn served(setup: &Setup, procs: u32, step: &str) -> u64 {
         &setup.model,
         procs,
         step,
-        &["--serve-forks", "--budget", "50%", "--stats", stats_arg],
+        &[forks, "--budget", "50%", "--stats", stats_arg],
     );
     assert_success(&output, "served decode");
     for text in texts(&output, procs) {
@@ -119,6 +126,8 @@ fn served(setup: &Setup, procs: u32, step: &str) -> u64 {
     }
     let json = read_stats(&stats);
     assert_eq!(json["serve_forks"], true, "{json}");
+    // By default, blocks were mapped from frames until the fork made them inheritable.
+    assert_eq!(json["zero_copy"], forks == BY_DEFAULT, "{json}");
     assert_eq!(json["forked_children"], procs, "{json}");
     assert!(json["child_faults"].as_u64().unwrap() > 0, "{json}");
     let budget = json["budget_bytes"].as_u64().unwrap();
@@ -140,8 +149,8 @@ fn two_forked_llama_decoders_print_the_plain_text_and_read_about_what_one_reads(
         return;
     };
     // In step layer by layer: the two read each layer's weights at the same time.
-    let one = served(&setup, 1, "layer");
-    let two = served(&setup, 2, "layer");
+    let one = served(&setup, BY_DEFAULT, 1, "layer");
+    let two = served(&setup, BY_DEFAULT, 2, "layer");
     eprintln!("bytes read, in step by layer: one decoder {one}, two {two}");
     assert!(
         two as f64 <= 1.2 * one as f64,
@@ -156,7 +165,7 @@ fn two_forked_llama_decoders_in_step_by_token_print_the_plain_text() {
     };
     // Only a token apart at most: correct text, within the budget; what they read is
     // printed (preload/README.md has the figures), not bounded.
-    let one = served(&setup, 1, "token");
-    let two = served(&setup, 2, "token");
+    let one = served(&setup, FROM_THE_START, 1, "token");
+    let two = served(&setup, FROM_THE_START, 2, "token");
     eprintln!("bytes read, in step by token: one decoder {one}, two {two}");
 }
