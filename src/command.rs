@@ -78,9 +78,10 @@ pub(crate) enum Command {
         reply: SyncSender<Vec<RegionMove>>,
     },
     /// The forking thread made the moves `ShapeForFork` answered with; the kernel
-    /// refused those in `failed`.
+    /// refused those in `failed`. Answered once the regions are in place.
     ShapedForFork {
         failed: Vec<RegionMove>,
+        reply: SyncSender<()>,
     },
     Prefetch {
         id: RegionId,
@@ -132,6 +133,21 @@ pub(crate) enum Command {
 }
 
 impl Command {
+    /// Whether the command must wait while regions are being moved at a fork
+    /// (`service::shaping`): it adds, removes or unmaps a region, whose moves were
+    /// already worked out, starts another conversion, or ends the service.
+    pub(crate) fn waits_for_moves(&self) -> bool {
+        matches!(
+            self,
+            Command::AddRegion { .. }
+                | Command::RemoveRegion { .. }
+                | Command::Unmap { .. }
+                | Command::ShapeForFork { .. }
+                | Command::Exiting { .. }
+                | Command::Shutdown
+        )
+    }
+
     /// Whether the command drops pages, lets go of a range or changes what may be
     /// evicted: the service finishes every install in progress before carrying it out.
     pub(crate) fn changes_residency(&self) -> bool {
@@ -160,6 +176,8 @@ pub(crate) struct Shared {
     /// (`PagerBuilder::serve_forks`), or since its first fork made the regions
     /// file-shaped. Set by the service (or the builder), read by the API threads.
     pub(crate) serving_forks: std::sync::atomic::AtomicBool,
+    /// Set when the service thread ends: commands sent after it are never answered.
+    pub(crate) stopped: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -170,6 +188,7 @@ impl Shared {
             stats: Mutex::new(Stats::default()),
             forks_done: std::sync::atomic::AtomicU64::new(0),
             serving_forks: std::sync::atomic::AtomicBool::new(false),
+            stopped: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

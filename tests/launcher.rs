@@ -148,6 +148,23 @@ fn settings_the_shim_would_refuse_are_refused_up_front() {
     }
 }
 
+/// `--serve-forks` alone takes no value from the program's name that follows it; a
+/// value is given with `=`, and one it does not know is refused naming those it does.
+#[test]
+fn serve_forks_alone_is_followed_by_the_program_and_a_bad_value_is_named() {
+    let output = launcher_run(&["-q", "--serve-forks", "true"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = launcher_run(&["-q", "--serve-forks=never", "true"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = launcher_run(&["--serve-forks=sometimes", "true"]);
+    assert!(!output.status.success());
+    let message = stderr(&output);
+    assert!(
+        message.contains("sometimes") && message.contains("at-fork, always, never"),
+        "{message}"
+    );
+}
+
 /// `--trace F` writes F and F.events.jsonl; with the second already there the shim
 /// could not write it (a message, exit status 0): refused up front like F itself.
 #[test]

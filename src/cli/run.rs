@@ -118,6 +118,7 @@ pub struct RunArgs {
         value_name = "WHEN",
         default_value_t = ServeForks::AtFork,
         num_args = 0..=1,
+        require_equals = true,
         default_missing_value = "always"
     )]
     serve_forks: ServeForks,

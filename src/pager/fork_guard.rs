@@ -65,15 +65,20 @@ extern "C" fn prepare() {
         .filter(|(_, owner)| *owner == pid)
         .filter_map(|(pager, _)| pager.upgrade())
         .collect();
+    // Every pager's regions made inheritable first: a service told of the fork reads
+    // only its userfaultfd until the fork, and its program's faults would wait for
+    // another pager's conversion.
+    for shared in &live {
+        if !shared.serving_forks.load(Ordering::Acquire) {
+            shape_regions(shared);
+        }
+    }
     let mut told = Vec::with_capacity(live.len());
     for shared in live {
         if !shared.serving_forks.load(Ordering::Acquire) {
-            shape_regions(&shared);
-            if !shared.serving_forks.load(Ordering::Acquire) {
-                // Not made inheritable: the regions are MADV_DONTFORK, and the child
-                // maps the files from the page cache (the shim's plan).
-                continue;
-            }
+            // Not made inheritable: the regions are MADV_DONTFORK, and the child maps
+            // the files from the page cache (the shim's plan).
+            continue;
         }
         let generation = shared.forks_done.load(Ordering::Acquire);
         let (reply, answer) = sync_channel(1);
@@ -95,9 +100,10 @@ extern "C" fn prepare() {
 pub(super) fn shape_regions(shared: &Shared) {
     let (reply, answer) = sync_channel(1);
     shared.send(Command::ShapeForFork { reply });
-    // No time limit: the service writes every resident block into the files first, and
-    // until the moves are made the program's faults on the regions wait.
-    let Ok(moves) = answer.recv() else {
+    // No time limit while the service runs: it writes every resident block into the
+    // files first, and until the moves are made the program's faults on the regions
+    // wait.
+    let Some(moves) = answer_while_serving(shared, &answer) else {
         return;
     };
     if moves.is_empty() {
@@ -121,7 +127,26 @@ pub(super) fn shape_regions(shared: &Shared) {
             moved.is_err()
         })
         .collect();
-    shared.send(Command::ShapedForFork { failed });
+    let (reply, answer) = sync_channel(1);
+    shared.send(Command::ShapedForFork { failed, reply });
+    // Once answered the regions are in place, and forks served from then on.
+    let _ = answer_while_serving(shared, &answer);
+}
+
+/// The service's answer on `answer`, or None once it has stopped (a pager being dropped
+/// while another thread forks): a command sent after it ended is never answered.
+fn answer_while_serving<T>(shared: &Shared, answer: &Receiver<T>) -> Option<T> {
+    loop {
+        match answer.recv_timeout(Duration::from_millis(50)) {
+            Ok(value) => return Some(value),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if shared.stopped.load(Ordering::Acquire) {
+                    return None;
+                }
+            }
+        }
+    }
 }
 
 extern "C" fn parent() {

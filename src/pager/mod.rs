@@ -390,7 +390,7 @@ impl Pager {
     /// reaching the limit later would stop the program. Returns what was reserved, to
     /// give back when the region goes.
     fn promise_mappings(&self, path: &str, blocks: u64) -> Result<MappingPromise, MapError> {
-        let needed = if self.inner.zero_copy {
+        let needed = if self.inner.zero_copy && !self.inner.serve_forks() {
             map_count::zero_copy_mappings(blocks)
         } else {
             0
@@ -424,6 +424,19 @@ impl Pager {
 
     /// Maps `path` (or part of it, per `options`) into a new region.
     pub fn map_file(&self, path: &Path, options: MapOptions) -> Result<Region, MapError> {
+        let served_before = self.inner.serve_forks();
+        let region = self.map_file_once(path, options.clone())?;
+        if !served_before && self.inner.serve_forks() {
+            // Another thread's fork made the regions inheritable meanwhile: this one,
+            // made the old way, may have been added after the conversion and would not
+            // be inherited. Made again, the new way.
+            drop(region);
+            return self.map_file_once(path, options);
+        }
+        Ok(region)
+    }
+
+    fn map_file_once(&self, path: &Path, options: MapOptions) -> Result<Region, MapError> {
         if !self.inner.serving_here() {
             return Err(MapError::ForkedChild {
                 owner: self.inner.owner,
@@ -469,7 +482,7 @@ impl Pager {
         let geometry = BlockGeometry::new(options.offset, len, self.inner.block_size)?
             .with_file_cuts(options.block_cuts.iter().copied())?;
         // Mapped from frames, blocks are huge pages only at huge-page-aligned addresses.
-        let align = if self.inner.zero_copy {
+        let align = if self.inner.zero_copy && !self.inner.serve_forks() {
             self.inner.block_size as usize
         } else {
             page as usize

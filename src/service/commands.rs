@@ -24,6 +24,11 @@ impl FaultService {
     }
 
     fn command(&mut self, command: Command) -> Result<(), ServiceError> {
+        if command.waits_for_moves() && self.regions.values().any(|region| region.moving) {
+            // Carried out once the forking thread has made its moves (`shaped_for_fork`).
+            self.held_for_moves.push_back(command);
+            return Ok(());
+        }
         if command.changes_residency() {
             // Nothing may be copied into a range this command drops or lets go of.
             let ready = std::mem::take(&mut self.ready);
@@ -69,7 +74,13 @@ impl FaultService {
                 let moves = self.shape_for_fork()?;
                 let _ = reply.send(moves);
             }
-            Command::ShapedForFork { failed } => self.shaped_for_fork(&failed)?,
+            Command::ShapedForFork { failed, reply } => {
+                self.shaped_for_fork(&failed)?;
+                let _ = reply.send(());
+                for command in std::mem::take(&mut self.held_for_moves) {
+                    self.command(command)?;
+                }
+            }
             Command::Prefetch { id, range } => {
                 for index in self.blocks_of(id, &range) {
                     self.queue_prefetch(PrefetchRequest::eager(BlockRef::new(id, index)));

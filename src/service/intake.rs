@@ -124,11 +124,6 @@ impl FaultService {
             }
         }
         let region = self.regions.get(&id)?;
-        if region.moving {
-            // The region is being made file-shaped for a fork (`shaping`): the thread
-            // waits until the new mapping is in place, then is woken to fault there.
-            return None;
-        }
         let index = match region.layout.locate(offset) {
             Location::PastEof => {
                 // As with a file mapping: a whole page past the end of the file is SIGBUS.
@@ -141,6 +136,11 @@ impl FaultService {
             }
             Location::Block(index) => index,
         };
+        if region.moving {
+            // The region is being made file-shaped for a fork (`shaping`): the thread
+            // waits until the new mapping is in place, then is woken to fault there.
+            return None;
+        }
         let page_offset = offset & !(page as u64 - 1);
         let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
         if let (Source::Guest(token), true) = (

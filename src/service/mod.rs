@@ -180,6 +180,9 @@ pub(crate) struct FaultService {
     keeper: Option<KeeperLink>,
     /// Guests attached to this pager's regions (with `ServiceConfig::share_dir`).
     share: Option<sharing::ShareHost>,
+    /// Commands that wait while regions are being moved at a fork
+    /// (`Command::waits_for_moves`).
+    held_for_moves: VecDeque<crate::command::Command>,
 }
 
 /// Why serving stopped; every one of these ends the process (see `run`).
@@ -272,6 +275,7 @@ impl FaultService {
             pages_kept: false,
             keeper: None,
             share: None,
+            held_for_moves: VecDeque::new(),
         })
     }
 
@@ -294,7 +298,12 @@ impl FaultService {
         }
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
         let why = match outcome {
-            Ok(Ok(())) => return,
+            Ok(Ok(())) => {
+                self.shared
+                    .stopped
+                    .store(true, std::sync::atomic::Ordering::Release);
+                return;
+            }
             Ok(Err(error)) => error.to_string(),
             Err(panic) => panic
                 .downcast_ref::<&str>()

@@ -52,6 +52,8 @@ pub(super) struct ServedRegion {
     pub moving: bool,
     /// While `moving`: the new mapping's addresses, until moved over the region.
     pub new_mapping: Option<Range<usize>>,
+    /// While `moving`: the parts of the new mapping (region offsets) sent to be moved.
+    pub moves: Vec<Range<u64>>,
 }
 
 impl ServedRegion {
@@ -86,6 +88,7 @@ impl ServedRegion {
             pages_kept: false,
             moving: false,
             new_mapping: None,
+            moves: Vec::new(),
             layout,
         }
     }

@@ -8,7 +8,9 @@
 //! in the program, and a child's copy of the mapping would not follow. So, before the
 //! fork (`Command::ShapeForFork`, from `pager::fork_guard`'s prepare handler), the
 //! service:
-//! 1. finishes and installs the reads in flight (they land in frames);
+//! 1. finishes the reads in flight and installs those done (they land in frames; a
+//!    completion the service has taken off the ring but not yet handled is handled
+//!    after, against the file, which by then holds what the frame held);
 //! 2. makes each region's file and maps it at a new address, registered for missing and
 //!    minor faults, with the program's protection: if any of that fails for any region,
 //!    nothing changes and children map the files from the page cache, as without this;
@@ -24,7 +26,7 @@
 //! move waits for) and replaces the old mapping in one step: no thread ever sees the
 //! range unregistered, where a hole of the file would read as zeros. Until the forking
 //! thread says the moves are made (`Command::ShapedForFork`), a fault on the old mapping
-//! is left waiting (the region is `moving`): its block's frame may be gone already,
+//! is left waiting, and commands that would add, remove or unmap a region wait too, (the region is `moving`): its block's frame may be gone already,
 //! and nothing may be mapped there. Then the waiting threads are woken, fault again on
 //! the new mapping and are served from the file. The frame store is let go: every
 //! region, and every region mapped from now on, is read in place.
@@ -108,7 +110,10 @@ impl FaultService {
         self.config.read_in_place = true;
         self.stats.serve_forks = true;
         self.stats.forks_refused = None;
-        self.shared.serving_forks.store(true, Ordering::Release);
+        if moves.is_empty() {
+            // Nothing to move (no region, or none the program still maps).
+            self.shared.serving_forks.store(true, Ordering::Release);
+        }
         Ok(moves)
     }
 
@@ -190,8 +195,12 @@ impl FaultService {
                 let memory = region.layout.block_memory(index);
                 let end = memory.end.min(shape_len);
                 let store = self.store.as_ref().expect("checked by shape_for_fork");
-                // SAFETY: the frame holds this block's bytes (its read was installed or
-                // staged) and is not reused while the service, this thread, copies it.
+                // SAFETY: the frame is this block's and is not reused while the service,
+                // this thread, copies it. It holds the block's bytes, unless a read whose
+                // completion is still unhandled landed short or failed: then the read's
+                // handling finishes the block in the file as it would have in the frame
+                // (the rest read, the tail zeroed, or the pages punched), and minor
+                // faults keep every process waiting until then.
                 let bytes = unsafe {
                     std::slice::from_raw_parts(store.view(frame), (end - memory.start) as usize)
                 };
@@ -206,7 +215,6 @@ impl FaultService {
         region.shape_len = shape_len;
         region.view = Some(view);
         region.minor = true;
-        region.moving = true;
         region.shape = Some(file);
         let live: Vec<Range<u64>> = region
             .mapped_parts(0..shape_len)
@@ -214,10 +222,14 @@ impl FaultService {
             .map(|part| (part.start - region.base) as u64..(part.end - region.base) as u64)
             .collect();
         let moves = moves_over(mapping.addr, region.base, &live);
-        region.new_mapping = Some(mapping.addr..mapping.addr + mapping.len);
-        // From here on the mapping is the region's: moved, or unmapped piece by piece
-        // once the moves are made (`shaped_for_fork`).
-        std::mem::forget(mapping);
+        if !moves.is_empty() {
+            region.moving = true;
+            region.moves = live;
+            region.new_mapping = Some(mapping.addr..mapping.addr + mapping.len);
+            // From here on the mapping is the region's: moved, or unmapped piece by
+            // piece once the moves are made (`shaped_for_fork`).
+            std::mem::forget(mapping);
+        }
         for index in unwritten {
             // Its bytes are lost with the frame: read again when next needed.
             let memory = self.regions[&id].layout.block_memory(index);
@@ -238,13 +250,9 @@ impl FaultService {
             let Some(new) = region.new_mapping.take() else {
                 continue;
             };
-            region.moving = false;
-            let shape_len = region.shape_len as usize;
-            let live: Vec<Range<u64>> = region
-                .mapped_parts(0..region.shape_len)
-                .into_iter()
-                .map(|part| (part.start - region.base) as u64..(part.end - region.base) as u64)
-                .collect();
+            // The parts sent (the region could not change since: commands that would
+            // change it waited, `Command::waits_for_moves`).
+            let live = std::mem::take(&mut region.moves);
             let refused: Vec<&RegionMove> = failed
                 .iter()
                 .filter(|failed| new.contains(&failed.from))
@@ -261,6 +269,7 @@ impl FaultService {
                     sys::write_stderr(message.as_bytes());
                 }
             }
+            region.moving = false;
             let refused_ranges: Vec<Range<u64>> = refused
                 .iter()
                 .map(|failed| {
@@ -268,9 +277,10 @@ impl FaultService {
                     start..start + failed.len as u64
                 })
                 .collect();
-            for left in leftovers(shape_len as u64, &live, &refused_ranges) {
+            for left in leftovers(region.shape_len, &live, &refused_ranges) {
                 // SAFETY: a part of the service's own new mapping that no move took
-                // (a hole of the region, or a refused move): nothing else is there.
+                // (a hole of the region, or a refused move): still mapped there, since
+                // only the moves sent took parts of it.
                 let _ = unsafe {
                     sys::munmap(
                         new.start + left.start as usize,
@@ -278,8 +288,10 @@ impl FaultService {
                     )
                 };
             }
-            let _ = self.uffd.wake(region.base as *mut libc::c_void, shape_len);
+            let map_len = region.layout.map_len as usize;
+            let _ = self.uffd.wake(region.base as *mut libc::c_void, map_len);
         }
+        self.shared.serving_forks.store(true, Ordering::Release);
         Ok(())
     }
 }
