@@ -83,6 +83,16 @@ impl EvictionPolicy for Observed {
 }
 
 fn pager(budget: u64, zero_copy: bool, seen: &Arc<Mutex<Seen>>) -> Option<Pager> {
+    pager_serving_forks(budget, zero_copy, false, seen)
+}
+
+/// As `pager`, serving forks from the first one on if `at_fork`.
+fn pager_serving_forks(
+    budget: u64,
+    zero_copy: bool,
+    at_fork: bool,
+    seen: &Arc<Mutex<Seen>>,
+) -> Option<Pager> {
     let policy = Observed {
         policy: RecordingEviction::default(),
         watched: HashSet::new(),
@@ -93,6 +103,7 @@ fn pager(budget: u64, zero_copy: bool, seen: &Arc<Mutex<Seen>>) -> Option<Pager>
             .budget(budget)
             .block_size(2 << 20)
             .zero_copy(zero_copy)
+            .serve_forks_at_fork(at_fork)
             .prefetch(PrefetchKind::None.build())
             .eviction(Box::new(policy)),
     )
@@ -168,6 +179,49 @@ fn a_watched_block_faults_once_and_is_served_without_a_read() {
     }
     let policy_saw = seen.lock().unwrap().watched_faults;
     assert_eq!(policy_saw, 36, "the policy heard of each watch fault");
+}
+
+/// A pager serving forks from the first fork on makes its regions file-shaped then:
+/// resident blocks go on being watched (their page-table entries dropped, the file
+/// keeping their pages), so the policy still hears of every pass, and nothing is read.
+#[test]
+fn watching_goes_on_after_a_fork_makes_the_region_file_shaped() {
+    let len = 24 << 20;
+    let dir = TempDir::new("watch-after-fork");
+    let path = dir.path("model.bin");
+    pattern_file(&path, len);
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let Some(pager) = pager_serving_forks(64 << 20, true, true, &seen) else {
+        return;
+    };
+    let region = pager.map_file(&path, MapOptions::default()).unwrap();
+    check_every_byte(region.as_slice());
+    assert!(!pager.serves_forks());
+    // SAFETY: the child only leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(0) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(pager.serves_forks(), "{:?}", pager.stats().forks_refused);
+    let forked = pager.stats();
+    // The first pass maps every block again (minor faults); by the second, every block
+    // but the last one used is watched again after each access.
+    check_every_byte(region.as_slice());
+    check_every_byte(region.as_slice());
+    let after = pager.stats();
+    assert_eq!(after.bytes_read, len, "{}", after.to_json());
+    assert!(
+        after.watch_faults >= forked.watch_faults + 11,
+        "watch faults {} before, {} after two passes: {}",
+        forked.watch_faults,
+        after.watch_faults,
+        after.to_json()
+    );
 }
 
 #[test]

@@ -275,8 +275,14 @@ impl FaultService {
                 if let Source::Guest(token) = fault.source {
                     self.answer_guest_at(token, fault.page_addr, true);
                 } else if in_place && fault.source == Source::Parent {
-                    let region = &self.regions[&block.region];
+                    let region = self
+                        .regions
+                        .get_mut(&block.region)
+                        .expect("located in a live region");
                     continue_mapped(&self.uffd, region, memory, page);
+                    // Watched since the first fork made the region file-shaped.
+                    let watched = region.watched.get_mut(block.index as usize);
+                    return Ok((FaultOutcome::Resident, watched.is_some_and(std::mem::take)));
                 } else if in_place {
                     // A child: its mapping is the program's as it was at the fork.
                     let (base, uffd) = (region.base, self.uffd_of(fault.source));
@@ -340,7 +346,9 @@ impl FaultService {
             self.queue_prefetch(request);
         }
         self.plan = plan;
-        if self.store.is_some() {
+        // Regions announced to the policies as watched (zero copy: from frames, or read
+        // in place since the first fork).
+        if self.stats.zero_copy {
             let mut watch = std::mem::take(&mut self.watch);
             watch.clear();
             self.eviction.watch(&mut watch);
@@ -360,6 +368,11 @@ impl FaultService {
         };
         if !region.evictable(block.index) {
             debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
+            return Ok(());
+        }
+        if region.watched.is_empty() || region.moving {
+            // Not a region of frames or one made file-shaped at a fork (or one being
+            // moved): its resident blocks are not watched.
             return Ok(());
         }
         if std::mem::replace(&mut region.watched[block.index as usize], true) {

@@ -29,7 +29,11 @@
 //! is left waiting, and commands that would add, remove or unmap a region wait too, (the region is `moving`): its block's frame may be gone already,
 //! and nothing may be mapped there. Then the waiting threads are woken, fault again on
 //! the new mapping and are served from the file. The frame store is let go: every
-//! region, and every region mapped from now on, is read in place.
+//! region, and every region mapped from now on, is read in place. The policies go on
+//! watching the converted regions' resident blocks (their page-table entries in the
+//! program dropped, the file keeping the pages, so the next access is a minor fault
+//! they hear of), as they did with frames; regions file-shaped from the start are not
+//! watched.
 
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -211,7 +215,9 @@ impl FaultService {
             release_frame(&mut self.store, region, index, true);
         }
         region.frames = Vec::new();
-        region.watched = Vec::new();
+        // Every block's pages are missing from the new mapping: the first access to each
+        // is a minor fault, as to a watched one, but not news to the policies.
+        region.watched.fill(false);
         region.shape_len = shape_len;
         region.view = Some(view);
         region.minor = true;
