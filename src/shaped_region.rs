@@ -41,7 +41,7 @@
 //! As with the anonymous regions, an `mprotect` adding PROT_WRITE behind the shim's
 //! back is not prevented.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use crate::shared_store::Tmpfs;
 use crate::sys;
@@ -129,20 +129,9 @@ impl FileView {
     /// Maps all `len` bytes of `file` (read-write), shared, not inherited by a fork.
     pub fn new(file: &OwnedFd, len: u64) -> std::io::Result<Self> {
         let len = len as usize;
-        // SAFETY: a new mapping at an address the kernel picks replaces nothing; the file
-        // is `len` bytes long. Mapped inaccessible and only then made writable: under
-        // mlockall(MCL_FUTURE) the kernel fills every new accessible mapping at once,
-        // which would allocate the whole file.
-        let addr = unsafe {
-            sys::mmap(
-                0,
-                len,
-                libc::PROT_NONE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                0,
-            )
-        }?;
+        // Made writable only once mapped: accessible at once under mlockall(MCL_FUTURE),
+        // the whole file would be allocated.
+        let addr = sys::map_shared_inaccessible(file.as_fd(), len)?;
         let view = Self { addr, len };
         // SAFETY: the mapping just made, which nothing uses yet.
         unsafe { sys::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) }?;

@@ -78,21 +78,10 @@ struct FrameFile {
 impl FrameFile {
     fn new(tmpfs: &Tmpfs, len: u64) -> io::Result<Self> {
         let file = tmpfs.create_file(len)?;
-        // SAFETY: a new shared mapping of a file this value owns, at a kernel-chosen
-        // address (tmpfs aligns it for huge pages); it replaces nothing. Mapped
-        // inaccessible and only then made writable: under mlockall(MCL_FUTURE) the
-        // kernel fills every new accessible mapping at once, and the slots' view is far
-        // larger than the memory it will ever hold.
-        let view = unsafe {
-            sys::mmap(
-                0,
-                len as usize,
-                libc::PROT_NONE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                0,
-            )
-        }?;
+        // At a kernel-chosen address (tmpfs aligns it for huge pages); made writable only
+        // once mapped: accessible at once under mlockall(MCL_FUTURE), the slots' view,
+        // far larger than the memory it will ever hold, would be filled.
+        let view = sys::map_shared_inaccessible(file.as_fd(), len as usize)?;
         // SAFETY: the mapping just created, which nothing uses yet.
         unsafe { sys::mprotect(view, len as usize, libc::PROT_READ | libc::PROT_WRITE) }?;
         let frames = Self {

@@ -79,6 +79,27 @@ pub unsafe fn mmap(
     Ok(result? as usize)
 }
 
+/// A new shared mapping of `len` bytes of `file` from its start, at an address the kernel
+/// picks, inaccessible (`PROT_NONE`, `MAP_NORESERVE`): the caller gives it access once
+/// ready. Under mlockall(MCL_FUTURE) the kernel fills every new accessible mapping at
+/// once, which would allocate the whole file (or, registered later, read its holes as
+/// zeros); an inaccessible one is not filled. Returns the address.
+pub fn map_shared_inaccessible(file: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+    // SAFETY: a new mapping at an address the kernel picks replaces nothing, and an
+    // inaccessible one exposes nothing.
+    let addr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::empty(),
+            MapFlags::SHARED | MapFlags::NORESERVE,
+            file,
+            0,
+        )
+    }?;
+    Ok(addr as usize)
+}
+
 /// munmap(2).
 ///
 /// # Safety

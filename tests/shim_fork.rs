@@ -121,89 +121,70 @@ fn assert_children_served(output: &Output, stats: &Path, children: u64) {
     );
 }
 
-#[test]
-fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
-    let setup = setup("fork-os");
+/// The script in `mode` under the pager with `options`, named `name`: it succeeds, the
+/// lines its readers print after `reader` hold the file's hashes (once), every child
+/// exits 0, and the parent was served. Returns the output and the stats file.
+fn readers_see_the_file(
+    name: &str,
+    options: &[&str],
+    mode: &str,
+    reader: &str,
+) -> (Output, PathBuf, Setup) {
+    let setup = setup(name);
     let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, &[], "fork", &stats);
-    assert_success(&output, "fork");
+    let output = under_pager(&setup, options, mode, &stats);
+    assert_success(&output, mode);
     let seen = stdout(&output);
-    assert_eq!(
-        line(&seen, "child sees "),
-        vec![setup.expected.as_str()],
+    assert_eq!(line(&seen, reader), vec![setup.expected.as_str()], "{seen}");
+    assert!(
+        line(&seen, "child status ")
+            .iter()
+            .all(|status| *status == "0"),
         "{seen}"
     );
-    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
     assert_parent_served(&setup, &output, &stats);
+    (output, stats, setup)
+}
+
+#[test]
+fn a_forked_child_reads_the_files_bytes_where_the_parent_read_and_where_not() {
+    let (output, stats, _setup) = readers_see_the_file("fork-os", &[], "fork", "child sees ");
+    assert_eq!(line(&stdout(&output), "child status "), vec!["0"]);
     assert_children_served(&output, &stats, 1);
 }
 
 #[test]
 fn without_serving_forks_a_child_reads_the_files_bytes_from_the_page_cache() {
-    let setup = setup("fork-never");
-    let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, &["--serve-forks=never"], "fork", &stats);
-    assert_success(&output, "fork");
-    let seen = stdout(&output);
-    assert_eq!(
-        line(&seen, "child sees "),
-        vec![setup.expected.as_str()],
-        "{seen}"
+    let (output, stats, _setup) = readers_see_the_file(
+        "fork-never",
+        &["--serve-forks=never"],
+        "fork",
+        "child sees ",
     );
-    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
-    assert_parent_served(&setup, &output, &stats);
+    assert_eq!(line(&stdout(&output), "child status "), vec!["0"]);
     assert_eq!(read_stats(&stats)["serve_forks"], false);
     assert_one_fork_message(&output);
 }
 
 #[test]
 fn multiprocessing_fork_workers_read_chunks_of_the_mapping() {
-    let setup = setup("fork-pool");
-    let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, &[], "pool", &stats);
-    assert_success(&output, "pool");
-    let seen = stdout(&output);
-    assert_eq!(
-        line(&seen, "pool "),
-        vec![setup.expected.as_str()],
-        "{seen}"
-    );
-    assert_parent_served(&setup, &output, &stats);
+    let (output, stats, _setup) = readers_see_the_file("fork-pool", &[], "pool", "pool ");
     // Three workers, served from the regions the first fork made inheritable.
     assert_children_served(&output, &stats, 3);
 }
 
 #[test]
 fn without_serving_forks_multiprocessing_workers_get_one_message() {
-    let setup = setup("fork-pool-never");
-    let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, &["--serve-forks=never"], "pool", &stats);
-    assert_success(&output, "pool");
-    let seen = stdout(&output);
-    assert_eq!(
-        line(&seen, "pool "),
-        vec![setup.expected.as_str()],
-        "{seen}"
-    );
-    assert_parent_served(&setup, &output, &stats);
+    let (output, _, _setup) =
+        readers_see_the_file("fork-pool-never", &["--serve-forks=never"], "pool", "pool ");
     // Three workers, one message.
     assert_one_fork_message(&output);
 }
 
 #[test]
 fn a_forked_child_that_execs_another_program_runs_it_unchanged() {
-    let setup = setup("fork-exec");
-    let stats = setup.dir.path("stats.json");
-    let output = under_pager(&setup, &[], "exec", &stats);
-    assert_success(&output, "exec");
-    let seen = stdout(&output);
-    assert_eq!(
-        line(&seen, "plain "),
-        vec![setup.expected.as_str()],
-        "{seen}"
-    );
-    assert_eq!(line(&seen, "child status "), vec!["0"], "{seen}");
-    assert_parent_served(&setup, &output, &stats);
+    let (output, _, _setup) = readers_see_the_file("fork-exec", &[], "exec", "plain ");
+    assert_eq!(line(&stdout(&output), "child status "), vec!["0"]);
 }
 
 /// The shim said once (for the first child, however many) that forked children read

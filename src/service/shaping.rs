@@ -135,19 +135,9 @@ impl FaultService {
                 && self.config.block_size % sys::HUGE_PAGE == 0;
             let file = files.create(len, huge)?;
             let view = FileView::new(&file, len)?;
-            // SAFETY: a new mapping at an address the kernel picks replaces nothing.
             // Inaccessible until registered: under mlockall(MCL_FUTURE) an accessible
             // mapping would be filled at once, with the file's holes as zeros.
-            let addr = unsafe {
-                sys::mmap(
-                    0,
-                    len as usize,
-                    libc::PROT_NONE,
-                    libc::MAP_SHARED | libc::MAP_NORESERVE,
-                    file.as_raw_fd(),
-                    0,
-                )
-            }?;
+            let addr = sys::map_shared_inaccessible(file.as_fd(), len as usize)?;
             let mapping = NewMapping {
                 addr,
                 len: len as usize,
