@@ -216,12 +216,13 @@ impl PagerBuilder {
     /// another. Regions are then file-shaped (`shaped_region`: their pages belong to one
     /// shared-memory file, which a child maps too) and blocks are copied in (zero copy
     /// is not used even if asked for, nor install workers). Needs CAP_SYS_PTRACE; without it the pager is built
-    /// as if this were off and `Stats::forks_refused` says why. Off by default: the
-    /// service is a thread of this process, and a child that outlives it is safe only
-    /// if `Pager::before_exit` (or dropping the pager) ran first, which fills what the
-    /// children map beyond the budget; after an exit that runs neither (`_exit`, a
-    /// signal, exec) a child reads zeros where a block was not resident
-    /// (preload/README.md, "Processes").
+    /// as if this were off and `Stats::forks_refused` says why. Off by default (as is
+    /// `serve_forks_at_fork`): the service is a thread of this process, and a child that
+    /// outlives it is safe only if `Pager::before_exit` (or dropping the pager) ran
+    /// first, which fills what the children map beyond the budget, or a keeper
+    /// (`keeper`) serves it; after an exit that runs neither (`_exit`, a signal, exec)
+    /// a child reads zeros where a block was not resident (preload/README.md,
+    /// "Processes").
     pub fn serve_forks(mut self, on: bool) -> Self {
         self.serve_forks = on;
         self
