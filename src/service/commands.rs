@@ -24,7 +24,7 @@ impl FaultService {
     }
 
     fn command(&mut self, command: Command) -> Result<(), ServiceError> {
-        if command.waits_for_moves() && self.regions.values().any(|region| region.moving) {
+        if command.waits_for_moves() && self.regions.values().any(|region| region.moving()) {
             // Carried out once the forking thread has made its moves (`shaped_for_fork`).
             self.held_for_moves.push_back(command);
             return Ok(());

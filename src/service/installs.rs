@@ -439,7 +439,7 @@ pub(super) fn map_frame(
 /// Maps the part of `range` (region offsets of a region read in place) the program still
 /// maps from the region's file (UFFDIO_CONTINUE), waking the threads waiting there.
 pub(super) fn continue_mapped(uffd: &Uffd, region: &ServedRegion, range: Range<u64>, page: usize) {
-    if region.moving {
+    if region.moving() {
         // The program still maps the old mapping there (`shaping`); its waiters are
         // woken once the new one is in place.
         return;

@@ -136,7 +136,7 @@ impl FaultService {
             }
             Location::Block(index) => index,
         };
-        if region.moving {
+        if region.moving() {
             // The region is being made file-shaped for a fork (`shaping`): the thread
             // waits until the new mapping is in place, then is woken to fault there.
             return None;
@@ -370,7 +370,7 @@ impl FaultService {
             debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
             return Ok(());
         }
-        if region.watched.is_empty() || region.moving {
+        if region.watched.is_empty() || region.moving() {
             // Not a region of frames or one made file-shaped at a fork (or one being
             // moved): its resident blocks are not watched.
             return Ok(());

@@ -9,6 +9,14 @@ use crate::file::BackingFile;
 use crate::layout::{Holes, RegionLayout};
 use crate::policy::{RegionId, RegionInfo};
 
+/// A region's new, file-shaped mapping, sent to be moved over it (`shaping`).
+pub(super) struct PendingMove {
+    /// The new mapping's addresses, until moved over the region.
+    pub new_mapping: Range<usize>,
+    /// The parts of it (region offsets) sent to be moved.
+    pub parts: Vec<Range<u64>>,
+}
+
 pub(super) struct ServedRegion {
     pub base: usize,
     pub layout: RegionLayout,
@@ -49,11 +57,7 @@ pub(super) struct ServedRegion {
     pub pages_kept: bool,
     /// Being made file-shaped at a fork (`shaping`): the program still maps the old
     /// mapping, whose faults wait until the new one is moved over it.
-    pub moving: bool,
-    /// While `moving`: the new mapping's addresses, until moved over the region.
-    pub new_mapping: Option<Range<usize>>,
-    /// While `moving`: the parts of the new mapping (region offsets) sent to be moved.
-    pub moves: Vec<Range<u64>>,
+    pub pending_move: Option<PendingMove>,
 }
 
 impl ServedRegion {
@@ -86,11 +90,14 @@ impl ServedRegion {
             view: None,
             minor: false,
             pages_kept: false,
-            moving: false,
-            new_mapping: None,
-            moves: Vec::new(),
+            pending_move: None,
             layout,
         }
+    }
+
+    /// Whether the region is being moved at a fork (see `pending_move`).
+    pub(super) fn moving(&self) -> bool {
+        self.pending_move.is_some()
     }
 
     /// The region offset of the file's byte `file_offset` (within the region's data):

@@ -25,9 +25,10 @@
 //! (`UFFD_FEATURE_EVENT_REMAP`; the service only has to read the event, which the
 //! move waits for) and replaces the old mapping in one step: no thread ever sees the
 //! range unregistered, where a hole of the file would read as zeros. Until the forking
-//! thread says the moves are made (`Command::ShapedForFork`), a fault on the old mapping
-//! is left waiting, and commands that would add, remove or unmap a region wait too, (the region is `moving`): its block's frame may be gone already,
-//! and nothing may be mapped there. Then the waiting threads are woken, fault again on
+//! thread says the moves are made (`Command::ShapedForFork`), the region has a
+//! `pending_move`: a fault on the old mapping is left waiting (its block's frame may be
+//! gone already, and nothing may be mapped there), and commands that would add, remove
+//! or unmap a region wait too (`Command::waits_for_moves`). Then the waiting threads are woken, fault again on
 //! the new mapping and are served from the file. The frame store is let go: every
 //! region, and every region mapped from now on, is read in place. The policies go on
 //! watching the converted regions' resident blocks (their page-table entries in the
@@ -43,6 +44,7 @@ use userfaultfd::RegisterMode;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
 use super::installs::release_frame;
+use super::region::PendingMove;
 use super::{FaultService, ServiceError};
 use crate::command::RegionMove;
 use crate::policy::RegionId;
@@ -219,9 +221,10 @@ impl FaultService {
             .collect();
         let moves = moves_over(mapping.addr, region.base, &live);
         if !moves.is_empty() {
-            region.moving = true;
-            region.moves = live;
-            region.new_mapping = Some(mapping.addr..mapping.addr + mapping.len);
+            region.pending_move = Some(PendingMove {
+                new_mapping: mapping.addr..mapping.addr + mapping.len,
+                parts: live,
+            });
             // From here on the mapping is the region's: moved, or unmapped piece by
             // piece once the moves are made (`shaped_for_fork`).
             std::mem::forget(mapping);
@@ -243,12 +246,15 @@ impl FaultService {
     /// the threads left waiting are woken to fault on the file-shaped regions.
     pub(super) fn shaped_for_fork(&mut self, failed: &[RegionMove]) -> Result<(), ServiceError> {
         for region in self.regions.values_mut() {
-            let Some(new) = region.new_mapping.take() else {
+            let Some(PendingMove {
+                new_mapping: new,
+                parts: live,
+            }) = region.pending_move.take()
+            else {
                 continue;
             };
             // The parts sent (the region could not change since: commands that would
             // change it waited, `Command::waits_for_moves`).
-            let live = std::mem::take(&mut region.moves);
             let refused: Vec<&RegionMove> = failed
                 .iter()
                 .filter(|failed| new.contains(&failed.from))
@@ -265,7 +271,6 @@ impl FaultService {
                     sys::write_stderr(message.as_bytes());
                 }
             }
-            region.moving = false;
             let refused_ranges: Vec<Range<u64>> = refused
                 .iter()
                 .map(|failed| {
