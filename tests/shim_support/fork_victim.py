@@ -1,6 +1,11 @@
 import sys, os, mmap, hashlib
 mode, path = sys.argv[1], sys.argv[2]
 
+def say(*parts):
+    # One write(2) per line: lines shorter than PIPE_BUF from a parent and its children
+    # sharing a pipe never interleave, whereas print() may write a line in pieces.
+    os.write(1, (" ".join(map(str, parts)) + "\n").encode())
+
 def check_pages(m, plain, page=4096):
     """Every page of the mapping against the file's bytes: (differing, of them zeros)."""
     differ = zeros = 0
@@ -20,7 +25,7 @@ def hashes(buf):
     return " ".join(hashlib.sha256(buf[a:b]).hexdigest()[:16] for a, b in quarters(len(buf)))
 
 if mode == "plain":
-    print("plain", hashes(open(path, "rb").read()), flush=True)
+    say("plain", hashes(open(path, "rb").read()))
     sys.exit(0)
 
 f = open(path, "rb")
@@ -31,27 +36,27 @@ hashlib.sha256(m[a:b]).digest()  # the parent touches the first quarter only
 if mode == "fork":
     pid = os.fork()
     if pid == 0:
-        print("child sees", hashes(m), flush=True)
+        say("child sees", hashes(m))
         os._exit(0)
     _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
-    print("parent", hashes(m), flush=True)
+    say("child status", status)
+    say("parent", hashes(m))
 elif mode == "pool":
     import multiprocessing as mp
     def work(part):
         a, b = part
         return hashlib.sha256(m[a:b]).hexdigest()[:16]
     with mp.get_context("fork").Pool(3) as pool:
-        print("pool", " ".join(pool.map(work, quarters(len(m)))), flush=True)
-    print("parent", hashes(m), flush=True)
+        say("pool", " ".join(pool.map(work, quarters(len(m)))))
+    say("parent", hashes(m))
 elif mode == "exec":
     hashes(m)
     pid = os.fork()
     if pid == 0:
         os.execv(sys.executable, [sys.executable, "-c", sys.argv[3], "plain", path])
     _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
-    print("parent", hashes(m), flush=True)
+    say("child status", status)
+    say("parent", hashes(m))
 elif mode == "readers":
     import multiprocessing as mp
     n = int(sys.argv[3])
@@ -73,8 +78,8 @@ elif mode == "readers":
     digests = sorted(out.get() for _ in procs)
     for p in procs:
         p.join()
-    print("readers", " ".join(digests), flush=True)
-    print("whole", hashlib.sha256(open(path, "rb").read()).hexdigest()[:16], flush=True)
+    say("readers", " ".join(digests))
+    say("whole", hashlib.sha256(open(path, "rb").read()).hexdigest()[:16])
 elif mode == "remap":
     # A child moves (mremap) a mapping it inherited served: refused with EINVAL, as in
     # the program, and every page still reads the file's bytes, in the child and, after
@@ -109,28 +114,28 @@ elif mode == "remap":
         MAYMOVE, FIXED = 1, 2
         target = libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         moved = libc.mremap(addr, size, size, MAYMOVE | FIXED, target)
-        print("child move", "refused" if moved == failed else "moved",
-              ctypes.get_errno() if moved == failed else 0, flush=True)
+        say("child move", "refused" if moved == failed else "moved",
+            ctypes.get_errno() if moved == failed else 0)
         if moved != failed:
             # Read where it went (what a program that moved it does).
             addr = moved
             m = Raw(moved)
         grown = libc.mremap(addr, size, 2 * size, MAYMOVE, None)
-        print("child grow", "refused" if grown == failed else "moved",
-              ctypes.get_errno() if grown == failed else 0, flush=True)
+        say("child grow", "refused" if grown == failed else "moved",
+            ctypes.get_errno() if grown == failed else 0)
         differ, zeros = check_pages(m, plain)
-        print("child pages differ", differ, "zeros", zeros, flush=True)
+        say("child pages differ", differ, "zeros", zeros)
         # Unmapped, the range is no longer served: an anonymous mapping put there
         # moves as any other.
         libc.munmap(addr, size)
         anon = libc.mmap(addr, 1 << 20, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)
         again = libc.mremap(anon, 1 << 20, 1 << 20, MAYMOVE | FIXED, target)
-        print("child after unmap", "refused" if again == failed else "moved", flush=True)
+        say("child after unmap", "refused" if again == failed else "moved")
         os._exit(0)
     _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
+    say("child status", status)
     differ, zeros = check_pages(m, plain)
-    print("parent pages differ", differ, "zeros", zeros, flush=True)
+    say("parent pages differ", differ, "zeros", zeros)
 elif mode == "rawfork":
     # A child made by the fork system call itself: no fork handler runs in it or in
     # the parent (as for _Fork or a raw clone), and the kernel's fork event still
@@ -144,12 +149,12 @@ elif mode == "rawfork":
     assert pid >= 0, ctypes.get_errno()
     if pid == 0:
         differ, zeros = check_pages(m, plain)
-        print("child pages differ", differ, "zeros", zeros, flush=True)
+        say("child pages differ", differ, "zeros", zeros)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
-    print("child status", status, flush=True)
+    say("child status", status)
     differ, zeros = check_pages(m, plain)
-    print("parent pages differ", differ, "zeros", zeros, flush=True)
+    say("parent pages differ", differ, "zeros", zeros)
 elif mode in ("outlive", "outlive-raw"):
     import time
     if mode == "outlive-raw":
@@ -184,10 +189,10 @@ elif mode in ("outlive", "outlive-raw"):
         plain = open(path, "rb").read()
         page = 4096
         differ, zeros = check_pages(m, plain, page)
-        print("outlived", "parent-gone" if gone else "parent-alive", hashes(m), flush=True)
-        print("pages", (len(m) + page - 1) // page, "differ", differ, "zeros", zeros, flush=True)
+        say("outlived", "parent-gone" if gone else "parent-alive", hashes(m))
+        say("pages", (len(m) + page - 1) // page, "differ", differ, "zeros", zeros)
         os._exit(0)
-    print("parent exits", flush=True)
+    say("parent exits")
     sys.exit(0)
 elif mode == "orphan-grandchild":
     # A child forks a grandchild and exits; the parent then calls os._exit. The
@@ -204,8 +209,8 @@ elif mode == "orphan-grandchild":
             signal.alarm(90)
             os.read(gone_r, 1)
             differ, zeros = check_pages(m, plain)
-            print("orphaned parent-gone", hashes(m), flush=True)
-            print("pages", (len(m) + 4095) // 4096, "differ", differ, "zeros", zeros, flush=True)
+            say("orphaned parent-gone", hashes(m))
+            say("pages", (len(m) + 4095) // 4096, "differ", differ, "zeros", zeros)
             os._exit(0)
         os.write(forked_w, b"g")
         os._exit(0)
@@ -216,7 +221,7 @@ elif mode == "orphan-grandchild":
     # the service hands its userfaultfd to the keeper a moment later (a fork in a child
     # does not wait for that, unlike the program's own).
     time.sleep(0.2)
-    print("parent forks and ends", flush=True)
+    say("parent forks and ends")
     os._exit(0)
 elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
     # The parent ends without its exit handlers: os._exit, SIGKILL (by itself, or by a
@@ -246,8 +251,8 @@ elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
             time.sleep(0.01)
         gone = parent_gone()
         differ, zeros = check_pages(m, plain, page)
-        print(label, "parent-gone" if gone else "parent-alive", hashes(m), flush=True)
-        print("pages", pages, "differ", differ, "zeros", zeros, flush=True)
+        say(label, "parent-gone" if gone else "parent-alive", hashes(m))
+        say("pages", pages, "differ", differ, "zeros", zeros)
 
     if mode == "orphan-sibling":
         reader = os.fork()
@@ -260,7 +265,7 @@ elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
                 total_differ += differ
                 total_zeros += zeros
             read_after_parent("orphaned")
-            print("reader passes differ", total_differ, "zeros", total_zeros, flush=True)
+            say("reader passes differ", total_differ, "zeros", total_zeros)
             os._exit(0)
         killer = os.fork()
         if killer == 0:
@@ -268,10 +273,10 @@ elif mode in ("orphan-exit", "orphan-kill", "orphan-exec", "orphan-sibling"):
             os.kill(parent, signal.SIGKILL)
             os._exit(0)
         # Keeps reading (faulting, evicting) until killed.
-        print("parent reads until killed", flush=True)
+        say("parent reads until killed")
         while True:
             hashes(m)
-    print("parent forks and ends", flush=True)
+    say("parent forks and ends")
     pid = os.fork()
     if pid == 0:
         read_after_parent("orphaned")

@@ -18,6 +18,12 @@ PIECE = 4 << 20
 PAGE = mmap.PAGESIZE
 
 
+def say(*parts):
+    # One write(2) per line: lines shorter than PIPE_BUF from processes sharing a pipe
+    # never interleave, whereas print() may write a line in pieces.
+    os.write(1, (' '.join(map(str, parts)) + '\n').encode())
+
+
 def mapping(path):
     f = open(path, 'rb')
     return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
@@ -30,7 +36,7 @@ def reader(path, role, rfd, wfd):
         h.update(m[off:off + PIECE])
         os.write(wfd, b'x')
         os.read(rfd, 1)
-    print('hash', role, h.hexdigest(), flush=True)
+    say('hash', role, h.hexdigest())
 
 
 def host(path, how):
@@ -59,7 +65,7 @@ def guest(path, wfd, rfd):
             differ += 1
             if got == zero[:len(got)]:
                 zeros += 1
-    print('pages', (len(m) + PAGE - 1) // PAGE, 'differ', differ, 'zeros', zeros, flush=True)
+    say('pages', (len(m) + PAGE - 1) // PAGE, 'differ', differ, 'zeros', zeros)
 
 
 def copy_stats(out):
@@ -78,7 +84,7 @@ def whole(path):
     m[0]
     os.write(1, b'mapped\n')
     sys.stdin.readline()
-    print('hash whole', hashlib.sha256(m[:]).hexdigest(), flush=True)
+    say('hash whole', hashlib.sha256(m[:]).hexdigest())
 
 
 def part(path, offset, length):
@@ -87,7 +93,7 @@ def part(path, offset, length):
     h = hashlib.sha256()
     for off in range(0, len(m), PIECE):
         h.update(m[off:off + PIECE])
-    print('hash slice', h.hexdigest(), flush=True)
+    say('hash slice', h.hexdigest())
 
 
 mode = sys.argv[1]
@@ -100,11 +106,11 @@ elif mode == 'part':
     h = subprocess.Popen(me('whole', path), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert h.stdout.readline() == b'mapped\n'
     g = subprocess.Popen(me('slice', path, offset, length))
-    print('slice status', g.wait(), flush=True)
+    say('slice status', g.wait())
     h.stdin.write(b'go\n')
     h.stdin.close()
-    sys.stdout.write(h.stdout.read().decode())
-    print('whole status', h.wait(), flush=True)
+    os.write(1, h.stdout.read())
+    say('whole status', h.wait())
     copy_stats(out)
 elif mode == 'reader':
     reader(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -119,7 +125,7 @@ elif mode == 'two':
     first = subprocess.Popen(me('reader', path, 'a', str(a_r), str(a_w)), pass_fds=(a_r, a_w))
     second = subprocess.Popen(me('reader', path, 'b', str(b_r), str(b_w)), pass_fds=(b_r, b_w))
     codes = [first.wait(), second.wait()]
-    print('status', *codes, flush=True)
+    say('status', *codes)
     copy_stats(out)
 elif mode == 'outlive':
     path, out, how = sys.argv[2], sys.argv[3], sys.argv[4]
@@ -131,7 +137,7 @@ elif mode == 'outlive':
     os.read(d_r, 1)
     h.stdin.write(b'go\n')
     h.stdin.close()
-    print('host status', h.wait(), flush=True)
+    say('host status', h.wait())
     os.write(d_w, b'g')
-    print('guest status', g.wait(), flush=True)
+    say('guest status', g.wait())
     copy_stats(out)
