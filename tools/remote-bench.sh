@@ -6,6 +6,8 @@
 #   ttft    time to the first token (llama-completion -n 1, wall time), cold: empty
 #           cache tier and page cache dropped, --budget 50 %; against downloading the
 #           whole object (curl) and then running the same command on the local copy.
+#           Each run also prints the CPU-seconds of its program (with the pager), of
+#           the mount or the download, and of the gateway's daemons over the run.
 #   decode  decode tok/s (llama's eval rate, -n $TOKENS) with the whole model in the
 #           cache tier, --budget 50 %, against the same command on the local file;
 #           MOUNT_ARGS (e.g. --no-passthrough, --max-get 2M) go to the mounts of this
@@ -69,6 +71,20 @@ if ! s3 -o /dev/null -I "$url" 2>/dev/null; then
 fi
 
 now() { date +%s.%N; }
+# CPU-seconds (user + system) that processes PID... have used so far; 0 for a gone one.
+cpu_s() {
+  local pid total=0 ticks
+  for pid in "$@"; do
+    [ -r "/proc/$pid/stat" ] || continue
+    # Fields 14 and 15 of stat, counted after the command name's closing parenthesis.
+    ticks=$(sed -E 's/.*\) //' "/proc/$pid/stat" | awk '{ print $12 + $13 }')
+    total=$((total + ticks))
+  done
+  echo "scale=2; $total / $(getconf CLK_TCK)" | bc -l
+}
+# The gateway's daemons (monitor, OSD, radosgw): the store's CPU on this machine.
+store_pids() { cat "$cluster"/run/*.pid 2>/dev/null; }
+store_cpu() { cpu_s $(store_pids); }
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 
 # mount_start CACHE_DIR [--cache-size N]: the bucket's bench/ prefix on $mnt.
@@ -86,6 +102,7 @@ mount_start() {
   echo "mount not up" >&2; cat "$work/mount.log" >&2; exit 1
 }
 mount_stop() {
+  mount_cpu="$(cpu_s "$mount_pid")"
   kill -TERM "$mount_pid"; wait "$mount_pid" || true; mount_pid=""
 }
 remote_bytes() {
@@ -103,14 +120,16 @@ print("opens: %d with passthrough, %d through the mount %s; %d reads reached the
 }
 
 # completion MODEL N BUDGET: runs llama-completion under the pager; its stderr is in
-# $work/llama.err, its text in $work/llama.out; prints the wall time.
+# $work/llama.err, its text in $work/llama.out, its CPU-seconds (the program and the
+# pager in it) in $work/llama.cpu; prints the wall time.
 completion() {
-  local start end
+  local start end TIMEFORMAT='%U %S'
   start="$(now)"
-  "$ho" run --budget "$3" -- "$bin/llama-completion" -m "$1" -p "$prompt" -n "$2" \
+  { time "$ho" run --budget "$3" -- "$bin/llama-completion" -m "$1" -p "$prompt" -n "$2" \
     --temp 0 --seed 1 -t 2 -no-cnv --no-display-prompt </dev/null \
-    >"$work/llama.out" 2>"$work/llama.err"
+    >"$work/llama.out" 2>"$work/llama.err"; } 2>"$work/llama.time"
   end="$(now)"
+  awk '{ print $1 + $2 }' "$work/llama.time" >"$work/llama.cpu"
   echo "$end - $start" | bc -l
 }
 eval_rate() {
@@ -133,20 +152,27 @@ if [[ ",$parts," == *,ttft,* ]]; then
       drop_caches
       if [ "$side" = mount ]; then
         rm -rf "$work/cache-cold"
+        store0="$(store_cpu)"
         # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
         mount_start "$work/cache-cold" ${MOUNT_ARGS:-}
         t="$(completion "$mnt/model.gguf" 1 50%)"
         mount_stop
+        store="$(echo "$(store_cpu) - $store0" | bc -l)"
         mounted+=("$t")
         echo "ttft mount: remote bytes $(remote_bytes); $(tail -n 1 "$work/llama.err")"
+        echo "ttft mount CPU-s: program $(<"$work/llama.cpu"), mount $mount_cpu, store $store"
       else
         rm -f "$work/local.gguf"
+        store0="$(store_cpu)"
         start="$(now)"
-        s3 -o "$work/local.gguf" "$url"
+        got_cpu="$( { TIMEFORMAT='%U %S'; time s3 -o "$work/local.gguf" "$url"; } 2>&1 \
+          | awk '{ print $1 + $2 }')"
         got="$(echo "$(now) - $start" | bc -l)"
+        store="$(echo "$(store_cpu) - $store0" | bc -l)"
         run="$(completion "$work/local.gguf" 1 50%)"
         t="$(echo "$got + $run" | bc -l)"
         echo "ttft download $got s + run $run s"
+        echo "ttft download CPU-s: program $(<"$work/llama.cpu"), download $got_cpu, store $store"
         downloaded+=("$t")
       fi
       echo "ttft $side round $round: $t s"
