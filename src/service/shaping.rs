@@ -28,13 +28,13 @@
 //! thread says the moves are made (`Command::ShapedForFork`), the region has a
 //! `pending_move`: a fault on the old mapping is left waiting (its block's frame may be
 //! gone already, and nothing may be mapped there), and commands that would add, remove
-//! or unmap a region wait too (`Command::waits_for_moves`). Then the waiting threads are woken, fault again on
-//! the new mapping and are served from the file. The frame store is let go: every
-//! region, and every region mapped from now on, is read in place. The policies go on
-//! watching the converted regions' resident blocks (their page-table entries in the
-//! program dropped, the file keeping the pages, so the next access is a minor fault
-//! they hear of), as they did with frames; regions file-shaped from the start are not
-//! watched.
+//! or unmap a region wait too (`Command::waits_for_moves`). Then the waiting threads
+//! are woken, fault again on the new mapping and are served from the file. The frame
+//! store is let go: every region, and every region mapped from now on, is read in
+//! place. The policies go on watching the converted regions' resident blocks (their
+//! page-table entries in the program dropped, the file keeping the pages, so the next
+//! access is a minor fault they hear of), as they did with frames; regions
+//! file-shaped from the start are not watched.
 
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
