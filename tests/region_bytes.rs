@@ -197,7 +197,7 @@ fn sampled(test: &str, budget: u64, body: impl FnOnce()) {
         body();
         return;
     }
-    let (max_rss, samples) = run_child_sampling_rss(test, Duration::from_secs(600));
+    let (max_rss, samples) = run_child_sampling_rss(test, Duration::from_secs(600), &[]);
     eprintln!("{test}: largest resident sample {max_rss} of budget {budget} ({samples} samples)");
     assert!(samples > 0, "no residency sample was taken");
     assert!(

@@ -190,27 +190,22 @@ fn stress(test: &str, zero_copy: bool) {
     let dir = TempDir::new(test);
     let path = dir.path("f.bin");
     pattern_file(&path, FILE_LEN);
-    // The child reads its file from TEST_FILE and its mode from STRESS_ZERO_COPY;
-    // run_child_sampling_rss passes the environment on. (The two tests set the same
-    // variables, so they take a lock while they start their child.)
-    let (max_rss, samples) = {
-        static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let started = Instant::now();
-        let guard = START
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        std::env::set_var("TEST_FILE", &path);
-        std::env::set_var("STRESS_ZERO_COPY", if zero_copy { "1" } else { "0" });
-        let result = run_child_sampling_rss(test, Duration::from_secs(seconds() + 60));
-        drop(guard);
-        eprintln!(
-            "stress ({test}): {} residency samples, largest {} bytes, {:?}",
-            result.1,
-            result.0,
-            started.elapsed()
-        );
-        result
-    };
+    // The child reads its file from TEST_FILE and its mode from STRESS_ZERO_COPY. The
+    // two tests run side by side (each child's environment is its own).
+    let started = Instant::now();
+    let mode = if zero_copy { "1" } else { "0" };
+    let (max_rss, samples) = run_child_sampling_rss(
+        test,
+        Duration::from_secs(seconds() + 60),
+        &[
+            ("TEST_FILE", path.as_os_str()),
+            ("STRESS_ZERO_COPY", mode.as_ref()),
+        ],
+    );
+    eprintln!(
+        "stress ({test}): {samples} residency samples, largest {max_rss} bytes, {:?}",
+        started.elapsed()
+    );
     let budget = if zero_copy { ZERO_COPY_BUDGET } else { BUDGET };
     assert!(samples >= 10, "only {samples} samples");
     assert!(max_rss > 0, "nothing was ever resident");

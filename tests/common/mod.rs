@@ -224,8 +224,13 @@ fn all_threads_stopped(pid: u32) -> bool {
 /// Runs child test `test` and samples the resident bytes of the regions it announces
 /// (hex base addresses, one per line, in the file named by HYPEROFFLOAD_REGIONS_FILE)
 /// with the whole child stopped (SIGSTOP), so a sample is an exact snapshot rather than
-/// a walk that races the fault service. Returns the largest sample and their count.
-pub fn run_child_sampling_rss(test: &str, limit: Duration) -> (u64, u64) {
+/// a walk that races the fault service. `env` is added to the child's environment.
+/// Returns the largest sample and their count.
+pub fn run_child_sampling_rss(
+    test: &str,
+    limit: Duration,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> (u64, u64) {
     let dir = TempDir::new("rss-sampling");
     let list = dir.path("regions");
     std::fs::write(&list, "").unwrap();
@@ -233,7 +238,8 @@ pub fn run_child_sampling_rss(test: &str, limit: Duration) -> (u64, u64) {
     command
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env("HYPEROFFLOAD_CHILD", "1")
-        .env("HYPEROFFLOAD_REGIONS_FILE", &list);
+        .env("HYPEROFFLOAD_REGIONS_FILE", &list)
+        .envs(env.iter().copied());
     let mut child = command.spawn().unwrap();
     let pid = child.id();
     let deadline = Instant::now() + limit;
