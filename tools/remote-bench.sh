@@ -9,13 +9,12 @@
 #           Each run also prints the CPU-seconds of its program (with the pager), of
 #           the mount or the download, and of the gateway's daemons over the run.
 #   decode  decode tok/s (llama's eval rate, -n $TOKENS) with the whole model in the
-#           cache tier, --budget 50 %, against the same command on the local file;
-#           MOUNT_ARGS (e.g. --no-passthrough, --max-get 2M) go to the mounts of this
-#           part and of ttft.
+#           cache tier, --budget 50 %, against the same command on the local file.
 #   fetch   bytes fetched from the remote per token with a cache tier of 50 % of the
 #           model at --budget $FETCH_BUDGET: the difference of two cold runs (-n 4 and
 #           -n $((4 + FETCH_TOKENS))) over FETCH_TOKENS, against model - budget - cache.
 # Sides alternate within each round. Root required (drops the page cache).
+# MOUNT_ARGS (e.g. --no-passthrough, --block 8M) go to every mount of every part.
 #   RUNS (3), FETCH_RUNS (RUNS), TOKENS (16), FETCH_TOKENS (8), FETCH_BUDGET (25%),
 #   PARTS (ttft,decode,fetch)
 #   HYPEROFFLOAD_BENCH_MODEL_SIZE (3G), HYPEROFFLOAD_REMOTE_BENCH_DIR (target/remote-bench)
@@ -87,12 +86,14 @@ store_pids() { cat "$cluster"/run/*.pid 2>/dev/null; }
 store_cpu() { cpu_s $(store_pids); }
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 
-# mount_start CACHE_DIR [--cache-size N]: the bucket's bench/ prefix on $mnt.
+# mount_start CACHE_DIR [--cache-size N]: the bucket's bench/ prefix on $mnt, with
+# MOUNT_ARGS.
 mount_start() {
   local cache="$1"; shift
   : > "$work/mount.log"
+  # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
   "$ho" mount "s3://$HYPEROFFLOAD_S3_BUCKET/bench" "$mnt" --cache-dir "$cache" \
-    --stats "$work/mount-stats.json" "$@" 2>"$work/mount.log" &
+    --stats "$work/mount-stats.json" ${MOUNT_ARGS:-} "$@" 2>"$work/mount.log" &
   mount_pid=$!
   for _ in $(seq 600); do
     grep -q "hyperoffload: mounted" "$work/mount.log" && return 0
@@ -153,8 +154,7 @@ if [[ ",$parts," == *,ttft,* ]]; then
       if [ "$side" = mount ]; then
         rm -rf "$work/cache-cold"
         store0="$(store_cpu)"
-        # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
-        mount_start "$work/cache-cold" ${MOUNT_ARGS:-}
+        mount_start "$work/cache-cold"
         t="$(completion "$mnt/model.gguf" 1 50%)"
         mount_stop
         store="$(echo "$(store_cpu) - $store0" | bc -l)"
@@ -194,8 +194,7 @@ if [[ ",$parts," == *,decode,* ]]; then
     for side in mount local; do
       [ $((round % 2)) = 0 ] && side=$([ "$side" = mount ] && echo local || echo mount)
       if [ "$side" = mount ]; then
-        # shellcheck disable=SC2086 # MOUNT_ARGS is a list of arguments
-        mount_start "$work/cache-warm" ${MOUNT_ARGS:-}
+        mount_start "$work/cache-warm"
         completion "$mnt/model.gguf" "$tokens" 50% >/dev/null
         mount_stop
         fetched="$(remote_bytes)"
