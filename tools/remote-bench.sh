@@ -69,7 +69,14 @@ if ! s3 -o /dev/null -I "$url" 2>/dev/null; then
   s3 -o /dev/null -T "$model" "$url"
 fi
 
-now() { date +%s.%N; }
+# timed NAME CMD...: runs CMD with its stderr in $work/NAME.err (its stdout is the
+# caller's); sets timed_wall (seconds) and timed_cpu (its user + system seconds).
+timed() {
+  local name="$1" TIMEFORMAT='%R %U %S' user sys; shift
+  { time "$@" 2>"$work/$name.err"; } 2>"$work/$name.time"
+  read -r timed_wall user sys <"$work/$name.time"
+  timed_cpu="$(echo "$user + $sys" | bc -l)"
+}
 # CPU-seconds (user + system) that processes PID... have used so far; 0 for a gone one.
 cpu_s() {
   local pid total=0 ticks
@@ -124,14 +131,10 @@ print("opens: %d with passthrough, %d through the mount %s; %d reads reached the
 # $work/llama.err, its text in $work/llama.out, its CPU-seconds (the program and the
 # pager in it) in $work/llama.cpu; prints the wall time.
 completion() {
-  local start end TIMEFORMAT='%U %S'
-  start="$(now)"
-  { time "$ho" run --budget "$3" -- "$bin/llama-completion" -m "$1" -p "$prompt" -n "$2" \
-    --temp 0 --seed 1 -t 2 -no-cnv --no-display-prompt </dev/null \
-    >"$work/llama.out" 2>"$work/llama.err"; } 2>"$work/llama.time"
-  end="$(now)"
-  awk '{ print $1 + $2 }' "$work/llama.time" >"$work/llama.cpu"
-  echo "$end - $start" | bc -l
+  timed llama "$ho" run --budget "$3" -- "$bin/llama-completion" -m "$1" -p "$prompt" \
+    -n "$2" --temp 0 --seed 1 -t 2 -no-cnv --no-display-prompt </dev/null >"$work/llama.out"
+  echo "$timed_cpu" >"$work/llama.cpu"
+  echo "$timed_wall"
 }
 eval_rate() {
   grep -E '_perf[a-z_]*print: +eval time' "$work/llama.err" \
@@ -164,10 +167,8 @@ if [[ ",$parts," == *,ttft,* ]]; then
       else
         rm -f "$work/local.gguf"
         store0="$(store_cpu)"
-        start="$(now)"
-        got_cpu="$( { TIMEFORMAT='%U %S'; time s3 -o "$work/local.gguf" "$url"; } 2>&1 \
-          | awk '{ print $1 + $2 }')"
-        got="$(echo "$(now) - $start" | bc -l)"
+        timed download s3 -o "$work/local.gguf" "$url"
+        got="$timed_wall" got_cpu="$timed_cpu"
         store="$(echo "$(store_cpu) - $store0" | bc -l)"
         run="$(completion "$work/local.gguf" 1 50%)"
         t="$(echo "$got + $run" | bc -l)"
