@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 
+use super::sim::moe::MoeShape;
+use super::sim::router::{Locality, Routing};
 use super::sim::{llama::LlamaShape, simulate, SimPolicy, SimReport, Timing, Workload};
 use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::graph::experts::model_block_cuts;
@@ -22,19 +24,32 @@ pub struct SimulateArgs {
     /// from the trace.
     #[arg(
         long,
-        conflicts_with_all = ["synthetic_llama"],
-        required_unless_present_any = ["synthetic_llama", "model"]
+        conflicts_with_all = ["synthetic_llama", "synthetic_moe"],
+        required_unless_present_any = ["synthetic_llama", "synthetic_moe", "model"]
     )]
     trace: Option<PathBuf>,
     /// A model file (GGUF or safetensors; any part of a split GGUF stands for them
     /// all): its predicted order, repeated for --tokens; with --trace, the model the
     /// trace was recorded on (one file).
-    #[arg(long, conflicts_with = "synthetic_llama")]
+    #[arg(long, conflicts_with_all = ["synthetic_llama", "synthetic_moe"])]
     model: Option<PathBuf>,
     /// A synthetic llama-shaped model: `LAYERS:TENSOR_BYTES` (TENSOR_BYTES is the size of
     /// one layer's attn_q; `30:1.4M` is about 520 MB), or `default`.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic_moe")]
     synthetic_llama: Option<String>,
+    /// A synthetic mixture-of-experts llama: `coarse` (16 experts, 2 used), `fine` (64,
+    /// 8) or `qwen3` (128, 8), its experts picked by --router.
+    #[arg(long, value_enum)]
+    synthetic_moe: Option<MoeShapeName>,
+    /// The synthetic mixture of experts' router: `independent` draws each token's
+    /// experts afresh from a skewed popularity; `locality` repeats some of the previous
+    /// token's and draws the rest from a popularity that drifts, calibrated to real
+    /// routers' per-layer LRU hit curve (Qwen3-235B's).
+    #[arg(long, value_enum, default_value = "independent", requires = "synthetic_moe")]
+    router: RouterName,
+    /// Seed of the synthetic mixture of experts' router.
+    #[arg(long, default_value_t = 11, requires = "synthetic_moe")]
+    seed: u64,
     /// Tokens to generate (synthetic), or tokens the trace holds (to report per token;
     /// with --model the trace's tokens are found where the program starts the model's
     /// pass again, and this is not needed).
@@ -70,6 +85,19 @@ pub struct SimulateArgs {
     learn_from: Option<PathBuf>,
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MoeShapeName {
+    Coarse,
+    Fine,
+    Qwen3,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RouterName {
+    Independent,
+    Locality,
 }
 
 /// What `simulate --policy` names: `run`'s policies, which pair a prefetch policy with
@@ -235,8 +263,22 @@ fn workload_and_graph(
             let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout.clone());
             (workload, Some(graph))
         }
+        (None, None) if args.synthetic_moe.is_some() => {
+            let shape = moe_shape(args);
+            let block = parse_size(&args.block)?;
+            if block == 0 {
+                bail!("--block must be positive");
+            }
+            let workload = shape.workload(block, args.tokens.unwrap_or(256), args.seed);
+            let graph = ModelGraph::from_tensors(&shape.tensors(), workload.layout.clone())
+                .with_experts_used(Some(shape.used));
+            (workload, Some(graph))
+        }
         (None, None) => {
-            bail!("give --trace FILE, --model FILE or --synthetic-llama LAYERS:TENSOR_BYTES")
+            bail!(
+                "give --trace FILE, --model FILE, --synthetic-llama LAYERS:TENSOR_BYTES \
+                 or --synthetic-moe SHAPE"
+            )
         }
     };
     Ok((workload, tensor_graph, model_len))
@@ -279,6 +321,19 @@ fn recorded_expert_blocks(path: &Path) -> anyhow::Result<bool> {
     let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
     let reader = TraceReader::new(BufReader::new(file))?;
     Ok(reader.metadata_value(EXPERT_BLOCKS_KEY) == Some("1"))
+}
+
+/// The synthetic mixture of experts `--synthetic-moe` and `--router` name.
+fn moe_shape(args: &SimulateArgs) -> MoeShape {
+    let shape = match args.synthetic_moe.unwrap_or(MoeShapeName::Coarse) {
+        MoeShapeName::Coarse => MoeShape::coarse(),
+        MoeShapeName::Fine => MoeShape::fine(),
+        MoeShapeName::Qwen3 => MoeShape::qwen3_like(),
+    };
+    shape.with_routing(match args.router {
+        RouterName::Independent => Routing::Independent,
+        RouterName::Locality => Routing::Locality(Locality::qwen3()),
+    })
 }
 
 fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {

@@ -19,8 +19,8 @@
 mod belady;
 mod frequency;
 pub mod llama;
-#[cfg(test)]
 pub mod moe;
+pub mod router;
 mod workload;
 
 use std::path::Path;

@@ -1,7 +1,8 @@
 //! A synthetic mixture-of-experts llama: its tensor table as a GGUF converter writes it
 //! (merged `ffn_{gate,up,down}_exps`, expert index outermost), and the block-access
-//! sequence of generating tokens with it, each token's experts drawn from a skewed
-//! popularity that differs per layer.
+//! sequence of generating tokens with it, each token's experts picked by a synthetic
+//! router (`router`: independent draws from a skewed popularity that differs per
+//! layer, or picks with real routers' locality).
 //!
 //! As `sim::llama`, the accesses are written from llama.cpp's execution directly, not
 //! from `graph::arch`: per layer attention, the router, then for the chosen experts in
@@ -9,12 +10,13 @@
 //! `mul_mat_id` runs one merged tensor for all chosen experts before the next).
 
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::model::TensorInfo;
 
 use super::llama::{file_end, lay_out, TensorEntry};
+use super::router::{Router, Routing};
 use super::Workload;
 
 const Q8_0_BLOCK_ELEMENTS: u64 = 32;
@@ -32,8 +34,9 @@ pub struct MoeShape {
     pub used: u32,
     pub vocab: u64,
     /// Popularity of the expert of rank r in a layer is proportional to
-    /// `1 / (r + 1)^skew` (0: uniform).
+    /// `1 / (r + 1)^skew` (0: uniform), for the independent router.
     pub skew: f64,
+    pub routing: Routing,
 }
 
 impl MoeShape {
@@ -47,6 +50,7 @@ impl MoeShape {
             used: 2,
             vocab: 32_000,
             skew: 1.0,
+            routing: Routing::Independent,
         }
     }
 
@@ -60,7 +64,27 @@ impl MoeShape {
             used: 8,
             vocab: 32_000,
             skew: 1.0,
+            routing: Routing::Independent,
         }
+    }
+
+    /// Fine-grained as Qwen3-MoE: 128 small experts of which 8 run.
+    pub fn qwen3_like() -> Self {
+        Self {
+            layers: 8,
+            n_embd: 1024,
+            n_ff_exp: 384,
+            experts: 128,
+            used: 8,
+            vocab: 32_000,
+            skew: 1.0,
+            routing: Routing::Independent,
+        }
+    }
+
+    /// The same shape, routed by `routing`.
+    pub fn with_routing(self, routing: Routing) -> Self {
+        Self { routing, ..self }
     }
 
     fn q8_0(rows: u64, columns: u64) -> u64 {
@@ -119,22 +143,6 @@ impl MoeShape {
         file_end(&self.tensors())
     }
 
-    /// Per layer, each expert's chance weight: a per-layer permutation of the ranks'
-    /// Zipf weights.
-    fn popularity(&self, rng: &mut SmallRng) -> Vec<Vec<f64>> {
-        (0..self.layers)
-            .map(|_| {
-                let mut weights: Vec<f64> = (0..self.experts)
-                    .map(|rank| 1.0 / ((rank + 1) as f64).powf(self.skew))
-                    .collect();
-                for i in (1..weights.len()).rev() {
-                    weights.swap(i, rng.gen_range(0..=i));
-                }
-                weights
-            })
-            .collect()
-    }
-
     /// The blocks a program generating `tokens` tokens accesses through a region of the
     /// whole file in blocks of `block_size`, each token's experts drawn with `seed`.
     pub fn workload(&self, block_size: u64, tokens: u32, seed: u64) -> Workload {
@@ -162,7 +170,14 @@ impl MoeShape {
             }
         };
         let mut rng = SmallRng::seed_from_u64(seed);
-        let popularity = self.popularity(&mut rng);
+        let mut router = Router::new(
+            self.routing,
+            self.layers,
+            self.experts,
+            self.used,
+            self.skew,
+            &mut rng,
+        );
         let embd = range_of("token_embd.weight");
         let row_bytes = Self::q8_0(1, self.n_embd);
         let mut accesses = Vec::new();
@@ -179,7 +194,7 @@ impl MoeShape {
                         range_of(&format!("blk.{layer}.{tensor}.weight")),
                     );
                 }
-                let chosen = choose(&popularity[layer as usize], self.used, &mut rng);
+                let chosen = router.next(layer, &mut rng);
                 for tensor in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
                     let whole = range_of(&format!("blk.{layer}.{tensor}.weight"));
                     let share = (whole.end - whole.start) / self.experts as u64;
@@ -218,30 +233,6 @@ const LAYER_TENSORS: &[&str] = &[
 /// merged expert tensors, which close `LAYER_TENSORS`.
 const DENSE_BEFORE_EXPERTS: &[&str] = LAYER_TENSORS.split_at(LAYER_TENSORS.len() - 3).0;
 
-/// `count` distinct experts drawn by weight, ascending (the order ggml runs them).
-fn choose(weights: &[f64], count: u32, rng: &mut SmallRng) -> Vec<u32> {
-    let mut left: Vec<(u32, f64)> = weights
-        .iter()
-        .enumerate()
-        .map(|(expert, &w)| (expert as u32, w))
-        .collect();
-    let mut chosen = Vec::with_capacity(count as usize);
-    for _ in 0..count.min(left.len() as u32) {
-        let total: f64 = left.iter().map(|&(_, w)| w).sum();
-        let mut pick = rng.gen::<f64>() * total;
-        let at = left
-            .iter()
-            .position(|&(_, w)| {
-                pick -= w;
-                pick <= 0.0
-            })
-            .unwrap_or(left.len() - 1);
-        chosen.push(left.swap_remove(at).0);
-    }
-    chosen.sort_unstable();
-    chosen
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,11 +259,11 @@ mod tests {
     fn popularity_is_skewed_and_differs_per_layer() {
         let shape = MoeShape::coarse();
         let mut rng = SmallRng::seed_from_u64(1);
-        let popularity = shape.popularity(&mut rng);
+        let mut router = Router::new(Routing::Independent, 2, 16, 2, shape.skew, &mut rng);
         let mut counts = vec![vec![0u32; 16]; 2];
         for _ in 0..2000 {
             for (layer, counts) in counts.iter_mut().enumerate() {
-                for e in choose(&popularity[layer], 2, &mut rng) {
+                for e in router.next(layer as u32, &mut rng) {
                     counts[e as usize] += 1;
                 }
             }
