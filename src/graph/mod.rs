@@ -20,6 +20,7 @@ pub mod experts;
 pub mod learn;
 mod order;
 pub mod rank;
+pub mod routing_stats;
 pub mod store;
 
 use std::ops::Range;
