@@ -459,8 +459,9 @@ fn print_routing(trace: &Path, stats: &RoutingStats) {
         stats.tokens, stats.layers, stats.experts_per_layer, stats.layers_unused
     );
     println!(
-        "\nHit rate of a cache per layer holding a share of the layer's experts, fed each \
-         token's experts in turn (every token after the first counts), mean over layers \
+        "\nHit rate of a cache per layer holding a share of the layer's experts: each \
+         token's experts looked up as the token found the cache, then put in (every token \
+         after the first counts), mean over layers \
          (lowest-highest). A router picking evenly and independently of the previous token \
          hits about the share; real ones more (Qwen3-235B-A22B decode, the last column), and on them \
          LFU loses to LRU at every share.\n"

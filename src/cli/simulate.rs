@@ -45,7 +45,12 @@ pub struct SimulateArgs {
     /// experts afresh from a skewed popularity; `locality` repeats some of the previous
     /// token's and draws the rest from a popularity that drifts, calibrated to real
     /// routers' per-layer LRU hit curve (Qwen3-235B's).
-    #[arg(long, value_enum, default_value = "independent", requires = "synthetic_moe")]
+    #[arg(
+        long,
+        value_enum,
+        default_value = "independent",
+        requires = "synthetic_moe"
+    )]
     router: RouterName,
     /// Seed of the synthetic mixture of experts' router.
     #[arg(long, default_value_t = 11, requires = "synthetic_moe")]

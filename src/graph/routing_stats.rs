@@ -299,6 +299,10 @@ impl ExpertCache {
         }
     }
 
+    fn holds(&self, expert: u32) -> bool {
+        self.key.get(expert as usize).is_some_and(Option::is_some)
+    }
+
     /// Uses `expert`: whether it was resident. LRU always admits it, evicting the least
     /// recently used; LFU keeps the most used so far (ties to the most recent), so it
     /// admits the expert only if it has been used at least as often as the victim.
@@ -335,16 +339,24 @@ impl ExpertCache {
 /// The hit rate of a cache of `capacity` of a layer's `experts` fed each token's
 /// experts in turn (`sets`), the first token's only filling it; `None` when no token
 /// after the first used any.
+///
+/// A token's experts are looked up in the cache as the token found it, then go in in
+/// the order they ran: a pager holds all of a token's experts while their layer runs,
+/// so what counts is which of them earlier tokens left resident. `boyle`'s curves feed
+/// the accesses one at a time instead; the two agree once the cache holds more than a
+/// token's experts (Qwen3's 128 from 12 % on), and below that one at a time counts the
+/// token's own picks evicting each other (in ggml's ascending order an independent
+/// router of 8 among 128 hits 0.008 at 5 %, where the share is 0.05).
 fn hit_rate(sets: &[Vec<u32>], experts: u32, capacity: u32, eviction: Eviction) -> Option<f64> {
     let mut cache = ExpertCache::new(eviction, experts, capacity);
     let (mut hits, mut accesses) = (0u64, 0u64);
     for (token, set) in sets.iter().enumerate() {
+        if token > 0 {
+            hits += set.iter().filter(|&&e| cache.holds(e)).count() as u64;
+            accesses += set.len() as u64;
+        }
         for &expert in set {
-            let hit = cache.access(expert);
-            if token > 0 {
-                hits += hit as u64;
-                accesses += 1;
-            }
+            cache.access(expert);
         }
     }
     (accesses > 0).then(|| hits as f64 / accesses as f64)
@@ -585,12 +597,13 @@ mod tests {
 
     #[test]
     fn a_cache_smaller_than_a_token_keeps_its_latest_experts() {
-        // 1 slot, 2 experts a token, always the same two in the same order: each evicts
-        // the other, so 1 slot never hits and 2 always do.
+        // 1 slot, 2 experts a token, always the same two in the same order: 1 slot
+        // keeps the token's last, which the next token finds (half its picks); 2 hold
+        // both.
         let stats = RoutingStats::measure(&vec![vec![vec![0, 1]]; 10], 20).unwrap();
         let kept: Vec<u32> = stats.caches.iter().map(|p| p.experts_kept).collect();
         assert_eq!(kept, [1, 2, 4, 7, 11]);
-        assert_eq!(mean(stats.caches[0].lru), 0.0);
+        assert_eq!(mean(stats.caches[0].lru), 0.5);
         assert_eq!(
             (mean(stats.caches[1].lru), mean(stats.caches[1].lfu)),
             (1.0, 1.0)

@@ -168,7 +168,7 @@ fn draw(weights: &[f64], rng: &mut SmallRng) -> u32 {
 }
 
 /// `count` distinct experts drawn by weight, ascending (the order ggml runs them).
-pub fn choose(weights: &[f64], count: u32, rng: &mut SmallRng) -> Vec<u32> {
+fn choose(weights: &[f64], count: u32, rng: &mut SmallRng) -> Vec<u32> {
     let mut left: Vec<(u32, f64)> = weights
         .iter()
         .enumerate()
@@ -201,6 +201,7 @@ fn normal(rng: &mut SmallRng) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyperoffload::graph::routing_stats::RoutingStats;
     use rand::SeedableRng;
 
     /// Per layer, per token, the experts run: `tokens` tokens of `router`.
@@ -215,47 +216,19 @@ mod tests {
             .collect()
     }
 
-    /// Per-layer LRU and LFU hit rates of caches of `share` of a layer's experts,
-    /// averaged over layers, counting every token after the first `warm`. A token's
-    /// experts are looked up in the cache as the token found it, then go in, in the
-    /// order they ran (a cache smaller than a token's picks keeps the last).
-    fn hit_rates(sets: &[Vec<Vec<u32>>], experts: u32, share: f64, warm: usize) -> (f64, f64) {
-        let layers = sets[0].len();
-        let capacity = ((share * experts as f64).round() as usize).max(1);
-        let (mut lru_hits, mut lfu_hits, mut accesses) = (0usize, 0usize, 0usize);
-        for layer in 0..layers {
-            let mut lru: Vec<u32> = Vec::new();
-            let mut counts = vec![0u64; experts as usize];
-            let mut lfu: Vec<u32> = Vec::new();
-            for (t, token) in sets.iter().enumerate() {
-                let picks = &token[layer];
-                if t >= warm {
-                    accesses += picks.len();
-                    lru_hits += picks.iter().filter(|e| lru.contains(e)).count();
-                    lfu_hits += picks.iter().filter(|e| lfu.contains(e)).count();
-                }
-                for &e in picks {
-                    lru.retain(|&x| x != e);
-                    lru.push(e);
-                    counts[e as usize] += 1;
-                }
-                if lru.len() > capacity {
-                    lru.drain(..lru.len() - capacity);
-                }
-                // The most used so far, the latest used first among equals.
-                let mut by_use: Vec<u32> = lru.iter().rev().chain(lfu.iter()).copied().collect();
-                by_use.dedup();
-                let mut seen = vec![false; experts as usize];
-                by_use.retain(|&e| !std::mem::replace(&mut seen[e as usize], true));
-                by_use.sort_by_key(|&e| std::cmp::Reverse(counts[e as usize]));
-                by_use.truncate(capacity);
-                lfu = by_use;
-            }
-        }
-        (
-            lru_hits as f64 / accesses as f64,
-            lfu_hits as f64 / accesses as f64,
-        )
+    /// Per-layer LRU and LFU hit rates at each of `routing_stats`' shares, means over
+    /// layers, as `inspect --trace` prints them.
+    fn hit_rates(sets: &[Vec<Vec<u32>>], experts: u32) -> Vec<(f64, f64, f64)> {
+        let stats = RoutingStats::measure(sets, experts).unwrap();
+        (stats.caches.iter())
+            .map(|point| {
+                (
+                    point.share,
+                    point.lru.unwrap().mean,
+                    point.lfu.unwrap().mean,
+                )
+            })
+            .collect()
     }
 
     const QWEN3_CURVE: [(f64, f64); 5] = [
@@ -278,8 +251,9 @@ mod tests {
             &mut rng,
         );
         let sets = trace(&mut router, 4, 3000, 6);
-        for (share, published) in QWEN3_CURVE {
-            let (lru, lfu) = hit_rates(&sets, 128, share, 100);
+        for ((share, lru, lfu), (_, published)) in
+            hit_rates(&sets, 128).into_iter().zip(QWEN3_CURVE)
+        {
             eprintln!("{share}: lru {lru:.3} (published {published}), lfu {lfu:.3}");
             assert!(
                 (lru - published).abs() <= 0.04,
@@ -294,13 +268,12 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(5);
         let mut router = Router::new(Routing::Independent, 2, 128, 8, 0.0, &mut rng);
         let sets = trace(&mut router, 2, 1500, 6);
-        for (share, _) in QWEN3_CURVE {
-            let (lru, _) = hit_rates(&sets, 128, share, 100);
+        for (share, lru, _) in hit_rates(&sets, 128) {
             assert!((lru - share).abs() < 0.03, "uniform at {share}: lru {lru}");
         }
         let mut router = Router::new(Routing::Independent, 2, 128, 8, 1.0, &mut rng);
         let sets = trace(&mut router, 2, 1500, 6);
-        let (lru, lfu) = hit_rates(&sets, 128, 0.2, 100);
+        let (_, lru, lfu) = hit_rates(&sets, 128)[2];
         assert!(lfu > lru, "skewed, independent: lfu {lfu} <= lru {lru}");
     }
 
