@@ -163,6 +163,12 @@ pub struct Stats {
     /// popularity alone, and whether eviction follows it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub co_activation: Option<crate::policy::CoActivationSummary>,
+    /// For a mixture of experts under the graph policy: the weight its estimate of the
+    /// next token's experts gives recency (what ran in the last few tokens) rather than
+    /// long-run frequency, mean over layers, 0 to 1: low where routing is independent
+    /// from token to token, high where it repeats and drifts as real routers do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_recency: Option<f64>,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

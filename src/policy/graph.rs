@@ -40,6 +40,7 @@ mod expert_use;
 mod idle_fill;
 mod prefetch;
 pub mod streaming;
+mod use_mixture;
 
 pub use self::eviction::GraphEviction;
 pub use self::prefetch::{GraphPrefetch, STREAM_LOOKAHEAD_MAX};
@@ -245,6 +246,12 @@ impl GraphPrediction {
     /// without routed experts.
     pub fn co_activation(&self) -> Option<CoActivationSummary> {
         (!self.graph.experts().is_empty()).then(|| self.lock().experts.co_activation())
+    }
+
+    /// The weight the estimate of the next token's experts has learned to give
+    /// recency (`ExpertUse::recency_weight`); `None` for a model without routed experts.
+    pub fn expert_recency(&self) -> Option<f64> {
+        (!self.graph.experts().is_empty()).then(|| self.lock().experts.recency_weight())
     }
 
     /// The streamed set chosen for the bound model (empty until a region binds).

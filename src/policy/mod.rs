@@ -224,6 +224,12 @@ pub trait PrefetchPolicy: Send {
     fn co_activation(&self) -> Option<CoActivationSummary> {
         None
     }
+
+    /// For a policy that estimates a mixture of experts' next token from recency and
+    /// frequency: the weight it has learned to give recency (0 to 1, mean over layers).
+    fn expert_recency(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Ranks resident blocks for eviction.

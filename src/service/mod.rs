@@ -429,6 +429,7 @@ impl FaultService {
         stats.elapsed_s = self.start.elapsed().as_secs_f64();
         stats.prediction = self.prefetch.confidence();
         stats.co_activation = self.prefetch.co_activation();
+        stats.expert_recency = self.prefetch.expert_recency();
         let refused = self
             .regions
             .values()

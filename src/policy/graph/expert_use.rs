@@ -12,6 +12,11 @@
 //! since; with it, every resident expert watched from one token to the next is counted
 //! exactly.
 //!
+//! What eviction ranks by (`probability`) is not that long-run estimate but the chance
+//! the next token uses the expert, mixed per layer from recency and frequency as the
+//! run's own outcomes reward (`UseMixture`): each token closes with every observed
+//! expert's outcome. The long-run counts are what a run saves for the next.
+//!
 //! Tokens are counted by the layers of the expert faults: a fault in a lower layer than
 //! the previous one starts a new token. A token with no expert fault at all goes
 //! uncounted, which only slows the learning (every exposure is short by the same
@@ -20,6 +25,7 @@
 //! Pure bookkeeping over group and block numbers (see `graph::ExpertMap`).
 
 use super::co_activation::{CoActivation, CoActivationSummary, Pair};
+use super::use_mixture::UseMixture;
 use crate::graph::ExpertMap;
 
 /// Tokens of prior belief: the prior counts as this many tokens of observation. A
@@ -29,6 +35,7 @@ use crate::graph::ExpertMap;
 /// experts were watched: 16 tokens read 331-334 MiB per token at 25 % against 374-386
 /// with 2, and 109 against 141-143 at 50 %. With watching, the simulator on the
 /// synthetic MoE workloads reads within 3 % for any weight from 1 to 64 tokens.
+#[cfg(test)]
 const PRIOR_TOKENS: f64 = 16.0;
 /// When an expert's exposure reaches this many tokens, its counts are halved, so that
 /// popularity that drifts (another prompt, another topic) is followed.
@@ -83,11 +90,13 @@ impl GroupUse {
 pub struct ExpertUse {
     groups: Vec<GroupUse>,
     layers: Vec<u32>,
-    prior: f64,
     token: u64,
     last_layer: Option<u32>,
     /// Which experts of the next layer the current token is likely to use.
     co: CoActivation,
+    /// The next token's use of each expert, from recency and frequency as each layer's
+    /// routing has shown them (`probability`).
+    mixture: UseMixture,
 }
 
 impl ExpertUse {
@@ -113,8 +122,8 @@ impl ExpertUse {
         Self {
             groups,
             co: CoActivation::new(&layers),
+            mixture: UseMixture::new(&layers, map.prior_use()),
             layers,
-            prior: map.prior_use(),
             token: 0,
             last_layer: None,
         }
@@ -147,6 +156,7 @@ impl ExpertUse {
         let scale = (SEED_TOKENS / tokens).min(1.0);
         use_.uses = uses * scale;
         use_.exposure = tokens * scale;
+        self.mixture.seed(group, uses * scale, tokens * scale);
     }
 
     /// The layer of the latest expert fault: where the program is.
@@ -166,6 +176,7 @@ impl ExpertUse {
             return;
         };
         if self.last_layer.is_some_and(|last| layer < last) {
+            self.close_token();
             self.token += 1;
         }
         self.last_layer = Some(layer);
@@ -188,6 +199,19 @@ impl ExpertUse {
             });
             self.co = co;
         }
+    }
+
+    /// The current token ends: every expert observed through it (used in it, or
+    /// observable since before it) tells the mixture whether it ran.
+    fn close_token(&mut self) {
+        let token = self.token;
+        let outcomes = self.groups.iter().enumerate().filter_map(|(group, use_)| {
+            let used = use_.last_use == token + 1;
+            let observed = used
+                || (use_.observable() && use_.observable_from.is_some_and(|from| from <= token));
+            observed.then_some((group as u32, used))
+        });
+        self.mixture.close_token(outcomes);
     }
 
     /// The probability that the current token uses `group` before it ends: from the
@@ -316,13 +340,28 @@ impl ExpertUse {
             .is_some_and(|use_| use_.uses > 0.0)
     }
 
-    /// The estimated probability that a token uses `group`.
+    /// The estimated probability that the next token uses `group`: recency and
+    /// frequency mixed as the layer's routing has rewarded (`UseMixture`).
     pub fn probability(&self, group: u32) -> f64 {
+        self.mixture.probability(group)
+    }
+
+    /// The weight `probability` has learned to give recency, mean over layers
+    /// (`UseMixture::recency_weight`).
+    pub fn recency_weight(&self) -> f64 {
+        self.mixture.recency_weight()
+    }
+
+    /// The long-run estimate of how often a token uses `group` (its uses over the
+    /// tokens it was observed in, with the prior): what a run saves for the next, and
+    /// what the tests check the counting by.
+    #[cfg(test)]
+    pub fn popularity(&self, group: u32) -> f64 {
         let Some(use_) = self.groups.get(group as usize) else {
             return 0.0;
         };
         let exposure = self.observed(use_);
-        ((use_.uses + self.prior * PRIOR_TOKENS) / (exposure + PRIOR_TOKENS)).min(1.0)
+        ((use_.uses + self.mixture.prior() * PRIOR_TOKENS) / (exposure + PRIOR_TOKENS)).min(1.0)
     }
 
     /// Tokens `use_` was observed over: its closed stretches, the completed tokens of
@@ -393,14 +432,14 @@ mod tests {
         // layer 0 uses expert 3 (never resident) and layer 1 expert 4.
         use_.used(0);
         use_.block_changed(0, true);
-        let kept = use_.probability(0);
+        let kept = use_.popularity(0);
         for _ in 0..100 {
             use_.used(3);
             use_.used(4);
         }
         assert_eq!(use_.tokens(), 99);
         assert!(
-            (use_.probability(0) - kept).abs() < 1e-9,
+            (use_.popularity(0) - kept).abs() < 1e-9,
             "resident: unseen, unchanged"
         );
         assert!(use_.probability(1) < 0.1, "exposed and never used");
@@ -492,7 +531,7 @@ mod tests {
     #[test]
     fn a_watch_lost_to_a_neighbour_does_not_count_the_token_unused() {
         let mut use_ = two_watched();
-        let before = use_.probability(1);
+        let before = use_.popularity(1);
         // For 50 tokens a block both share fires for expert 0: expert 1's watch goes
         // before its use could be seen, and is taken again after the layer.
         for _ in 0..50 {
@@ -504,9 +543,9 @@ mod tests {
             use_.set_watched(1, true, true);
         }
         assert!(
-            (use_.probability(1) - before).abs() < 0.05,
+            (use_.popularity(1) - before).abs() < 0.05,
             "unseen tokens moved the estimate: {before} -> {}",
-            use_.probability(1)
+            use_.popularity(1)
         );
         assert!(use_.probability(0) > 0.85, "{}", use_.probability(0));
     }

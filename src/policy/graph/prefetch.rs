@@ -204,6 +204,10 @@ impl PrefetchPolicy for GraphPrefetch {
         self.prediction.co_activation()
     }
 
+    fn expert_recency(&self) -> Option<f64> {
+        self.prediction.expert_recency()
+    }
+
     fn device_bytes(&self) -> Option<u64> {
         // Not in the first pass: every block is missing then, the kept ones too, and
         // the program waits on the device throughout, so its full depth is what pays.

@@ -135,34 +135,67 @@ fn moe_bytes_per_token(
     report.steady_bytes_per_token(None).unwrap()
 }
 
+/// Steady bytes per token of graph, LRU, `frequency` and Belady on `shape` at `share`.
+fn moe_floors(shape: &moe::MoeShape, workload: &Workload, share: f64) -> [f64; 4] {
+    [
+        SimPolicy::Graph,
+        SimPolicy::Lru,
+        SimPolicy::Frequency,
+        SimPolicy::Belady,
+    ]
+    .map(|policy| moe_bytes_per_token(shape, workload, share, policy))
+}
+
 #[test]
-fn on_mixture_of_experts_the_graph_policy_beats_lru_near_the_frequency_floor() {
+fn on_mixture_of_experts_the_graph_policy_reads_no_more_than_lru_or_frequency() {
+    use super::router::{Locality, Routing};
     for (name, shape) in [
         ("coarse", moe::MoeShape::coarse()),
         ("fine", moe::MoeShape::fine()),
+        ("qwen3", moe::MoeShape::qwen3_like()),
     ] {
-        let workload = shape.workload(1 << 20, 96, 11);
-        for share in [0.25, 0.5, 0.75] {
-            let graph = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Graph);
-            let lru = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Lru);
-            let belady = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Belady);
-            let frequency = moe_bytes_per_token(&shape, &workload, share, SimPolicy::Frequency);
-            eprintln!(
-                "{name} at {share}: graph {:.1} MiB/token, lru {:.1}, frequency {:.1}, belady {:.1}: {:.2}x the frequency floor, {:.2}x belady",
-                graph / 1048576.0,
-                lru / 1048576.0,
-                frequency / 1048576.0,
-                belady / 1048576.0,
-                graph / frequency,
-                graph / belady
-            );
-            assert!(graph <= lru, "{name} at {share}: graph {graph} > lru {lru}");
-            // Routing here is independent token to token: knowing how often each expert
-            // runs is all there is to learn, and the policy learns it while it runs.
-            assert!(
-                graph <= frequency * 1.3,
-                "{name} at {share}: graph {graph} > 1.3 x frequency {frequency}"
-            );
+        for routing in [Routing::Independent, Routing::Locality(Locality::qwen3())] {
+            let shape = shape.with_routing(routing);
+            let workload = shape.workload(1 << 20, 512, 11);
+            for share in [0.25, 0.5, 0.75] {
+                let [graph, lru, frequency, belady] = moe_floors(&shape, &workload, share);
+                let best = lru.min(frequency);
+                eprintln!(
+                    "{name} {routing:?} at {share}: graph {:.1} MiB/token, lru {:.1}, frequency {:.1}, belady {:.1}: {:.3}x the better of lru and frequency, {:.2}x belady",
+                    graph / 1048576.0,
+                    lru / 1048576.0,
+                    frequency / 1048576.0,
+                    belady / 1048576.0,
+                    graph / best,
+                    graph / belady
+                );
+                match routing {
+                    // Sticky picks over a drifting popularity: recency pays, and the
+                    // policy must find out how much, layer by layer. Where three
+                    // quarters of the model fit, LRU's exact order of the few experts
+                    // left out still beats the learned estimate (coarse: 1.2x; by
+                    // age alone the policy reads 1.12x LRU there, so a part of that
+                    // is how expert blocks are evicted, not the estimate).
+                    Routing::Locality(_) => {
+                        let allowed = if share < 0.7 { 1.05 } else { 1.25 };
+                        assert!(
+                            graph <= best * allowed,
+                            "{name} locality at {share}: graph {graph} > {allowed} x {best}"
+                        );
+                    }
+                    // Independent picks: how often each expert runs is all there is to
+                    // learn. `frequency` knows the counts of the very tokens replayed;
+                    // learning them online costs up to about a tenth more here (an
+                    // online LFU reads 1.01-1.12x it on such routing).
+                    Routing::Independent => {
+                        assert!(graph <= lru, "{name} at {share}: graph {graph} > lru {lru}");
+                        assert!(
+                            graph <= frequency * 1.15,
+                            "{name} at {share}: graph {graph} > 1.15 x frequency {frequency}"
+                        );
+                    }
+                }
+            }
         }
     }
 }
