@@ -7,7 +7,9 @@ use std::collections::HashSet;
 
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
-use hyperoffload::model::synth::{self, f16_to_f32, MoeSpec, SynthRequest, TensorOrder};
+use hyperoffload::model::synth::{
+    self, f16_to_f32, MoeSpec, RouterLocality, SynthRequest, TensorOrder,
+};
 
 const TARGET: u64 = 64 << 20;
 
@@ -199,6 +201,7 @@ fn moe_request(target: u64, experts: u64, used: u64, ff_ratio: Option<f64>) -> S
             ff_ratio,
             skew: 2.0,
             affinity: 0.0,
+            locality: None,
         }),
     }
 }
@@ -363,6 +366,58 @@ fn router_affinity_relates_each_layer_to_the_one_before() {
             .to_string();
         assert!(error.contains("router affinity"), "{affinity}: {error}");
     }
+}
+
+/// A locality router (issue 41) is written into layer 0's attention: q and k read
+/// the embedding's anchor element alone, later layers add no attention output, every
+/// embedding row has the same norm; types it cannot write exactly are refused by name.
+#[test]
+fn router_locality_writes_its_attention_and_refuses_types_it_cannot() {
+    let Some(small) = small() else { return };
+    let mut request = moe_request(96 << 20, 8, 2, None);
+    if let Some(moe) = request.moe.as_mut() {
+        moe.locality = Some(RouterLocality::qwen3());
+    }
+    // Without --type: the small model's Q4_1 attention and Q8_0 embedding.
+    for weight_type in [Some(GgmlType::Q8_0), None] {
+        request.weight_type = weight_type;
+        let plan = synth::plan_request(&small, &request).unwrap();
+        let bytes = synth::write(&plan, Vec::new(), 3, |_| {}).unwrap();
+        let model = GgufFile::parse(&bytes).unwrap();
+        let data = |name: &str| {
+            let range = model.file_range(model.tensor(name).unwrap());
+            &bytes[range.start as usize..range.end as usize]
+        };
+        let s = plan.shape;
+        let q = model.tensor("blk.0.attn_q.weight").unwrap();
+        let row_bytes = q.ggml_type.tensor_bytes(&[s.n_embd]).unwrap() as usize;
+        let block = q.ggml_type.type_size() as usize;
+        let mut rows_used = 0;
+        for row in data("blk.0.attn_q.weight").chunks_exact(row_bytes) {
+            // Past the first block (which holds the anchor's weight) all zeros.
+            assert!(row[block..].iter().all(|&b| b == 0), "{weight_type:?}");
+            rows_used += usize::from(row[..block].iter().any(|&b| b != 0));
+        }
+        assert!(rows_used > 0, "{weight_type:?}: q reads nothing");
+        assert!(data("blk.1.attn_output.weight").iter().all(|&b| b == 0));
+        assert!(data("blk.0.attn_output.weight").iter().any(|&b| b != 0));
+    }
+    // K-quants' blocks of 256 need a wider model (planned only, never written).
+    (request.weight_type, request.target) = (Some(GgmlType::Q4K), 512 << 20);
+    let error = synth::plan_request(&small, &request)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("give --type Q8_0"), "{error}");
+    if let Some(moe) = request.moe.as_mut() {
+        moe.locality = Some(RouterLocality::with_context(-1.0));
+    }
+    let error = synth::plan_request(&small, &request)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("router locality: context weight -1"),
+        "{error}"
+    );
 }
 
 /// The binary never overwrites a file without `--force`, and never its `--like` input

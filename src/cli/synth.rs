@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
-use hyperoffload::model::synth::{self, MoeSpec, SynthRequest, TensorOrder};
+use hyperoffload::model::synth::{self, MoeSpec, RouterLocality, SynthRequest, TensorOrder};
 use hyperoffload::size::{format_size, parse_size};
 
 /// Write a llama model of about SIZE bytes shaped like a small one: more and wider
@@ -53,15 +53,35 @@ pub struct SynthArgs {
     #[arg(long, requires = "experts")]
     expert_ff_ratio: Option<f64>,
     /// How unevenly the router spreads tokens over a layer's experts (with --experts):
-    /// 0 about evenly; each layer favours different experts.
-    #[arg(long, requires = "experts", default_value_t = 2.0)]
-    router_skew: f32,
+    /// 0 about evenly; each layer favours different experts. Default 2, or the
+    /// --router-locality preset's.
+    #[arg(long, requires = "experts")]
+    router_skew: Option<f32>,
     /// How much each layer's router follows the layer before it (with --experts), 0
     /// to 1: 0 makes each layer's picks independent of the last; higher makes tokens
     /// that pick an expert in one layer tend to pick its successor in the next, as
     /// trained routers do.
     #[arg(long, requires = "experts", default_value_t = 0.0)]
     router_affinity: f32,
+    /// Make routing follow the text (with --experts), as real routers do: `off` picks
+    /// nearly independently from token to token; `token` by the current token alone (a
+    /// word picks the same experts wherever it stands); `qwen3` by the token and the
+    /// last tokens' drift, calibrated so that decoding plain English one token at a time
+    /// gives per-layer LRU hit rates near Qwen3-235B-A22B's (bench/moe.md), with its
+    /// skew unless --router-skew is given; a number (0 to 64) is `qwen3` with that
+    /// weight of recent context against the token (the preset's: 14).
+    #[arg(long, requires = "experts", default_value = "off", value_parser = locality_arg)]
+    router_locality: Locality,
+}
+
+/// `--router-locality`: `None` for `off` (clap reads an `Option` field as optional).
+#[derive(Debug, Clone, Copy)]
+struct Locality(Option<RouterLocality>);
+
+fn locality_arg(text: &str) -> Result<Locality, String> {
+    RouterLocality::parse(text)
+        .map(Locality)
+        .map_err(|error| error.to_string())
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -87,6 +107,9 @@ impl From<Order> for TensorOrder {
     }
 }
 
+/// `--router-skew` without a locality preset.
+const DEFAULT_SKEW: f32 = 2.0;
+
 fn weight_type_arg(name: &str) -> Result<GgmlType, String> {
     GgmlType::from_name(name)
         .ok_or_else(|| format!("`{name}` is not a ggml type (e.g. Q8_0, Q4_1)"))
@@ -105,8 +128,12 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             experts,
             used: args.experts_used,
             ff_ratio: args.expert_ff_ratio,
-            skew: args.router_skew,
+            skew: args
+                .router_skew
+                .or(args.router_locality.0.and_then(|locality| locality.skew))
+                .unwrap_or(DEFAULT_SKEW),
             affinity: args.router_affinity,
+            locality: args.router_locality.0,
         }),
     };
     let plan = synth::plan_request(&small, &request).with_context(|| {

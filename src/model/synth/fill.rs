@@ -9,6 +9,7 @@ use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, RngCore};
 
+use super::router::{ContextAttention, ContextTensor};
 use crate::model::ggml_type::GgmlType;
 
 /// What kind of values a tensor holds, which decides how it is filled.
@@ -39,6 +40,15 @@ pub enum Fill {
         affinity: f32,
         layer: u32,
         row_len: u64,
+    },
+    /// A locality router's token embedding (`router`): rows of `n_embd` elements of one
+    /// norm, each with the same anchor element first. Filled by whole rows.
+    Embedding { n_embd: u32 },
+    /// One of layer 0's attention tensors of a locality router (`router`): chosen
+    /// values, not random ones. Filled by whole rows.
+    Context {
+        attention: ContextAttention,
+        tensor: ContextTensor,
     },
 }
 
@@ -151,8 +161,15 @@ pub fn fill(ty: GgmlType, what: Fill, buf: &mut [u8], rng: &mut SmallRng) {
         ) => router(buf, std, skew, row_len, rng),
         // Integer tensors hold indices or counts, not weights: zeros are valid.
         (GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64, _) => buf.fill(0),
+        // Zero bytes are zeros in every type (block scales of 0): a locality model's
+        // later layers add no attention output.
+        (_, Fill::Constant(0.0)) => buf.fill(0),
         // A quantized "constant" (never produced by the planner) gets weight data.
         (_, Fill::Constant(_)) => quantized(ty, 0.02, buf, rng),
+        // Row by row, from the first (`write` passes each chunk's first row).
+        (_, Fill::Embedding { .. } | Fill::Context { .. }) => {
+            super::router::fill_rows(ty, &what, 0, buf, rng)
+        }
         (_, Fill::Weight { std }) => quantized(ty, std, buf, rng),
         // Routers are planned as f32; any other type gets plain weights.
         (_, Fill::Router { std, .. }) => fill(ty, Fill::Weight { std }, buf, rng),

@@ -6,6 +6,8 @@
 mod fill;
 mod metadata;
 mod plan;
+mod quantize;
+mod router;
 
 use std::collections::HashMap;
 use std::io::{self, Write};
@@ -18,6 +20,7 @@ pub use fill::{f16_to_f32, f32_to_f16, Fill};
 pub use plan::{
     plan, plan_request, plan_with_weight_type, LlamaShape, MoeSpec, SynthPlan, SynthRequest,
 };
+pub use router::{embedding_spread, ContextAttention, ContextTensor, RouterLocality};
 
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufWriteError, GgufWriter, NewTensor};
@@ -59,6 +62,14 @@ pub enum SynthError {
     Unsupported(String),
     #[error("requested {requested} bytes, but the smallest model of this shape takes {minimum}")]
     TooSmall { requested: u64, minimum: u64 },
+    #[error("router locality: {0}")]
+    Locality(String),
+    #[error(
+        "router locality writes {tensor} with chosen values, which synth writes in F32, F16, \
+         BF16, Q8_0, Q4_0 or Q4_1 (Q8_0, F16, F32 or BF16 for the embedding), not {ty}; \
+         give --type Q8_0"
+    )]
+    LocalityType { tensor: String, ty: GgmlType },
     #[error("writing the model: {0}")]
     Write(#[from] GgufWriteError),
     #[error("I/O error: {0}")]
@@ -147,10 +158,15 @@ pub fn write<W: Write>(
             continue;
         }
         let mut rng = SmallRng::seed_from_u64(tensor_seed(seed, &new.name));
-        // Whole blocks per chunk, so each chunk is valid data on its own. A router's
-        // rows share one random ranking, so it is made in one piece (it is small:
-        // n_embd x experts floats).
-        let block = new.ggml_type.type_size() as usize;
+        // Whole blocks per chunk, so each chunk is valid data on its own; whole rows
+        // for a tensor whose rows are made one by one. A router's rows share one
+        // random ranking, so it is made in one piece (it is small: n_embd x experts
+        // floats).
+        let block = match router::row_len(&what) {
+            Some(len) => new.ggml_type.tensor_bytes(&[u64::from(len)]).unwrap_or(1),
+            None => new.ggml_type.type_size(),
+        }
+        .max(1) as usize;
         let step = match what {
             Fill::Router { .. } => (placed.size as usize).max(1),
             _ => (CHUNK / block).max(1) * block,
@@ -161,7 +177,13 @@ pub fn write<W: Write>(
             if buf.len() < n {
                 buf.resize(n, 0);
             }
-            fill::fill(new.ggml_type, what, &mut buf[..n], &mut rng);
+            let first_row = (placed.size - left) / block as u64;
+            match router::row_len(&what) {
+                Some(_) => {
+                    router::fill_rows(new.ggml_type, &what, first_row, &mut buf[..n], &mut rng)
+                }
+                None => fill::fill(new.ggml_type, what, &mut buf[..n], &mut rng),
+            }
             writer.write_data(&buf[..n])?;
             left -= n as u64;
             done += n as u64;

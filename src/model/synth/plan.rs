@@ -10,6 +10,7 @@ use rand::SeedableRng;
 
 use super::fill::{self, Fill};
 use super::metadata::{llama_file_type, metadata, same_type};
+use super::router::{self, ContextAttention, RouterLocality};
 use super::{SynthError, TensorOrder};
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufFile, GgufValue, GgufWriter, NewTensor};
@@ -144,6 +145,9 @@ pub struct MoeSpec {
     /// pick one tend to pick the other, as in trained routers (inter-layer expert
     /// affinity).
     pub affinity: f32,
+    /// Routing that follows the text, token and recent context (`router`); `None`
+    /// picks nearly independently from token to token.
+    pub locality: Option<RouterLocality>,
 }
 
 impl MoeSpec {
@@ -184,7 +188,7 @@ impl MoeSpec {
                 self.affinity
             )));
         }
-        Ok(())
+        self.locality.as_ref().map_or(Ok(()), RouterLocality::check)
     }
 }
 
@@ -652,7 +656,16 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     )?;
     let n_params = shape.n_params(&globals, &layer);
 
-    let (mut tensors, fills) = tensors_in_exec_order(&shape, &globals, &layer, moe);
+    let context = moe
+        .and_then(|moe| moe.locality)
+        .map(|locality| context_attention(small, &shape, locality))
+        .transpose()?;
+    let (mut tensors, fills) = tensors_in_exec_order(&shape, &globals, &layer, moe, context);
+    for tensor in &tensors {
+        if let Some(what) = fills.get(&tensor.name) {
+            router::check_type(&tensor.name, tensor.ggml_type, what)?;
+        }
+    }
 
     match order {
         TensorOrder::Exec => {}
@@ -682,6 +695,33 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     })
 }
 
+/// What a locality router's tensors are built for: `shape`, and the small model's
+/// rotary base (its RoPE angles; a model that rescales them is refused).
+fn context_attention(
+    small: &GgufFile,
+    shape: &LlamaShape,
+    locality: RouterLocality,
+) -> Result<ContextAttention, SynthError> {
+    if small.get("llama.rope.scaling.type").is_some() || small.tensor("rope_freqs.weight").is_some()
+    {
+        return Err(SynthError::Locality(
+            "the model rescales its rotary angles, which the recency windows are built on".into(),
+        ));
+    }
+    let narrow = |n: u64| u32::try_from(n).map_err(|_| SynthError::Unsupported(format!("{n}")));
+    Ok(ContextAttention {
+        locality,
+        n_embd: narrow(shape.n_embd)?,
+        n_head: narrow(shape.n_head)?,
+        n_head_kv: narrow(shape.n_head_kv)?,
+        head_dim: narrow(shape.head_dim)?,
+        rope_base: small
+            .get("llama.rope.freq_base")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(10_000.0) as f32,
+    })
+}
+
 /// Gives every quantized tensor `weight_type` (a quantized type the filler supports).
 fn retype_quantized(
     weight_type: GgmlType,
@@ -708,12 +748,16 @@ fn tensors_in_exec_order(
     globals: &[Role],
     layer: &[Role],
     moe: Option<MoeSpec>,
+    context: Option<ContextAttention>,
 ) -> (Vec<NewTensor>, HashMap<String, Fill>) {
     let mut tensors = Vec::new();
     let mut fills = HashMap::new();
     let mut add = |name: String, role: &str, layer: u32, ggml_type: GgmlType| {
         let dims = shape.dims(role).unwrap_or_default();
-        let what = if role.contains("norm") || role.starts_with("rope_freqs") {
+        let locality = context.and_then(|context| router::fill_for(role, layer, &context));
+        let what = if let Some(what) = locality {
+            what
+        } else if role.contains("norm") || role.starts_with("rope_freqs") {
             Fill::Constant(1.0)
         } else if role == "ffn_gate_inp.weight" {
             Fill::Router {
