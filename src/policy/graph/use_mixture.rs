@@ -88,6 +88,10 @@ pub(super) struct UseMixture {
     /// Per layer, the mixture's weights (summing to 1).
     weights: Vec<[f64; PREDICTORS]>,
     ages: Vec<AgeTable>,
+    /// Per group, `mixed` as of the last change: every input to it changes only in
+    /// `close_token` and `seed`, while eviction asks for it for every resident expert
+    /// block on every victim it picks.
+    probabilities: Vec<f64>,
     /// Per memory, the factor a token of observation keeps of the counts.
     keep: [f64; MEMORIES],
     /// Per memory, the prior's weight in tokens.
@@ -113,6 +117,8 @@ impl UseMixture {
             slot,
             weights: vec![INITIAL_WEIGHTS; distinct.len()],
             ages: vec![AgeTable::default(); distinct.len()],
+            // Before any observation every predictor says the prior.
+            probabilities: vec![prior.clamp(0.0, 1.0); layers.len()],
             keep: HALF_LIVES.map(|half_life| 0.5f64.powf(1.0 / half_life)),
             prior_weight: HALF_LIVES.map(prior_tokens),
             prior,
@@ -155,6 +161,14 @@ impl UseMixture {
 
     /// The mixture's estimate of the chance the next token uses `group`.
     pub(super) fn probability(&self, group: u32) -> f64 {
+        self.probabilities
+            .get(group as usize)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// The mixed estimate from the current weights and counts.
+    fn mixed(&self, group: u32) -> f64 {
         let Some(&slot) = self.slot.get(group as usize) else {
             return 0.0;
         };
@@ -238,6 +252,10 @@ impl UseMixture {
             }
         }
         self.tokens += 1;
+        // Weights and ages moved for every group, not only the observed ones.
+        for group in 0..self.probabilities.len() {
+            self.probabilities[group] = self.mixed(group as u32);
+        }
     }
 
     /// Starts `group`'s memories from an earlier run's `uses` in `tokens`: each memory
@@ -254,6 +272,7 @@ impl UseMixture {
             counts.exposure[m] = remembered;
             counts.uses[m] = uses / tokens * remembered;
         }
+        self.probabilities[group as usize] = self.mixed(group);
     }
 }
 
@@ -380,6 +399,27 @@ mod tests {
         assert!(mixture.probability(0) > 0.8);
         assert!((mixture.probability(1) - 0.25).abs() < 1e-9, "the prior");
         assert_eq!(mixture.probability(9), 0.0);
+    }
+
+    #[test]
+    fn the_kept_estimate_is_the_mixture_of_the_current_counts() {
+        let mut rng = SmallRng::seed_from_u64(3);
+        let mut mixture = UseMixture::new(&[0, 0, 0, 1, 1], 0.4);
+        mixture.seed(3, 30.0, 40.0);
+        for _ in 0..50 {
+            // Some groups unobserved in some tokens: their estimate still moves with
+            // their layer's weights.
+            let mut outcomes = Vec::new();
+            for group in 0..5 {
+                if rng.gen::<f64>() < 0.7 {
+                    outcomes.push((group, rng.gen::<f64>() < 0.3));
+                }
+            }
+            mixture.close_token(outcomes);
+            for group in 0..5 {
+                assert_eq!(mixture.probability(group), mixture.mixed(group));
+            }
+        }
     }
 
     #[test]
