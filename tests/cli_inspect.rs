@@ -24,7 +24,7 @@ fn inspect_prints_the_model_for_people_and_as_json() {
     let text = String::from_utf8(text.stdout).unwrap();
     // The graph's source in words, and no table of equal ranks for a dense model.
     assert!(
-        text.contains("(llama execution order, from the GGUF tensor names)"),
+        text.contains("(llama-family execution order, from the GGUF tensor names)"),
         "{text}"
     );
     assert!(!text.contains("Architecture("), "{text}");

@@ -96,7 +96,11 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         print_tensor_table(&tensors, split);
     }
     print_sizes(&all_tensors);
-    print_experts(&graph, weights);
+    print_experts(
+        &graph,
+        weights,
+        files.first().and_then(ModelFile::shared_experts),
+    );
     if let (Some(stats), Some(trace)) = (&routing, &args.trace) {
         print_routing(trace, stats);
     }
@@ -144,8 +148,13 @@ fn print_header(
     } else {
         format!("a {} file", format_size(file_len))
     };
+    let architecture = files
+        .first()
+        .and_then(ModelFile::architecture)
+        .map(|arch| format!(", architecture {arch}"))
+        .unwrap_or_default();
     println!(
-        "{}: {tensor_count} tensors, {} of weights in {holder}, graph of {} nodes ({})",
+        "{}: {tensor_count} tensors, {} of weights in {holder}{architecture}, graph of {} nodes ({})",
         model.display(),
         format_size(weights),
         graph.graph().node_count(),
@@ -193,12 +202,14 @@ fn json_summary(
         json!({
             "per_layer": experts.experts_per_layer(),
             "used_per_token": experts.used_per_token(),
+            "shared_per_layer": files.first().and_then(ModelFile::shared_experts),
             "routed_bytes": routed,
         })
     });
     let mut summary = json!({
         "model": args.model,
         "files": files.iter().map(|file| json!({"path": file.path, "size": file.file_len})).collect::<Vec<_>>(),
+        "architecture": files.first().and_then(ModelFile::architecture),
         "tensors": all.len(),
         "weights_bytes": weights,
         "graph": {
@@ -529,7 +540,7 @@ fn percent(figure: Option<Spread>) -> String {
 /// The routed experts as the pager sees them: how many per layer and per token, the
 /// size of an expert's slices against the block, and the bytes one token reads: every
 /// tensor outside the experts plus the used share of them (the model's sparsity).
-fn print_experts(graph: &ModelGraph, weights: u64) {
+fn print_experts(graph: &ModelGraph, weights: u64, shared: Option<u32>) {
     let experts = graph.experts();
     if experts.is_empty() {
         return;
@@ -572,6 +583,12 @@ fn print_experts(graph: &ModelGraph, weights: u64) {
         format_size(expert_bytes),
         expert_bytes as f64 * 100.0 / weights.max(1) as f64
     );
+    if let Some(shared) = shared {
+        println!(
+            "{shared} shared expert(s) per layer besides, run by every token: paged as the \
+             layer's attention is, not as routed experts"
+        );
+    }
     println!(
         "an expert's slice is {} to {} ({:.2} to {:.2} blocks of {}); one token reads about {} \
          ({:.1} % of the weights): the tensors every token reads and its experts",

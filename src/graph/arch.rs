@@ -48,8 +48,23 @@ const LAYER_ORDER: &[&str] = &[
     "attn_k",
     "attn_k_norm",
     "attn_v",
+    // DeepSeek's latent attention (MLA): the query through its low-rank pair, the
+    // compressed key-value projection and its expansion.
+    "attn_q_a",
+    "attn_q_a_norm",
+    "attn_q_b",
+    "attn_kv_a_mqa",
+    "attn_kv_a_norm",
+    "attn_kv_b",
+    "attn_k_b",
+    "attn_v_b",
+    // gpt-oss: a learned sink logit per head, read by the attention's softmax.
+    "attn_sinks",
     "attn_output",
     "attn_post_norm",
+    // llama.cpp's name for the norm after attention (gemma's), which gpt-oss and
+    // glm4moe put before their experts in place of ffn_norm.
+    "post_attention_norm",
     "ffn_norm",
     "ffn_gate_inp",
     "exp_probs_b",

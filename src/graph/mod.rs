@@ -85,10 +85,10 @@ impl std::fmt::Display for GraphSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             GraphSource::Architecture(Architecture::LlamaGguf) => {
-                "llama execution order, from the GGUF tensor names"
+                "llama-family execution order, from the GGUF tensor names"
             }
             GraphSource::Architecture(Architecture::LlamaHf) => {
-                "llama execution order, from the Hugging Face tensor names"
+                "llama-family execution order, from the Hugging Face tensor names"
             }
             GraphSource::Architecture(Architecture::FileOrder) => {
                 "file order: no architecture recognised in the tensor names"

@@ -119,6 +119,26 @@ impl ModelFile {
         u32::try_from(used).ok().filter(|&used| used > 0)
     }
 
+    /// The GGUF `general.architecture` (`llama`, `qwen3moe`, `gpt-oss`...); `None` for
+    /// safetensors, which does not say.
+    pub fn architecture(&self) -> Option<&str> {
+        match &self.format {
+            ModelFormat::Gguf(gguf) => gguf.architecture(),
+            ModelFormat::Safetensors(_) => None,
+        }
+    }
+
+    /// Shared experts per layer (`<arch>.expert_shared_count`: DeepSeek's and GLM's
+    /// `ffn_*_shexp`, which every token runs), when the file says.
+    pub fn shared_experts(&self) -> Option<u32> {
+        let ModelFormat::Gguf(gguf) = &self.format else {
+            return None;
+        };
+        let arch = gguf.architecture()?;
+        let shared = gguf.get_u64(&format!("{arch}.expert_shared_count"))?;
+        u32::try_from(shared).ok().filter(|&shared| shared > 0)
+    }
+
     fn open_inner(path: &Path) -> Result<ModelFile, ModelErrorKind> {
         let mut file = File::open(path)?;
         let file_len = file.metadata()?.len();
