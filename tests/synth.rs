@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
 use hyperoffload::model::synth::{
-    self, f16_to_f32, MoeSpec, RouterLocality, SynthRequest, TensorOrder,
+    self, f16_to_f32, MoeSpec, RouterLocality, SynthArch, SynthRequest, TensorOrder,
 };
 
 const TARGET: u64 = 64 << 20;
@@ -203,6 +203,7 @@ fn moe_request(target: u64, experts: u64, used: u64, ff_ratio: Option<f64>) -> S
             affinity: 0.0,
             locality: None,
         }),
+        arch: SynthArch::Llama,
     }
 }
 

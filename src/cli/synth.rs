@@ -11,7 +11,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
-use hyperoffload::model::synth::{self, MoeSpec, RouterLocality, SynthRequest, TensorOrder};
+use hyperoffload::model::synth::{
+    self, MoeSpec, RouterLocality, SynthArch, SynthRequest, TensorOrder,
+};
 use hyperoffload::size::{format_size, parse_size};
 
 /// Write a llama model of about SIZE bytes shaped like a small one: more and wider
@@ -74,6 +76,31 @@ pub struct SynthArgs {
     /// token (the preset's: 14). Needs Q8_0, Q4_0, Q4_1 or float attention weights.
     #[arg(long, requires = "experts", default_value = "off", value_parser = locality_arg)]
     router_locality: Locality,
+    /// The architecture of the new model: `llama` (the small model's, dense or with
+    /// Mixtral's experts), or a mixture of experts as another family lays it out, with
+    /// the tensors and keys llama.cpp requires of it: `qwen3moe` (per-head query and
+    /// key norms), `gpt-oss` (biases on the attention output, router and experts,
+    /// attention sinks, sliding-window layers, an untied output head). Those need
+    /// --experts and no --router-locality.
+    #[arg(long, value_enum, default_value_t = Arch::Llama)]
+    arch: Arch,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Arch {
+    Llama,
+    Qwen3moe,
+    GptOss,
+}
+
+impl From<Arch> for SynthArch {
+    fn from(arch: Arch) -> Self {
+        match arch {
+            Arch::Llama => SynthArch::Llama,
+            Arch::Qwen3moe => SynthArch::Qwen3Moe,
+            Arch::GptOss => SynthArch::GptOss,
+        }
+    }
 }
 
 /// `--router-locality`: `None` for `off` (clap reads an `Option` field as optional).
@@ -137,6 +164,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             affinity: args.router_affinity,
             locality: args.router_locality.0,
         }),
+        arch: args.arch.into(),
     };
     let plan = synth::plan_request(&small, &request).with_context(|| {
         format!(

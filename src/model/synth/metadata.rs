@@ -1,6 +1,7 @@
-//! The metadata of a synthetic llama model: the small model's keys, with the
-//! dimensions, parameter count and file type of the new one.
+//! The metadata of a synthetic model: the small model's keys, with the dimensions,
+//! parameter count, file type and architecture of the new one.
 
+use super::arch::SynthArch;
 use super::plan::LlamaShape;
 use crate::model::ggml_type::GgmlType;
 use crate::model::gguf::{GgufFile, GgufValue};
@@ -40,6 +41,7 @@ pub(super) fn metadata(
     small: &GgufFile,
     shape: &LlamaShape,
     n_params: u64,
+    arch: SynthArch,
 ) -> Vec<(String, GgufValue)> {
     let mut overrides: Vec<(&str, u64)> = vec![
         ("llama.block_count", shape.n_layer),
@@ -65,6 +67,7 @@ pub(super) fn metadata(
                         size_label(n_params)
                     )),
                     "general.size_label" => GgufValue::string(size_label(n_params)),
+                    "general.architecture" => GgufValue::string(arch.name()),
                     _ => value.clone(),
                 },
             };
@@ -79,6 +82,19 @@ pub(super) fn metadata(
     for key in ["llama.rope.dimension_count"] {
         if small.get(key).is_none() {
             out.push((key.to_string(), GgufValue::U32(shape.head_dim as u32)));
+        }
+    }
+    // Another architecture reads the same keys under its own name.
+    let prefix = format!("{}.", arch.name());
+    for (key, _) in &mut out {
+        if let Some(rest) = key.strip_prefix("llama.") {
+            *key = format!("{prefix}{rest}");
+        }
+    }
+    for (key, value) in arch.extra_metadata(shape) {
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, old)) => *old = value,
+            None => out.push((key, value)),
         }
     }
     out

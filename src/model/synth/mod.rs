@@ -3,6 +3,7 @@
 //! the same quantization types, so llama.cpp loads and runs them. They stand in for
 //! models larger than RAM in tests and benchmarks.
 
+mod arch;
 mod fill;
 mod metadata;
 mod plan;
@@ -16,6 +17,7 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 use thiserror::Error;
 
+pub use arch::SynthArch;
 pub use fill::{f16_to_f32, f32_to_f16, Fill};
 pub use plan::{
     plan, plan_request, plan_with_weight_type, LlamaShape, MoeSpec, SynthPlan, SynthRequest,

@@ -8,6 +8,7 @@ use std::io;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
+use super::arch::SynthArch;
 use super::fill::{self, Fill};
 use super::metadata::{llama_file_type, metadata, same_type};
 use super::router::{self, ContextAttention, RouterLocality};
@@ -58,6 +59,15 @@ impl LlamaShape {
             "ffn_down_exps.weight" if self.n_expert > 0 => {
                 vec![self.n_ff, self.n_embd, self.n_expert]
             }
+            // Other architectures' (`arch`).
+            "attn_q_norm.weight" | "attn_k_norm.weight" => vec![self.head_dim],
+            "attn_sinks.weight" => vec![self.n_head],
+            "post_attention_norm.weight" => vec![self.n_embd],
+            "ffn_gate_inp.bias" if self.n_expert > 0 => vec![self.n_expert],
+            "ffn_gate_exps.bias" | "ffn_up_exps.bias" if self.n_expert > 0 => {
+                vec![self.n_ff, self.n_expert]
+            }
+            "ffn_down_exps.bias" if self.n_expert > 0 => vec![self.n_embd, self.n_expert],
             _ => return None,
         })
     }
@@ -71,9 +81,9 @@ impl LlamaShape {
 
 /// A kind of tensor of the small model, with its type (per small layer, for layers).
 #[derive(Debug, Clone)]
-struct Role {
-    name: String,
-    types: Vec<GgmlType>,
+pub(super) struct Role {
+    pub(super) name: String,
+    pub(super) types: Vec<GgmlType>,
 }
 
 /// The llama execution order of a layer's tensors (biases follow their weights).
@@ -81,22 +91,30 @@ const EXEC_ORDER: &[&str] = &[
     "attn_norm.weight",
     "attn_q.weight",
     "attn_q.bias",
+    "attn_q_norm.weight",
     "attn_k.weight",
     "attn_k.bias",
+    "attn_k_norm.weight",
     "attn_v.weight",
     "attn_v.bias",
+    "attn_sinks.weight",
     "attn_output.weight",
     "attn_output.bias",
     "ffn_norm.weight",
+    "post_attention_norm.weight",
     "ffn_gate_inp.weight",
+    "ffn_gate_inp.bias",
     "ffn_gate.weight",
     "ffn_gate_exps.weight",
+    "ffn_gate_exps.bias",
     "ffn_gate.bias",
     "ffn_up.weight",
     "ffn_up_exps.weight",
+    "ffn_up_exps.bias",
     "ffn_up.bias",
     "ffn_down.weight",
     "ffn_down_exps.weight",
+    "ffn_down_exps.bias",
     "ffn_down.bias",
 ];
 /// The tensors every llama layer has.
@@ -203,6 +221,8 @@ pub struct SynthRequest {
     pub weight_type: Option<GgmlType>,
     /// Experts in place of dense feed-forward networks.
     pub moe: Option<MoeSpec>,
+    /// The architecture written (llama: the small model's).
+    pub arch: SynthArch,
 }
 
 /// Everything needed to write the synthetic model.
@@ -596,6 +616,7 @@ pub fn plan_with_weight_type(
             seed,
             weight_type,
             moe: None,
+            arch: SynthArch::Llama,
         },
     )
 }
@@ -631,14 +652,17 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         seed,
         weight_type,
         moe,
+        arch,
     } = request;
     let (mut small_shape, mut globals, mut layer) = small_model(small)?;
+    arch.check(moe.as_ref())?;
     if let Some(moe) = moe {
         moe.check()?;
         expert_layer(&mut layer, small_shape.n_layer as usize);
         small_shape.n_expert = moe.experts;
         small_shape.n_expert_used = moe.used;
     }
+    arch.adapt_roles(&mut globals, &mut layer, small_shape.n_layer as usize);
     if let Some(weight_type) = weight_type {
         retype_quantized(weight_type, &mut globals, &mut layer)?;
     }
@@ -674,7 +698,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
     }
 
-    let mut metadata = metadata(small, &shape, n_params);
+    let mut metadata = metadata(small, &shape, n_params, arch);
     if let Some(file_type) = weight_type.and_then(llama_file_type) {
         // llama.cpp labels the model by it (llama-bench's "Q8_0").
         if let Some((_, value)) = metadata.iter_mut().find(|(k, _)| k == "general.file_type") {
@@ -759,6 +783,10 @@ fn tensors_in_exec_order(
             what
         } else if role.contains("norm") || role.starts_with("rope_freqs") {
             Fill::Constant(1.0)
+        } else if role == "attn_sinks.weight" {
+            // A sink logit of 0: the softmax's denominator gains exp(0), as an extra
+            // key with a score of 0 would give.
+            Fill::Constant(0.0)
         } else if role == "ffn_gate_inp.weight" {
             Fill::Router {
                 std: 1.0 / (shape.n_embd.max(1) as f32).sqrt(),

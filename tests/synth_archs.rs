@@ -1,0 +1,160 @@
+//! The mixtures of experts people run, as `hyperoffload synth --arch` writes them
+//! (issue 42): each loads and decodes in unmodified llama.cpp under its own
+//! architecture (llama.cpp refuses a file with a tensor its loader does not claim, or
+//! without one it needs), `inspect` names the architecture and cuts each expert's
+//! slice where llama.cpp's tensor shapes put it, and the greedy text under the pager at
+//! a quarter of the model is the text without it, within the budget.
+//!
+//! The binaries and the small model come from tools/build-llama.sh and
+//! tools/fetch-model.sh, as for the other llama tests.
+
+mod common;
+mod shim_support;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::TempDir;
+use hyperoffload::model::gguf::GgufFile;
+use shim_support::llama::*;
+use shim_support::*;
+
+const EXPERTS: u64 = 16;
+const USED: u64 = 2;
+
+fn hyperoffload() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_hyperoffload"))
+}
+
+/// Writes a Q8_0 mixture of experts of `arch` like `small`, about 192 MiB.
+fn synth_arch(small: &Path, model: &Path, arch: &str) {
+    let synth = hyperoffload()
+        .args(["synth", "--like"])
+        .arg(small)
+        .args(["--size", "192M", "--type", "Q8_0", "--arch", arch])
+        .args(["--experts", &EXPERTS.to_string()])
+        .args(["--experts-used", &USED.to_string()])
+        .arg("--out")
+        .arg(model)
+        .output()
+        .unwrap();
+    assert_success(&synth, &format!("synth --arch {arch}"));
+}
+
+/// `inspect --json` names `arch`, and its routed experts are exactly the merged expert
+/// tensors' bytes, `EXPERTS` a layer, as llama.cpp's shapes (ne2 = experts) give them.
+fn check_inspect(model: &Path, arch: &str) {
+    let gguf = GgufFile::open(model).unwrap();
+    assert_eq!(gguf.architecture(), Some(arch));
+    let experts_key = format!("{arch}.expert_count");
+    assert_eq!(gguf.get_u64(&experts_key), Some(EXPERTS), "{experts_key}");
+    let mut merged_bytes = 0;
+    for tensor in gguf
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("_exps.weight"))
+    {
+        assert_eq!(tensor.dims.len(), 3, "{}: {:?}", tensor.name, tensor.dims);
+        assert_eq!(
+            tensor.dims[2], EXPERTS,
+            "{}: {:?}",
+            tensor.name, tensor.dims
+        );
+        merged_bytes += tensor.ggml_type.tensor_bytes(&tensor.dims).unwrap();
+    }
+    assert!(
+        merged_bytes > 0,
+        "no merged expert tensors in the {arch} file"
+    );
+    let inspect = hyperoffload()
+        .arg("inspect")
+        .arg(model)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_success(&inspect, "inspect --json");
+    let json: serde_json::Value = serde_json::from_str(&stdout(&inspect)).unwrap();
+    assert_eq!(json["architecture"], arch, "{json}");
+    assert_eq!(json["experts"]["per_layer"], EXPERTS, "{json}");
+    assert_eq!(json["experts"]["used_per_token"], USED, "{json}");
+    assert_eq!(json["experts"]["routed_bytes"], merged_bytes, "{json}");
+    // Every tensor the architecture adds has its place in a layer, not after it.
+    let order: Vec<&str> = json["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|step| step.as_str())
+        .collect();
+    let position = |name: &str| order.iter().position(|step| step.starts_with(name));
+    let first_expert = position("blk.0.ffn_gate_exps").unwrap_or_else(|| panic!("{order:?}"));
+    let added: &[&str] = match arch {
+        "qwen3moe" => &["blk.0.attn_q_norm", "blk.0.attn_k_norm"],
+        _ => &["blk.0.attn_sinks", "blk.0.post_attention_norm"],
+    };
+    for name in added {
+        let at = position(name).unwrap_or_else(|| panic!("{name} not in {order:?}"));
+        assert!(
+            at < first_expert,
+            "{name} at {at}, after the experts: {order:?}"
+        );
+    }
+}
+
+fn same_text_under_the_pager(arch: &str) {
+    let Some((bin, small)) = llama_and_model() else {
+        return;
+    };
+    let dir = TempDir::new(&format!("synth-arch-{arch}"));
+    let model = dir.path("moe.gguf");
+    synth_arch(&small, &model, arch);
+    check_inspect(&model, arch);
+
+    let completion = bin.join("llama-completion");
+    let args = greedy_completion_args(&model, 24);
+    // llama.cpp loads a file by its `general.architecture` and refuses one whose
+    // tensors are not exactly what that architecture's loader claims.
+    let plain = Command::new(&completion).args(&args).output().unwrap();
+    assert_success(&plain, &format!("llama-completion on the {arch} model"));
+    let expected = stdout(&plain);
+    assert!(!expected.trim().is_empty(), "no text from the {arch} model");
+
+    let stats = dir.path("stats.json");
+    let paged = launcher()
+        .args(["--budget", "25%", "--stats"])
+        .arg(&stats)
+        .arg("--")
+        .arg(&completion)
+        .args(&args)
+        .output()
+        .unwrap();
+    assert_success(&paged, &format!("{arch} under the pager"));
+    assert_eq!(
+        stdout(&paged),
+        expected,
+        "{arch}: different text under the pager"
+    );
+    let json = read_stats(&stats);
+    let model_size = std::fs::metadata(&model).unwrap().len();
+    let budget = json["budget_bytes"].as_u64().unwrap();
+    assert!(budget <= model_size / 4 + (4 << 20), "{json}");
+    assert!(
+        json["peak_resident_bytes"].as_u64().unwrap() <= budget,
+        "{json}"
+    );
+    // The model was paged, not read once: a quarter of it cannot hold a pass.
+    assert!(json["bytes_read"].as_u64().unwrap() > model_size, "{json}");
+    assert!(
+        json["watch_faults"].as_u64().unwrap() > 0,
+        "experts not watched: {json}"
+    );
+}
+
+#[test]
+fn a_qwen3moe_model_decodes_the_same_text_under_the_pager() {
+    same_text_under_the_pager("qwen3moe");
+}
+
+#[test]
+fn a_gpt_oss_model_decodes_the_same_text_under_the_pager() {
+    same_text_under_the_pager("gpt-oss");
+}
