@@ -39,6 +39,10 @@ pub struct SynthArgs {
     /// model's.
     #[arg(long = "type", value_parser = weight_type_arg)]
     weight_type: Option<GgmlType>,
+    /// Quantization type of the merged expert tensors alone (with --experts), after
+    /// --type: e.g. MXFP4 experts in a Q8_0 model, as gpt-oss is released, or Q4_K.
+    #[arg(long, requires = "experts", value_parser = weight_type_arg)]
+    expert_type: Option<GgmlType>,
     /// Seed of the random weights (and of the shuffled order).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -153,6 +157,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         order: args.order.into(),
         seed: args.seed,
         weight_type: args.weight_type,
+        expert_type: args.expert_type,
         moe: args.experts.map(|experts| MoeSpec {
             experts,
             used: args.experts_used,

@@ -219,6 +219,9 @@ pub struct SynthRequest {
     pub seed: u64,
     /// The type of every quantized weight, in place of the small model's.
     pub weight_type: Option<GgmlType>,
+    /// The type of the merged expert tensors alone (after `weight_type`), as released
+    /// mixtures of experts have theirs (gpt-oss: MXFP4 experts, the rest 8-bit).
+    pub expert_type: Option<GgmlType>,
     /// Experts in place of dense feed-forward networks.
     pub moe: Option<MoeSpec>,
     /// The architecture written (llama: the small model's).
@@ -615,6 +618,7 @@ pub fn plan_with_weight_type(
             order,
             seed,
             weight_type,
+            expert_type: None,
             moe: None,
             arch: SynthArch::Llama,
         },
@@ -651,6 +655,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         order,
         seed,
         weight_type,
+        expert_type,
         moe,
         arch,
     } = request;
@@ -665,6 +670,22 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     arch.adapt_roles(&mut globals, &mut layer, small_shape.n_layer as usize);
     if let Some(weight_type) = weight_type {
         retype_quantized(weight_type, &mut globals, &mut layer)?;
+    }
+    if let Some(expert_type) = expert_type {
+        if moe.is_none() {
+            return Err(SynthError::Unsupported(
+                "an expert type without experts: give --experts".into(),
+            ));
+        }
+        if !expert_type.is_quantized() || !fill::supported(expert_type) {
+            return Err(SynthError::UnsupportedType(expert_type));
+        }
+        for role in layer
+            .iter_mut()
+            .filter(|role| role.name.ends_with("_exps.weight"))
+        {
+            role.types.fill(expert_type);
+        }
     }
     // The header: metadata as in the small model, plus about 100 bytes per tensor.
     let header_guess = small
@@ -699,7 +720,12 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     }
 
     let mut metadata = metadata(small, &shape, n_params, arch);
-    if let Some(file_type) = weight_type.and_then(llama_file_type) {
+    let file_type = match expert_type {
+        // LLAMA_FTYPE_MOSTLY_MXFP4_MOE, as llama-quantize labels gpt-oss's.
+        Some(GgmlType::Mxfp4) => Some(38),
+        _ => weight_type.and_then(llama_file_type),
+    };
+    if let Some(file_type) = file_type {
         // llama.cpp labels the model by it (llama-bench's "Q8_0").
         if let Some((_, value)) = metadata.iter_mut().find(|(k, _)| k == "general.file_type") {
             *value = same_type(Some(value), file_type);
