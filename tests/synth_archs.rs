@@ -4,7 +4,7 @@
 //! without one it needs), `inspect` names the architecture and cuts each expert's
 //! slice where llama.cpp's tensor shapes put it, and the greedy text under the pager at
 //! a quarter of the model is the text without it, within the budget. gpt-oss's experts
-//! are MXFP4, as released.
+//! are MXFP4, as released; both files are in the order Hugging Face conversion writes.
 //!
 //! The binaries and the small model come from tools/build-llama.sh and
 //! tools/fetch-model.sh, as for the other llama tests.
@@ -28,13 +28,18 @@ fn hyperoffload() -> Command {
 }
 
 /// Writes a Q8_0 mixture of experts of `arch` like `small`, about 192 MiB, its experts
-/// of `expert_type`.
+/// of `expert_type`, in Hugging Face's tensor order.
 fn synth_arch(small: &Path, model: &Path, arch: &str, expert_type: &str) {
     let synth = hyperoffload()
         .args(["synth", "--like"])
         .arg(small)
         .args(["--size", "192M", "--type", "Q8_0", "--arch", arch])
         .args(["--expert-type", expert_type])
+        // Hugging Face's order: layers 0, 1, 10, 11..., inside a layer the experts
+        // before the attention (gpt-oss: every layer's experts first).
+        .args(["--order", "hf"])
+        // Fine-grained experts, as both families have: more layers (18) in the size.
+        .args(["--expert-ff-ratio", "0.5"])
         .args(["--experts", &EXPERTS.to_string()])
         .args(["--experts-used", &USED.to_string()])
         .arg("--out")
@@ -49,6 +54,9 @@ fn synth_arch(small: &Path, model: &Path, arch: &str, expert_type: &str) {
 fn check_inspect(model: &Path, arch: &str, expert_type: &str) {
     let gguf = GgufFile::open(model).unwrap();
     assert_eq!(gguf.architecture(), Some(arch));
+    let position = |name: &str| gguf.tensors.iter().position(|t| t.name == name).unwrap();
+    assert!(position("blk.10.attn_q.weight") < position("blk.2.attn_q.weight"));
+    assert!(position("blk.2.ffn_down_exps.weight") < position("blk.2.attn_q.weight"));
     let experts_key = format!("{arch}.expert_count");
     assert_eq!(gguf.get_u64(&experts_key), Some(EXPERTS), "{experts_key}");
     let mut merged_bytes = 0;

@@ -127,6 +127,10 @@ enum Order {
     Alphabetical,
     /// A random permutation.
     Shuffled,
+    /// As llama.cpp's converter writes a Hugging Face checkpoint: checkpoint names
+    /// sorted as strings (`blk.10` before `blk.2`; in a layer the experts before the
+    /// attention), gpt-oss's experts first.
+    Hf,
 }
 
 impl From<Order> for TensorOrder {
@@ -136,6 +140,7 @@ impl From<Order> for TensorOrder {
             Order::File => TensorOrder::File,
             Order::Alphabetical => TensorOrder::Alphabetical,
             Order::Shuffled => TensorOrder::Shuffled,
+            Order::Hf => TensorOrder::Hf,
         }
     }
 }

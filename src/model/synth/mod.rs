@@ -5,6 +5,7 @@
 
 mod arch;
 mod fill;
+mod hf_order;
 mod metadata;
 mod plan;
 mod quantize;
@@ -39,6 +40,9 @@ pub enum TensorOrder {
     Alphabetical,
     /// A random permutation (from the seed).
     Shuffled,
+    /// As llama.cpp's converter writes a Hugging Face checkpoint: by checkpoint name,
+    /// as strings (`hf_order`).
+    Hf,
 }
 
 /// Why a synthetic model could not be made.

@@ -10,6 +10,7 @@ use rand::SeedableRng;
 
 use super::arch::SynthArch;
 use super::fill::{self, Fill};
+use super::hf_order;
 use super::metadata::{llama_file_type, metadata, same_type};
 use super::router::{self, ContextAttention, RouterLocality};
 use super::{SynthError, TensorOrder};
@@ -717,6 +718,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         TensorOrder::File => file_order(small, &mut tensors),
         TensorOrder::Alphabetical => tensors.sort_by(|a, b| a.name.cmp(&b.name)),
         TensorOrder::Shuffled => tensors.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed)),
+        TensorOrder::Hf => hf_order::sort(&mut tensors, arch, shape.n_expert),
     }
 
     let mut metadata = metadata(small, &shape, n_params, arch);
