@@ -354,6 +354,15 @@ mod tests {
             BlockGeometry::new(0, 1, 0),
             Err(GeometryError::ZeroBlockSize)
         );
-        assert!(BlockGeometry::new(0, u64::MAX, 1).is_err());
+        assert_eq!(
+            BlockGeometry::new(0, u64::MAX, 1),
+            Err(GeometryError::TooManyBlocks {
+                data_len: u64::MAX,
+                block_size: 1
+            })
+        );
+        // 2^32 blocks is one too many (block indexes are u32).
+        assert!(BlockGeometry::new(0, 1 << 32, 1).is_err());
+        assert!(BlockGeometry::new(0, u32::MAX as u64, 1).is_ok());
     }
 }

@@ -41,6 +41,7 @@ mod stash;
 pub mod stats;
 pub mod sys;
 pub mod trace;
+pub mod trace_region;
 mod uffd_ext;
 mod wire;
 

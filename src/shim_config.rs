@@ -615,7 +615,11 @@ mod tests {
         let never = read(&[(ENV_SERVE_FORKS, "0")]).unwrap();
         assert!(!never.serve_forks && !never.serve_forks_at_fork);
         assert!(never.to_env().contains(&(ENV_SERVE_FORKS, "0".to_string())));
-        assert!(read(&[(ENV_SERVE_FORKS, "yes")]).is_err());
+        let refused = read(&[(ENV_SERVE_FORKS, "yes")]).unwrap_err();
+        assert_eq!(
+            (refused.var, refused.value.as_str()),
+            (ENV_SERVE_FORKS, "yes")
+        );
         let config = read(&[(ENV_SERVE_FORKS, "1")]).unwrap();
         assert!(config.serve_forks);
         // Blocks are still sized for huge pages: copied into the region's file, 2 MiB
@@ -624,7 +628,6 @@ mod tests {
         assert!(config
             .to_env()
             .contains(&(ENV_SERVE_FORKS, "1".to_string())));
-        assert!(read(&[(ENV_SERVE_FORKS, "yes")]).is_err());
     }
 
     #[test]
@@ -635,10 +638,24 @@ mod tests {
         assert_eq!(BudgetSpec::Bytes(7).resolve(1000, || 1), 7);
         assert_eq!(BudgetSpec::Auto.resolve(1000, || 3), 3);
         assert_eq!(BudgetSpec::parse("auto"), Ok(BudgetSpec::Auto));
-        assert!(BudgetSpec::parse("0").is_err());
-        assert!(BudgetSpec::parse("0%").is_err());
-        assert!(BudgetSpec::parse("101%").is_err());
-        assert!(BudgetSpec::parse("half").is_err());
+        assert_eq!(BudgetSpec::parse("0"), Err(BudgetError::Zero));
+        assert_eq!(BudgetSpec::parse("0M"), Err(BudgetError::Zero));
+        assert_eq!(
+            BudgetSpec::parse("0%"),
+            Err(BudgetError::PercentageRange(0))
+        );
+        assert_eq!(
+            BudgetSpec::parse("101%"),
+            Err(BudgetError::PercentageRange(101))
+        );
+        assert_eq!(
+            BudgetSpec::parse("1.5%"),
+            Err(BudgetError::Percentage("1.5%".into()))
+        );
+        assert!(matches!(
+            BudgetSpec::parse("half"),
+            Err(BudgetError::Size(_))
+        ));
     }
 
     #[test]

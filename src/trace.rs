@@ -221,6 +221,12 @@ impl<R: BufRead> TraceReader<R> {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The number of the line read last (from 1, the metadata and header included):
+    /// after `next`, the line of the record it gave.
+    pub fn line(&self) -> u64 {
+        self.line
+    }
+
     fn next_line(&mut self) -> Result<bool, TraceError> {
         self.buffer.clear();
         self.line += 1;

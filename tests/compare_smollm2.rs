@@ -154,12 +154,7 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
         peak <= budget,
         "kernel cgroup peak {peak} above the budget {budget}"
     );
-    assert!(
-        kernel["program"]["bench"][0]["tokens_per_s"]
-            .as_f64()
-            .unwrap()
-            > 0.0
-    );
+    check_decode_speed(kernel, "kernel");
     // Half the model does not fit: the model is read at least once, cold.
     let kernel_read = kernel["io"]["bytes_read"].as_u64().unwrap();
     assert!(
@@ -184,12 +179,7 @@ fn compare_smollm2_llama_bench_at_half_the_model() {
         pager_read >= model_bytes - budget,
         "pager read {pager_read} < model {model_bytes} - budget {budget}"
     );
-    assert!(
-        pager["program"]["bench"][0]["tokens_per_s"]
-            .as_f64()
-            .unwrap()
-            > 0.0
-    );
+    check_decode_speed(pager, "pager");
     check_pager_reads_are_all_traced(pager);
 
     // The pager run's fault trace: Chrome trace JSON with the documented fields, and
@@ -287,14 +277,39 @@ fn compare_in_a_cgroup_with_an_automatic_budget() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
+/// llama-bench's one test (`-p 0 -n 4`) is tg4, and its speed is that of 4 tokens
+/// generated within the run: at least 4 tokens over the whole run's wall time (which
+/// also loads the model). A figure read from the wrong column or line fails this.
+fn check_decode_speed(run: &serde_json::Value, side: &str) {
+    let bench = run["program"]["bench"]
+        .as_array()
+        .expect("llama-bench's tests");
+    assert_eq!(bench.len(), 1, "{side}: {bench:?}");
+    assert_eq!(bench[0]["test"], "tg4", "{side}: {bench:?}");
+    let tokens_per_s = bench[0]["tokens_per_s"].as_f64().unwrap();
+    let wall_s = run["wall_s"].as_f64().unwrap();
+    assert!(
+        tokens_per_s.is_finite() && tokens_per_s >= 4.0 / wall_s,
+        "{side}: {tokens_per_s} tokens/s, but 4 tokens were generated within a run of {wall_s} s"
+    );
+}
+
 /// With O_DIRECT every byte the pager reads is a block request: the traced reads
 /// cover the pager's own count, its io_uring workers' reads included (before they
 /// were, about 1% of the bytes here went missing, 17% with llama-simple). The
 /// program's own reads through the page cache only add; 0.1% of slack for the rare
-/// request the trace might lose.
+/// request the trace might lose. Without O_DIRECT (the filesystem of the output
+/// directory refused it) the pager's reads may be served from the page cache and
+/// nothing can be checked: the test fails unless skipping is allowed.
 fn check_pager_reads_are_all_traced(pager: &serde_json::Value) {
     let stats = &pager["pager_stats"];
     if stats["direct_io"] != true {
+        let why = format!(
+            "the pager read without O_DIRECT (direct_io {}, fallback {}): its reads cannot \
+             be matched with the traced block requests",
+            stats["direct_io"], stats["direct_io_fallback"]
+        );
+        assert!(allow_skip(&why), "{why}");
         return;
     }
     let pager_read = stats["bytes_read"].as_u64().unwrap();

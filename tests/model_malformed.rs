@@ -381,3 +381,97 @@ fn safetensors_errors() {
         SafetensorsError::Overlap { .. }
     );
 }
+
+/// Headers at and past the size limit, shapes past the dimension limit, names given
+/// twice and text after the object: each refused with its own error. The header is read
+/// entry by entry into the tensor table (no JSON tree of it is built), so a header near
+/// the limit costs about its own size.
+#[test]
+fn safetensors_oversized_and_malformed_headers() {
+    use hyperoffload::model::safetensors::{MAX_DIMS, MAX_HEADER_LEN};
+    let claiming = |len: u64| {
+        let mut bytes = len.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        SafetensorsFile::parse_prefix(&bytes, u64::MAX).unwrap_err()
+    };
+    assert!(matches!(
+        claiming(MAX_HEADER_LEN + 1),
+        SafetensorsError::HeaderTooLarge { len } if len == MAX_HEADER_LEN + 1
+    ));
+    // At the limit it is read, and the prefix given ends first.
+    assert!(matches!(
+        claiming(MAX_HEADER_LEN),
+        SafetensorsError::Truncated {
+            offset: 8,
+            what: "the header"
+        }
+    ));
+
+    let entry = |shape: &str| format!(r#"{{"dtype":"U8","shape":{shape},"data_offsets":[0,1]}}"#);
+    let ones = |n: usize| format!("[{}]", vec!["1"; n].join(","));
+    let file = SafetensorsFile::parse(&safetensors_bytes(
+        &format!(r#"{{"t":{}}}"#, entry(&ones(MAX_DIMS))),
+        1,
+    ))
+    .unwrap();
+    assert_eq!(file.tensors[0].shape.len(), MAX_DIMS);
+    let error = st_err(&safetensors_bytes(
+        &format!(r#"{{"t":{}}}"#, entry(&ones(MAX_DIMS + 1))),
+        1,
+    ));
+    assert!(
+        matches!(&error, SafetensorsError::BadEntry { tensor, reason }
+            if tensor == "t" && reason.contains("more than 64 dimensions")),
+        "{error:?}"
+    );
+
+    let twice = format!(r#"{{"a":{},"a":{}}}"#, entry("[1]"), entry("[1]"));
+    assert_st_err!(
+        safetensors_bytes(&twice, 1),
+        SafetensorsError::DuplicateKey(name) if name == "a"
+    );
+    assert_st_err!(
+        safetensors_bytes(r#"{"__metadata__":{},"__metadata__":{}}"#, 0),
+        SafetensorsError::DuplicateKey(name) if name == "__metadata__"
+    );
+    assert_st_err!(
+        safetensors_bytes(r#"{"__metadata__":{"k":"v","k":"w"}}"#, 0),
+        SafetensorsError::BadMetadata(_)
+    );
+    assert_st_err!(safetensors_bytes("{} {}", 0), SafetensorsError::BadJson(_));
+    assert_st_err!(safetensors_bytes("{}x", 0), SafetensorsError::BadJson(_));
+    assert_st_err!(safetensors_bytes("[1,", 0), SafetensorsError::BadJson(_));
+    assert_st_err!(safetensors_bytes("", 0), SafetensorsError::BadJson(_));
+    for other in ["5", "\"x\"", "null", " [] "] {
+        assert_st_err!(safetensors_bytes(other, 0), SafetensorsError::NotAnObject);
+    }
+    assert_st_err!(
+        safetensors_bytes(r#"{"t":5}"#, 0),
+        SafetensorsError::BadEntry { tensor, .. } if tensor == "t"
+    );
+    assert_st_err!(
+        safetensors_bytes(r#"{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}"#, 1),
+        SafetensorsError::BadEntry { tensor, .. } if tensor == "t"
+    );
+    // Padding after the object, as writers align the data, is fine.
+    assert!(SafetensorsFile::parse(&safetensors_bytes("{}      ", 0)).is_ok());
+
+    // 200 000 tensors (a 15 MB header): read whole, in data order.
+    let count = 200_000;
+    let mut header = String::from("{");
+    for i in (0..count).rev() {
+        header.push_str(&format!(
+            r#""t{i}":{{"dtype":"U8","shape":[2],"data_offsets":[{},{}]}},"#,
+            2 * i,
+            2 * i + 2
+        ));
+    }
+    header.pop();
+    header.push('}');
+    let file = SafetensorsFile::parse(&safetensors_bytes(&header, 2 * count)).unwrap();
+    assert_eq!(file.tensors.len(), count);
+    assert_eq!(
+        file.tensors[count - 1].data_offsets,
+        (2 * count as u64 - 2, 2 * count as u64)
+    );
+}

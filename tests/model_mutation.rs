@@ -51,17 +51,33 @@ fn mutate(bytes: &[u8], hot: std::ops::Range<usize>, rng: &mut SmallRng) -> Vec<
     out
 }
 
-fn run(name: &str, bytes: &[u8], hot: std::ops::Range<usize>, cases: u64, parse: impl Fn(&[u8])) {
+/// Parses `cases` mutations of `bytes`; `parse` says whether it accepted one (and checks
+/// what it accepted). Fails on a panic, and unless some mutations were accepted and some
+/// refused: all of one kind would mean the mutations never reached the parser's checks
+/// (all refused at the magic, say) or the checks refuse nothing.
+fn run(
+    name: &str,
+    bytes: &[u8],
+    hot: std::ops::Range<usize>,
+    cases: u64,
+    parse: impl Fn(&[u8]) -> bool,
+) {
     let mut rng = SmallRng::seed_from_u64(0x5eed);
+    let (mut accepted, mut refused) = (0u64, 0u64);
     for case in 0..cases {
         let input = mutate(bytes, hot.clone(), &mut rng);
         let outcome = catch_unwind(AssertUnwindSafe(|| parse(&input)));
-        assert!(
-            outcome.is_ok(),
-            "{name}: case {case} panicked ({} bytes)",
-            input.len()
-        );
+        match outcome {
+            Ok(true) => accepted += 1,
+            Ok(false) => refused += 1,
+            Err(_) => panic!("{name}: case {case} panicked ({} bytes)", input.len()),
+        }
     }
+    eprintln!("{name}: {accepted} mutations accepted, {refused} refused");
+    assert!(
+        accepted > 0 && refused > 0,
+        "{name}: {accepted} mutations accepted, {refused} refused"
+    );
 }
 
 fn data(name: &str) -> Vec<u8> {
@@ -73,20 +89,52 @@ fn data(name: &str) -> Vec<u8> {
     .unwrap()
 }
 
-fn parse_gguf(bytes: &[u8]) {
-    if let Ok(file) = GgufFile::parse(bytes) {
-        for t in file.tensor_table() {
-            assert!(t.file_range.end <= bytes.len() as u64);
-        }
-    }
+/// Whether `bytes` parse as GGUF; what parses has every tensor within the file.
+fn parse_gguf(bytes: &[u8]) -> bool {
+    parse_gguf_prefix(bytes, bytes.len() as u64)
 }
 
-fn parse_safetensors(bytes: &[u8]) {
-    if let Ok(file) = SafetensorsFile::parse(bytes) {
-        for t in file.tensor_table() {
-            assert!(t.file_range.end <= bytes.len() as u64);
-        }
+/// Whether `prefix` parses as the header of a GGUF file of `file_len` bytes; what
+/// parses has every tensor within the file, in order, none overlapping.
+fn parse_gguf_prefix(prefix: &[u8], file_len: u64) -> bool {
+    let Ok(file) = GgufFile::parse_prefix(prefix, file_len) else {
+        return false;
+    };
+    let mut end = 0;
+    let mut table = file.tensor_table();
+    table.sort_by_key(|t| t.file_range.start);
+    for t in table {
+        assert!(t.file_range.start >= file.data_offset, "{}", t.name);
+        assert!(t.file_range.start <= t.file_range.end, "{}", t.name);
+        assert!(t.file_range.end <= file_len, "{}", t.name);
+        assert!(
+            t.file_range.start >= end || t.file_range.is_empty(),
+            "{}",
+            t.name
+        );
+        end = end.max(t.file_range.end);
     }
+    true
+}
+
+/// Whether `bytes` parse as safetensors; what parses has every tensor within the file.
+fn parse_safetensors(bytes: &[u8]) -> bool {
+    let Ok(file) = SafetensorsFile::parse(bytes) else {
+        return false;
+    };
+    let mut end = 0;
+    for t in file.tensor_table() {
+        assert!(t.file_range.start >= file.data_offset(), "{}", t.name);
+        assert!(t.file_range.start <= t.file_range.end, "{}", t.name);
+        assert!(t.file_range.end <= bytes.len() as u64, "{}", t.name);
+        assert!(
+            t.file_range.start >= end || t.file_range.is_empty(),
+            "{}",
+            t.name
+        );
+        end = end.max(t.file_range.end);
+    }
+    true
 }
 
 #[test]
@@ -116,6 +164,6 @@ fn mutated_real_header_never_panics() {
     // The tensor infos sit at the end of the header; mutate there mostly.
     let hot = (file.data_offset as usize).saturating_sub(16 << 10)..file.data_offset as usize;
     run("SmolLM2 header", &bytes, hot, 100, |b| {
-        let _ = GgufFile::parse_prefix(b, file.file_len);
+        parse_gguf_prefix(b, file.file_len)
     });
 }

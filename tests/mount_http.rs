@@ -299,10 +299,11 @@ fn reads_are_the_files_bytes_and_a_second_mount_fetches_nothing() {
         .unwrap()
         .permissions()
         .readonly());
-    assert!(std::fs::OpenOptions::new()
+    let refused = std::fs::OpenOptions::new()
         .write(true)
         .open(mount.file("model.gguf"))
-        .is_err());
+        .expect_err("a read-only mount opened a file for writing");
+    assert_eq!(refused.raw_os_error(), Some(libc::EROFS), "{refused}");
     let (stats, log) = mount.stop();
     let (gets, get_bytes) = nginx.gets();
     let total = (big.len() + odd.len()) as u64;
@@ -897,14 +898,39 @@ fn bench_remote_reports_ttft_decode_and_fetched_bytes_per_token() {
     for figure in ["mount_s", "local_s", "download_s", "local_run_s"] {
         assert!(median(&ttft[figure]) > 0.0, "ttft {figure}: {summary}");
     }
+    // One run a side: the local side's time is its download's and its run's.
+    let (local_s, parts_s) = (
+        median(&ttft["local_s"]),
+        median(&ttft["download_s"]) + median(&ttft["local_run_s"]),
+    );
+    assert!(
+        (local_s - parts_s).abs() <= 1e-9 * local_s,
+        "ttft local_s {local_s} is not download_s + local_run_s {parts_s}: {summary}"
+    );
     assert!(
         median(&ttft["mount_remote_bytes"]) >= model_len as f64,
         "a cold first token reads the whole model: {summary}"
     );
     // Decode: both sides' eval rates; the warm cache tier fetched nothing.
     let decode = &summary["decode"][0];
-    assert!(median(&decode["mount_tps"]) > 0.0, "{summary}");
-    assert!(median(&decode["local_tps"]) > 0.0, "{summary}");
+    // Each decode run generated 4 tokens (at least 3 of them timed by the program's
+    // eval rate) within its wall time: a rate read from the wrong line fails this. One
+    // run a side: the summary's median is that run's.
+    for (side, figure) in [("mount", "mount_tps"), ("local", "local_tps")] {
+        let run = runs
+            .iter()
+            .find(|r| r["part"] == "decode" && r["side"] == side)
+            .unwrap_or_else(|| panic!("no {side} decode run: {report}"));
+        let (tps, run_s) = (
+            run["eval_tps"].as_f64().unwrap_or(-1.0),
+            run["run_s"].as_f64().unwrap(),
+        );
+        assert!(
+            tps.is_finite() && tps >= 3.0 / run_s,
+            "{side}: {tps} tokens/s, but 4 tokens came out of a run of {run_s} s"
+        );
+        assert_eq!(median(&decode[figure]), tps, "{summary}");
+    }
     assert_eq!(median(&decode["mount_remote_bytes"]), 0.0, "{summary}");
     // Bytes per token: the difference of the two fetch runs' mount stats over 4 tokens.
     let fetch = &summary["fetch"];

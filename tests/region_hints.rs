@@ -336,10 +336,48 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
 }
 
+/// The kernel function thread `tid` of this process sleeps in (`0` when running).
+fn wchan(tid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/wchan")).unwrap_or_default()
+}
+
+/// The thread id of the pager's service thread (named `hyperoffload-fa...`).
+fn service_thread() -> i32 {
+    let tids: Vec<i32> = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|task| {
+            let task = task.unwrap();
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap();
+            (comm.trim() == "hyperoffload-fa").then(|| task.file_name().to_str()?.parse().ok())?
+        })
+        .collect();
+    assert_eq!(tids.len(), 1, "one service thread");
+    tids[0]
+}
+
+/// Waits (at most 10 s) until thread `tid` sleeps in a kernel function whose name
+/// contains `function`; `what` says what that means, for the failure.
+fn wait_until_sleeping_in(tid: i32, function: &str, what: &str) -> Instant {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if wchan(tid).contains(function) {
+            return Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: thread {tid} never slept in {function} (it is in {:?})",
+            wchan(tid)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A thread waits on a block, and the program unmaps that block before it is read. The
 /// waiter used to be forgotten, asleep in the kernel for good; woken, it faults on
 /// unmapped memory: SIGSEGV, as without a pager. The service is held up by a slow read
-/// (injected delay) so that both the wait and the unmap reach it before the block's read.
+/// (injected delay): the test sees it asleep in that delay, then sees the waiter asleep
+/// on its fault (`handle_userfault`), and only then unmaps, so both the wait and the
+/// unmap reach the service before the block's read, every time.
 #[test]
 fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
     let test = "a_thread_waiting_on_a_block_the_program_unmaps_is_woken";
@@ -353,13 +391,14 @@ fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
         );
         return;
     }
+    const DELAY: Duration = Duration::from_secs(2);
     let dir = TempDir::new("unmap-waiter");
     let path = dir.path("f.bin");
     pattern_file(&path, 16 << 20);
     let builder = Pager::builder()
         .budget(8 << 20)
         .block_size(1 << 20)
-        .inject_read_delay(Duration::from_secs(2));
+        .inject_read_delay(DELAY);
     let Some(pager) = pager_or_skip(builder) else {
         // Skipped: end the way the parent expects.
         // SAFETY: raising a signal in this child process ends it, as intended.
@@ -368,19 +407,32 @@ fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
     };
     let region = pager.map_file(&path, MapOptions::default()).unwrap();
     let base = region.as_ptr() as usize;
+    let service = service_thread();
     let read_at = move |offset: usize| {
-        std::thread::spawn(move || {
+        let (tid, reader_tid) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            // SAFETY: gettid(2) has no preconditions.
+            tid.send(unsafe { libc::gettid() }).unwrap();
             // SAFETY: a byte of the live region (unmapped by the test only for the
             // second reader, which is the point).
             unsafe { std::ptr::read_volatile((base + offset) as *const u8) }
-        })
+        });
+        (reader, reader_tid.recv().unwrap())
     };
     // The first read holds the service in its injected delay...
-    let first = read_at(0);
-    std::thread::sleep(Duration::from_millis(500));
+    let (first, first_tid) = read_at(0);
+    wait_until_sleeping_in(first_tid, "handle_userfault", "the first reader's fault");
+    let delayed = wait_until_sleeping_in(service, "nanosleep", "the service's injected delay");
     // ...while a second thread faults on block 12 and the program unmaps that block.
-    let waiter = read_at(12 << 20);
-    std::thread::sleep(Duration::from_millis(500));
+    let (waiter, waiter_tid) = read_at(12 << 20);
+    wait_until_sleeping_in(waiter_tid, "handle_userfault", "the waiter's fault");
+    // Both must reach the service within the first delay: after it the service could
+    // read block 12 before it learns of the unmap.
+    assert!(
+        delayed.elapsed() < DELAY / 2,
+        "the waiter took {:?} to fault: too slow to reach the service within its delay",
+        delayed.elapsed()
+    );
     region.unmap_part((12 << 20)..(13 << 20)).unwrap();
     assert_eq!(first.join().unwrap(), pattern_byte(0));
     // The woken waiter faults on nothing and the process dies of SIGSEGV; a forgotten

@@ -63,4 +63,4 @@ mod state;
 
 /// Counts the heap this library's Rust code holds: the pager's own memory (see `heap`).
 #[global_allocator]
-static ALLOCATOR: heap::CountingAllocator = heap::CountingAllocator;
+static ALLOCATOR: heap::CountingAllocator = heap::CountingAllocator::heap();

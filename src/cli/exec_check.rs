@@ -109,7 +109,11 @@ mod tests {
     fn system_programs() {
         let ls = resolve_program(OsStr::new("ls")).unwrap();
         check_reachable(&ls).unwrap();
-        assert!(resolve_program(OsStr::new("no-such-program-here")).is_err());
+        let missing = resolve_program(OsStr::new("no-such-program-here")).unwrap_err();
+        assert_eq!(
+            missing.to_string(),
+            "no-such-program-here: command not found on PATH"
+        );
         // Debian's ldconfig is statically linked.
         let error = check_reachable(Path::new("/sbin/ldconfig")).unwrap_err();
         assert!(error.to_string().contains("statically linked"), "{error}");

@@ -15,6 +15,7 @@ use hyperoffload::graph::{ModelGraph, PartTensors, Transitions};
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::size::{format_size, parse_size};
 use hyperoffload::trace::{TraceReader, EXPERT_BLOCKS_KEY};
+use hyperoffload::trace_region::RegionTrace;
 
 #[derive(clap::Args)]
 pub struct SimulateArgs {
@@ -352,43 +353,16 @@ fn parse_shape(spec: &str) -> anyhow::Result<LlamaShape> {
     Ok(LlamaShape::scaled(layers, parse_size(bytes)?))
 }
 
-/// The faults of the trace's first region as an access sequence. Token boundaries are
+/// The faults of the trace's first region as an access sequence, checked against the
+/// region (`RegionTrace`) before anything is sized by them. Token boundaries are
 /// unknown; with `tokens`, the trace is cut into that many equal parts.
 pub(super) fn read_trace(path: &Path, tokens: Option<u32>) -> anyhow::Result<Workload> {
     let file = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
-    let reader = TraceReader::new(BufReader::new(file))?;
-    let size: Option<u64> = reader.metadata_value("size").and_then(|s| s.parse().ok());
-    let mut accesses = Vec::new();
-    let mut offsets = Vec::new();
-    let mut region = None;
-    let mut block_size = 0;
-    for record in reader {
-        let record = record?;
-        if *region.get_or_insert(record.region) != record.region {
-            continue;
-        }
-        block_size = record.block_size;
-        accesses.push(record.block);
-        // Regions map their file from offset 0 here (the trace's block numbers count
-        // from the file's start). A trace from before faults kept their offset in the
-        // block says only the block.
-        offsets.push(
-            record
-                .offset_in_block
-                .unwrap_or((record.file_offset % record.block_size.max(1)) as u32),
-        );
-    }
-    if accesses.is_empty() || block_size == 0 {
-        bail!("{}: no faults in the trace", path.display());
-    }
-    let max_block = accesses.iter().copied().max().unwrap_or(0) as u64;
-    // The file's own length where the trace says it (a model's last block is short,
-    // and a graph binds only a region of the model's exact length).
-    let data_len = match size {
-        Some(size) if size > max_block * block_size => size,
-        _ => (max_block + 1) * block_size,
-    };
-    let layout = BlockGeometry::new(0, data_len, block_size)?;
+    let reader =
+        TraceReader::new(BufReader::new(file)).with_context(|| format!("{}", path.display()))?;
+    let trace = RegionTrace::read(reader).with_context(|| format!("{}", path.display()))?;
+    let layout = BlockGeometry::new(0, trace.data_len, trace.block_size)?;
+    let accesses = trace.blocks;
     let token_starts = match tokens {
         Some(n) if n > 0 => (0..n as usize)
             .map(|t| t * accesses.len() / n as usize)
@@ -399,7 +373,7 @@ pub(super) fn read_trace(path: &Path, tokens: Option<u32>) -> anyhow::Result<Wor
         layout,
         accesses,
         token_starts,
-        offsets,
+        offsets: trace.offsets,
     })
 }
 

@@ -10,6 +10,7 @@ use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::path::Path;
 
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -77,6 +78,8 @@ pub enum SafetensorsError {
     },
     #[error("tensors {first:?} and {second:?} overlap in the file")]
     Overlap { first: String, second: String },
+    #[error("the header names {0:?} twice")]
+    DuplicateKey(String),
 }
 
 /// One tensor of the header.
@@ -102,12 +105,42 @@ pub struct SafetensorsFile {
     pub file_len: u64,
 }
 
+/// The most dimensions a tensor's shape may have (PyTorch's limit is 64 too).
+pub const MAX_DIMS: usize = 64;
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Entry {
     dtype: String,
+    #[serde(deserialize_with = "bounded_shape")]
     shape: Vec<u64>,
     data_offsets: (u64, u64),
+}
+
+/// A shape of at most `MAX_DIMS` dimensions, refused at the first one past it.
+fn bounded_shape<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u64>, D::Error> {
+    struct Shape;
+    impl<'de> Visitor<'de> for Shape {
+        type Value = Vec<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "an array of at most {MAX_DIMS} dimensions")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
+            let mut shape = Vec::new();
+            while let Some(dim) = seq.next_element()? {
+                if shape.len() == MAX_DIMS {
+                    return Err(A::Error::custom(format_args!(
+                        "a shape of more than {MAX_DIMS} dimensions"
+                    )));
+                }
+                shape.push(dim);
+            }
+            Ok(shape)
+        }
+    }
+    deserializer.deserialize_seq(Shape)
 }
 
 /// Bits per element of each dtype the format defines.
@@ -179,28 +212,23 @@ fn read_exact<R: Read>(
 }
 
 fn parse<R: Read>(mut source: R, file_len: u64) -> Result<SafetensorsFile, SafetensorsError> {
-    let (header_len, object) = read_header(&mut source, file_len)?;
+    let (header_len, header) = read_header(&mut source, file_len)?;
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
-    let mut metadata = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(object.len());
-    for (name, value) in object {
-        if name == METADATA_KEY {
-            metadata = serde_json::from_value(value)
-                .map_err(|e| SafetensorsError::BadMetadata(e.to_string()))?;
-            continue;
-        }
-        let tensor = checked_tensor(name, value)?;
+    let Header {
+        metadata,
+        mut tensors,
+    } = header;
+    for tensor in &tensors {
         let (start, end) = tensor.data_offsets;
         if end > data_len {
             return Err(SafetensorsError::OutOfBounds {
-                tensor: tensor.name,
+                tensor: tensor.name.clone(),
                 start: data_start.saturating_add(start),
                 end: data_start.saturating_add(end),
                 file_len,
             });
         }
-        tensors.push(tensor);
     }
     tensors.sort_by(|a, b| {
         a.data_offsets
@@ -216,11 +244,8 @@ fn parse<R: Read>(mut source: R, file_len: u64) -> Result<SafetensorsFile, Safet
     })
 }
 
-/// The header's length and its JSON object, checked to fit in the file.
-fn read_header<R: Read>(
-    source: &mut R,
-    file_len: u64,
-) -> Result<(u64, serde_json::Map<String, serde_json::Value>), SafetensorsError> {
+/// The header's length and its contents, checked to fit in the file.
+fn read_header<R: Read>(source: &mut R, file_len: u64) -> Result<(u64, Header), SafetensorsError> {
     let mut len_bytes = [0u8; 8];
     read_exact(source, &mut len_bytes, 0, "the header length")?;
     let header_len = u64::from_le_bytes(len_bytes);
@@ -234,26 +259,162 @@ fn read_header<R: Read>(
         });
     }
     // In range: header_len <= MAX_HEADER_LEN.
-    let mut header = vec![0u8; header_len as usize];
-    read_exact(source, &mut header, 8, "the header")?;
-    let text = std::str::from_utf8(&header).map_err(|_| SafetensorsError::BadUtf8)?;
-    let json: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| SafetensorsError::BadJson(e.to_string()))?;
-    let serde_json::Value::Object(object) = json else {
-        return Err(SafetensorsError::NotAnObject);
-    };
-    Ok((header_len, object))
+    let mut bytes = vec![0u8; header_len as usize];
+    read_exact(source, &mut bytes, 8, "the header")?;
+    let text = std::str::from_utf8(&bytes).map_err(|_| SafetensorsError::BadUtf8)?;
+    Ok((header_len, Header::parse(text)?))
+}
+
+/// The header's contents, deserialized entry by entry straight into these (no JSON tree
+/// of the whole header is built): what it holds is at most a few times the header's
+/// bytes, and every entry is checked as it is read.
+struct Header {
+    metadata: BTreeMap<String, String>,
+    tensors: Vec<SafetensorsTensor>,
+}
+
+impl Header {
+    fn parse(text: &str) -> Result<Header, SafetensorsError> {
+        if !text.trim_start().starts_with('{') {
+            // Valid JSON of another kind, or not JSON at all.
+            return Err(match serde_json::from_str::<serde::de::IgnoredAny>(text) {
+                Ok(_) => SafetensorsError::NotAnObject,
+                Err(e) => SafetensorsError::BadJson(e.to_string()),
+            });
+        }
+        let mut refused = None;
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        let header = HeaderSeed {
+            refused: &mut refused,
+        }
+        .deserialize(&mut deserializer)
+        .and_then(|header| deserializer.end().map(|()| header));
+        match (header, refused) {
+            (Ok(header), _) => Ok(header),
+            // An entry that is JSON but not what the format allows: the error it earned.
+            (Err(e), Some(refused)) if e.classify() == serde_json::error::Category::Data => {
+                Err(refused.with_reason(e))
+            }
+            (Err(e), _) => Err(SafetensorsError::BadJson(e.to_string())),
+        }
+    }
+}
+
+/// Why the deserializer stopped at an entry, for `Header::parse` to give as the error
+/// (serde's own errors carry only text).
+enum Refusal {
+    /// The entry was refused by serde (its text is the reason).
+    Entry(String),
+    Metadata,
+    /// Refused by a check of ours, with its own error.
+    Checked(SafetensorsError),
+}
+
+impl Refusal {
+    fn with_reason(self, error: serde_json::Error) -> SafetensorsError {
+        match self {
+            Refusal::Entry(tensor) => SafetensorsError::BadEntry {
+                tensor,
+                reason: error.to_string(),
+            },
+            Refusal::Metadata => SafetensorsError::BadMetadata(error.to_string()),
+            Refusal::Checked(error) => error,
+        }
+    }
+}
+
+/// Deserializes the header object, leaving in `refused` why it stopped at an entry.
+struct HeaderSeed<'a> {
+    refused: &'a mut Option<Refusal>,
+}
+
+impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = Header;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Header, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeaderSeed<'_> {
+    type Value = Header;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a safetensors header object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Header, A::Error> {
+        let mut header = Header {
+            metadata: BTreeMap::new(),
+            tensors: Vec::new(),
+        };
+        let mut names = std::collections::HashSet::new();
+        let mut metadata_seen = false;
+        while let Some(name) = map.next_key::<String>()? {
+            let seen = if name == METADATA_KEY {
+                std::mem::replace(&mut metadata_seen, true)
+            } else {
+                names.contains(name.as_str())
+            };
+            if seen {
+                return Err(refuse(self.refused, SafetensorsError::DuplicateKey(name)));
+            }
+            if name == METADATA_KEY {
+                *self.refused = Some(Refusal::Metadata);
+                header.metadata = map.next_value_seed(Metadata)?;
+                continue;
+            }
+            *self.refused = Some(Refusal::Entry(name.clone()));
+            let entry: Entry = map.next_value()?;
+            let tensor =
+                checked_tensor(name, entry).map_err(|error| refuse(self.refused, error))?;
+            names.insert(tensor.name.clone());
+            header.tensors.push(tensor);
+        }
+        Ok(header)
+    }
+}
+
+/// The `__metadata__` map of strings to strings, each key once.
+struct Metadata;
+
+impl<'de> DeserializeSeed<'de> for Metadata {
+    type Value = BTreeMap<String, String>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Metadata {
+    type Value = BTreeMap<String, String>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a map of strings to strings")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut metadata = BTreeMap::new();
+        while let Some((key, value)) = map.next_entry::<String, String>()? {
+            if metadata.contains_key(&key) {
+                return Err(A::Error::custom(format_args!("key {key:?} appears twice")));
+            }
+            metadata.insert(key, value);
+        }
+        Ok(metadata)
+    }
+}
+
+/// Stops the deserializer at a refusal of ours: `error` for `Header::parse` to give, its
+/// text for serde.
+fn refuse<E: serde::de::Error>(refused: &mut Option<Refusal>, error: SafetensorsError) -> E {
+    let message = error.to_string();
+    *refused = Some(Refusal::Checked(error));
+    E::custom(message)
 }
 
 /// A tensor entry of the header, its dtype known and its byte length that of its shape.
-fn checked_tensor(
-    name: String,
-    value: serde_json::Value,
-) -> Result<SafetensorsTensor, SafetensorsError> {
-    let entry: Entry = serde_json::from_value(value).map_err(|e| SafetensorsError::BadEntry {
-        tensor: name.clone(),
-        reason: e.to_string(),
-    })?;
+fn checked_tensor(name: String, entry: Entry) -> Result<SafetensorsTensor, SafetensorsError> {
     let Some(bits) = dtype_bits(&entry.dtype) else {
         return Err(SafetensorsError::UnknownDtype {
             tensor: name,

@@ -112,10 +112,17 @@ mod tests {
                 base: "http://127.0.0.1:8080/m".into()
             }
         );
-        assert!(Source::parse("s3:///x").is_err());
-        assert!(Source::parse("ftp://x").is_err());
-        assert!(Source::parse("http://").is_err());
-        assert!(Source::parse("/local/dir").is_err());
+        assert_eq!(
+            Source::parse("s3:///x"),
+            Err(SourceError::NoBucket("s3:///x".into()))
+        );
+        for no_source in ["ftp://x", "http://", "https:///", "/local/dir"] {
+            assert_eq!(
+                Source::parse(no_source),
+                Err(SourceError::Scheme(no_source.into())),
+                "{no_source}"
+            );
+        }
     }
 
     #[test]
@@ -136,7 +143,11 @@ mod tests {
             assert!(check_name(good).is_ok(), "{good}");
         }
         for bad in ["", "/abs", "a//b", "a/./b", "../up", "a/..", "a/"] {
-            assert!(check_name(bad).is_err(), "{bad}");
+            assert_eq!(
+                check_name(bad),
+                Err(SourceError::BadName(bad.into())),
+                "{bad}"
+            );
         }
     }
 }

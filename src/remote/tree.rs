@@ -114,9 +114,16 @@ mod tests {
 
     #[test]
     fn clashes_and_bad_names_are_refused() {
-        assert!(Tree::build(&["a", "a"]).is_err());
-        assert!(Tree::build(&["a", "a/b"]).is_err());
-        assert!(Tree::build(&["a/b", "a"]).is_err());
-        assert!(Tree::build(&["../x"]).is_err());
+        let refused = |names: &[&str]| Tree::build(names).err();
+        assert_eq!(refused(&["a", "a"]), Some(SourceError::Clash("a".into())));
+        assert_eq!(
+            refused(&["a", "a/b"]),
+            Some(SourceError::Clash("a/b".into()))
+        );
+        assert_eq!(refused(&["a/b", "a"]), Some(SourceError::Clash("a".into())));
+        assert_eq!(
+            refused(&["../x"]),
+            Some(SourceError::BadName("../x".into()))
+        );
     }
 }

@@ -221,8 +221,12 @@ mod tests {
             BlockEvent::Poisoned,
         ];
         for event in events {
-            assert!(
-                transition(BlockState::Unmapped, event).is_err(),
+            assert_eq!(
+                transition(BlockState::Unmapped, event),
+                Err(InvalidTransition {
+                    from: BlockState::Unmapped,
+                    event
+                }),
                 "{event:?}"
             );
         }

@@ -325,12 +325,67 @@ mod tests {
             .map(|bench| bench.args)
     }
 
+    /// What `Command::debug_assert` would check of the definitions, in a form that runs
+    /// in release builds too (clap compiles its own checks in debug builds only, and the
+    /// tests run with --release): every argument has its own id and long name and says
+    /// what it is for, and every relation between arguments (`required_unless_present`,
+    /// `conflicts_with`, `requires`) names arguments that exist, shown by its effect: the
+    /// error clap gives, naming the arguments. A relation naming an id that does not
+    /// exist has no such effect.
     #[test]
     fn the_arguments_are_well_formed() {
-        // clap's own checks of the definitions (the ids `requires` and
-        // `conflicts_with` name exist, ...): in debug builds only, so in a `cargo test`
-        // without --release; the next test checks the same relations by their effect.
-        Bench::command().debug_assert();
+        let command = Bench::command();
+        let (mut ids, mut longs) = (
+            std::collections::HashSet::new(),
+            std::collections::HashSet::new(),
+        );
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            assert!(ids.insert(id), "id {id} twice");
+            let long = arg
+                .get_long()
+                .unwrap_or_else(|| panic!("{id} has no long name"));
+            assert!(longs.insert(long), "--{long} twice");
+            assert!(arg.get_help().is_some(), "--{long} has no help");
+        }
+        let refused = |line: &str, kind: clap::error::ErrorKind, names: &[&str]| {
+            let error = parse(line).expect_err(line);
+            let text = error.to_string();
+            assert_eq!(error.kind(), kind, "{line}: {text}");
+            for name in names {
+                assert!(text.contains(name), "{line}: {text} does not name {name}");
+            }
+        };
+        use clap::error::ErrorKind::{ArgumentConflict, MissingRequiredArgument};
+        // --model unless --remote, not both; --llama-bin always.
+        refused("--llama-bin b", MissingRequiredArgument, &["--model"]);
+        refused("--model m", MissingRequiredArgument, &["--llama-bin"]);
+        refused(
+            "--model m --remote s3://b --model-key m --cache-dir c --llama-bin b",
+            ArgumentConflict,
+            &["--model", "--remote"],
+        );
+        // --remote with its key and cache directory, which need it.
+        refused(
+            "--remote s3://b --cache-dir c --llama-bin b",
+            MissingRequiredArgument,
+            &["--model-key"],
+        );
+        refused(
+            "--remote s3://b --model-key m --llama-bin b",
+            MissingRequiredArgument,
+            &["--cache-dir"],
+        );
+        refused(
+            "--model m --model-key k --llama-bin b",
+            MissingRequiredArgument,
+            &["--remote"],
+        );
+        refused(
+            "--model m --cache-dir c --llama-bin b",
+            MissingRequiredArgument,
+            &["--remote"],
+        );
     }
 
     #[test]
@@ -353,13 +408,5 @@ mod tests {
             parse("--remote s3://b --model-key m --cache-dir c --llama-bin b --budgets 30,60")
                 .unwrap();
         assert_eq!(remote.budgets(), [30.0, 60.0]);
-        // Neither model, both, or a remote one without its key or cache directory.
-        assert!(parse("--llama-bin b").is_err());
-        assert!(
-            parse("--model m --remote s3://b --model-key m --cache-dir c --llama-bin b").is_err()
-        );
-        assert!(parse("--remote s3://b --cache-dir c --llama-bin b").is_err());
-        assert!(parse("--remote s3://b --model-key m --llama-bin b").is_err());
-        assert!(parse("--model m --model-key k --llama-bin b").is_err());
     }
 }
