@@ -4,7 +4,9 @@
 //! without one it needs), `inspect` names the architecture and cuts each expert's
 //! slice where llama.cpp's tensor shapes put it, and the greedy text under the pager at
 //! a quarter of the model is the text without it, within the budget. gpt-oss's experts
-//! are MXFP4, as released; both files are in the order Hugging Face conversion writes.
+//! are MXFP4, as released; glm4moe and deepseek2 have a shared expert and a dense first
+//! layer, which `inspect` reports, deepseek2 its latent attention; every file is in the
+//! order Hugging Face conversion writes.
 //!
 //! The binaries and the small model come from tools/build-llama.sh and
 //! tools/fetch-model.sh, as for the other llama tests.
@@ -55,8 +57,8 @@ fn check_inspect(model: &Path, arch: &str, expert_type: &str) {
     let gguf = GgufFile::open(model).unwrap();
     assert_eq!(gguf.architecture(), Some(arch));
     let position = |name: &str| gguf.tensors.iter().position(|t| t.name == name).unwrap();
-    assert!(position("blk.10.attn_q.weight") < position("blk.2.attn_q.weight"));
-    assert!(position("blk.2.ffn_down_exps.weight") < position("blk.2.attn_q.weight"));
+    assert!(position("blk.10.attn_output.weight") < position("blk.2.attn_output.weight"));
+    assert!(position("blk.2.ffn_down_exps.weight") < position("blk.2.attn_output.weight"));
     let experts_key = format!("{arch}.expert_count");
     assert_eq!(gguf.get_u64(&experts_key), Some(EXPERTS), "{experts_key}");
     let mut merged_bytes = 0;
@@ -98,16 +100,40 @@ fn check_inspect(model: &Path, arch: &str, expert_type: &str) {
         .filter_map(|step| step.as_str())
         .collect();
     let position = |name: &str| order.iter().position(|step| step.starts_with(name));
-    let first_expert = position("blk.0.ffn_gate_exps").unwrap_or_else(|| panic!("{order:?}"));
+    // Layer 1: glm4moe's and deepseek2's first layer is dense.
+    let first_expert = position("blk.1.ffn_gate_exps").unwrap_or_else(|| panic!("{order:?}"));
     let added: &[&str] = match arch {
-        "qwen3moe" => &["blk.0.attn_q_norm", "blk.0.attn_k_norm"],
-        _ => &["blk.0.attn_sinks", "blk.0.post_attention_norm"],
+        "qwen3moe" => &["blk.1.attn_q_norm", "blk.1.attn_k_norm"],
+        "gpt-oss" => &["blk.1.attn_sinks", "blk.1.post_attention_norm"],
+        "glm4moe" => &["blk.1.attn_q.bias", "blk.1.post_attention_norm"],
+        _ => &["blk.1.attn_q_a", "blk.1.attn_kv_a_mqa", "blk.1.attn_k_b"],
     };
     for name in added {
         let at = position(name).unwrap_or_else(|| panic!("{name} not in {order:?}"));
         assert!(
             at < first_expert,
             "{name} at {at}, after the experts: {order:?}"
+        );
+    }
+    // The router's score bias goes with the router, before the experts; the shared
+    // expert, which every token runs, after them; a dense first layer has no experts.
+    if matches!(arch, "glm4moe" | "deepseek2") {
+        let bias = position("blk.1.exp_probs_b").unwrap_or_else(|| panic!("{order:?}"));
+        let shared = position("blk.1.ffn_down_shexp").unwrap_or_else(|| panic!("{order:?}"));
+        assert!(bias < first_expert && shared > first_expert, "{order:?}");
+        assert_eq!(json["experts"]["shared_per_layer"], 1, "{json}");
+        assert_eq!(
+            json["experts"]["dense_layers"],
+            serde_json::json!([0]),
+            "{json}"
+        );
+        assert!(position("blk.0.ffn_gate_exps").is_none(), "{order:?}");
+        assert!(position("blk.0.ffn_down").is_some(), "{order:?}");
+    } else {
+        assert_eq!(
+            json["experts"]["dense_layers"],
+            serde_json::json!([]),
+            "{json}"
         );
     }
 }
@@ -164,6 +190,16 @@ fn same_text_under_the_pager(arch: &str, expert_type: &str) {
 #[test]
 fn a_qwen3moe_model_decodes_the_same_text_under_the_pager() {
     same_text_under_the_pager("qwen3moe", "Q8_0");
+}
+
+#[test]
+fn a_glm4moe_model_with_a_shared_expert_and_a_dense_layer_decodes_the_same_text_under_the_pager() {
+    same_text_under_the_pager("glm4moe", "Q8_0");
+}
+
+#[test]
+fn a_deepseek2_model_with_latent_attention_decodes_the_same_text_under_the_pager() {
+    same_text_under_the_pager("deepseek2", "Q8_0");
 }
 
 #[test]

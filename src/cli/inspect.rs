@@ -98,6 +98,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     print_sizes(&all_tensors);
     print_experts(
         &graph,
+        &all_tensors,
         weights,
         files.first().and_then(ModelFile::shared_experts),
     );
@@ -203,6 +204,7 @@ fn json_summary(
             "per_layer": experts.experts_per_layer(),
             "used_per_token": experts.used_per_token(),
             "shared_per_layer": files.first().and_then(ModelFile::shared_experts),
+            "dense_layers": dense_layers(graph, &all),
             "routed_bytes": routed,
         })
     });
@@ -540,7 +542,19 @@ fn percent(figure: Option<Spread>) -> String {
 /// The routed experts as the pager sees them: how many per layer and per token, the
 /// size of an expert's slices against the block, and the bytes one token reads: every
 /// tensor outside the experts plus the used share of them (the model's sparsity).
-fn print_experts(graph: &ModelGraph, weights: u64, shared: Option<u32>) {
+/// The layers of a mixture of experts that have none (DeepSeek's and GLM's leading
+/// dense layers): paged as every token's, like attention.
+fn dense_layers(graph: &ModelGraph, tensors: &[TensorInfo]) -> Vec<u32> {
+    let expert_layers: std::collections::BTreeSet<u32> =
+        graph.experts().groups().iter().map(|g| g.layer).collect();
+    bytes_per_layer(tensors)
+        .into_keys()
+        .flatten()
+        .filter(|layer| !expert_layers.contains(layer))
+        .collect()
+}
+
+fn print_experts(graph: &ModelGraph, tensors: &[TensorInfo], weights: u64, shared: Option<u32>) {
     let experts = graph.experts();
     if experts.is_empty() {
         return;
@@ -587,6 +601,14 @@ fn print_experts(graph: &ModelGraph, weights: u64, shared: Option<u32>) {
         println!(
             "{shared} shared expert(s) per layer besides, run by every token: paged as the \
              layer's attention is, not as routed experts"
+        );
+    }
+    let dense = dense_layers(graph, tensors);
+    if !dense.is_empty() {
+        let names: Vec<String> = dense.iter().map(u32::to_string).collect();
+        println!(
+            "dense layer(s) without experts, run whole by every token: {}",
+            names.join(", ")
         );
     }
     println!(

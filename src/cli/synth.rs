@@ -84,8 +84,10 @@ pub struct SynthArgs {
     /// Mixtral's experts), or a mixture of experts as another family lays it out, with
     /// the tensors and keys llama.cpp requires of it: `qwen3moe` (per-head query and
     /// key norms), `gpt-oss` (biases on the attention output, router and experts,
-    /// attention sinks, sliding-window layers, an untied output head). Those need
-    /// --experts and no --router-locality.
+    /// attention sinks, sliding-window layers, an untied output head), `glm4moe`
+    /// (attention biases, a shared expert, the router's score bias, a dense first
+    /// layer), `deepseek2` (latent attention, a shared expert, the router's score bias,
+    /// a dense first layer). Those need --experts and no --router-locality.
     #[arg(long, value_enum, default_value_t = Arch::Llama)]
     arch: Arch,
 }
@@ -95,6 +97,8 @@ enum Arch {
     Llama,
     Qwen3moe,
     GptOss,
+    Glm4moe,
+    Deepseek2,
 }
 
 impl From<Arch> for SynthArch {
@@ -103,6 +107,8 @@ impl From<Arch> for SynthArch {
             Arch::Llama => SynthArch::Llama,
             Arch::Qwen3moe => SynthArch::Qwen3Moe,
             Arch::GptOss => SynthArch::GptOss,
+            Arch::Glm4moe => SynthArch::Glm4Moe,
+            Arch::Deepseek2 => SynthArch::DeepSeek2,
         }
     }
 }

@@ -32,6 +32,13 @@ pub struct LlamaShape {
     pub n_expert: u64,
     /// Experts a token runs per layer (0 for a dense model).
     pub n_expert_used: u64,
+    /// Shared experts per layer, which every token runs (`ffn_*_shexp`, `n_ff` wide
+    /// each); 0 for the llama mixture of experts.
+    pub n_expert_shared: u64,
+    /// Leading layers with a dense feed-forward network in place of experts
+    /// (DeepSeek's and GLM's first layers), as wide as what a token runs in the
+    /// others: its experts and the shared ones.
+    pub n_layer_dense_lead: u64,
 }
 
 impl LlamaShape {
@@ -40,6 +47,7 @@ impl LlamaShape {
     fn dims(&self, role: &str) -> Option<Vec<u64>> {
         let q = self.n_head * self.head_dim;
         let kv = self.n_head_kv * self.head_dim;
+        let mla = self.latent_attention();
         Some(match role {
             "token_embd.weight" | "output.weight" => vec![self.n_embd, self.n_vocab],
             "output_norm.weight" | "attn_norm.weight" | "ffn_norm.weight" => vec![self.n_embd],
@@ -50,9 +58,9 @@ impl LlamaShape {
             "attn_q.bias" => vec![q],
             "attn_k.bias" | "attn_v.bias" => vec![kv],
             "attn_output.bias" | "ffn_down.bias" => vec![self.n_embd],
-            "ffn_gate.weight" | "ffn_up.weight" => vec![self.n_embd, self.n_ff],
-            "ffn_gate.bias" | "ffn_up.bias" => vec![self.n_ff],
-            "ffn_down.weight" => vec![self.n_ff, self.n_embd],
+            "ffn_gate.weight" | "ffn_up.weight" => vec![self.n_embd, self.dense_ff()],
+            "ffn_gate.bias" | "ffn_up.bias" => vec![self.dense_ff()],
+            "ffn_down.weight" => vec![self.dense_ff(), self.n_embd],
             "ffn_gate_inp.weight" if self.n_expert > 0 => vec![self.n_embd, self.n_expert],
             "ffn_gate_exps.weight" | "ffn_up_exps.weight" if self.n_expert > 0 => {
                 vec![self.n_embd, self.n_ff, self.n_expert]
@@ -69,14 +77,79 @@ impl LlamaShape {
                 vec![self.n_ff, self.n_expert]
             }
             "ffn_down_exps.bias" if self.n_expert > 0 => vec![self.n_embd, self.n_expert],
+            "exp_probs_b.bias" if self.n_expert > 0 => vec![self.n_expert],
+            "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" if self.n_expert_shared > 0 => {
+                vec![self.n_embd, self.n_ff * self.n_expert_shared]
+            }
+            "ffn_down_shexp.weight" if self.n_expert_shared > 0 => {
+                vec![self.n_ff * self.n_expert_shared, self.n_embd]
+            }
+            // DeepSeek's latent attention (`LatentAttention`).
+            "attn_q_a.weight" => vec![self.n_embd, mla.q_lora_rank],
+            "attn_q_a_norm.weight" => vec![mla.q_lora_rank],
+            "attn_q_b.weight" => vec![mla.q_lora_rank, self.n_head * mla.key_length()],
+            "attn_kv_a_mqa.weight" => vec![self.n_embd, mla.kv_lora_rank + mla.rope_dim],
+            "attn_kv_a_norm.weight" => vec![mla.kv_lora_rank],
+            "attn_k_b.weight" => vec![mla.nope_dim, mla.kv_lora_rank, self.n_head],
+            "attn_v_b.weight" => vec![mla.kv_lora_rank, mla.value_length, self.n_head],
             _ => return None,
         })
+    }
+
+    /// The width of a dense feed-forward network: `n_ff`, or in a mixture of experts
+    /// (its dense leading layers) what a token runs in the others.
+    pub(super) fn dense_ff(&self) -> u64 {
+        if self.n_expert == 0 {
+            self.n_ff
+        } else {
+            self.n_ff * (self.n_expert_used + self.n_expert_shared)
+        }
+    }
+
+    /// The latent attention of a model of this shape, were it DeepSeek's.
+    pub fn latent_attention(&self) -> LatentAttention {
+        LatentAttention::for_head(self.head_dim)
     }
 
     /// Parameters (elements) of all tensors.
     fn n_params(&self, globals: &[Role], layer: &[Role]) -> u64 {
         let count = |role: &Role| self.dims(&role.name).map_or(0, |d| d.iter().product());
         globals.iter().map(count).sum::<u64>() + self.n_layer * layer.iter().map(count).sum::<u64>()
+    }
+}
+
+/// DeepSeek's multi-head latent attention (MLA), as llama.cpp loads it: queries
+/// through a low-rank pair (`attn_q_a`, `attn_q_b`), keys and values compressed into
+/// one latent row per token plus a shared rotated key part (`attn_kv_a_mqa`), and
+/// expanded per head by `attn_k_b` and `attn_v_b`. The ranks are DeepSeek-V3's in
+/// proportion to the head: with 128-wide value heads it has a 1536 query rank, a 512
+/// latent, 128 unrotated and 64 rotated key dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentAttention {
+    pub q_lora_rank: u64,
+    pub kv_lora_rank: u64,
+    /// Key dimensions without rotation, per head.
+    pub nope_dim: u64,
+    /// Rotated key dimensions, shared by all heads.
+    pub rope_dim: u64,
+    /// Value dimensions per head.
+    pub value_length: u64,
+}
+
+impl LatentAttention {
+    pub(super) fn for_head(head_dim: u64) -> LatentAttention {
+        LatentAttention {
+            q_lora_rank: 12 * head_dim,
+            kv_lora_rank: 4 * head_dim,
+            nope_dim: head_dim,
+            rope_dim: head_dim / 2,
+            value_length: head_dim,
+        }
+    }
+
+    /// Key dimensions per head, as attention sees them (`key_length_mla`).
+    pub fn key_length(&self) -> u64 {
+        self.nope_dim + self.rope_dim
     }
 }
 
@@ -98,6 +171,13 @@ const EXEC_ORDER: &[&str] = &[
     "attn_k_norm.weight",
     "attn_v.weight",
     "attn_v.bias",
+    "attn_q_a.weight",
+    "attn_q_a_norm.weight",
+    "attn_q_b.weight",
+    "attn_kv_a_mqa.weight",
+    "attn_kv_a_norm.weight",
+    "attn_k_b.weight",
+    "attn_v_b.weight",
     "attn_sinks.weight",
     "attn_output.weight",
     "attn_output.bias",
@@ -105,6 +185,7 @@ const EXEC_ORDER: &[&str] = &[
     "post_attention_norm.weight",
     "ffn_gate_inp.weight",
     "ffn_gate_inp.bias",
+    "exp_probs_b.bias",
     "ffn_gate.weight",
     "ffn_gate_exps.weight",
     "ffn_gate_exps.bias",
@@ -117,6 +198,9 @@ const EXEC_ORDER: &[&str] = &[
     "ffn_down_exps.weight",
     "ffn_down_exps.bias",
     "ffn_down.bias",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
 ];
 /// The tensors every llama layer has.
 const REQUIRED_LAYER_ROLES: &[&str] = &[
@@ -288,6 +372,8 @@ fn small_shape(small: &GgufFile) -> Result<LlamaShape, SynthError> {
         n_vocab: embd.dims.get(1).copied().unwrap_or(0),
         n_expert: 0,
         n_expert_used: 0,
+        n_expert_shared: 0,
+        n_layer_dense_lead: 0,
     };
     if small.get_u64("llama.expert_count").is_some_and(|n| n > 0) {
         return Err(SynthError::Unsupported(
@@ -649,6 +735,33 @@ fn expert_layer(layer: &mut Vec<Role>, n_layer: usize) {
     });
 }
 
+/// A dense leading layer of a mixture of experts whose layers are `layer`: its
+/// feed-forward weights in place of the router and experts, of the shared experts'
+/// types (the routed ones may have a type of their own), in the same order.
+fn dense_layer(layer: &[Role]) -> Vec<Role> {
+    let mut dense = Vec::new();
+    for role in layer {
+        if let Some(base) = role.name.strip_suffix("_exps.weight") {
+            let shared = format!("{base}_shexp.weight");
+            let types = layer
+                .iter()
+                .find(|other| other.name == shared)
+                .map_or(&role.types, |other| &other.types);
+            dense.push(Role {
+                name: format!("{base}.weight"),
+                types: types.clone(),
+            });
+        } else if !(role.name.starts_with("ffn_gate_inp.")
+            || role.name.starts_with("exp_probs_b.")
+            || role.name.contains("_exps.")
+            || role.name.contains("_shexp."))
+        {
+            dense.push(role.clone());
+        }
+    }
+    dense
+}
+
 /// Plans the model `request` describes, shaped like `small`.
 pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPlan, SynthError> {
     let &SynthRequest {
@@ -667,6 +780,7 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         expert_layer(&mut layer, small_shape.n_layer as usize);
         small_shape.n_expert = moe.experts;
         small_shape.n_expert_used = moe.used;
+        small_shape.n_expert_shared = arch.shared_experts();
     }
     arch.adapt_roles(&mut globals, &mut layer, small_shape.n_layer as usize);
     if let Some(weight_type) = weight_type {
@@ -688,11 +802,12 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
             role.types.fill(expert_type);
         }
     }
+    arch.fall_back_types(&mut layer, small_shape.head_dim);
     // The header: metadata as in the small model, plus about 100 bytes per tensor.
     let header_guess = small
         .data_offset
         .saturating_sub(small.tensors.len() as u64 * 64);
-    let shape = choose_shape(
+    let mut shape = choose_shape(
         &small_shape,
         &globals,
         &layer,
@@ -700,6 +815,8 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         small.alignment,
         moe.and_then(|moe| moe.ff_ratio),
     )?;
+    shape.n_layer = arch.depth(shape.n_layer);
+    shape.n_layer_dense_lead = arch.dense_lead(shape.n_layer);
     let n_params = shape.n_params(&globals, &layer);
 
     let context = moe
@@ -863,8 +980,14 @@ fn tensors_in_exec_order(
             .position(|e| *e == r.name)
             .unwrap_or(usize::MAX)
     });
+    let dense_roles = dense_layer(&layer_roles);
     for i in 0..shape.n_layer {
-        for role in &layer_roles {
+        let roles = if i < shape.n_layer_dense_lead {
+            &dense_roles
+        } else {
+            &layer_roles
+        };
+        for role in roles {
             add(
                 format!("blk.{i}.{}", role.name),
                 &role.name,
@@ -878,4 +1001,67 @@ fn tensors_in_exec_order(
     }
 
     (tensors, fills)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dense_leading_layer_trades_the_experts_for_a_network_of_the_shared_types() {
+        let role = |name: &str, ty: GgmlType| Role {
+            name: name.to_string(),
+            types: vec![ty],
+        };
+        let layer = [
+            role("attn_norm.weight", GgmlType::F32),
+            role("ffn_gate_inp.weight", GgmlType::F32),
+            role("exp_probs_b.bias", GgmlType::F32),
+            role("ffn_gate_exps.weight", GgmlType::Mxfp4),
+            role("ffn_down_exps.weight", GgmlType::Mxfp4),
+            role("ffn_down_exps.bias", GgmlType::F32),
+            role("ffn_gate_shexp.weight", GgmlType::Q8_0),
+            role("ffn_down_shexp.weight", GgmlType::Q6K),
+        ];
+        let dense = dense_layer(&layer);
+        let summary: Vec<(&str, GgmlType)> = dense
+            .iter()
+            .map(|role| (role.name.as_str(), role.types[0]))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("attn_norm.weight", GgmlType::F32),
+                ("ffn_gate.weight", GgmlType::Q8_0),
+                ("ffn_down.weight", GgmlType::Q6K),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_dense_network_in_a_mixture_is_as_wide_as_what_a_token_runs() {
+        let shape = LlamaShape {
+            n_layer: 4,
+            n_embd: 64,
+            n_ff: 32,
+            n_head: 2,
+            n_head_kv: 2,
+            head_dim: 32,
+            n_vocab: 100,
+            n_expert: 16,
+            n_expert_used: 2,
+            n_expert_shared: 1,
+            n_layer_dense_lead: 1,
+        };
+        assert_eq!(shape.dims("ffn_down.weight"), Some(vec![96, 64]));
+        assert_eq!(shape.dims("ffn_up_shexp.weight"), Some(vec![64, 32]));
+        assert_eq!(shape.dims("attn_k_b.weight"), Some(vec![32, 128, 2]));
+        assert_eq!(shape.dims("attn_q_b.weight"), Some(vec![384, 96]));
+        let dense = LlamaShape {
+            n_expert: 0,
+            n_expert_used: 0,
+            ..shape
+        };
+        assert_eq!(dense.dims("ffn_down.weight"), Some(vec![32, 64]));
+    }
 }
