@@ -195,6 +195,7 @@ fn moe_request(target: u64, experts: u64, used: u64, ff_ratio: Option<f64>) -> S
         order: TensorOrder::File,
         seed: 3,
         weight_type: Some(GgmlType::Q8_0),
+        mix: None,
         expert_type: None,
         moe: Some(MoeSpec {
             experts,

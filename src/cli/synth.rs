@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
 use hyperoffload::model::synth::{
-    self, MoeSpec, RouterLocality, SynthArch, SynthRequest, TensorOrder,
+    self, MoeSpec, QuantMix, RouterLocality, SynthArch, SynthRequest, TensorOrder,
 };
 use hyperoffload::size::{format_size, parse_size};
 
@@ -36,9 +36,11 @@ pub struct SynthArgs {
     #[arg(long, value_enum, default_value_t = Order::File)]
     order: Order,
     /// Quantization type of every quantized weight (e.g. Q8_0), instead of the small
-    /// model's.
-    #[arg(long = "type", value_parser = weight_type_arg)]
-    weight_type: Option<GgmlType>,
+    /// model's, or the recipe Q4_K_M (Q4_K, with Q6_K for the output head and for the
+    /// attention values and down projections of a third of the layers, as
+    /// llama-quantize makes it).
+    #[arg(long = "type", value_parser = weight_types_arg)]
+    weight_types: Option<WeightTypes>,
     /// Quantization type of the merged expert tensors alone (with --experts), after
     /// --type: e.g. MXFP4 experts in a Q8_0 model, as gpt-oss is released, or Q4_K.
     #[arg(long, requires = "experts", value_parser = weight_type_arg)]
@@ -154,6 +156,22 @@ impl From<Order> for TensorOrder {
 /// `--router-skew` without a locality preset.
 const DEFAULT_SKEW: f32 = 2.0;
 
+/// `--type`: one type for every quantized weight, or a recipe.
+#[derive(Debug, Clone, Copy)]
+enum WeightTypes {
+    One(GgmlType),
+    Mix(QuantMix),
+}
+
+fn weight_types_arg(name: &str) -> Result<WeightTypes, String> {
+    match QuantMix::from_name(name) {
+        Some(mix) => Ok(WeightTypes::Mix(mix)),
+        None => weight_type_arg(name)
+            .map(WeightTypes::One)
+            .map_err(|error| format!("{error}, or the recipe Q4_K_M")),
+    }
+}
+
 fn weight_type_arg(name: &str) -> Result<GgmlType, String> {
     GgmlType::from_name(name)
         .ok_or_else(|| format!("`{name}` is not a ggml type (e.g. Q8_0, Q4_1)"))
@@ -167,7 +185,14 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         target: args.size,
         order: args.order.into(),
         seed: args.seed,
-        weight_type: args.weight_type,
+        weight_type: match args.weight_types {
+            Some(WeightTypes::One(ty)) => Some(ty),
+            _ => None,
+        },
+        mix: match args.weight_types {
+            Some(WeightTypes::Mix(mix)) => Some(mix),
+            _ => None,
+        },
         expert_type: args.expert_type,
         moe: args.experts.map(|experts| MoeSpec {
             experts,

@@ -7,6 +7,7 @@ mod arch;
 mod fill;
 mod hf_order;
 mod metadata;
+mod mix;
 mod plan;
 mod quantize;
 mod router;
@@ -20,6 +21,7 @@ use thiserror::Error;
 
 pub use arch::SynthArch;
 pub use fill::{f16_to_f32, f32_to_f16, Fill};
+pub use mix::QuantMix;
 pub use plan::{
     plan, plan_request, plan_with_weight_type, LlamaShape, MoeSpec, SynthPlan, SynthRequest,
 };

@@ -12,6 +12,7 @@ use super::arch::SynthArch;
 use super::fill::{self, Fill};
 use super::hf_order;
 use super::metadata::{llama_file_type, metadata, same_type};
+use super::mix::QuantMix;
 use super::router::{self, ContextAttention, RouterLocality};
 use super::{SynthError, TensorOrder};
 use crate::model::ggml_type::GgmlType;
@@ -304,6 +305,8 @@ pub struct SynthRequest {
     pub seed: u64,
     /// The type of every quantized weight, in place of the small model's.
     pub weight_type: Option<GgmlType>,
+    /// A recipe of types per tensor (Q4_K_M), in place of `weight_type`.
+    pub mix: Option<QuantMix>,
     /// The type of the merged expert tensors alone (after `weight_type`), as released
     /// mixtures of experts have theirs (gpt-oss: MXFP4 experts, the rest 8-bit).
     pub expert_type: Option<GgmlType>,
@@ -705,6 +708,7 @@ pub fn plan_with_weight_type(
             order,
             seed,
             weight_type,
+            mix: None,
             expert_type: None,
             moe: None,
             arch: SynthArch::Llama,
@@ -769,10 +773,17 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
         order,
         seed,
         weight_type,
+        mix,
         expert_type,
         moe,
         arch,
     } = request;
+    if let (Some(_), Some(_)) = (weight_type, mix) {
+        return Err(SynthError::Unsupported(
+            "a weight type and a quantization mix: give one".into(),
+        ));
+    }
+    let weight_type = weight_type.or(mix.map(QuantMix::base_type));
     let (mut small_shape, mut globals, mut layer) = small_model(small)?;
     arch.check(moe.as_ref())?;
     if let Some(moe) = moe {
@@ -785,6 +796,9 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     arch.adapt_roles(&mut globals, &mut layer, small_shape.n_layer as usize);
     if let Some(weight_type) = weight_type {
         retype_quantized(weight_type, &mut globals, &mut layer)?;
+    }
+    if let Some(mix) = mix {
+        mix.apply(&mut globals, &mut layer);
     }
     if let Some(expert_type) = expert_type {
         if moe.is_none() {
@@ -842,7 +856,10 @@ pub fn plan_request(small: &GgufFile, request: &SynthRequest) -> Result<SynthPla
     let file_type = match expert_type {
         // LLAMA_FTYPE_MOSTLY_MXFP4_MOE, as llama-quantize labels gpt-oss's.
         Some(GgmlType::Mxfp4) => Some(38),
-        _ => weight_type.and_then(llama_file_type),
+        _ => match mix {
+            Some(mix) => Some(mix.file_type()),
+            None => weight_type.and_then(llama_file_type),
+        },
     };
     if let Some(file_type) = file_type {
         // llama.cpp labels the model by it (llama-bench's "Q8_0").
