@@ -12,6 +12,10 @@
 #   RUNS      runs per side and budget (default 3)
 #   CTX       tokens decoded per run (default 128)
 #   ROUTER    synth --router-locality (default qwen3; `off` for today's independent router)
+#   ARCH      synth --arch (default llama; the others take no locality: ROUTER=off)
+#   TYPES     synth --type (default Q8_0; Q4_K_M for llama-quantize's mix)
+#   EXPERT_TYPE  synth --expert-type (default none; MXFP4 as gpt-oss is released)
+#   ORDER     synth --order (default file; hf for Hugging Face conversion's)
 #   MODEL     a model to use instead of the one synthesized (once, cached) here
 #   OUT       where compare's reports go (default bench-out/moe-locality)
 set -euo pipefail
@@ -21,6 +25,10 @@ budgets="${BUDGETS:-25 50}"
 runs="${RUNS:-3}"
 ctx="${CTX:-128}"
 router="${ROUTER:-qwen3}"
+arch="${ARCH:-llama}"
+types="${TYPES:-Q8_0}"
+expert_type="${EXPERT_TYPE:-}"
+order="${ORDER:-file}"
 out="${OUT:-bench-out/moe-locality}"
 
 bin="$(bash tools/build-llama.sh | tail -n 1)"
@@ -32,12 +40,14 @@ hyperoffload=target/release/hyperoffload
 # writes models makes a new one.
 synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
 models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-model="${MODEL:-$models/moe3g-128x8-$router-$synth_key.gguf}"
+variant="$arch-$types${expert_type:+-$expert_type}-$order"
+model="${MODEL:-$models/moe3g-128x8-$router-$variant-$synth_key.gguf}"
 if [ ! -f "$model" ]; then
   mkdir -p "$(dirname "$model")"
   echo "moe-locality-bench: synthesizing $model" >&2
-  "$hyperoffload" synth --like "$small" --size 3G --type Q8_0 --experts 128 --experts-used 8 \
-    --router-locality "$router" --out "$model.partial"
+  "$hyperoffload" synth --like "$small" --size 3G --type "$types" --experts 128 --experts-used 8 \
+    --router-locality "$router" --arch "$arch" --order "$order" \
+    ${expert_type:+--expert-type "$expert_type"} --out "$model.partial"
   mv "$model.partial" "$model"
 fi
 
@@ -46,7 +56,7 @@ text=/usr/share/common-licenses/GPL-3
 program=("$bin/llama-perplexity" -m "$model" -f "$text" -c "$ctx" -b 1 -ub 1 --chunks 1 -t 2 --no-repack)
 
 echo "# moe-locality-bench $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)"
-echo "model: $model ($(stat -c %s "$model") bytes); router-locality $router; $ctx tokens per run"
+echo "model: $model ($(stat -c %s "$model") bytes); router-locality $router; $variant; $ctx tokens per run"
 echo "command: hyperoffload compare --budget B% --runs $runs -- ${program[*]}"
 for budget in $budgets; do
   dir="$out/budget-${budget}pct"
