@@ -197,7 +197,10 @@ impl FaultService {
         range: &Range<u64>,
         event: BlockEvent,
     ) -> Result<(), ServiceError> {
-        debug_assert!(matches!(event, BlockEvent::Released | BlockEvent::Unmapped));
+        assert!(
+            matches!(event, BlockEvent::Released | BlockEvent::Unmapped),
+            "dropping blocks on {event:?}"
+        );
         let unmapped = event == BlockEvent::Unmapped;
         for index in self.blocks_of(id, range) {
             let block = BlockRef::new(id, index);
