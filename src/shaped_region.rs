@@ -141,9 +141,15 @@ impl FileView {
         Ok(view)
     }
 
-    /// The view of the file's byte `offset` (below its length).
+    /// The view of the file's byte `offset` (below its length). Reads land where this
+    /// points: an offset past the view is a service bug that would have the kernel write
+    /// into whatever is mapped after it, so it stops the service, in every build.
     pub fn at(&self, offset: u64) -> *mut u8 {
-        debug_assert!((offset as usize) < self.len);
+        assert!(
+            (offset as usize) < self.len,
+            "offset {offset} past a view of {} bytes",
+            self.len
+        );
         (self.addr + offset as usize) as *mut u8
     }
 }

@@ -140,11 +140,15 @@ pub struct FrameStore {
     next_huge: u32,
     /// Per huge frame taken so far: whether its page is in memory (not punched).
     huge_holds_memory: Vec<bool>,
+    /// Per huge frame taken so far: whether it is in use (taken and not released).
+    huge_in_use: Vec<bool>,
     /// Free slots, last freed first.
     free_slots: Vec<u32>,
     next_slot: u32,
     /// Per slot taken so far: bytes of memory its pages hold (from its start).
     slot_bytes: Vec<u64>,
+    /// Per slot taken so far: whether it is in use.
+    slot_in_use: Vec<bool>,
     memory_bytes: u64,
     peak_memory_bytes: u64,
 }
@@ -183,9 +187,11 @@ impl FrameStore {
             free_huge: Vec::new(),
             next_huge: 0,
             huge_holds_memory: Vec::new(),
+            huge_in_use: Vec::new(),
             free_slots: Vec::new(),
             next_slot: 0,
             slot_bytes: Vec::new(),
+            slot_in_use: Vec::new(),
             memory_bytes: 0,
             peak_memory_bytes: 0,
         })
@@ -250,10 +256,12 @@ impl FrameStore {
             None if self.next_huge < self.huge_count => {
                 self.next_huge += 1;
                 self.huge_holds_memory.push(false);
+                self.huge_in_use.push(false);
                 self.next_huge - 1
             }
             None => return None,
         };
+        self.huge_in_use[frame as usize] = true;
         let warm = self.huge_holds_memory[frame as usize];
         if !warm {
             self.make_memory(self.frame_len as u64);
@@ -269,10 +277,12 @@ impl FrameStore {
             None if self.next_slot < self.slot_count => {
                 self.next_slot += 1;
                 self.slot_bytes.push(0);
+                self.slot_in_use.push(false);
                 self.next_slot - 1
             }
             None => return None,
         };
+        self.slot_in_use[slot as usize] = true;
         let needed = len.next_multiple_of(sys::page_size());
         let held = self.slot_bytes[slot as usize];
         if held > needed {
@@ -351,17 +361,29 @@ impl FrameStore {
 
     /// Gives `frame` back. With `free_memory`, its pages are freed too (a drop hint, a
     /// region gone); otherwise they are kept for the next read, as an eviction does.
+    ///
+    /// Giving back a frame not in use is a service bug that would hand the frame to two
+    /// blocks, one of which then maps the other's bytes: it stops the service, in every
+    /// build (one flag looked up per release).
     pub fn release(&mut self, frame: u32, free_memory: bool) {
         match self.at(frame) {
             FrameAt::Huge(index) => {
-                debug_assert!(index < self.next_huge && !self.free_huge.contains(&index));
+                let in_use = self.huge_in_use.get_mut(index as usize);
+                assert!(
+                    in_use.is_some_and(|in_use| std::mem::replace(in_use, false)),
+                    "releasing huge frame {index}, not in use"
+                );
                 if free_memory {
                     self.punch_huge(index);
                 }
                 self.free_huge.push(index);
             }
             FrameAt::Pages(slot) => {
-                debug_assert!(slot < self.next_slot && !self.free_slots.contains(&slot));
+                let in_use = self.slot_in_use.get_mut(slot as usize);
+                assert!(
+                    in_use.is_some_and(|in_use| std::mem::replace(in_use, false)),
+                    "releasing slot {slot}, not in use"
+                );
                 if free_memory {
                     self.punch_slot(slot, 0);
                 }
@@ -519,5 +541,23 @@ mod tests {
         assert!(unsafe { store.bytes_mut(a, len) }.iter().all(|&x| x == 7));
         // SAFETY: as above.
         assert!(unsafe { store.bytes_mut(b, len) }.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn a_frame_released_when_not_in_use_stops() {
+        let Some(mut store) = store(2) else {
+            return;
+        };
+        let frame = store.take(HUGE_PAGE).unwrap().index;
+        let slot = store.take(4096).unwrap().index;
+        store.release(frame, false);
+        let mut stops = |frame: u32| {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                store.release(frame, false)
+            }));
+            *outcome.unwrap_err().downcast::<String>().unwrap()
+        };
+        assert_eq!(stops(frame), "releasing huge frame 0, not in use");
+        assert_eq!(stops(slot + 1), "releasing slot 1, not in use");
     }
 }

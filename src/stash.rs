@@ -41,7 +41,7 @@ impl Stash {
 
     /// Takes a free buffer and fills it with `bytes` (at most one block).
     pub(crate) fn put(&mut self, bytes: &[u8]) -> Option<u32> {
-        debug_assert!(bytes.len() <= self.block);
+        assert!(bytes.len() <= self.block, "a marker longer than a block");
         let index = self.free.pop()?;
         self.buffer_mut(index)[..bytes.len()].copy_from_slice(bytes);
         Some(index)
@@ -63,8 +63,17 @@ impl Stash {
     }
 
     /// Returns buffer `index` to the free list.
+    ///
+    /// A buffer that is not the stash's, or already free, is a service bug that would hand
+    /// one buffer to two markers (one then installs the other's bytes) or one past the
+    /// allocation: it stops the service, in every build. The free list is at most a queue
+    /// depth long (`max_staged`), so the look-up is cheap.
     pub(crate) fn release(&mut self, index: u32) {
-        debug_assert!(!self.free.contains(&index));
+        let count = self.layout.size() / self.block;
+        assert!(
+            (index as usize) < count && !self.free.contains(&index),
+            "releasing stash buffer {index}, not in use"
+        );
         self.free.push(index);
     }
 }
@@ -93,5 +102,21 @@ mod tests {
         let c = stash.put(&[4u8; 10]).unwrap();
         assert_eq!(c, a);
         assert_eq!(stash.buffer(c)[..10], [4u8; 10]);
+    }
+
+    #[test]
+    #[should_panic(expected = "releasing stash buffer 0, not in use")]
+    fn a_buffer_released_twice_stops() {
+        let mut stash = Stash::new(2, 4096, 4096);
+        let a = stash.put(&[1u8; 10]).unwrap();
+        stash.release(a);
+        stash.release(a);
+    }
+
+    #[test]
+    #[should_panic(expected = "releasing stash buffer 2, not in use")]
+    fn a_buffer_past_the_stash_stops_when_released() {
+        let mut stash = Stash::new(2, 4096, 4096);
+        stash.release(2);
     }
 }

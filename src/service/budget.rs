@@ -8,6 +8,12 @@
 //! and the release of its reservation the same bytes count twice, which errs on the side
 //! of the budget. Pinned bytes are resident (or being read) bytes that eviction may not
 //! take; they are counted apart so a pin can be refused before it starves demand faults.
+//!
+//! Giving back more than is counted, or a limit below the pins, is a service bug after
+//! which the counts no longer bound memory (a count below zero would wrap to a huge one,
+//! and the next sum wrap back to a small one). These are `assert!`s, in every build: a
+//! compare beside a subtraction, a few per read; the service stops the process with the
+//! message rather than go on past its budget.
 
 use super::super::command::PinRefused;
 
@@ -50,7 +56,7 @@ impl Budget {
     /// Changes the limit. Bytes held above a smaller limit are the caller's to evict
     /// (`shortfall(0)` of them) to restore the invariant.
     pub(super) fn set_limit(&mut self, limit: u64) {
-        debug_assert!(self.pinned < limit, "a limit of {limit} below the pins");
+        assert!(self.pinned < limit, "a limit of {limit} below the pins");
         self.limit = limit;
     }
 
@@ -77,7 +83,7 @@ impl Budget {
     /// Gives back a reservation (its read is done with, its marker installed or
     /// discarded).
     pub(super) fn unreserve(&mut self, bytes: u64) {
-        debug_assert!(
+        assert!(
             bytes <= self.reserved,
             "unreserving {bytes} of {}",
             self.reserved
@@ -93,7 +99,7 @@ impl Budget {
 
     /// Uncounts an evicted or dropped block.
     pub(super) fn remove_resident(&mut self, bytes: u64) {
-        debug_assert!(
+        assert!(
             bytes <= self.resident,
             "removing {bytes} of {}",
             self.resident
@@ -118,7 +124,7 @@ impl Budget {
     }
 
     pub(super) fn unpin(&mut self, bytes: u64) {
-        debug_assert!(bytes <= self.pinned, "unpinning {bytes} of {}", self.pinned);
+        assert!(bytes <= self.pinned, "unpinning {bytes} of {}", self.pinned);
         self.pinned -= bytes;
     }
 }
@@ -197,5 +203,39 @@ mod tests {
         assert_eq!(budget.pinned(), 80);
         budget.unpin(80);
         assert_eq!(budget.pin(80, 20), Ok(()));
+    }
+
+    // Counts below zero stop the service in every build (these tests run in release).
+
+    #[test]
+    #[should_panic(expected = "unreserving 11 of 10")]
+    fn giving_back_more_than_was_reserved_stops() {
+        let mut budget = Budget::new(100);
+        budget.reserve(10);
+        budget.unreserve(11);
+    }
+
+    #[test]
+    #[should_panic(expected = "removing 11 of 10")]
+    fn removing_more_than_is_resident_stops() {
+        let mut budget = Budget::new(100);
+        budget.add_resident(10);
+        budget.remove_resident(11);
+    }
+
+    #[test]
+    #[should_panic(expected = "unpinning 11 of 10")]
+    fn unpinning_more_than_is_pinned_stops() {
+        let mut budget = Budget::new(100);
+        budget.pin(10, 20).unwrap();
+        budget.unpin(11);
+    }
+
+    #[test]
+    #[should_panic(expected = "a limit of 50 below the pins")]
+    fn a_limit_below_the_pins_stops() {
+        let mut budget = Budget::new(100);
+        budget.pin(60, 20).unwrap();
+        budget.set_limit(50);
     }
 }

@@ -62,7 +62,7 @@ impl FaultService {
         let start = region.layout.block_memory(first).start;
         let end = region.layout.block_memory(first + count - 1).end;
         if let Some(store) = &self.store {
-            debug_assert_eq!(count, 1, "a frame holds one block");
+            assert_eq!(count, 1, "a frame holds one block");
             map_frame(&self.uffd, store, region, first)?;
             let now = self.now_ns();
             self.installed(slot, now);

@@ -82,7 +82,9 @@ impl FaultService {
                     };
                     // A policy may only name evictable resident blocks; skip any other.
                     if !region.evictable(victim.index) {
-                        debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
+                        self.breaches.record(format_args!(
+                            "the eviction policy named {victim:?}, not evictable"
+                        ));
                         continue;
                     }
                     if self.recent.spares(victim) {
@@ -197,7 +199,10 @@ impl FaultService {
         range: &Range<u64>,
         event: BlockEvent,
     ) -> Result<(), ServiceError> {
-        debug_assert!(matches!(event, BlockEvent::Released | BlockEvent::Unmapped));
+        assert!(
+            matches!(event, BlockEvent::Released | BlockEvent::Unmapped),
+            "dropping blocks on {event:?}"
+        );
         let unmapped = event == BlockEvent::Unmapped;
         for index in self.blocks_of(id, range) {
             let block = BlockRef::new(id, index);

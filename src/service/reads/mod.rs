@@ -332,7 +332,7 @@ impl FaultService {
         let fd = region.file.read_fd();
         let landing = match &mut self.store {
             Some(store) => {
-                debug_assert_eq!(count, 1, "a frame holds one block");
+                assert_eq!(count, 1, "a frame holds one block");
                 let frame = store
                     .take(len as u64)
                     .expect("pump checked a frame is free");
