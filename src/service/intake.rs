@@ -367,9 +367,7 @@ impl FaultService {
             return Ok(());
         };
         if !region.evictable(block.index) {
-            self.breaches.record(format_args!(
-                "the eviction policy watched {block:?}, not evictable"
-            ));
+            debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
             return Ok(());
         }
         if region.watched.is_empty() || region.moving() {

@@ -82,9 +82,7 @@ impl FaultService {
                     };
                     // A policy may only name evictable resident blocks; skip any other.
                     if !region.evictable(victim.index) {
-                        self.breaches.record(format_args!(
-                            "the eviction policy named {victim:?}, not evictable"
-                        ));
+                        debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
                         continue;
                     }
                     if self.recent.spares(victim) {
