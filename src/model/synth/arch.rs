@@ -145,18 +145,18 @@ impl SynthArch {
             }
             SynthArch::GptOss => {
                 rename(layer, "ffn_norm.weight", "post_attention_norm.weight");
-                for name in [
-                    "attn_sinks.weight",
-                    "attn_output.bias",
-                    "ffn_gate_inp.bias",
-                    "ffn_gate_exps.bias",
-                    "ffn_up_exps.bias",
-                    "ffn_down_exps.bias",
-                ] {
-                    if !layer.iter().any(|role| role.name == name) {
-                        layer.push(f32_role(name));
-                    }
-                }
+                add_f32_roles(
+                    layer,
+                    &[
+                        "attn_sinks.weight",
+                        "attn_output.bias",
+                        "ffn_gate_inp.bias",
+                        "ffn_gate_exps.bias",
+                        "ffn_up_exps.bias",
+                        "ffn_down_exps.bias",
+                    ],
+                    n_layer,
+                );
                 let has_output = globals.iter().any(|role| role.name == "output.weight");
                 let embedding = globals.iter().find(|role| role.name == "token_embd.weight");
                 if let (false, Some(embedding)) = (has_output, embedding) {
@@ -169,12 +169,16 @@ impl SynthArch {
             }
             SynthArch::Glm4Moe => {
                 rename(layer, "ffn_norm.weight", "post_attention_norm.weight");
-                for name in ["attn_q.bias", "attn_k.bias", "attn_v.bias"] {
-                    if !layer.iter().any(|role| role.name == name) {
-                        layer.push(f32_role(name));
-                    }
-                }
-                layer.push(f32_role("exp_probs_b.bias"));
+                add_f32_roles(
+                    layer,
+                    &[
+                        "attn_q.bias",
+                        "attn_k.bias",
+                        "attn_v.bias",
+                        "exp_probs_b.bias",
+                    ],
+                    n_layer,
+                );
                 add_shared_experts(layer);
             }
             SynthArch::DeepSeek2 => {
@@ -293,6 +297,18 @@ impl SynthArch {
                 }
                 keys
             }
+        }
+    }
+}
+
+/// F32 roles (norms, biases, sinks) of these names, where the layer lacks them.
+fn add_f32_roles(layer: &mut Vec<Role>, names: &[&str], n_layer: usize) {
+    for name in names {
+        if !layer.iter().any(|role| role.name == *name) {
+            layer.push(Role {
+                name: name.to_string(),
+                types: vec![GgmlType::F32; n_layer],
+            });
         }
     }
 }

@@ -50,7 +50,7 @@ impl QuantMix {
             "token_embd.weight"
         };
         for role in globals.iter_mut().filter(|role| role.name == head) {
-            retype_quantized(&mut role.types, |_| true);
+            quantized_to_q6_k(&mut role.types, |_| true);
         }
         let more_bits = |role: &str| {
             matches!(
@@ -64,13 +64,13 @@ impl QuantMix {
         };
         for role in layer.iter_mut().filter(|role| more_bits(&role.name)) {
             let n = role.types.len();
-            retype_quantized(&mut role.types, |i| use_more_bits(i, n));
+            quantized_to_q6_k(&mut role.types, |i| use_more_bits(i, n));
         }
     }
 }
 
 /// Q6_K for the quantized types at the indices `pick` selects.
-fn retype_quantized(types: &mut [GgmlType], pick: impl Fn(usize) -> bool) {
+fn quantized_to_q6_k(types: &mut [GgmlType], pick: impl Fn(usize) -> bool) {
     for (i, ty) in types.iter_mut().enumerate() {
         if ty.is_quantized() && pick(i) {
             *ty = GgmlType::Q6K;

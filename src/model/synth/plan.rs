@@ -38,7 +38,8 @@ pub struct LlamaShape {
     pub n_expert_shared: u64,
     /// Leading layers with a dense feed-forward network in place of experts
     /// (DeepSeek's and GLM's first layers), as wide as what a token runs in the
-    /// others: its experts and the shared ones.
+    /// others: its experts and the shared ones. The size is planned as if every
+    /// layer had experts (the file comes out a dense layer's difference smaller).
     pub n_layer_dense_lead: u64,
 }
 
