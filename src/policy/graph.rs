@@ -73,6 +73,8 @@ struct Progress {
     planned: Option<Planned>,
     /// The latest fault judged: both policies hear of each fault, it is judged once.
     judged: Option<(u64, BlockRef)>,
+    /// The token (`ExpertUse::tokens`) of the latest eviction the graph eviction chose.
+    evicted_in_token: Option<u64>,
 }
 
 impl GraphPrediction {
@@ -92,6 +94,7 @@ impl GraphPrediction {
                 ),
                 planned: None,
                 judged: None,
+                evicted_in_token: None,
             }),
             graph,
         })
@@ -415,6 +418,15 @@ impl Progress {
             return f64::INFINITY;
         }
         to_layer + order.len().max(1) as f64 * (1.0 - this_token).max(0.0) / probability
+    }
+
+    /// Whether the budget has been evicting lately: in this token or the one before.
+    /// Room free now is then the odd bytes between a victim and a smaller block read in
+    /// its place, which the program's next read takes back; room that stays free for a
+    /// whole token is room the program does not fill (`idle_fill`).
+    fn evicting(&self) -> bool {
+        self.evicted_in_token
+            .is_some_and(|token| self.experts.tokens() <= token + 1)
     }
 
     /// Positions behind the cursor that a lagging thread may still be reading: back to

@@ -403,6 +403,18 @@ impl EvictionPolicy for GraphEviction {
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
+        let victim = self.choose_victim(incoming, kind);
+        if victim.is_some() {
+            let mut progress = self.prediction.lock();
+            progress.evicted_in_token = Some(progress.experts.tokens());
+        }
+        victim
+    }
+}
+
+impl GraphEviction {
+    /// `EvictionPolicy::victim`'s choice, forgotten once chosen.
+    fn choose_victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
         let prediction = Arc::clone(&self.prediction);
         let mut progress = prediction.lock();
         if let Some(&(_, _, block)) = self.unpredicted.first() {

@@ -135,7 +135,11 @@ impl GraphPrefetch {
     }
 
     /// Asks for the routed experts most likely to run that are not resident, to be read
-    /// into free budget while the device idles (`idle_fill`).
+    /// into free budget while the device idles (`idle_fill`): not while the budget is
+    /// evicting (`Progress::evicting`), where what the fill reads into the odd bytes a
+    /// victim leaves is evicted again for the program's next read. Measured on 128-token
+    /// demand traces at 25 % (`simulate`): 42.1 against 35.0 MiB per token on gpt-oss
+    /// 16x2, 48.8 against 41.2 on deepseek2 16x2, 80.8 against 74.1 on qwen3moe 64x8.
     fn ask_idle_fill(
         &mut self,
         graph: &ModelGraph,
@@ -144,7 +148,7 @@ impl GraphPrefetch {
         out: &mut Vec<PrefetchRequest>,
     ) {
         let experts = graph.experts();
-        if experts.is_empty() {
+        if experts.is_empty() || progress.evicting() {
             return;
         }
         let groups = (self.idle_fill).next_groups(&progress.experts, experts.groups().len());

@@ -880,3 +880,47 @@ fn a_dense_model_asks_for_no_idle_fill() {
     let (mut prefetch, _) = policies(&[0, 1, 2, 3], 8);
     assert!(idle_fill_asked(&mut prefetch, &fault(0, 0)).is_empty());
 }
+
+#[test]
+fn idle_fill_waits_while_the_budget_is_evicting() {
+    let (graph, mut prefetch, mut eviction) = moe_policies(false);
+    let counts = ExpertCounts {
+        experts: (graph.experts().groups().iter())
+            .map(|g| ExpertCount {
+                layer: g.layer,
+                expert: g.expert,
+                uses: if g.expert == 1 { 80.0 } else { 5.0 },
+                tokens: 100.0,
+                paired_tokens: 0.0,
+            })
+            .collect(),
+        pairs: Vec::new(),
+    };
+    prefetch.prediction.seed_expert_counts(&counts);
+    // A token's experts: the first layer's, then the seventh's.
+    let token = |eviction: &mut GraphEviction, prefetch: &mut GraphPrefetch| {
+        let mut asked = Vec::new();
+        for layer in [0, 7] {
+            let event = expert_fault(&graph, group_of(&graph, layer, 0), FaultOutcome::Missing);
+            eviction.touched(&event);
+            asked.extend(idle_fill_asked(prefetch, &event));
+        }
+        asked
+    };
+    assert!(!token(&mut eviction, &mut prefetch).is_empty());
+    // The budget evicts: no fill in this token or the next.
+    let resident = distinct_blocks(&graph, group_of(&graph, 3, 2));
+    for &block in &resident {
+        eviction.inserted(b(block));
+    }
+    let incoming = b(distinct_blocks(&graph, group_of(&graph, 5, 3))[0]);
+    assert!(eviction.victim(incoming, ReadKind::Demand).is_some());
+    // The rest of this token, and the next one.
+    let event = expert_fault(&graph, group_of(&graph, 7, 0), FaultOutcome::Missing);
+    eviction.touched(&event);
+    assert!(idle_fill_asked(&mut prefetch, &event).is_empty());
+    let asked = token(&mut eviction, &mut prefetch);
+    assert!(asked.is_empty(), "asked while evicting: {asked:?}");
+    // After a whole token without an eviction the room left is the program's no more.
+    assert!(!token(&mut eviction, &mut prefetch).is_empty());
+}
