@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fuzzes the model header parsers (GGUF, safetensors), the learned-graph loader, the
 # fault-trace reader and simulate's reading of a trace's region, and the keeper and
-# share wire protocols, for SECONDS each (default 20).
+# share wire protocols, and the remote cache's index file, for SECONDS each (default 20).
 # Installs cargo-fuzz if missing. Works on the stable toolchain: RUSTC_BOOTSTRAP=1 lets
 # stable rustc take the -Z sanitizer flags cargo-fuzz passes (no nightly needed).
 # The first run builds the fuzzers (about 3 minutes on 2 cores); crashes are saved
@@ -19,7 +19,7 @@ fi
 export RUSTC_BOOTSTRAP=1
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-for target in gguf safetensors learned_graph trace_reader trace_region keeper_protocol share_protocol; do
+for target in gguf safetensors learned_graph trace_reader trace_region keeper_protocol share_protocol cache_index; do
   mkdir -p "corpus/$target"
   echo "fuzz: $target for ${seconds}s" >&2
   # Seeds are checked in; the growing corpus is not.

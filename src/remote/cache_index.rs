@@ -28,9 +28,17 @@ pub enum IndexError {
     BadChecksum,
     #[error("cache index has {found} entries for {expected} blocks")]
     WrongLength { found: usize, expected: u64 },
-    #[error("cache index has block size 0")]
-    ZeroBlock,
+    #[error("cache index has block size {0}, not a power of two of at least {MIN_BLOCK}")]
+    BadBlock(u64),
+    #[error("cache index is for an object of {blocks} blocks, more than the {MAX_BLOCKS} one index holds")]
+    TooManyBlocks { blocks: u64 },
 }
+
+/// The smallest block a mount caches in (`mount --block`).
+pub const MIN_BLOCK: u64 = 4096;
+/// The most blocks one object's index holds: 4 GiB of entries in memory, an object of
+/// 1 TiB in the smallest blocks and of 256 TiB in mount's default 1 MiB ones.
+pub const MAX_BLOCKS: u64 = 1 << 28;
 
 /// One block's entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -120,8 +128,8 @@ impl Header {
         if len != body_len + 8 || fnv1a(&bytes[..body_len]) != sum {
             return Err(IndexError::BadChecksum);
         }
-        if block == 0 {
-            return Err(IndexError::ZeroBlock);
+        if !block.is_power_of_two() || block < MIN_BLOCK {
+            return Err(IndexError::BadBlock(block));
         }
         Ok((
             Self {
@@ -135,8 +143,11 @@ impl Header {
     }
 }
 
-/// Decodes a whole index file: its header and one entry per block. Missing entries at
-/// the end (a file cut short) are absent blocks; more entries than blocks is an error.
+/// Decodes a whole index file: its header and the entries the file holds, at most one
+/// per block; more entries than blocks is an error. Entries missing at the end (a file
+/// cut short) are absent blocks: `padded` adds them, once the caller has checked the
+/// header against the object, so that a header claiming a huge object costs nothing
+/// before that check.
 pub fn decode(bytes: &[u8]) -> Result<(Header, usize, Vec<Entry>), IndexError> {
     let (header, len) = Header::decode(bytes)?;
     let body = &bytes[len..];
@@ -147,9 +158,19 @@ pub fn decode(bytes: &[u8]) -> Result<(Header, usize, Vec<Entry>), IndexError> {
             expected: header.blocks(),
         });
     }
-    let mut entries: Vec<Entry> = body.chunks_exact(ENTRY_LEN).map(Entry::decode).collect();
-    entries.resize(header.blocks() as usize, Entry::default());
+    let entries: Vec<Entry> = body.chunks_exact(ENTRY_LEN).map(Entry::decode).collect();
     Ok((header, len, entries))
+}
+
+/// `entries` (as `decode` returns them) with absent entries up to one per block of
+/// `header`'s object.
+pub fn padded(header: &Header, mut entries: Vec<Entry>) -> Result<Vec<Entry>, IndexError> {
+    let blocks = header.blocks();
+    if blocks > MAX_BLOCKS {
+        return Err(IndexError::TooManyBlocks { blocks });
+    }
+    entries.resize(blocks as usize, Entry::default());
+    Ok(entries)
 }
 
 /// 64-bit FNV-1a: a stable hash (the same in every build), for checksums and file names.
@@ -195,7 +216,9 @@ mod tests {
         let mut bytes = header().encode();
         bytes.extend_from_slice(&Entry { tick: 1, crc: 2 }.encode());
         bytes.extend_from_slice(&[1, 2, 3]); // a torn entry
-        let (_, _, read) = decode(&bytes).unwrap();
+        let (decoded, _, read) = decode(&bytes).unwrap();
+        assert_eq!(read.len(), 1);
+        let read = padded(&decoded, read).unwrap();
         assert_eq!(read.len(), 3);
         assert!(read[0].present() && !read[1].present() && !read[2].present());
         for _ in 0..3 {
@@ -218,6 +241,52 @@ mod tests {
             assert!(decode(&bad).is_err(), "flip at {at} accepted");
         }
         assert_eq!(decode(&good[..good.len() - 1]), Err(IndexError::Truncated));
+    }
+
+    #[test]
+    fn a_block_size_mount_never_uses_is_refused() {
+        for block in [0, 1, 2048, 4095, 6144] {
+            let bytes = Header { block, ..header() }.encode();
+            assert_eq!(decode(&bytes), Err(IndexError::BadBlock(block)), "{block}");
+        }
+    }
+
+    #[test]
+    fn a_header_claiming_a_huge_object_allocates_nothing_and_is_refused() {
+        let huge = Header {
+            size: u64::MAX,
+            ..header()
+        };
+        let (decoded, _, read) = decode(&huge.encode()).unwrap();
+        assert!(read.is_empty());
+        assert_eq!(
+            padded(&decoded, read),
+            Err(IndexError::TooManyBlocks {
+                blocks: u64::MAX.div_ceil(4096)
+            })
+        );
+        let one_too_many = Header {
+            size: MAX_BLOCKS * 4096 + 1,
+            ..header()
+        };
+        assert_eq!(
+            padded(&one_too_many, Vec::new()),
+            Err(IndexError::TooManyBlocks {
+                blocks: MAX_BLOCKS + 1
+            })
+        );
+    }
+
+    #[test]
+    fn the_fuzzers_seeds_decode() {
+        // The cache_index fuzz target starts from these: a seed refused would leave it
+        // exploring error paths only.
+        let three = include_bytes!("../../fuzz/seeds/cache_index/three_blocks.idx");
+        let (decoded, _, entries) = decode(three).unwrap();
+        assert_eq!((decoded, entries.len()), (header(), 3));
+        let cut = include_bytes!("../../fuzz/seeds/cache_index/cut_short.idx");
+        let (decoded, _, entries) = decode(cut).unwrap();
+        assert_eq!((decoded.blocks(), entries.len()), (3, 1));
     }
 
     #[test]

@@ -596,6 +596,8 @@ fn load(stem: &Path) -> io::Result<Object> {
             "data file of another size",
         ));
     }
+    let entries = cache_index::padded(&header, entries)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     Ok(Object {
         verified: vec![false; entries.len()],
         header,
@@ -608,6 +610,9 @@ fn load(stem: &Path) -> io::Result<Object> {
 }
 
 fn create(stem: &Path, header: Header) -> io::Result<Object> {
+    let entries = cache_index::padded(&header, Vec::new())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let blocks = entries.len();
     remove(stem);
     let data = OpenOptions::new()
         .read(true)
@@ -617,7 +622,6 @@ fn create(stem: &Path, header: Header) -> io::Result<Object> {
         .open(stem.with_extension("data"))?;
     data.set_len(header.size)?;
     let encoded = header.encode();
-    let blocks = header.blocks() as usize;
     let mut bytes = encoded.clone();
     bytes.resize(encoded.len() + blocks * ENTRY_LEN, 0);
     // The index is written whole under a temporary name and renamed, so an index file
@@ -631,7 +635,7 @@ fn create(stem: &Path, header: Header) -> io::Result<Object> {
         .open(stem.with_extension("idx"))?;
     Ok(Object {
         header_len: encoded.len() as u64,
-        entries: vec![Entry::default(); blocks],
+        entries,
         verified: vec![false; blocks],
         header,
         data: Arc::new(data),
