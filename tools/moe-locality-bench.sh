@@ -16,6 +16,7 @@
 #   TYPES     synth --type (default Q8_0; Q4_K_M for llama-quantize's mix)
 #   EXPERT_TYPE  synth --expert-type (default none; MXFP4 as gpt-oss is released)
 #   ORDER     synth --order (default file; hf for Hugging Face conversion's)
+#   SIZE      synth --size (default 3G; 128 experts of Q4_K_M need at least 3.4G)
 #   EXPERTS   routed experts per layer (default 128); EXPERTS_USED per token (default 8;
 #             gpt-oss-120b: 128 and 4)
 #   MODEL     a model to use instead of the one synthesized (once, cached) here
@@ -31,6 +32,7 @@ arch="${ARCH:-llama}"
 types="${TYPES:-Q8_0}"
 expert_type="${EXPERT_TYPE:-}"
 order="${ORDER:-file}"
+size="${SIZE:-3G}"
 experts="${EXPERTS:-128}"
 experts_used="${EXPERTS_USED:-8}"
 out="${OUT:-bench-out/moe-locality}"
@@ -45,11 +47,11 @@ hyperoffload=target/release/hyperoffload
 synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
 models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
 variant="$arch-$types${expert_type:+-$expert_type}-$order"
-model="${MODEL:-$models/moe3g-${experts}x$experts_used-$router-$variant-$synth_key.gguf}"
+model="${MODEL:-$models/moe${size,,}-${experts}x$experts_used-$router-$variant-$synth_key.gguf}"
 if [ ! -f "$model" ]; then
   mkdir -p "$(dirname "$model")"
   echo "moe-locality-bench: synthesizing $model" >&2
-  "$hyperoffload" synth --like "$small" --size 3G --type "$types" --experts "$experts" --experts-used "$experts_used" \
+  "$hyperoffload" synth --like "$small" --size "$size" --type "$types" --experts "$experts" --experts-used "$experts_used" \
     --router-locality "$router" --arch "$arch" --order "$order" \
     ${expert_type:+--expert-type "$expert_type"} --out "$model.partial"
   mv "$model.partial" "$model"
