@@ -19,6 +19,8 @@
 #   SIZE      synth --size (default 3G; 128 experts of Q4_K_M need at least 3.4G)
 #   EXPERTS   routed experts per layer (default 128); EXPERTS_USED per token (default 8;
 #             gpt-oss-120b: 128 and 4)
+#   EXPERT_FF_RATIO  synth --expert-ff-ratio (default the small model's: coarse experts;
+#             0.375 gives Qwen3-30B-A3B's expert width for its embedding, 768 for 2048)
 #   MODEL     a model to use instead of the one synthesized (once, cached) here
 #   OUT       where compare's reports go (default bench-out/moe-locality)
 set -euo pipefail
@@ -33,6 +35,7 @@ types="${TYPES:-Q8_0}"
 expert_type="${EXPERT_TYPE:-}"
 order="${ORDER:-file}"
 size="${SIZE:-3G}"
+ff_ratio="${EXPERT_FF_RATIO:-}"
 experts="${EXPERTS:-128}"
 experts_used="${EXPERTS_USED:-8}"
 out="${OUT:-bench-out/moe-locality}"
@@ -46,14 +49,14 @@ hyperoffload=target/release/hyperoffload
 # writes models makes a new one.
 synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
 models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-variant="$arch-$types${expert_type:+-$expert_type}-$order"
+variant="$arch-$types${expert_type:+-$expert_type}-$order${ff_ratio:+-ff$ff_ratio}"
 model="${MODEL:-$models/moe${size,,}-${experts}x$experts_used-$router-$variant-$synth_key.gguf}"
 if [ ! -f "$model" ]; then
   mkdir -p "$(dirname "$model")"
   echo "moe-locality-bench: synthesizing $model" >&2
   "$hyperoffload" synth --like "$small" --size "$size" --type "$types" --experts "$experts" --experts-used "$experts_used" \
     --router-locality "$router" --arch "$arch" --order "$order" \
-    ${expert_type:+--expert-type "$expert_type"} --out "$model.partial"
+    ${expert_type:+--expert-type "$expert_type"} ${ff_ratio:+--expert-ff-ratio "$ff_ratio"} --out "$model.partial"
   mv "$model.partial" "$model"
 fi
 
