@@ -239,7 +239,8 @@ impl FaultService {
                 }
                 BlockState::Missing => region.advance(index, event),
                 // Unmapped while queued or read: the read is dropped from its queue or
-                // finishes without installing anything (see `installed`). A thread
+                // finishes without installing anything (see `blocks_installed`), a
+                // marker's too (never held back: `Landed::next`). A thread
                 // waiting on it would wait forever: woken, it faults again on whatever
                 // is mapped there now (nothing: SIGSEGV, as without the pager).
                 BlockState::Queued | BlockState::Reading if unmapped => {

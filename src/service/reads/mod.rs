@@ -12,6 +12,10 @@ use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind, RegionId};
 use crate::ring::Landing;
 
+mod landed;
+
+use self::landed::{Landed, NextForRead};
+
 /// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
 /// device we meet.
 const DIRECT_IO_ALIGN: u64 = 4096;
@@ -542,32 +546,37 @@ impl FaultService {
         let block = BlockRef::new(region_id, first);
         self.prefetch.read_completed(block, valid as u64, elapsed);
         let staged_max = max_staged(self.config.queue_depth, self.config.block_size);
-        let in_place = self.store.is_some() || self.regions[&region_id].view.is_some();
-        if install == Install::OnFault
-            && !self.waiters.contains_key(&block)
-            && in_place
-            && self.staged.len() < staged_max
-        {
-            // With zero copy or reads in place the marker's bytes are already where they
-            // will be mapped from: hold it back unmapped, and map it when the program
-            // faults on it.
-            let region = self.regions.get_mut(&region_id).expect("checked live");
-            region.advance(first, BlockEvent::Staged(StagedIn::InPlace));
-            self.keep_as_marker(slot);
-            return Ok(());
-        }
-        if install == Install::OnFault && !self.waiters.contains_key(&block) && !in_place {
-            let region = self.regions.get_mut(&region_id).expect("checked live");
-            let memory = region.layout.block_memory(first);
-            let len = (memory.end - memory.start) as usize;
-            // With the stash full this marker is installed like any prefetch: the
-            // markers already held are nearer the program, and they are the ones that
-            // keep its position known.
-            if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
-                region.advance(first, BlockEvent::Staged(StagedIn::Stash(stash)));
+        let landed = Landed {
+            install,
+            state: self.regions[&region_id].state(first),
+            waited: self.waiters.contains_key(&block),
+            in_place: self.store.is_some() || self.regions[&region_id].view.is_some(),
+            marker_room: self.staged.len() < staged_max,
+        };
+        match landed.next() {
+            NextForRead::HoldInPlace => {
+                // With zero copy or reads in place the marker's bytes are already where
+                // they will be mapped from: hold it back unmapped, and map it when the
+                // program faults on it.
+                let region = self.regions.get_mut(&region_id).expect("checked live");
+                region.advance(first, BlockEvent::Staged(StagedIn::InPlace));
                 self.keep_as_marker(slot);
                 return Ok(());
             }
+            NextForRead::HoldInStash => {
+                let region = self.regions.get_mut(&region_id).expect("checked live");
+                let memory = region.layout.block_memory(first);
+                let len = (memory.end - memory.start) as usize;
+                // With the stash full this marker is installed like any prefetch: the
+                // markers already held are nearer the program, and they are the ones
+                // that keep its position known.
+                if let Some(stash) = self.stash.put(&self.ring.buffer(slot)[..len]) {
+                    region.advance(first, BlockEvent::Staged(StagedIn::Stash(stash)));
+                    self.keep_as_marker(slot);
+                    return Ok(());
+                }
+            }
+            NextForRead::Install => {}
         }
         // Installed after the next reads are submitted (`serve`), waited ones first:
         // issuing a read takes microseconds, mapping or copying a block far longer, and
