@@ -105,6 +105,12 @@ pub struct Stats {
     /// Resident blocks whose pages a fault found gone (dropped behind the pager's back,
     /// e.g. by advice given to the kernel directly): read again.
     pub lost_blocks: u64,
+    /// Internal invariants the service found broken and stepped over (a block event its
+    /// state does not allow, an eviction policy naming a block it may not take): each is
+    /// a bug, reported on stderr when met; zero in every correct run, which the tests
+    /// check. (Broken invariants that would serve wrong bytes or overrun the budget stop
+    /// the process instead.)
+    pub invariant_breaches: u64,
     /// The budget now (it changes with `Pager::set_budget`).
     pub budget_bytes: u64,
     /// The budget over time: where it started and each change since (see
@@ -233,6 +239,7 @@ mod tests {
             "budget_bytes",
             "budget_history",
             "peak_resident_bytes",
+            "invariant_breaches",
         ] {
             assert!(json.get(field).is_some(), "missing {field}");
         }

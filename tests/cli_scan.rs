@@ -63,6 +63,7 @@ fn scan_verifies_every_pattern_and_prints_json_stats() {
             );
         }
         assert_eq!(json["mismatches"], 0);
+        assert_eq!(json["invariant_breaches"], 0, "{pattern}: {json}");
         assert_eq!(json["budget_bytes"], 3 << 20);
         assert!(json["peak_resident_bytes"].as_u64().unwrap() <= 3 << 20);
         assert!(json["bytes_read"].as_u64().unwrap() >= (12 << 20) + 777);

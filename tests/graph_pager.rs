@@ -91,6 +91,7 @@ fn decode_with(
         before = read;
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(stats.peak_resident_bytes <= budget);
     eprintln!("{prefetch:?}/{eviction:?}: per token {per_token:?} of {touched} touched, budget {budget}; {}", stats.to_json());
     let plan = prediction.stream_plan();

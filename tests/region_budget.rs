@@ -54,6 +54,7 @@ fn shrinking_evicts_to_the_new_budget_and_growing_holds_more() {
     assert_eq!(pager.set_budget(8 * MIB).unwrap(), 8 * MIB);
     assert_eq!(pager.budget(), 8 * MIB);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.budget_bytes, 8 * MIB);
     assert!(
         stats.resident_bytes <= 8 * MIB,
@@ -67,6 +68,7 @@ fn shrinking_evicts_to_the_new_budget_and_growing_holds_more() {
 
     scan(&region);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(stats.peak_resident_bytes <= 32 * MIB);
     assert!(
         stats.resident_bytes <= 8 * MIB,
@@ -188,6 +190,7 @@ fn shrinking_while_threads_read_keeps_their_bytes_right() {
     }
     // Quiet again: everything held fits the last budget.
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         stats.resident_bytes <= 4 * MIB,
         "resident {}",

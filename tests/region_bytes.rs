@@ -125,6 +125,7 @@ fn run_readers(
             return;
         };
         let stats = pager.stats();
+        assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
         assert_eq!(
             stats.zero_copy, zero_copy,
             "zero copy not as asked: {:?}",
@@ -144,6 +145,7 @@ fn run_readers(
             }
         });
         let stats = pager.stats();
+        assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
         eprintln!(
             "{prefetch:?} file {file_len} budget {budget}: {}",
             stats.to_json()
@@ -362,6 +364,7 @@ fn zero_copy_first_reads_are_issued_by_io_uring_workers() {
         return;
     };
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         stats.zero_copy,
         "zero copy refused: {:?}",

@@ -136,6 +136,7 @@ fn a_read_error_on_another_block_leaves_the_rest_readable() {
         assert_eq!(byte, pattern_byte(i as u64));
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.poisoned_pages, 0, "{}", stats.to_json());
 }
 
@@ -245,6 +246,7 @@ fn zero_copy_with_blocks_smaller_than_a_huge_page_copies_and_says_why() {
         return;
     };
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(!stats.zero_copy);
     let why = stats.zero_copy_refused.unwrap_or_default();
     assert!(why.contains("not whole 2 MiB pages"), "{why}");

@@ -36,6 +36,7 @@ fn forking_pager_of(budget: u64, block: u64, in_place: bool) -> Option<Pager> {
             .eviction(EvictionKind::Lru.build()),
     )?;
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         pager.serves_forks(),
         "forks not served: {:?}",
@@ -139,6 +140,7 @@ fn a_forked_child_reads_touched_and_untouched_pages_within_the_budget() {
         "the child saw other bytes than the file's"
     );
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.forked_children, 1);
     assert!(
         stats.child_faults > 0,
@@ -321,6 +323,7 @@ fn child_reads_after_the_region_is_dropped(test: &str, block: u64) {
     }
     drop(region);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         stats.child_fill_bytes > 0,
         "the region was filled for the child before it was dropped"
@@ -374,6 +377,7 @@ fn two_forked_readers_share_one_copy_and_one_budget() {
     assert_eq!(wait_exit(first), 0);
     assert_eq!(wait_exit(second), 0);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.forked_children, 2);
     assert!(
         stats.bytes_read <= FILE + FILE / 5,
@@ -487,6 +491,7 @@ fn a_forked_child_that_outlives_its_pager_reads_the_files_bytes_on_every_page() 
     // As the shim's exit handler does: the process ends with the region still mapped.
     pager.before_exit();
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.live_children, 1);
     assert!(
         stats.child_fill_bytes >= FILE - FILE / 4 - BUDGET && stats.child_fill_bytes <= FILE,

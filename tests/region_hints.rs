@@ -76,6 +76,7 @@ fn pinned_blocks_stay_resident_through_scans_larger_than_the_budget() {
     );
     assert!(resident.iter().all(|&r| r), "a pinned page was evicted");
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.pinned_bytes, 2 << 20);
     assert!(stats.evictions > 0 && stats.peak_resident_bytes <= 8 << 20);
     // Unpinned, they are evictable again.
@@ -167,6 +168,7 @@ fn prefetch_reads_ahead_of_the_program() {
     }
     scan(region.as_slice());
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(
         stats.faults,
         0,
@@ -325,6 +327,7 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     // A page the program unmaps in block 0 and maps again is never touched.
     let reused = cut_a_page_and_read_around_it(&region, 32 << 20);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         stats.evictions > 0 && stats.peak_resident_bytes <= 8 << 20,
         "{}",

@@ -72,6 +72,7 @@ fn a_region_locked_through_the_kernel_stays_within_the_budget() {
         assert_file_bytes(region.as_slice(), 0);
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(stats.evictions > 0, "the scans evicted nothing: {stats:?}");
     assert!(
         stats.peak_resident_bytes <= BUDGET,
@@ -142,6 +143,7 @@ fn a_region_mapped_under_mlockall_future_serves_the_files_bytes() {
         assert_file_bytes(region.as_slice(), 0);
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(stats.faults > 0, "no fault reached the pager: {stats:?}");
     assert!(
         stats.peak_resident_bytes <= BUDGET,

@@ -158,6 +158,7 @@ fn a_watched_block_faults_once_and_is_served_without_a_read() {
     for pass in 1..=3u64 {
         check_every_byte(region.as_slice());
         let stats = pager.stats();
+        assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
         assert_eq!(
             stats.bytes_read,
             len,
@@ -253,6 +254,7 @@ fn watched_blocks_keep_the_file_s_bytes_under_eviction_with_threads() {
     });
     check_every_byte(region.as_slice());
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert!(
         stats.evictions > 0 && stats.watch_faults > 0,
         "{}",
@@ -275,6 +277,7 @@ fn copying_in_the_pager_never_asks_to_watch() {
     check_every_byte(region.as_slice());
     check_every_byte(region.as_slice());
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     let seen = seen.lock().unwrap();
     assert_eq!(seen.watch_resident, Some(false));
     assert_eq!(

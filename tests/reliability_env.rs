@@ -141,6 +141,7 @@ fn a_file_on_tmpfs_is_served_exactly() {
     check_every_byte(&region);
     check_every_byte(&region);
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     eprintln!(
         "tmpfs: direct_io {} ({:?})",
         stats.direct_io, stats.direct_io_fallback
@@ -167,6 +168,7 @@ fn a_filesystem_refusing_o_direct_is_read_through_the_page_cache() {
         check_every_byte(&region);
         check_every_byte(&region);
         let stats = pager.stats();
+        assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
         eprintln!(
             "ramfs: direct_io {} ({:?})",
             stats.direct_io, stats.direct_io_fallback

@@ -108,6 +108,7 @@ fn short_reads_still_deliver_every_byte() {
         check_bytes(&region, start..(start + 4096).min(len as usize));
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     assert_eq!(stats.read_errors, 0);
     assert!(stats.bytes_read >= len, "{stats:?}");
     assert!(stats.peak_resident_bytes <= 4 << 20, "{stats:?}");
@@ -148,6 +149,7 @@ fn slow_reads_are_waited_for_not_lost() {
     }
     let elapsed = started.elapsed();
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     // Each read completion was held `delay`: the knob really slowed the service.
     assert!(
         elapsed >= delay * stats.read_requests as u32 / 2,

@@ -149,6 +149,7 @@ fn stress_child() {
     done.store(true, Ordering::Relaxed);
     watchdog.join().unwrap();
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     eprintln!(
         "stress: {} chunks of 64 KiB checked in {:?}; {stats:?}",
         chunks.load(Ordering::Relaxed),

@@ -29,6 +29,7 @@ fn every_fault_is_traced_in_order_and_round_trips_through_csv() {
         }
     }
     let stats = pager.stats();
+    assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
     let (trace, untraced) = pager.take_trace();
     assert_eq!(untraced, 0);
     assert_eq!(trace.len() as u64, stats.faults, "one record per fault");

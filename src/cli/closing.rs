@@ -204,6 +204,16 @@ pub fn summary(json: &str) -> String {
         elapsed
     ) + &served_model(&stats)
         + &served_process(&stats)
+        + &breaches(&stats)
+}
+
+/// Internal invariants the service found broken (`Stats::invariant_breaches`), named
+/// where there were any: each is a bug the service stepped over.
+fn breaches(stats: &serde_json::Value) -> String {
+    match stats["invariant_breaches"].as_u64().unwrap_or(0) {
+        0 => String::new(),
+        n => format!("; {n} internal invariant breaches (a bug: please report it)"),
+    }
 }
 
 /// The model served (`; model /m/x.gguf (4.00 GiB)`, with `and N more` for more files):
@@ -528,5 +538,17 @@ mod tests {
             r#"{"files": [{"path": "/m/a.gguf", "size": 1024}, {"path": "/m/b.gguf", "size": 1}]}"#;
         assert!(summary(two).ends_with("; model /m/a.gguf (1.00 KiB) and 1 more"));
         assert!(!summary(STATS).contains("; model"));
+    }
+
+    #[test]
+    fn the_summary_names_invariant_breaches_only_where_there_were_any() {
+        let none = r#"{"bytes_read": 1, "invariant_breaches": 0}"#;
+        assert!(!summary(none).contains("invariant"), "{}", summary(none));
+        let some = r#"{"bytes_read": 1, "invariant_breaches": 3}"#;
+        assert!(
+            summary(some).ends_with("; 3 internal invariant breaches (a bug: please report it)"),
+            "{}",
+            summary(some)
+        );
     }
 }

@@ -137,7 +137,8 @@ impl FaultService {
         shape: Option<OwnedFd>,
     ) {
         let zero_copy = self.store.is_some();
-        let mut region = ServedRegion::new(base, layout, file, prot, zero_copy);
+        let mut region =
+            ServedRegion::new(base, layout, file, prot, zero_copy, self.breaches.clone());
         if let Some(file) = shape {
             region.shape_len =
                 crate::sys::fstat(file.as_raw_fd()).map_or(0, |stat| stat.st_size as u64);

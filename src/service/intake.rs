@@ -367,7 +367,9 @@ impl FaultService {
             return Ok(());
         };
         if !region.evictable(block.index) {
-            debug_assert!(false, "eviction policy watched a non-evictable {block:?}");
+            self.breaches.record(format_args!(
+                "the eviction policy watched {block:?}, not evictable"
+            ));
             return Ok(());
         }
         if region.watched.is_empty() || region.moving() {

@@ -23,6 +23,7 @@
 //! nothing else changes them.
 
 mod block_state;
+mod breaches;
 mod budget;
 mod children;
 mod commands;
@@ -51,6 +52,7 @@ use std::time::Instant;
 
 use userfaultfd::{EventBuffer, Uffd};
 
+use self::breaches::Breaches;
 use self::budget::Budget;
 use self::children::{Backlog, Children, TOKEN_CHILD_BASE};
 use self::fault_log::{FaultLog, Waiter};
@@ -137,6 +139,8 @@ pub(crate) struct FaultService {
     /// Fault times of threads waiting on each block, for the latency histogram.
     waiters: HashMap<BlockRef, Vec<Waiter>>,
     budget: Budget,
+    /// Invariants broken and stepped over (`breaches`), counted in the stats.
+    breaches: Breaches,
     load: ReadLoad,
     stats: Stats,
     log: FaultLog,
@@ -249,6 +253,7 @@ impl FaultService {
             staged: VecDeque::new(),
             waiters: HashMap::new(),
             budget,
+            breaches: Breaches::default(),
             load: ReadLoad::default(),
             stats,
             log: FaultLog::new(trace_limit),
@@ -424,6 +429,7 @@ impl FaultService {
         stats.resident_bytes = self.budget.resident();
         stats.peak_resident_bytes = self.budget.peak_resident();
         stats.pinned_bytes = self.budget.pinned();
+        stats.invariant_breaches = self.breaches.count();
         stats.fault_latency_us = self.log.latency.summary();
         stats.read_latency_us = self.read_latency.summary();
         stats.elapsed_s = self.start.elapsed().as_secs_f64();

@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::os::fd::OwnedFd;
 
 use super::block_state::{transition, BlockEvent, BlockState};
+use super::breaches::Breaches;
 use crate::file::BackingFile;
 use crate::layout::{Holes, RegionLayout};
 use crate::policy::{RegionId, RegionInfo};
@@ -58,6 +59,8 @@ pub(super) struct ServedRegion {
     /// Being made file-shaped at a fork (`shaping`): the program still maps the old
     /// mapping, whose faults wait until the new one is moved over it.
     pub pending_move: Option<PendingMove>,
+    /// Where an event its state does not allow is counted (`advance`).
+    breaches: Breaches,
 }
 
 impl ServedRegion {
@@ -67,6 +70,7 @@ impl ServedRegion {
         file: BackingFile,
         prot: i32,
         zero_copy: bool,
+        breaches: Breaches,
     ) -> Self {
         let blocks = layout.block_count() as usize;
         let (frames, watched) = match zero_copy {
@@ -92,6 +96,7 @@ impl ServedRegion {
             pages_kept: false,
             pending_move: None,
             layout,
+            breaches,
         }
     }
 
@@ -112,13 +117,18 @@ impl ServedRegion {
     }
 
     /// Moves block `index` on `event`. An event its state does not allow is a service
-    /// bug: caught in debug builds; release builds take the event's target state.
+    /// bug, counted and reported as a breach (in every build); the block takes the
+    /// event's target state, since the event did happen. The state is the service's
+    /// record of the block, not its bytes: what is installed is still what was read for
+    /// it, and the budget, which refuses to count below zero (`Budget`), stops the
+    /// process if its counts go wrong.
     pub(super) fn advance(&mut self, index: u32, event: BlockEvent) {
         let state = &mut self.blocks[index as usize];
         *state = match transition(*state, event) {
             Ok(next) => next,
             Err(invalid) => {
-                debug_assert!(false, "block {index}: {invalid}");
+                self.breaches
+                    .record(format_args!("block {index}: {invalid}"));
                 event.target()
             }
         };
@@ -203,5 +213,40 @@ impl ServedRegion {
         // Not through stderr's lock, which a faulting thread may hold.
         crate::sys::write_stderr(message.as_bytes());
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::BlockGeometry;
+
+    #[test]
+    fn an_event_its_state_does_not_allow_is_a_counted_breach() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        let file = BackingFile::open(&path).unwrap();
+        let geometry = BlockGeometry::new(0, 8192, 4096).unwrap();
+        let layout = RegionLayout::new(geometry, 8192, 4096);
+        let breaches = Breaches::default();
+        let mut region =
+            ServedRegion::new(0, layout, file, libc::PROT_READ, false, breaches.clone());
+        region.advance(0, BlockEvent::Queued);
+        region.advance(0, BlockEvent::ReadIssued);
+        assert_eq!(
+            (region.state(0), breaches.count()),
+            (BlockState::Reading, 0)
+        );
+        // Installed on a block never read: refused by `transition`, counted, and the
+        // block takes the event's state.
+        region.advance(1, BlockEvent::Installed);
+        assert_eq!(
+            (region.state(1), breaches.count()),
+            (BlockState::Resident, 1)
+        );
+        region.advance(0, BlockEvent::Installed);
+        assert_eq!(
+            (region.state(0), breaches.count()),
+            (BlockState::Resident, 1)
+        );
     }
 }

@@ -82,7 +82,9 @@ impl FaultService {
                     };
                     // A policy may only name evictable resident blocks; skip any other.
                     if !region.evictable(victim.index) {
-                        debug_assert!(false, "eviction policy named a non-evictable {victim:?}");
+                        self.breaches.record(format_args!(
+                            "the eviction policy named {victim:?}, not evictable"
+                        ));
                         continue;
                     }
                     if self.recent.spares(victim) {
