@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use hyperoffload::pager::HintError;
-use hyperoffload::policy::PrefetchKind;
+use hyperoffload::policy::{BlockRef, FaultEvent, PrefetchKind, PrefetchPolicy, PrefetchRequest};
 use hyperoffload::{MapOptions, Pager};
 
 fn scan(bytes: &[u8]) {
@@ -442,6 +442,87 @@ fn a_thread_waiting_on_a_block_the_program_unmaps_is_woken() {
     // one sleeps, and the parent's limit fails the test.
     let _ = waiter.join();
     panic!("the waiting thread read an unmapped block");
+}
+
+/// Plans a prefetch marker (`Install::OnFault`) for one block when block 0 faults.
+struct MarksBlock(u32);
+
+impl PrefetchPolicy for MarksBlock {
+    fn name(&self) -> &'static str {
+        "marks-block"
+    }
+
+    fn plan(&mut self, fault: &FaultEvent, out: &mut Vec<PrefetchRequest>) {
+        if fault.block.index == 0 {
+            let marked = BlockRef::new(fault.block.region, self.0);
+            out.push(PrefetchRequest::marker(marked));
+        }
+    }
+}
+
+/// The program unmaps a block while the read of its prefetch marker is in flight, as a
+/// program closing a mapping with prefetches on the device does. The read finishes
+/// without holding the block back: held back, a block the program unmapped would take
+/// `Staged` from `Unmapped`, which no transition allows (`invariant_breaches`), and
+/// keep its frame or stash buffer for a fault that never comes. With one read slot, the
+/// marker's read is issued only once block 0's read is installed; the test unmaps the
+/// marker's block while the service sleeps in block 0's slow read (injected delay), so
+/// the unmap reaches the service after the marker's read is issued and before its
+/// completion, every time. Copied in (stash) and with zero copy (frames).
+#[test]
+fn a_marker_the_program_unmaps_while_it_is_read_is_not_held_back() {
+    let test = "a_marker_the_program_unmaps_while_it_is_read_is_not_held_back";
+    if !in_child_process(test, Duration::from_secs(60)) {
+        return;
+    }
+    const DELAY: Duration = Duration::from_millis(300);
+    const BLOCK: u64 = 2 << 20;
+    const MARKED: u32 = 4;
+    let dir = TempDir::new("unmap-marker");
+    let path = dir.path("f.bin");
+    pattern_file(&path, 8 * BLOCK);
+    for zero_copy in [false, true] {
+        let builder = Pager::builder()
+            .budget(8 * BLOCK)
+            .block_size(BLOCK)
+            .queue_depth(1)
+            .zero_copy(zero_copy)
+            .prefetch(Box::new(MarksBlock(MARKED)))
+            .inject_read_delay(DELAY);
+        let Some(pager) = pager_or_skip(builder) else {
+            return;
+        };
+        assert_eq!(pager.stats().zero_copy, zero_copy);
+        let region = pager.map_file(&path, MapOptions::default()).unwrap();
+        let base = region.as_ptr() as usize;
+        let service = service_thread();
+        let reader = std::thread::spawn(move || {
+            // SAFETY: a byte of block 0 of the live region, never unmapped.
+            unsafe { std::ptr::read_volatile(base as *const u8) }
+        });
+        wait_until_sleeping_in(service, "nanosleep", "block 0's injected delay");
+        let marked = MARKED as u64 * BLOCK;
+        region.unmap_part(marked..marked + BLOCK).unwrap();
+        assert_eq!(reader.join().unwrap(), pattern_byte(0));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pager.stats().blocks_read < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the marker's read never finished"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let stats = pager.stats();
+        assert_eq!(stats.read_requests, 2, "{}", stats.to_json());
+        assert_eq!(
+            stats.invariant_breaches,
+            0,
+            "zero copy {zero_copy}: {}",
+            stats.to_json()
+        );
+        drop(region);
+        drop(pager);
+    }
 }
 
 /// A child forked from a program that uses the library has a copy of the pager but no
