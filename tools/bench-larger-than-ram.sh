@@ -190,7 +190,10 @@ def run(side, what, index):
         j = json.load(open(stats))
         result.update(pager_read=j["bytes_read"], budget=j["budget_bytes"],
                       heap_peak=j["pager_heap_peak_bytes"],
-                      peak_resident=j["peak_resident_bytes"])
+                      peak_resident=j["peak_resident_bytes"],
+                      # The graph policy saves expert counts beside the model: every
+                      # pager run after the first starts from them, as a user's would.
+                      warm="experts from" in j["config"].get("policy_in_use", ""))
     return result
 
 def wait4_within(pid, seconds):
@@ -225,7 +228,8 @@ def describe(r):
         line += f" ({mib(r['storage_read'] / ctx)} MiB/token over the run)"
     if "pager_read" in r:
         line += (f", pager read {mib(r['pager_read'])} MiB, budget {mib(r['budget'])} MiB, "
-                 f"heap peak {r['heap_peak'] / MIB:.1f} MiB")
+                 f"heap peak {r['heap_peak'] / MIB:.1f} MiB"
+                 + (", expert counts of an earlier run" if r["warm"] else ""))
     line += (f", least MemAvailable {mib(r['least_available'])} MiB, neighbour majflt "
              f"{r['neighbour_majflt']} ({r['neighbour_majflt_per_min']:.0f}/min), exit {r['exit']}")
     return line
