@@ -25,7 +25,7 @@
 //!   6 s with a fixed 4 MiB threshold), and each shrink evicts blocks the program reads
 //!   again. Growth needs twice the margin a shrink does, so the two do not alternate.
 
-use crate::memory_limits::AUTO_HEADROOM_MIN;
+use crate::memory_limits::auto_headroom;
 
 /// After the last pressure event, how long the budget does not grow.
 pub const CALM_NS: u64 = 2_000_000_000;
@@ -93,8 +93,7 @@ pub struct BudgetFollow {
 /// What the pager could have, less the headroom (the starting budget's rule).
 pub fn aim(held: u64, spare: u64) -> u64 {
     let room = held.saturating_add(spare);
-    let headroom = (room / 4).max(AUTO_HEADROOM_MIN);
-    room.saturating_sub(headroom)
+    room.saturating_sub(auto_headroom(room))
 }
 
 impl BudgetFollow {
@@ -194,7 +193,8 @@ mod tests {
         // Held bytes count as the pager's: holding the starting budget, it stays.
         let start = aim(0, 2 * GIB);
         assert_eq!(aim(start, 2 * GIB - start), start);
-        assert_eq!(aim(0, 100 * MIB), 0);
+        // Little room: half of it.
+        assert_eq!(aim(0, 100 * MIB), 50 * MIB);
     }
 
     #[test]
@@ -280,10 +280,13 @@ mod tests {
             follow.next(0, &reading(GIB, 0, Pressure::High)),
             Some(aim(GIB, 0))
         );
-        assert_eq!(
-            follow.next(S / 10, &reading(100 * MIB, 0, Pressure::None)),
-            Some(16 * MIB)
-        );
+        // Less than twice the least headroom left: half of what it holds, each reading.
+        for (tenths, held, next) in [(1, 100, 50), (2, 50, 25), (3, 25, 16)] {
+            assert_eq!(
+                follow.next(tenths * S / 10, &reading(held * MIB, 0, Pressure::None)),
+                Some(next * MIB)
+            );
+        }
         // The hog exits: 3 GiB spare, aim 2.25 GiB; nothing until calm.
         let spare = 3 * GIB;
         let target = aim(16 * MIB, spare);

@@ -173,21 +173,32 @@ pub fn least_spare(
         .min()
 }
 
-/// Least headroom `auto_budget` leaves beside the budget.
+/// Least headroom `auto_budget` leaves beside the budget, where there is room for it
+/// twice over (see `auto_headroom`).
 pub const AUTO_HEADROOM_MIN: u64 = 256 << 20;
+
+/// What the automatic budget leaves of `room` (what the process could have) for the
+/// program's own memory: a quarter, at least `AUTO_HEADROOM_MIN` (llama.cpp allocates
+/// its context after mapping the model), but never more than half the room. Without
+/// that last bound a room below 256 MiB (a small memory cgroup) gave a budget of nothing,
+/// which the pager raises to its floor of a few 4 KiB blocks: it then reads the model 4
+/// KiB at a time (SmolLM2 at 27 MiB/s), and a mixture of experts under the graph policy
+/// stalled for good (issue 43). Half the room keeps the program's side as large as the
+/// budget; if the program takes more, the budget follows pressure down.
+pub fn auto_headroom(room: u64) -> u64 {
+    (room / 4).max(AUTO_HEADROOM_MIN.min(room / 2))
+}
 
 /// The budget `--budget auto` starts from: what this process can have now (the memory
 /// available, and what its cgroup can still give) less a headroom for the program's own
-/// memory (a quarter of that, at least `AUTO_HEADROOM_MIN`: llama.cpp allocates its
-/// context after mapping the model), and at most half the machine's RAM (the fixed
-/// default before, which the measurements were made with). `None` when nothing is
-/// known.
+/// memory (`auto_headroom`), and at most half the machine's RAM (the fixed default
+/// before, which the measurements were made with). `None` when nothing is known.
 pub fn auto_budget(limits: &MemoryLimits) -> Option<u64> {
     let spare = [limits.available, limits.cgroup_spare]
         .into_iter()
         .flatten()
         .min()?;
-    let headroom = (spare / 4).max(AUTO_HEADROOM_MIN);
+    let headroom = auto_headroom(spare);
     let half_ram = limits.total.map_or(u64::MAX, |total| total / 2);
     Some(spare.saturating_sub(headroom).min(half_ram))
 }
@@ -263,12 +274,22 @@ mod tests {
         assert_eq!(in_cgroup, Some(spare - spare / 4));
         // No cgroup limit: half the RAM caps what is available.
         assert_eq!(auto_budget(&machine(Some(23 * GIB), None)), Some(12 * GIB));
-        // Little to spare: the headroom stays at least 256 MiB.
+        // Little to spare: the headroom stays at least 256 MiB...
+        assert_eq!(
+            auto_budget(&machine(Some(768 << 20), None)),
+            Some(512 << 20)
+        );
         assert_eq!(
             auto_budget(&machine(Some(512 << 20), None)),
             Some(256 << 20)
         );
-        assert_eq!(auto_budget(&machine(Some(100 << 20), None)), Some(0));
+        // ...but takes at most half: a small cgroup's budget is never nothing.
+        assert_eq!(
+            auto_budget(&machine(Some(23 * GIB), Some(200 << 20))),
+            Some(100 << 20)
+        );
+        assert_eq!(auto_budget(&machine(Some(100 << 20), None)), Some(50 << 20));
+        assert_eq!(auto_budget(&machine(Some(0), None)), Some(0));
         assert_eq!(auto_budget(&machine(None, None)), None);
     }
 
