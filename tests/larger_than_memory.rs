@@ -21,8 +21,6 @@ mod shim_support;
 #[path = "../src/cli/compare/cgroup.rs"]
 mod cgroup;
 
-use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -108,11 +106,7 @@ fn a_model_larger_than_its_memory_cgroup_decodes_as_the_kernel_does_with_no_budg
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut procs = cgroup.procs_file().unwrap();
-    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
-    unsafe {
-        paged.pre_exec(move || procs.write_all(b"0").map(|_| ()));
-    }
+    join_cgroup_at_exec(&mut paged, cgroup.procs_file().unwrap());
     let output = wait_within(paged.spawn().unwrap(), Duration::from_secs(180))
         .unwrap_or_else(|output| panic!("the paged run hung: {}", stderr(&output)));
     let kills = oom_kills(&cgroup);

@@ -12,8 +12,6 @@ mod shim_support;
 #[path = "../src/cli/compare/cgroup.rs"]
 mod cgroup;
 
-use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -167,13 +165,9 @@ fn a_budget_above_the_cgroups_limit_is_warned_of() {
         Err(error) => panic!("{error} (HYPEROFFLOAD_ALLOW_SKIP=1 skips this test)"),
     };
     for (budget, warned) in [("1G", true), ("128M", false)] {
-        let mut procs = cgroup.procs_file().unwrap();
         let mut command = launcher();
         command.args(["--budget", budget, "--", "true"]);
-        // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
-        unsafe {
-            command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
-        }
+        join_cgroup_at_exec(&mut command, cgroup.procs_file().unwrap());
         let output = output_within(&mut command, Duration::from_secs(30));
         assert_success(&output, budget);
         let message = stderr(&output);
@@ -226,7 +220,7 @@ fn with_no_budget_the_pager_fits_the_memory_cgroup_it_runs_in() {
         .unwrap();
     assert_success(&plain, "python");
     let stats = dir.path("stats.json");
-    let mut procs = cgroup.procs_file().unwrap();
+    let procs = cgroup.procs_file().unwrap();
     let mut command = launcher();
     command
         .arg("--stats")
@@ -235,10 +229,7 @@ fn with_no_budget_the_pager_fits_the_memory_cgroup_it_runs_in() {
         .arg(&python)
         .args(["-c", READ_TWICE])
         .arg(&model);
-    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
-    unsafe {
-        command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
-    }
+    join_cgroup_at_exec(&mut command, procs);
     let output = output_within(&mut command, Duration::from_secs(300));
     let events = std::fs::read_to_string(cgroup.dir().join("memory.events")).unwrap_or_default();
     assert_success(&output, "python under the pager with no --budget");

@@ -22,8 +22,6 @@ mod shim_support;
 #[path = "../src/cli/compare/cgroup.rs"]
 mod cgroup;
 
-use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -89,11 +87,7 @@ fn cgroup_of_or_skip(name: &str, limit: u64) -> Option<cgroup::MemoryCgroup> {
 
 /// Runs `command` in `cgroup` (it moves itself there before exec).
 fn in_cgroup(command: &mut Command, cgroup: &cgroup::MemoryCgroup) {
-    let mut procs = cgroup.procs_file().unwrap();
-    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
-    unsafe {
-        command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
-    }
+    join_cgroup_at_exec(command, cgroup.procs_file().unwrap());
 }
 
 /// What the cgroup holds now (v1 `memory.usage_in_bytes`, v2 `memory.current`).

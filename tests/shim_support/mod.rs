@@ -197,3 +197,14 @@ pub fn wait_within(
 /// The Python program the fork tests run (`plain`, `fork`, `pool`, `exec` and `readers`
 /// modes; see the tests' comments).
 pub const FORK_VICTIM: &str = include_str!("fork_victim.py");
+
+/// Makes `command` move itself into the cgroup whose `cgroup.procs` is `procs` before
+/// it execs, so the program and everything it starts are charged there from its start.
+pub fn join_cgroup_at_exec(command: &mut Command, mut procs: std::fs::File) {
+    use std::io::Write;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: between fork and exec, only write(2) on a descriptor opened before.
+    unsafe {
+        command.pre_exec(move || procs.write_all(b"0").map(|_| ()));
+    }
+}
