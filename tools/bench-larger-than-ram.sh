@@ -42,22 +42,10 @@ small="$(bash tools/fetch-model.sh | tail -n 1)"
 cargo build --release --quiet --workspace
 hyperoffload=target/release/hyperoffload
 
-# Keyed as tools/moe-locality-bench.sh keys its models (by synth's own source), so the
-# two share a model of the same size and kind.
-synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
-models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-variant="$arch-$types-$order"
-model="${MODEL:-$models/moe${size,,}-${experts}x$experts_used-$router-$variant-$synth_key.gguf}"
-if [ ! -f "$model" ]; then
-  mkdir -p "$(dirname "$model")"
-  echo "bench-larger-than-ram: synthesizing $model" >&2
-  start=$(date +%s%N)
-  "$hyperoffload" synth --like "$small" --size "$size" --type "$types" --experts "$experts" \
-    --experts-used "$experts_used" --router-locality "$router" --arch "$arch" --order "$order" \
-    --out "$model.partial"
-  mv "$model.partial" "$model"
-  echo "bench-larger-than-ram: synthesized in $(( ($(date +%s%N) - start) / 1000000 )) ms" >&2
-fi
+# The same cache, and keys, as tools/moe-locality-bench.sh's models.
+model="${MODEL:-$(SIZE="$size" ROUTER="$router" ARCH="$arch" TYPES="$types" ORDER="$order" \
+  EXPERTS="$experts" EXPERTS_USED="$experts_used" bash tools/synth-moe.sh "$hyperoffload" "$small" \
+  | tail -n 1)}"
 if [ "${SYNTH_ONLY:-0}" = 1 ]; then
   # Up to the predicted order: the model's size, its graph, its experts and blocks.
   start=$(date +%s%N)

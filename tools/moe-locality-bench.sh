@@ -45,20 +45,9 @@ small="$(bash tools/fetch-model.sh | tail -n 1)"
 cargo build --release --quiet --workspace
 hyperoffload=target/release/hyperoffload
 
-# The synthesized model is keyed by synth's own source, so a change to how synth
-# writes models makes a new one.
-synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
-models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-variant="$arch-$types${expert_type:+-$expert_type}-$order${ff_ratio:+-ff$ff_ratio}"
-model="${MODEL:-$models/moe${size,,}-${experts}x$experts_used-$router-$variant-$synth_key.gguf}"
-if [ ! -f "$model" ]; then
-  mkdir -p "$(dirname "$model")"
-  echo "moe-locality-bench: synthesizing $model" >&2
-  "$hyperoffload" synth --like "$small" --size "$size" --type "$types" --experts "$experts" --experts-used "$experts_used" \
-    --router-locality "$router" --arch "$arch" --order "$order" \
-    ${expert_type:+--expert-type "$expert_type"} ${ff_ratio:+--expert-ff-ratio "$ff_ratio"} --out "$model.partial"
-  mv "$model.partial" "$model"
-fi
+model="${MODEL:-$(SIZE="$size" ROUTER="$router" ARCH="$arch" TYPES="$types" ORDER="$order" \
+  EXPERTS="$experts" EXPERTS_USED="$experts_used" EXPERT_TYPE="$expert_type" \
+  EXPERT_FF_RATIO="$ff_ratio" bash tools/synth-moe.sh "$hyperoffload" "$small" | tail -n 1)}"
 
 # Plain English every Debian machine has (base-files).
 text=/usr/share/common-licenses/GPL-3
