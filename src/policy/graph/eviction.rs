@@ -403,9 +403,10 @@ impl EvictionPolicy for GraphEviction {
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
-        let victim = self.choose_victim(incoming, kind);
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        let victim = self.choose_victim(&prediction, &mut progress, incoming, kind);
         if victim.is_some() {
-            let mut progress = self.prediction.lock();
             progress.evicted_in_token = Some(progress.experts.tokens());
         }
         victim
@@ -414,11 +415,15 @@ impl EvictionPolicy for GraphEviction {
 
 impl GraphEviction {
     /// `EvictionPolicy::victim`'s choice, forgotten once chosen.
-    fn choose_victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
-        let prediction = Arc::clone(&self.prediction);
-        let mut progress = prediction.lock();
+    fn choose_victim(
+        &mut self,
+        prediction: &GraphPrediction,
+        progress: &mut Progress,
+        incoming: BlockRef,
+        kind: ReadKind,
+    ) -> Option<BlockRef> {
         if let Some(&(_, _, block)) = self.unpredicted.first() {
-            self.forget(block, &mut progress);
+            self.forget(block, progress);
             return Some(block);
         }
         let cursor = progress.cursor;
@@ -426,7 +431,7 @@ impl GraphEviction {
         // Belady on expectations: the dense block used furthest ahead, or the expert
         // block expected to be used furthest ahead, whichever is further.
         let dense = self.furthest(cursor, guard);
-        let expert = self.experts.coldest(&prediction.graph, &progress);
+        let expert = self.experts.coldest(&prediction.graph, progress);
         let (block, distance) = match (dense, expert) {
             (Some((dense, distance)), Some((_, expected))) if expected < distance as f64 => {
                 (dense, distance as f64)
@@ -456,7 +461,7 @@ impl GraphEviction {
                 if distance <= incoming_distance {
                     return None;
                 }
-                self.forget(block, &mut progress);
+                self.forget(block, progress);
                 return Some(block);
             }
             let incoming_distance = order.next_use(incoming, cursor)?;
@@ -473,7 +478,7 @@ impl GraphEviction {
                 return None;
             }
         }
-        self.forget(block, &mut progress);
+        self.forget(block, progress);
         Some(block)
     }
 }
