@@ -26,6 +26,8 @@ pub enum IndexError {
     Truncated,
     #[error("cache index header is corrupt (checksum)")]
     BadChecksum,
+    #[error("cache index header's {0} is not UTF-8")]
+    NotUtf8(&'static str),
     #[error("cache index has {found} entries for {expected} blocks")]
     WrongLength { found: usize, expected: u64 },
     #[error("cache index has block size {0}, not a power of two of at least {MIN_BLOCK}")]
@@ -120,9 +122,11 @@ impl Header {
         let block = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let size = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let name_len = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
-        let name = String::from_utf8_lossy(take(name_len)?).into_owned();
+        // Strict, not lossy: a name read lossily would encode to other bytes, and an
+        // index whose header does not round-trip cannot be trusted to be this object's.
+        let name = utf8(take(name_len)?, "name")?;
         let version_len = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
-        let version = String::from_utf8_lossy(take(version_len)?).into_owned();
+        let version = utf8(take(version_len)?, "version")?;
         let body_len = 8 + 4 + 8 + 8 + 4 + name_len + 4 + version_len;
         let sum = u64::from_le_bytes(take(8)?.try_into().unwrap());
         if len != body_len + 8 || fnv1a(&bytes[..body_len]) != sum {
@@ -141,6 +145,10 @@ impl Header {
             len,
         ))
     }
+}
+
+fn utf8(bytes: &[u8], what: &'static str) -> Result<String, IndexError> {
+    String::from_utf8(bytes.to_vec()).map_err(|_| IndexError::NotUtf8(what))
 }
 
 /// Decodes a whole index file: its header and the entries the file holds, at most one
@@ -241,6 +249,24 @@ mod tests {
             assert!(decode(&bad).is_err(), "flip at {at} accepted");
         }
         assert_eq!(decode(&good[..good.len() - 1]), Err(IndexError::Truncated));
+    }
+
+    #[test]
+    fn a_name_or_version_that_is_not_utf8_is_refused() {
+        // Checksummed as it stands, so only the UTF-8 check can refuse it: decoded
+        // lossily it would encode to other bytes than the file holds.
+        for (what, field) in [("name", "dir/model.gguf"), ("version", "abc-123:10000")] {
+            let mut bytes = header().encode();
+            let at = bytes
+                .windows(field.len())
+                .position(|w| w == field.as_bytes())
+                .unwrap();
+            bytes[at..at + 2].copy_from_slice(&[0x80, 0x88]);
+            let body = bytes.len() - 8;
+            let sum = fnv1a(&bytes[..body]);
+            bytes[body..].copy_from_slice(&sum.to_le_bytes());
+            assert_eq!(decode(&bytes), Err(IndexError::NotUtf8(what)));
+        }
     }
 
     #[test]
