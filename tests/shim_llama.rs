@@ -469,11 +469,20 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     let own_buffers = plain_peak.saturating_sub(model_size);
     let budget = model_size / 4;
     let counts = dir.path("moe.gguf.hyperoffload-experts");
-    for (label, policy) in [("graph", "graph"), ("lru", "lru"), ("graph-warm", "graph")] {
+    // `graph-small`: a budget below one layer's experts in use (4 MiB, 4 KiB blocks),
+    // where everything held is an expert being read; a demand read must still evict one
+    // (the policy named none, and the fault waited for a wake-up from elsewhere: 42
+    // faults in 2 minutes).
+    for (label, policy, budget_arg) in [
+        ("graph", "graph", "25%"),
+        ("lru", "lru", "25%"),
+        ("graph-warm", "graph", "25%"),
+        ("graph-small", "graph", "4M"),
+    ] {
         let stats = dir.path(&format!("stats-{label}.json"));
         let mut paged = launcher();
         paged
-            .args(["--policy", policy, "--budget", "25%", "--stats"])
+            .args(["--policy", policy, "--budget", budget_arg, "--stats"])
             .arg(&stats)
             .arg("--")
             .arg(&completion)
@@ -504,7 +513,7 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
         let resident = json["peak_resident_bytes"].as_u64().unwrap();
         let bytes_read = json["bytes_read"].as_u64().unwrap();
         eprintln!(
-            "MoE {label} at 25 %: same text; read {bytes_read}, peak resident {resident}, \
+            "MoE {label} at {budget_arg}: same text; read {bytes_read}, peak resident {resident}, \
              process peak {peak} (plain {plain_peak}, model {model_size})"
         );
         assert!(json["faults"].as_u64().unwrap() > 0, "{json}");

@@ -35,6 +35,10 @@ pub(super) struct ExpertBlocks {
     /// Whether watches are asked for: the pager honours them, and the model does not
     /// fit the budget (a model that fits never evicts, so use counts change nothing).
     pub(super) watching: bool,
+    /// `coldest`'s scratch: per group, its blocks' expected next use (NaN: not yet
+    /// computed in this call), and the groups computed.
+    expected_of_group: Vec<f64>,
+    expected_known: Vec<u32>,
 }
 
 impl ExpertBlocks {
@@ -65,6 +69,8 @@ impl ExpertBlocks {
             pending: Vec::new(),
             is_pending: vec![false; groups],
             watching: false,
+            expected_of_group: vec![f64::NAN; groups],
+            expected_known: Vec::new(),
         }
     }
 
@@ -178,23 +184,46 @@ impl ExpertBlocks {
     }
 
     /// The tracked expert block expected to be used furthest ahead, with that
-    /// expectation (`Progress::expected_next_use`); blocks of an expert the program is
-    /// reading now are kept.
+    /// expectation (`Progress::expected_next_use`). Blocks of an expert the program is
+    /// reading now (expected at 0) come last: one is named only when every tracked
+    /// block is such, for when a budget smaller than one layer's experts holds nothing
+    /// else, where naming none would leave a demand read waiting for room no read in
+    /// flight frees. A speculative read never displaces one (it is needed no sooner).
+    ///
+    /// A block's expectation depends only on its experts, so it is computed once per
+    /// expert: a budget holds thousands of blocks of a few hundred experts, and this
+    /// runs for every victim.
     pub(super) fn coldest(
-        &self,
+        &mut self,
         graph: &ModelGraph,
         progress: &Progress,
     ) -> Option<(BlockRef, f64)> {
         let mut best: Option<(BlockRef, f64)> = None;
+        let mut needed_now = None;
+        let experts = graph.experts();
         for &(block, global) in &self.tracked {
-            let expected = progress.expected_next_use(graph, global);
+            let expected = match *experts.groups_of(global) {
+                [group] => {
+                    let known = &mut self.expected_of_group[group as usize];
+                    if known.is_nan() {
+                        *known = progress.expected_next_use(graph, global);
+                        self.expected_known.push(group);
+                    }
+                    *known
+                }
+                _ => progress.expected_next_use(graph, global),
+            };
             if expected == 0.0 {
+                needed_now.get_or_insert((block, expected));
                 continue;
             }
             if best.is_none_or(|(_, furthest)| expected > furthest) {
                 best = Some((block, expected));
             }
         }
-        best
+        for group in self.expected_known.drain(..) {
+            self.expected_of_group[group as usize] = f64::NAN;
+        }
+        best.or(needed_now)
     }
 }

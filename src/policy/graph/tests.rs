@@ -758,6 +758,38 @@ fn a_watched_expert_left_unused_goes_before_one_used_every_token() {
     }
 }
 
+#[test]
+fn a_demand_read_may_displace_an_expert_in_use_when_nothing_else_is_held() {
+    // A budget smaller than the experts of one layer: everything held is an expert the
+    // program is reading now. A demand read must still get room (no read in flight
+    // would free any); a speculative one never takes it.
+    let (graph, _, mut eviction) = moe_policies(false);
+    let (a, next) = (group_of(&graph, 0, 0), group_of(&graph, 0, 1));
+    eviction.touched(&expert_fault(&graph, a, FaultOutcome::Missing));
+    // Blocks of one expert alone: one it shares with a neighbour expert is not in use,
+    // one it shares with a dense tensor is ranked by the order.
+    let own = |group: u32| -> Vec<u32> {
+        distinct_blocks(&graph, group)
+            .into_iter()
+            .filter(|&block| {
+                graph.experts().groups_of(block) == [group] && !graph.order().contains(block)
+            })
+            .collect()
+    };
+    let held = own(a);
+    assert!(!held.is_empty());
+    for &block in &held {
+        eviction.inserted(b(block));
+    }
+    eviction.touched(&expert_fault(&graph, next, FaultOutcome::Missing));
+    let incoming = b(own(next)[0]);
+    assert_eq!(eviction.victim(incoming, ReadKind::Prefetch), None);
+    let victim = eviction
+        .victim(incoming, ReadKind::Demand)
+        .expect("room for a demand read");
+    assert!(held.contains(&victim.index), "{victim:?} was not held");
+}
+
 /// Hears of a fault as the service does (eviction first, then prefetch) and returns how
 /// many blocks the plan asked for.
 fn heard(prefetch: &mut GraphPrefetch, eviction: &mut GraphEviction, event: &FaultEvent) -> usize {
