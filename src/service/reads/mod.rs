@@ -188,6 +188,10 @@ pub(super) fn merged_count<'a>(
     count
 }
 
+/// Prefetch requests the budget refuses in a row before the rest of the queue is dropped
+/// (see `pump`).
+const PREFETCHES_REFUSED_BEFORE_DROP: u32 = 4;
+
 impl FaultService {
     /// Issues queued reads: demand first, then prefetch, within the budget and the
     /// queue depth. Prefetch leaves a quarter of the slots for demand reads.
@@ -217,6 +221,7 @@ impl FaultService {
         }
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
         let device_limit = self.prefetch.device_bytes().unwrap_or(u64::MAX);
+        let mut refused_in_a_row = 0;
         while self
             .load
             .prefetch_may_start(self.config.queue_depth, device_limit)
@@ -252,11 +257,22 @@ impl FaultService {
                 // in the order they are needed, so the rest are worth as little, unless
                 // this one is stale: the program passed it while it waited for the
                 // device. Drop it alone: dropping the whole queue would leave the blocks
-                // just ahead to be read on demand.
+                // just ahead to be read on demand. But after a few refused in a row
+                // the rest would be too, and every refusal costs the policy a ranking
+                // of all it holds (thousands of blocks): drop them all, the policy
+                // plans anew at the next fault.
                 self.prefetch_queue.pop_front();
                 self.cancel_request(first.block);
+                refused_in_a_row += 1;
+                if refused_in_a_row == PREFETCHES_REFUSED_BEFORE_DROP {
+                    for request in std::mem::take(&mut self.prefetch_queue) {
+                        self.cancel_request(request.block);
+                    }
+                    break;
+                }
                 continue;
             }
+            refused_in_a_row = 0;
             let Some(slot) = self.ring.checkout() else {
                 self.budget.unreserve(bytes);
                 break;
