@@ -49,6 +49,9 @@ model="${MODEL:-$(SIZE="$size" ROUTER="$router" ARCH="$arch" TYPES="$types" ORDE
   EXPERTS="$experts" EXPERTS_USED="$experts_used" EXPERT_TYPE="$expert_type" \
   EXPERT_FF_RATIO="$ff_ratio" bash tools/synth-moe.sh "$hyperoffload" "$small" | tail -n 1)}"
 
+# What the model is, as its cache key names it (tools/synth-moe.sh).
+variant="$arch-$types${expert_type:+-$expert_type}-$order${ff_ratio:+-ff$ff_ratio}"
+
 # Plain English every Debian machine has (base-files).
 text=/usr/share/common-licenses/GPL-3
 program=("$bin/llama-perplexity" -m "$model" -f "$text" -c "$ctx" -b 1 -ub 1 --chunks 1 -t 2 --no-repack)
