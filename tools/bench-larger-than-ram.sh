@@ -48,9 +48,13 @@ model="${MODEL:-$(SIZE="$size" ROUTER="$router" ARCH="$arch" TYPES="$types" ORDE
   | tail -n 1)}"
 if [ "${SYNTH_ONLY:-0}" = 1 ]; then
   # Up to the predicted order: the model's size, its graph, its experts and blocks.
+  # (Taken whole first: sed quitting early would end inspect with SIGPIPE, and the
+  # script with it under pipefail.)
   start=$(date +%s%N)
-  "$hyperoffload" inspect "$model" | sed '/^## predicted execution order/q'
-  echo "inspect: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+  summary="$("$hyperoffload" inspect "$model")"
+  elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  sed '/^## predicted execution order/q' <<<"$summary"
+  echo "inspect: $elapsed_ms ms"
   exit 0
 fi
 
