@@ -470,9 +470,8 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     let budget = model_size / 4;
     let counts = dir.path("moe.gguf.hyperoffload-experts");
     // `graph-small`: a budget below one layer's experts in use (4 MiB, 4 KiB blocks),
-    // where everything held is an expert being read; a demand read must still evict one
-    // (the policy named none, and the fault waited for a wake-up from elsewhere: 42
-    // faults in 2 minutes).
+    // where everything held is an expert being read; a demand read must still evict one,
+    // or the fault waits for room no read in flight frees.
     for (label, policy, budget_arg) in [
         ("graph", "graph", "25%"),
         ("lru", "lru", "25%"),
