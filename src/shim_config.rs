@@ -4,8 +4,8 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget_floor`) | `auto`: what the process can have less a headroom, at most half the RAM (`memory_limits::auto_budget`) |
-//! | `HYPEROFFLOAD_BUDGET_MIN`, `HYPEROFFLOAD_BUDGET_MAX` | with `auto`: the least and the most the budget follows memory pressure to (sizes) | the pager's floor (`budget_floor`); half the RAM |
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget_floor`) | `auto`: what the process can have less a headroom (`memory_limits::auto_budget`) |
+//! | `HYPEROFFLOAD_BUDGET_MIN`, `HYPEROFFLOAD_BUDGET_MAX` | with `auto`: the least and the most the budget follows memory pressure to (sizes) | the pager's floor (`budget_floor`); the RAM less a quarter (`memory_limits::auto_ceiling`) |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
@@ -170,9 +170,9 @@ pub const MIN_PLAIN_BUDGET: u64 = 1 << 20;
 /// How much RAM the managed mappings may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetSpec {
-    /// What the process can have when the pager starts, less a headroom
-    /// (`memory_limits::auto_budget`): the machine's available memory and its memory
-    /// cgroup's room, at most half the RAM. The default.
+    /// What the process can have when the pager starts (the machine's available memory
+    /// and its memory cgroup's room) less a headroom (`memory_limits::auto_budget`).
+    /// The default.
     Auto,
     Bytes(u64),
     /// Percent (1..=100) of the size of the model: the first file the shim manages, with
@@ -332,10 +332,13 @@ impl ShimConfig {
     }
 
     /// With `BudgetSpec::Auto`, the most the budget may follow pressure up to, for a
-    /// pager starting at `budget` on a machine of `ram` bytes: `--max`, else half the RAM
-    /// (the most `auto` starts from), never less than the start.
+    /// pager starting at `budget` on a machine of `ram` bytes: `--max`, else the RAM less
+    /// the headroom an automatic budget leaves (`memory_limits::auto_ceiling`), never
+    /// less than the start.
     pub fn auto_ceiling(&self, budget: u64, ram: u64) -> u64 {
-        self.budget_max.unwrap_or(ram / 2).max(budget)
+        (self.budget_max)
+            .unwrap_or_else(|| crate::memory_limits::auto_ceiling(ram))
+            .max(budget)
     }
 
     /// The configuration with every variable unset.
@@ -781,9 +784,9 @@ mod tests {
         assert_eq!(config.bounded_auto(2 * GIB), 2 * GIB);
         assert_eq!(config.auto_ceiling(2 * GIB, 24 * GIB), 4 * GIB);
         config.budget_max = None;
-        assert_eq!(config.auto_ceiling(2 * GIB, 24 * GIB), 12 * GIB);
-        // Never below where it starts (a --min above half the RAM).
-        assert_eq!(config.auto_ceiling(16 * GIB, 24 * GIB), 16 * GIB);
+        assert_eq!(config.auto_ceiling(2 * GIB, 24 * GIB), 18 * GIB);
+        // Never below where it starts (a --min above the ceiling).
+        assert_eq!(config.auto_ceiling(20 * GIB, 24 * GIB), 20 * GIB);
         let crossed = read(&[(ENV_BUDGET_MIN, "4G"), (ENV_BUDGET_MAX, "1G")]);
         assert_eq!(crossed.unwrap_err().var, ENV_BUDGET_MIN);
         assert_eq!(

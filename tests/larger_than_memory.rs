@@ -7,7 +7,7 @@
 //!
 //! What makes it pass is the automatic budget following the cgroup: the pager's frames
 //! are shared memory, charged to the cgroup and not reclaimable (there is no swap), so a
-//! budget taken from the machine (half its RAM) holds the whole model and the cgroup's
+//! budget taken from the machine's available memory holds the whole model and the cgroup's
 //! OOM killer ends the program; a budget of nothing (the headroom rule before issue 43
 //! in a cgroup this small) reads the model a few KiB at a time and never finishes.
 //! No timing is asserted; the waits are bounded only so that a hang fails.

@@ -52,13 +52,14 @@ pub struct RunArgs {
     /// two blocks for each CPU, below which the program could not make progress.
     /// `auto` (the default): what the process can have when the pager starts (the
     /// memory available, and what its memory cgroup can still give) less a quarter of
-    /// that (at least 256M) for the program's own memory, at most half the RAM; while
+    /// that (at least 256M) for the program's own memory; while
     /// the program runs it follows memory pressure: smaller at once when the machine or
     /// the cgroup has less to spare or the kernel reports pressure, larger in steps when
     /// that eases.
     #[arg(long, value_parser = budget_arg)]
     budget: Option<BudgetSpec>,
-    /// With `--budget auto`: the most the budget grows to (default: half the RAM).
+    /// With `--budget auto`: the most the budget grows to (default: the RAM less a
+    /// quarter).
     #[arg(long, value_parser = super::size_arg)]
     max: Option<u64>,
     /// With `--budget auto`: the least the budget gives back to (default, and never
