@@ -16,7 +16,7 @@ small="$2"
 expert_type="${EXPERT_TYPE:-}"
 ff_ratio="${EXPERT_FF_RATIO:-}"
 
-synth_key="$(git rev-parse --short=12 HEAD:src/model/synth 2>/dev/null || echo unversioned)"
+synth_key="$(git rev-parse --short=12 HEAD:pager/src/model/synth 2>/dev/null || echo unversioned)"
 models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
 variant="$ARCH-$TYPES${expert_type:+-$expert_type}-$ORDER${ff_ratio:+-ff$ff_ratio}"
 model="$models/moe${SIZE,,}-${EXPERTS}x$EXPERTS_USED-$ROUTER-$variant-$synth_key.gguf"

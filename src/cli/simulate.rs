@@ -75,7 +75,7 @@ pub struct SimulateArgs {
     /// Prefetch policy, in place of the one the policy name implies (`--policy lru
     /// --prefetch none`: LRU eviction alone).
     #[arg(long, value_enum)]
-    prefetch: Option<PrefetchKind>,
+    prefetch: Option<PrefetchName>,
     /// Block size (synthetic workloads; a trace says its own).
     #[arg(long, default_value = "64K")]
     block: String,
@@ -104,6 +104,27 @@ pub enum MoeShapeName {
 pub enum RouterName {
     Independent,
     Locality,
+}
+
+/// What `simulate --prefetch` names: the pager's prefetch policies.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefetchName {
+    /// Read only what faults.
+    None,
+    /// Read the blocks following a fault, growing the window while faults stay sequential.
+    Readahead,
+    /// Read ahead along the model graph's predicted order.
+    Graph,
+}
+
+impl From<PrefetchName> for PrefetchKind {
+    fn from(name: PrefetchName) -> Self {
+        match name {
+            PrefetchName::None => PrefetchKind::None,
+            PrefetchName::Readahead => PrefetchKind::Readahead,
+            PrefetchName::Graph => PrefetchKind::Graph,
+        }
+    }
 }
 
 /// What `simulate --policy` names: `run`'s policies, which pair a prefetch policy with
@@ -201,7 +222,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         &workload,
         budget,
         policy,
-        args.prefetch.or(implied_prefetch),
+        args.prefetch.map(PrefetchKind::from).or(implied_prefetch),
         Some(&graph),
         timing,
     )?;

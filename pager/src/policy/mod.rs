@@ -277,7 +277,7 @@ pub trait EvictionPolicy: Send {
 }
 
 /// Policies by name, for the CLI and the shim's configuration.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PrefetchKind {
     /// Read only what faults.
@@ -289,7 +289,7 @@ pub enum PrefetchKind {
     Graph,
 }
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EvictionKind {
     /// Evict in the order blocks became resident.

@@ -307,10 +307,10 @@ mod tests {
     fn the_fuzzers_seeds_decode() {
         // The cache_index fuzz target starts from these: a seed refused would leave it
         // exploring error paths only.
-        let three = include_bytes!("../../fuzz/seeds/cache_index/three_blocks.idx");
+        let three = include_bytes!("../../../fuzz/seeds/cache_index/three_blocks.idx");
         let (decoded, _, entries) = decode(three).unwrap();
         assert_eq!((decoded, entries.len()), (header(), 3));
-        let cut = include_bytes!("../../fuzz/seeds/cache_index/cut_short.idx");
+        let cut = include_bytes!("../../../fuzz/seeds/cache_index/cut_short.idx");
         let (decoded, _, entries) = decode(cut).unwrap();
         assert_eq!((decoded.blocks(), entries.len()), (3, 1));
     }
