@@ -17,6 +17,7 @@ mod exit_status;
 mod forward;
 mod inspect;
 mod mount;
+mod provenance;
 mod run;
 mod scan;
 mod sim;

@@ -41,6 +41,7 @@ use hyperoffload::size::format_size;
 use super::compare::record::{RunRecord, Side};
 use super::compare::{compare, CompareConfig, PagerBudget};
 use super::device::drop_page_cache;
+use super::provenance::Provenance;
 use floors::Floors;
 use programs::{first_token_command, llama_bench_command};
 use reference::{device_limit, References};
@@ -121,6 +122,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return remote::run(&args);
     }
     std::fs::create_dir_all(&args.out)?;
+    // The checkout the binary was built in (target/release/ lies inside it).
+    let exe = std::env::current_exe()?;
+    let provenance = Provenance::of_this_run(exe.parent().unwrap_or(Path::new(".")));
     let model = ModelFile::open(args.model())?;
     let model_len = model.file_len;
     eprintln!(
@@ -148,13 +152,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let compute_s = compute_seconds(&rows, references.warm_tps, model_len);
     let markdown = results_markdown(
         &args,
+        &provenance.line(std::time::SystemTime::now()),
         Measured {
             len: model_len,
             sparse: matches!(floors, Floors::Trace(_)),
         },
-        references.device_bps,
-        &references.decode_share,
-        references.warm_tps,
+        &references,
         compute_s,
         &rows,
     );

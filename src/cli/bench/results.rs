@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use super::floors::TRACE_EXTRA_TOKENS;
 use super::programs::FIRST_TOKEN_PROMPT;
-use super::reference::DecodeShare;
+use super::reference::{DecodeShare, References};
 use super::{median, BenchArgs};
 use crate::cli::compare::figures::LatencyFigures;
 use crate::cli::compare::record::{RunRecord, Side};
@@ -98,21 +98,22 @@ fn ratio(pager: Option<f64>, kernel: Option<f64>) -> Option<f64> {
 
 pub(super) fn results_markdown(
     args: &BenchArgs,
+    provenance: &str,
     model: Measured,
-    device_bps: f64,
-    decode_share: &DecodeShare,
-    warm_tps: f64,
+    references: &References,
     compute_s: f64,
     rows: &[Row],
 ) -> String {
+    let decode_share = &references.decode_share;
     let mut out = String::new();
     write_method(
         &mut out,
         args,
+        provenance,
         model,
-        device_bps,
+        references.device_bps,
         decode_share,
-        (warm_tps, compute_s),
+        (references.warm_tps, compute_s),
     );
     write_decode_table(&mut out, model, decode_share, compute_s, rows);
     write_floor_note(&mut out, args, model);
@@ -125,6 +126,7 @@ pub(super) fn results_markdown(
 fn write_method(
     out: &mut String,
     args: &BenchArgs,
+    provenance: &str,
     model: Measured,
     device_bps: f64,
     decode_share: &DecodeShare,
@@ -132,7 +134,7 @@ fn write_method(
 ) {
     let _ = writeln!(
         out,
-        "# Headline benchmark: llama-bench decode under a RAM budget\n"
+        "# Headline benchmark: llama-bench decode under a RAM budget\n\n{provenance}\n"
     );
     let _ = writeln!(
         out,
@@ -344,7 +346,17 @@ mod tests {
         // Token 0.25 s, floor max(0.1, 0.2): 1.25; beside decode the reads' floor is
         // 0.2 / 0.8 = 0.25: 1.00.
         let rows = [row(50.0, Some(4.0)), row(90.0, None)];
-        let markdown = results_markdown(&args(), dense(), 3.6e9, &share, 10.0, 0.1, &rows);
+        let provenance = "Measured by `hyperoffload bench` from A to B (UTC), commit C.";
+        let references = References {
+            device_bps: 3.6e9,
+            warm_tps: 10.0,
+            decode_share: share,
+        };
+        let markdown = results_markdown(&args(), provenance, dense(), &references, 0.1, &rows);
+        assert!(
+            markdown.contains(&format!("\n\n{provenance}\n")),
+            "{markdown}"
+        );
         let table: Vec<&str> = markdown
             .lines()
             .skip_while(|line| !line.starts_with("| budget | kernel tok/s"))
@@ -372,18 +384,16 @@ mod tests {
         let mut moe = row(50.0, Some(4.0));
         // 35 MB a token at 3.5 GB/s: 0.01 s, below compute (0.1 s): 0.25 / 0.1.
         moe.floor_bytes_per_token = 35e6;
-        let markdown = results_markdown(
-            &args(),
-            Measured {
-                len: MODEL,
-                sparse: true,
-            },
-            3.5e9,
-            &share,
-            10.0,
-            0.1,
-            &[moe],
-        );
+        let references = References {
+            device_bps: 3.5e9,
+            warm_tps: 10.0,
+            decode_share: share,
+        };
+        let moe_model = Measured {
+            len: MODEL,
+            sparse: true,
+        };
+        let markdown = results_markdown(&args(), "", moe_model, &references, 0.1, &[moe]);
         assert!(
             markdown.contains("| Belady on the trace (MiB) | frequency floor (MiB) |"),
             "{markdown}"
