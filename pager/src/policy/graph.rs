@@ -75,6 +75,9 @@ struct Progress {
     judged: Option<(u64, BlockRef)>,
     /// The token (`ExpertUse::tokens`) of the latest eviction the graph eviction chose.
     evicted_in_token: Option<u64>,
+    /// Positions the program has moved along the order since the start, as faults show
+    /// it (`progress_steps`): the clock by which unpredicted blocks age.
+    travelled: u64,
 }
 
 impl GraphPrediction {
@@ -95,6 +98,7 @@ impl GraphPrediction {
                 planned: None,
                 judged: None,
                 evicted_in_token: None,
+                travelled: 0,
             }),
             graph,
         })
@@ -329,6 +333,7 @@ impl Progress {
             let anchor_block = *order.sequence().get(anchor as usize)?;
             // A lagging thread's expert fault says nothing of the lag within a step.
             let (position, _) = locate(order, self.cursor, anchor_block)?;
+            self.travelled += progress_steps(order, self.cursor, position);
             self.cursor = position;
             return Some(position);
         }
@@ -337,6 +342,7 @@ impl Progress {
             self.lag_seen = self.lag_seen.max(behind);
         }
         self.judge(graph, fault, position);
+        self.travelled += progress_steps(order, self.cursor, position);
         self.cursor = position;
         Some(position)
     }

@@ -2,7 +2,7 @@
 //! next use is furthest along the order goes first), streamed blocks before kept ones,
 //! cold experts before popular ones.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use super::expert_blocks::ExpertBlocks;
@@ -14,9 +14,12 @@ use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId, Re
 
 /// Belady's rule on the predicted order.
 ///
-/// Blocks the graph does not predict (other regions, embedding rows) go first, the least
-/// central first, then in the order they arrived. Among predicted blocks, the one used
-/// furthest ahead of the current position goes; when the model does not fit, a streamed
+/// Blocks of other regions go first, in the order they arrived. Blocks of the model the
+/// order does not place (the embedding table, of which each token reads a row or two)
+/// are ranked as experts are, by how often the run has read each (a word the text
+/// repeats reads its row again): the one expected furthest ahead goes when that is
+/// further than any predicted block's next use and any expert's expected one (see
+/// `furthest_unplaced`). Among predicted blocks, the one used furthest ahead of the current position goes; when the model does not fit, a streamed
 /// block (see [`streaming`]) before a kept one used as far ahead in the same sense
 /// (passed, or still to come this pass).
 pub struct GraphEviction {
@@ -32,6 +35,15 @@ pub struct GraphEviction {
     tracked: PerBlock<Tracked>,
     /// The keys of tracked unpredicted blocks in `unpredicted`.
     unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
+    /// Tracked unpredicted blocks of the model (not of other regions), with their
+    /// block of the graph.
+    unplaced: BTreeMap<BlockRef, u32>,
+    /// Per unpredicted block of the model ever read: its reads, and where the program
+    /// was along the order (`Progress::travelled`) at the first.
+    unplaced_reads: HashMap<u32, (u32, u64)>,
+    /// How many of the graph's blocks the order does not place and no expert holds:
+    /// the prior of each one's use is one of them a token.
+    unplaced_blocks: Option<u32>,
     /// Routed-expert blocks: ranked by expected use, watched to learn it.
     experts: ExpertBlocks,
     tracked_count: usize,
@@ -69,6 +81,9 @@ impl GraphEviction {
             unpredicted: BTreeSet::new(),
             tracked: PerBlock::default(),
             unpredicted_keys: HashMap::new(),
+            unplaced: BTreeMap::new(),
+            unplaced_reads: HashMap::new(),
+            unplaced_blocks: None,
             tracked_count: 0,
             arrivals: 0,
             watch_resident: false,
@@ -124,6 +139,7 @@ impl GraphEviction {
                 if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
                     self.unpredicted.remove(&(rank, arrival, block));
                 }
+                self.unplaced.remove(&block);
                 self.tracked_count -= 1;
             }
             Tracked::No => {}
@@ -362,9 +378,17 @@ impl EvictionPolicy for GraphEviction {
             progress.resident[global as usize] = true;
             *self.tracked_mut(block) = Tracked::Predicted(global);
         } else {
-            let rank = global.map_or(0.0, |global| graph.block_rank(global));
+            // Other regions' blocks first (rank 0), then the model's, by arrival: the
+            // model's unpredicted blocks share one rank so that the first is the oldest.
+            let rank: f64 = if global.is_some() { 1.0 } else { 0.0 };
+            if let Some(global) = global {
+                self.unplaced.insert(block, global);
+                let travelled = progress.travelled;
+                let reads = self.unplaced_reads.entry(global).or_insert((0, travelled));
+                reads.0 = reads.0.saturating_add(1);
+            }
             // Non-negative floats order like their bit patterns.
-            let key = (rank.max(0.0).to_bits(), self.arrivals);
+            let key = (rank.to_bits(), self.arrivals);
             self.arrivals += 1;
             self.unpredicted.insert((key.0, key.1, block));
             self.unpredicted_keys.insert(block, key);
@@ -414,6 +438,49 @@ impl EvictionPolicy for GraphEviction {
 }
 
 impl GraphEviction {
+    /// The tracked unpredicted block of the model expected to be used furthest ahead,
+    /// with that expectation in positions of the order: to the start of the next pass,
+    /// then a pass more for every `1/p` (`p`: its reads per token since its first, with
+    /// a prior of one such block a token spread evenly over them, worth 16 tokens, so
+    /// that the first reads of a uniform table do not rank its blocks apart). Reads are
+    /// what the pager sees of a block's use: a hot block read once stays resident, its
+    /// estimate falls while it is, and it is read and counted again if it goes. The
+    /// first block of the order is where a pass starts (the embedding rows precede it).
+    fn furthest_unplaced(
+        &mut self,
+        graph: &ModelGraph,
+        progress: &Progress,
+    ) -> Option<(BlockRef, f64)> {
+        const PRIOR_TOKENS: f64 = 16.0;
+        if self.unplaced.is_empty() {
+            return None;
+        }
+        let order = graph.order();
+        let pass = order.len().max(1) as f64;
+        let blocks = *self.unplaced_blocks.get_or_insert_with(|| {
+            (0..graph.geometry().block_count())
+                .filter(|&block| !order.contains(block) && !is_routed_expert(graph, block))
+                .count() as u32
+        });
+        let prior = 1.0 / f64::from(blocks.max(1));
+        let to_next_pass = match order.len() {
+            0 => 0.0,
+            len => f64::from(order.distance(progress.cursor.min(len - 1), 0)),
+        };
+        let mut furthest: Option<(BlockRef, f64)> = None;
+        for (&block, global) in &self.unplaced {
+            let (reads, first) = self.unplaced_reads.get(global).copied().unwrap_or((1, 0));
+            let tokens = progress.travelled.saturating_sub(first) as f64 / pass;
+            let p = ((f64::from(reads) + prior * PRIOR_TOKENS) / (tokens + 1.0 + PRIOR_TOKENS))
+                .clamp(1e-6, 1.0);
+            let expected = to_next_pass + pass * (1.0 - p) / p;
+            if furthest.is_none_or(|(_, known)| expected > known) {
+                furthest = Some((block, expected));
+            }
+        }
+        furthest
+    }
+
     /// `EvictionPolicy::victim`'s choice, forgotten once chosen.
     fn choose_victim(
         &mut self,
@@ -423,21 +490,30 @@ impl GraphEviction {
         kind: ReadKind,
     ) -> Option<BlockRef> {
         if let Some(&(_, _, block)) = self.unpredicted.first() {
-            self.forget(block, progress);
-            return Some(block);
+            if !self.unplaced.contains_key(&block) {
+                self.forget(block, progress);
+                return Some(block);
+            }
         }
         let cursor = progress.cursor;
         let guard = progress.lag_guard(&prediction.graph);
+        let unpredicted = self.furthest_unplaced(&prediction.graph, progress);
         // Belady on expectations: the dense block used furthest ahead, or the expert
         // block expected to be used furthest ahead, whichever is further.
         let dense = self.furthest(cursor, guard);
         let expert = self.experts.coldest(&prediction.graph, progress);
-        let (block, distance) = match (dense, expert) {
+        let predicted = match (dense, expert) {
             (Some((dense, distance)), Some((_, expected))) if expected < distance as f64 => {
-                (dense, distance as f64)
+                Some((dense, distance as f64))
             }
-            (_, Some(expert)) => expert,
-            (Some((dense, distance)), None) => (dense, distance as f64),
+            (_, Some(expert)) => Some(expert),
+            (Some((dense, distance)), None) => Some((dense, distance as f64)),
+            (None, None) => None,
+        };
+        let (block, distance) = match (predicted, unpredicted) {
+            (Some(predicted), Some(unpredicted)) if predicted.1 > unpredicted.1 => predicted,
+            (_, Some(unpredicted)) => unpredicted,
+            (Some(predicted), None) => predicted,
             (None, None) => return None,
         };
         if kind == ReadKind::Prefetch {

@@ -343,6 +343,27 @@ fn unpredicted_blocks_go_first() {
 }
 
 #[test]
+fn an_unplaced_block_read_in_every_token_outlasts_one_read_once() {
+    // Blocks 8 and 9 lie in no position of the pass, as embedding rows do. Block 8 is
+    // read in each of 8 tokens (evicted in between), block 9 once, after it: by arrival
+    // (oldest first) block 8 would go; by reads per token, block 9.
+    let (_, mut eviction) = policies(&[0, 1, 2], 10);
+    let mut time = 0;
+    for _ in 0..8 {
+        eviction.inserted(b(8));
+        for position in 0..3 {
+            time += 1;
+            eviction.touched(&fault(position, time));
+        }
+        eviction.removed(b(8));
+    }
+    eviction.inserted(b(8));
+    eviction.inserted(b(9));
+    assert_eq!(eviction.victim(b(2), ReadKind::Demand), Some(b(9)));
+    assert_eq!(eviction.victim(b(2), ReadKind::Demand), Some(b(8)));
+}
+
+#[test]
 fn a_block_used_twice_per_pass_counts_its_nearest_use() {
     // Block 1 is used at positions 0 and 3.
     let (_, mut eviction) = policies(&[1, 2, 3, 1, 4], 5);
