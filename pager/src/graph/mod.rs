@@ -4,10 +4,10 @@
 //! Nodes are tensor *extents* (a tensor cut into pieces of bounded size, and at expert
 //! boundaries) or, for a graph learned from a fault trace, single blocks. Edges follow
 //! the per-token execution: from the tensor table and the architecture's names
-//! ([`arch`]), or from transitions observed in a trace ([`learn`]). Two outputs matter to
-//! the policies: the predicted cyclic order of blocks ([`CyclicOrder`]: one token's pass,
-//! which the next token repeats) and each block's centrality (PageRank over the weighted
-//! edges, [`rank`]).
+//! ([`arch`]), or from transitions observed in a trace ([`learn`]). The policies follow
+//! the predicted cyclic order of blocks ([`CyclicOrder`]: one token's pass, which the
+//! next token repeats) and the expert table; each block's centrality (PageRank over the
+//! weighted edges, [`rank`]) is what `inspect` reports as the central nodes.
 //!
 //! Everything here is pure computation over block indices, except [`store`], which
 //! saves and loads learned graphs beside the model file, and [`expert_store`], which
