@@ -2,7 +2,7 @@
 //! next use is furthest along the order goes first), streamed blocks before kept ones,
 //! cold experts before popular ones.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::expert_blocks::ExpertBlocks;
@@ -19,31 +19,32 @@ use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId, Re
 /// are ranked as experts are, by how often the run has read each (a word the text
 /// repeats reads its row again): the one expected furthest ahead goes when that is
 /// further than any predicted block's next use and any expert's expected one (see
-/// `furthest_unplaced`). Among predicted blocks, the one used furthest ahead of the current position goes; when the model does not fit, a streamed
-/// block (see [`streaming`]) before a kept one used as far ahead in the same sense
-/// (passed, or still to come this pass).
+/// `furthest_unplaced`). Among predicted blocks, the one used furthest ahead of the
+/// current position goes; when the model does not fit, a streamed block (see
+/// [`streaming`]) before a kept one used as far ahead in the same sense (passed, or
+/// still to come this pass).
 pub struct GraphEviction {
     pub(super) prediction: Arc<GraphPrediction>,
     /// Per region: every position of every tracked predicted block.
     positions: Vec<RegionPositions>,
     /// Per region: the positions of the tracked predicted blocks that stream.
     streamed_positions: Vec<RegionPositions>,
-    /// Unpredicted blocks by (centrality bits, arrival).
-    unpredicted: BTreeSet<(u64, u64, BlockRef)>,
+    /// Tracked blocks of other regions, by arrival.
+    other_regions: BTreeMap<u64, BlockRef>,
     /// Per region, per block: how it is tracked. Dense, since every block of a bound
     /// region passes through here once per token.
     tracked: PerBlock<Tracked>,
-    /// The keys of tracked unpredicted blocks in `unpredicted`.
-    unpredicted_keys: HashMap<BlockRef, (u64, u64)>,
-    /// Tracked unpredicted blocks of the model (not of other regions), with their
-    /// block of the graph.
+    /// The arrival of each block in `other_regions`.
+    other_region_arrivals: HashMap<BlockRef, u64>,
+    /// Tracked blocks of the model the order does not place, with their block of the
+    /// graph.
     unplaced: BTreeMap<BlockRef, u32>,
-    /// Per unpredicted block of the model ever read: its reads, and where the program
+    /// Per unplaced block ever read: its reads, and where the program
     /// was along the order (`Progress::travelled`) at the first.
     unplaced_reads: HashMap<u32, (u32, u64)>,
-    /// How many of the graph's blocks the order does not place and no expert holds:
-    /// the prior of each one's use is one of them a token.
-    unplaced_blocks: Option<u32>,
+    /// The use per token each unplaced block is given before its reads: one of the
+    /// graph's blocks the order does not place and no expert holds, a token.
+    unplaced_prior: f64,
     /// Routed-expert blocks: ranked by expected use, watched to learn it.
     experts: ExpertBlocks,
     tracked_count: usize,
@@ -73,17 +74,18 @@ struct RegionPositions {
 
 impl GraphEviction {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
+        let unplaced_prior = unplaced_prior(&prediction.graph);
         Self {
             experts: ExpertBlocks::new(&prediction.graph),
             prediction,
             positions: Vec::new(),
             streamed_positions: Vec::new(),
-            unpredicted: BTreeSet::new(),
+            other_regions: BTreeMap::new(),
             tracked: PerBlock::default(),
-            unpredicted_keys: HashMap::new(),
+            other_region_arrivals: HashMap::new(),
             unplaced: BTreeMap::new(),
             unplaced_reads: HashMap::new(),
-            unplaced_blocks: None,
+            unplaced_prior,
             tracked_count: 0,
             arrivals: 0,
             watch_resident: false,
@@ -136,8 +138,8 @@ impl GraphEviction {
                 self.tracked_count -= 1;
             }
             Tracked::Unpredicted => {
-                if let Some((rank, arrival)) = self.unpredicted_keys.remove(&block) {
-                    self.unpredicted.remove(&(rank, arrival, block));
+                if let Some(arrival) = self.other_region_arrivals.remove(&block) {
+                    self.other_regions.remove(&arrival);
                 }
                 self.unplaced.remove(&block);
                 self.tracked_count -= 1;
@@ -378,20 +380,19 @@ impl EvictionPolicy for GraphEviction {
             progress.resident[global as usize] = true;
             *self.tracked_mut(block) = Tracked::Predicted(global);
         } else {
-            // Other regions' blocks first (rank 0), then the model's, by arrival: the
-            // model's unpredicted blocks share one rank so that the first is the oldest.
-            let rank: f64 = if global.is_some() { 1.0 } else { 0.0 };
-            if let Some(global) = global {
-                self.unplaced.insert(block, global);
-                let travelled = progress.travelled;
-                let reads = self.unplaced_reads.entry(global).or_insert((0, travelled));
-                reads.0 = reads.0.saturating_add(1);
+            match global {
+                Some(global) => {
+                    self.unplaced.insert(block, global);
+                    let travelled = progress.travelled;
+                    let reads = self.unplaced_reads.entry(global).or_insert((0, travelled));
+                    reads.0 = reads.0.saturating_add(1);
+                }
+                None => {
+                    self.other_regions.insert(self.arrivals, block);
+                    self.other_region_arrivals.insert(block, self.arrivals);
+                    self.arrivals += 1;
+                }
             }
-            // Non-negative floats order like their bit patterns.
-            let key = (rank.to_bits(), self.arrivals);
-            self.arrivals += 1;
-            self.unpredicted.insert((key.0, key.1, block));
-            self.unpredicted_keys.insert(block, key);
             *self.tracked_mut(block) = Tracked::Unpredicted;
         }
         self.tracked_count += 1;
@@ -437,17 +438,27 @@ impl EvictionPolicy for GraphEviction {
     }
 }
 
+/// The use per token an unplaced block of `graph` is given before its reads: one of the
+/// blocks the order does not place and no expert holds, a token.
+fn unplaced_prior(graph: &ModelGraph) -> f64 {
+    let order = graph.order();
+    let blocks = (0..graph.geometry().block_count())
+        .filter(|&block| !order.contains(block) && !is_routed_expert(graph, block))
+        .count();
+    1.0 / blocks.max(1) as f64
+}
+
 impl GraphEviction {
-    /// The tracked unpredicted block of the model expected to be used furthest ahead,
-    /// with that expectation in positions of the order: to the start of the next pass,
-    /// then a pass more for every `1/p` (`p`: its reads per token since its first, with
+    /// The tracked unplaced block expected to be used furthest ahead, with that
+    /// expectation in positions of the order: to the start of the next pass, then a pass
+    /// more for every `1/p` (`p`: its reads per token since its first, with
     /// a prior of one such block a token spread evenly over them, worth 16 tokens, so
     /// that the first reads of a uniform table do not rank its blocks apart). Reads are
     /// what the pager sees of a block's use: a hot block read once stays resident, its
     /// estimate falls while it is, and it is read and counted again if it goes. The
     /// first block of the order is where a pass starts (the embedding rows precede it).
     fn furthest_unplaced(
-        &mut self,
+        &self,
         graph: &ModelGraph,
         progress: &Progress,
     ) -> Option<(BlockRef, f64)> {
@@ -457,21 +468,19 @@ impl GraphEviction {
         }
         let order = graph.order();
         let pass = order.len().max(1) as f64;
-        let blocks = *self.unplaced_blocks.get_or_insert_with(|| {
-            (0..graph.geometry().block_count())
-                .filter(|&block| !order.contains(block) && !is_routed_expert(graph, block))
-                .count() as u32
-        });
-        let prior = 1.0 / f64::from(blocks.max(1));
         let to_next_pass = match order.len() {
             0 => 0.0,
             len => f64::from(order.distance(progress.cursor.min(len - 1), 0)),
         };
         let mut furthest: Option<(BlockRef, f64)> = None;
         for (&block, global) in &self.unplaced {
-            let (reads, first) = self.unplaced_reads.get(global).copied().unwrap_or((1, 0));
+            // Every tracked unplaced block was counted when it was inserted.
+            let Some(&(reads, first)) = self.unplaced_reads.get(global) else {
+                continue;
+            };
             let tokens = progress.travelled.saturating_sub(first) as f64 / pass;
-            let p = ((f64::from(reads) + prior * PRIOR_TOKENS) / (tokens + 1.0 + PRIOR_TOKENS))
+            let p = ((f64::from(reads) + self.unplaced_prior * PRIOR_TOKENS)
+                / (tokens + 1.0 + PRIOR_TOKENS))
                 .clamp(1e-6, 1.0);
             let expected = to_next_pass + pass * (1.0 - p) / p;
             if furthest.is_none_or(|(_, known)| expected > known) {
@@ -489,15 +498,13 @@ impl GraphEviction {
         incoming: BlockRef,
         kind: ReadKind,
     ) -> Option<BlockRef> {
-        if let Some(&(_, _, block)) = self.unpredicted.first() {
-            if !self.unplaced.contains_key(&block) {
-                self.forget(block, progress);
-                return Some(block);
-            }
+        if let Some((_, &block)) = self.other_regions.first_key_value() {
+            self.forget(block, progress);
+            return Some(block);
         }
         let cursor = progress.cursor;
         let guard = progress.lag_guard(&prediction.graph);
-        let unpredicted = self.furthest_unplaced(&prediction.graph, progress);
+        let unplaced = self.furthest_unplaced(&prediction.graph, progress);
         // Belady on expectations: the dense block used furthest ahead, or the expert
         // block expected to be used furthest ahead, whichever is further.
         let dense = self.furthest(cursor, guard);
@@ -510,9 +517,9 @@ impl GraphEviction {
             (Some((dense, distance)), None) => Some((dense, distance as f64)),
             (None, None) => None,
         };
-        let (block, distance) = match (predicted, unpredicted) {
-            (Some(predicted), Some(unpredicted)) if predicted.1 > unpredicted.1 => predicted,
-            (_, Some(unpredicted)) => unpredicted,
+        let (block, distance) = match (predicted, unplaced) {
+            (Some(predicted), Some(unplaced)) if predicted.1 > unplaced.1 => predicted,
+            (_, Some(unplaced)) => unplaced,
             (Some(predicted), None) => predicted,
             (None, None) => return None,
         };
