@@ -12,39 +12,40 @@
 //! region being torn down cannot meet a new one the kernel placed at its old address.
 //! Calls over a range walk its pieces (`for_each_piece`): managed ones are served by
 //! their region, the others go to the kernel, and the first error is the call's.
+//!
+//! Here: the shim's state and the start of its pager. Each kind of call is a child's:
+//! `take_file` (which files mmap takes over), `map` (mmap), `pieces` (munmap and
+//! MAP_FIXED), `calls` (madvise, mlock, mremap), `attached` (another process's pager),
+//! `fork`, and `seen_files` (what became of each model file).
 
-use std::ffi::OsStr;
 use std::ops::Range;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use hyperoffload::budget_floor;
-use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
 use hyperoffload::memory_limits::{self, budget_warning};
-use hyperoffload::model::split::model_len;
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
-use hyperoffload::served_files::Refusal;
 use hyperoffload::shim_config::{BudgetSpec, ShimConfig, Sizing};
 use hyperoffload::size::format_size;
 use hyperoffload::sys;
-use hyperoffload::{MapOptions, Pager, Region};
+use hyperoffload::{Pager, Region};
 use libc::c_int;
 
-use crate::given_name::name_given;
 use crate::raw;
 use crate::read_ahead;
-use crate::registry::{Piece, Registry};
+use crate::registry::Registry;
 use crate::seen::Seen;
 
 mod attached;
 mod calls;
 mod fork;
+mod map;
+mod pieces;
 mod seen_files;
+mod take_file;
 
 /// The kernel's page size.
 pub fn page() -> usize {
@@ -381,175 +382,6 @@ impl Shim {
         }
     }
 
-    /// mmap of a request `screen_request` accepted: a region in its place, or `None`.
-    pub fn map(&self, request: &MapRequest) -> Option<usize> {
-        let file = self.take_file(request)?;
-        let offset = request.offset as u64;
-        let data_len = (request.len as u64).min(file.size - offset);
-        if let Some(base) = self.try_attach(&file, request, offset, data_len) {
-            return Some(base);
-        }
-        let block_cuts = self.block_cuts(&file);
-        let pager = self.pager_for(&file, offset, data_len, &block_cuts);
-        self.release_claim_unless_hosting(&file, pager.as_ref());
-        let Some(pager) = pager else {
-            let error = match &*lock(&self.pager) {
-                PagerSlot::Failed(error) => error.clone(),
-                _ => "it was not started".to_string(),
-            };
-            let path = file.path.as_os_str().as_bytes();
-            let refusal = Refusal::PagerNotStarted(error);
-            self.note_refused(request.fd, &file.stat, Some(path), refusal);
-            return None;
-        };
-        let options = MapOptions {
-            offset,
-            len: Some(data_len),
-            map_len: Some((request.len as u64).next_multiple_of(page() as u64)),
-            prot: request.prot,
-            block_cuts,
-        };
-        let _layout = lock(&self.layout);
-        let managed = match self.map_region(&pager, &file, options, request) {
-            Ok(managed) => managed,
-            Err(error) => {
-                let path = file.path.as_os_str().as_bytes();
-                let refusal = Refusal::MapFailed(error);
-                self.note_refused(request.fd, &file.stat, Some(path), refusal);
-                return None;
-            }
-        };
-        self.note_served(&file.stat, &file.name, file.model_len);
-        if request.flags & libc::MAP_POPULATE != 0 {
-            self.bounded_prefetch(&managed, 0..managed.region.map_len() as u64);
-        }
-        Some(managed.region.as_ptr() as usize)
-    }
-
-    /// The file `request` maps, if the shim takes it over: its names and its model pass
-    /// the configuration (`screen`), and the name the pager opens still leads to it.
-    fn take_file(&self, request: &MapRequest) -> Option<MappedFile> {
-        let stat = raw::fstat(request.fd)?;
-        let mut buffer = [0u8; 4096];
-        let Some(path) = raw::fd_path(request.fd, &mut buffer) else {
-            self.verbose(|| {
-                format!(
-                    "fd {}: {}, left to the kernel",
-                    request.fd,
-                    PassReason::UnknownFile.describe()
-                )
-            });
-            return None;
-        };
-        let (name, model_len) = match self.screen(request, &stat, path) {
-            Ok(taken) => taken,
-            Err(reason) => {
-                self.verbose(|| {
-                    format!(
-                        "{}: {}, left to the kernel",
-                        String::from_utf8_lossy(path),
-                        reason.describe()
-                    )
-                });
-                let refusal = match reason {
-                    PassReason::TooSmall => Refusal::TooSmall,
-                    PassReason::NameNotMatched => Refusal::NameNotMatched,
-                    other => Refusal::Request(other.describe().to_string()),
-                };
-                self.note_refused(request.fd, &stat, Some(path), refusal);
-                return None;
-            }
-        };
-        let path = Path::new(OsStr::from_bytes(path)).to_path_buf();
-        // The pager opens the file by name: make sure the name still leads to the
-        // descriptor's file (not a replacement, not a deleted one).
-        if !names_file(&path, &stat) {
-            self.verbose(|| {
-                format!(
-                    "{}: the name no longer leads to the mapped file, left to the kernel",
-                    path.display()
-                )
-            });
-            let kernel_name = path.as_os_str().as_bytes();
-            self.note_refused(request.fd, &stat, Some(kernel_name), Refusal::NameChanged);
-            return None;
-        }
-        Some(MappedFile {
-            size: stat.st_size as u64,
-            stat,
-            path,
-            name,
-            model_len,
-        })
-    }
-
-    /// Screens the file the kernel names `path` with `screen_file`. If the shim takes
-    /// it: the name the program gave it and the size of its model; else why not.
-    fn screen(
-        &self,
-        request: &MapRequest,
-        stat: &sys::Stat,
-        path: &[u8],
-    ) -> Result<(PathBuf, u64), PassReason> {
-        let size = stat.st_size as u64;
-        let is_regular = stat.st_mode & libc::S_IFMT == libc::S_IFREG;
-        // The model's size (all its files for a split GGUF) sets a percentage budget,
-        // and a small file that is part of a large model is served with the rest. It
-        // takes reading the file's header: only for a file the patterns match, the
-        // first or a small one.
-        let starting = matches!(&*lock(&self.pager), PagerSlot::NotYet);
-        let wanted = starting || size < self.config.min_size;
-        // The name the patterns and a split model's parts go by: the program's, where it
-        // reached the file through symlinks (a Hugging Face cache links each file to a
-        // blob named by its hash; see `given_name`), else the kernel's.
-        let fd_path = Path::new(OsStr::from_bytes(path));
-        let kernel_name_matches = self.config.matches(path);
-        let name = if is_regular && (wanted || !kernel_name_matches) {
-            self.model_name(fd_path)
-        } else {
-            fd_path.to_path_buf()
-        };
-        let (matched, name_matches) = if kernel_name_matches {
-            (path, true)
-        } else {
-            let given = name.as_os_str().as_bytes();
-            (given, given != path && self.config.matches(given))
-        };
-        // A file of no model name is looked at (its first bytes) only if it is large
-        // enough to be served: few mappings are.
-        let model_header = !name_matches
-            && is_regular
-            && size >= self.config.min_size
-            && starts_as_a_model(request.fd);
-        let model_len = if is_regular && wanted && (name_matches || model_header) {
-            self.model_len(&name, size)
-        } else {
-            size
-        };
-        let facts = FileFacts {
-            is_regular,
-            size,
-            model_len,
-            path: matched,
-            model_header,
-        };
-        screen_file(request, &facts, &self.config)?;
-        Ok((name, model_len))
-    }
-
-    /// Where the blocks of a region of `file` are cut besides the block-size grid: at
-    /// its routed experts' slices, for a mixture-of-experts model whose tensor table
-    /// reads (see `ENV_EXPERT_BLOCKS`).
-    fn block_cuts(&self, file: &MappedFile) -> Vec<u64> {
-        if !self.config.expert_blocks {
-            return Vec::new();
-        }
-        match hyperoffload::model::ModelFile::open(&file.name) {
-            Ok(model) => hyperoffload::graph::experts::model_block_cuts(&model, page() as u64),
-            Err(_) => Vec::new(),
-        }
-    }
-
     /// The pager, to map `data_len` bytes at `offset` of `file` (blocks cut at
     /// `block_cuts`): started if this is the first mapping (its model sets the budget,
     /// and the budget the block size).
@@ -583,93 +415,6 @@ impl Shim {
             block_cuts,
         };
         self.pager(&hint, &sizing)
-    }
-
-    /// Maps `file` through the pager and registers the region as managed memory; its error
-    /// (and a warning once) if the pager cannot map it. The caller holds `layout`.
-    fn map_region(
-        &self,
-        pager: &Pager,
-        file: &MappedFile,
-        options: MapOptions,
-        request: &MapRequest,
-    ) -> Result<Arc<ManagedRegion>, String> {
-        let offset = options.offset;
-        let region = match pager.map_file(&file.path, options) {
-            Ok(region) => region,
-            Err(error) => {
-                self.warn_once(&self.warned_map, || {
-                    format!("{error}; this mapping is left to the kernel")
-                });
-                return Err(error.to_string());
-            }
-        };
-        let base = region.as_ptr() as usize;
-        let map_len = region.map_len();
-        let index = self.file_index(file);
-        let managed = Arc::new(ManagedRegion {
-            region,
-            file: index,
-            file_offset: offset,
-            prot: request.prot,
-            read_ahead: Mutex::default(),
-            allowance: Arc::clone(&self.read_ahead),
-        });
-        lock(&self.registry).insert(base, map_len, managed.clone());
-        self.mapped.fetch_add(1, Ordering::AcqRel);
-        self.verbose(|| {
-            format!(
-                "managing {} offset {} length {} at {:#x}",
-                file.path.display(),
-                offset,
-                request.len,
-                base
-            )
-        });
-        self.record(|| {
-            serde_json::json!({"op": "map", "file": index, "region": managed.region.id().0,
-                "path": file.path.to_string_lossy(), "offset": offset, "len": request.len,
-                "flags": request.flags})
-        });
-        Ok(managed)
-    }
-
-    /// The index of `file` among the managed files, added if new.
-    fn file_index(&self, file: &MappedFile) -> usize {
-        let (dev, ino) = (file.stat.st_dev, file.stat.st_ino);
-        let mut files = lock(&self.files);
-        if let Some(index) = files.iter().position(|f| f.dev == dev && f.ino == ino) {
-            return index;
-        }
-        files.push(ManagedFile {
-            path: file.path.clone(),
-            size: file.size,
-            dev,
-            ino,
-        });
-        files.len() - 1
-    }
-
-    /// The program's name for the mapped file `path`, where one of its arguments leads
-    /// there through symlinks, else `path`.
-    fn model_name(&self, path: &Path) -> PathBuf {
-        name_given(self.cmdline(), path, |arg| std::fs::canonicalize(arg).ok())
-            .unwrap_or_else(|| path.to_path_buf())
-    }
-
-    /// The program's arguments, NUL-separated (empty if they cannot be read).
-    fn cmdline(&self) -> &[u8] {
-        self.cmdline
-            .get_or_init(|| std::fs::read("/proc/self/cmdline").unwrap_or_default())
-    }
-
-    /// The bytes of the model `path` holds (see `model::split::model_len`); `size` (the
-    /// file's) when its split siblings cannot be gathered, with a warning.
-    fn model_len(&self, path: &Path, size: u64) -> u64 {
-        model_len(path).unwrap_or_else(|error| {
-            self.say(&format!("{error}; this file is taken for the whole model"));
-            size
-        })
     }
 
     /// Whether `fd` is a file the shim manages mappings of.
@@ -709,117 +454,4 @@ impl Shim {
         drop(state);
         let _ = managed.region.prefetch(grant.read);
     }
-
-    fn pieces(&self, addr: usize, len: usize) -> Option<Vec<Piece<Arc<ManagedRegion>>>> {
-        if !self.has_mappings() || addr % page() != 0 {
-            return None;
-        }
-        let end = addr.checked_add(len)?.checked_next_multiple_of(page())?;
-        let pieces = lock(&self.registry).split(addr..end);
-        pieces
-            .iter()
-            .any(|piece| matches!(piece, Piece::Managed { .. }))
-            .then_some(pieces)
-    }
-
-    /// Walks the pieces of `[addr, addr + len)` in address order, calling `managed` on
-    /// each managed piece and `kernel` on each other one. Every piece is visited; the
-    /// result is the first error. `None` when the range touches no managed memory (the
-    /// call is then the kernel's alone).
-    fn for_each_piece(
-        &self,
-        addr: usize,
-        len: usize,
-        mut managed: impl FnMut(ManagedPiece) -> Errno,
-        mut kernel: impl FnMut(Range<usize>) -> Errno,
-    ) -> Option<Errno> {
-        let mut result = Ok(());
-        for piece in self.pieces(addr, len)? {
-            let outcome = match piece {
-                Piece::Managed { value, base, range } => managed(ManagedPiece {
-                    offsets: (range.start - base) as u64..(range.end - base) as u64,
-                    mapping: value,
-                    base,
-                    pages: range,
-                }),
-                Piece::Kernel(range) => kernel(range),
-            };
-            if result.is_ok() {
-                result = outcome;
-            }
-        }
-        Some(result)
-    }
-
-    /// Releases a managed piece: the region forgets its blocks there and the registry
-    /// its pages. A mapping with nothing left is dropped after the registry lock is
-    /// released (the region tells the service and waits for it).
-    fn release(&self, piece: ManagedPiece) {
-        let _ = piece.mapping.region.unmap_part(piece.offsets);
-        let gone = lock(&self.registry).unmapped(piece.base, piece.pages);
-        if let Some(gone) = gone {
-            self.mapped.fetch_sub(1, Ordering::AcqRel);
-            drop(gone);
-        }
-    }
-
-    /// munmap: releases exactly the managed part of the range and unmaps the rest as the
-    /// kernel would.
-    pub fn unmap(&self, addr: usize, len: usize) -> Option<Errno> {
-        self.unmap_attached(addr, len);
-        if !self.has_mappings() {
-            return None;
-        }
-        let _layout = lock(&self.layout);
-        self.for_each_piece(
-            addr,
-            len,
-            |piece| {
-                self.record(|| {
-                    serde_json::json!({"op": "unmap", "file": piece.mapping.file,
-                        "start": piece.offsets.start, "end": piece.offsets.end})
-                });
-                self.release(piece);
-                Ok(())
-            },
-            |range| {
-                // SAFETY: the program asked for this range to be unmapped; it is not
-                // managed memory.
-                raw::check(unsafe { sys::munmap(range.start, range.len()) })
-            },
-        )
-    }
-
-    /// A MAP_FIXED request over managed memory replaces it: release the managed part
-    /// first (the request itself then goes to the kernel).
-    pub fn release_for_fixed(&self, addr: usize, len: usize) {
-        if !self.has_mappings() {
-            return;
-        }
-        let _layout = lock(&self.layout);
-        let _ = self.for_each_piece(
-            addr,
-            len,
-            |piece| {
-                self.release(piece);
-                Ok(())
-            },
-            |_| Ok(()),
-        );
-    }
-}
-
-/// Whether `path` leads to the file `stat` describes (the same device and inode).
-fn names_file(path: &Path, stat: &sys::Stat) -> bool {
-    std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
-}
-
-/// Whether the file open at `fd` starts as a model does (`model::has_model_header`).
-fn starts_as_a_model(fd: i32) -> bool {
-    let mut start = [0u8; hyperoffload::model::MODEL_HEADER_LEN];
-    // SAFETY: `fd` is the descriptor the program passed to mmap, open for the duration
-    // of this call; it is only read from, at an explicit offset (its position is kept).
-    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    matches!(sys::pread(fd, &mut start, 0), Ok(n) if n == start.len())
-        && hyperoffload::model::has_model_header(&start)
 }

@@ -12,7 +12,8 @@ use hyperoffload::served_files::{FoundBy, Refusal, SeenFile, REPORT_FLOOR};
 use hyperoffload::sys;
 use libc::c_int;
 
-use super::{starts_as_a_model, Shim};
+use super::take_file::starts_as_a_model;
+use super::Shim;
 use crate::given_name::name_given;
 use crate::raw;
 
