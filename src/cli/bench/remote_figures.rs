@@ -147,6 +147,22 @@ fn median(spread: Option<Spread>) -> Option<f64> {
 /// The remote section of results.md.
 pub(super) fn remote_markdown(summary: &RemoteSummary) -> String {
     let mut out = String::new();
+    write_introduction(&mut out, summary);
+    if !summary.ttft.is_empty() {
+        write_ttft(&mut out, &summary.ttft);
+    }
+    if !summary.decode.is_empty() {
+        write_decode(&mut out, summary.tokens, &summary.decode);
+    }
+    if let Some(row) = &summary.fetch {
+        write_fetch(&mut out, row);
+    }
+    write_text_check(&mut out, summary.text_identical);
+    out
+}
+
+/// The section's heading and the paragraph on what was run, and how.
+fn write_introduction(out: &mut String, summary: &RemoteSummary) {
     let _ = writeln!(
         out,
         "{SECTION_HEADING}\n\n`{}` in `{}` ({:.1} MB), read by `llama-completion -p \"{}\" -c 256 \
@@ -170,99 +186,109 @@ pub(super) fn remote_markdown(summary: &RemoteSummary) -> String {
             " **The page cache could not be dropped (not root): the cold runs were not cold.**"
         },
     );
-    if !summary.ttft.is_empty() {
+}
+
+/// The time-to-first-token table, a row per budget.
+fn write_ttft(out: &mut String, rows: &[TtftRow]) {
+    let _ = writeln!(
+        out,
+        "### Time to the first token, cold\n\n`-n 1`, the page cache dropped before each \
+         run. Mount: an empty cache tier, the mount up before the clock starts; local: \
+         the whole object downloaded (one streaming GET, the mount's client), then the \
+         same run on the copy (whose pages the download left in the page cache, as any \
+         download does).\n"
+    );
+    let _ = writeln!(
+        out,
+        "| budget | mount s | download then run s | mount / download then run | download s | run s | fetched by the mount MB |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|");
+    for row in rows {
         let _ = writeln!(
             out,
-            "### Time to the first token, cold\n\n`-n 1`, the page cache dropped before each \
-             run. Mount: an empty cache tier, the mount up before the clock starts; local: \
-             the whole object downloaded (one streaming GET, the mount's client), then the \
-             same run on the copy (whose pages the download left in the page cache, as any \
-             download does).\n"
-        );
-        let _ = writeln!(
-            out,
-            "| budget | mount s | download then run s | mount / download then run | download s | run s | fetched by the mount MB |"
-        );
-        let _ = writeln!(out, "|---|---|---|---|---|---|---|");
-        for row in &summary.ttft {
-            let _ = writeln!(
-                out,
-                "| {:.0}% ({:.1} MB) | {} | {} | {} | {} | {} | {} |",
-                row.share,
-                row.budget as f64 / MB,
-                opt(row.mount_s, 1.0, 2),
-                opt(row.local_s, 1.0, 2),
-                opt_ratio(ratio(median(row.mount_s), median(row.local_s))),
-                opt(row.download_s, 1.0, 2),
-                opt(row.local_run_s, 1.0, 2),
-                opt(row.mount_remote_bytes, MB, 1),
-            );
-        }
-        out.push('\n');
-    }
-    if !summary.decode.is_empty() {
-        let _ = writeln!(
-            out,
-            "### Decode with a warm cache tier\n\n`-n {} --ignore-eos`, llama's eval rate. \
-             Mount: a cache tier holding the whole model (read through the mount once \
-             before); local: the downloaded copy.\n",
-            summary.tokens
-        );
-        let _ = writeln!(
-            out,
-            "| budget | mount tok/s | local tok/s | mount / local | fetched by the mount MB |"
-        );
-        let _ = writeln!(out, "|---|---|---|---|---|");
-        for row in &summary.decode {
-            let _ = writeln!(
-                out,
-                "| {:.0}% ({:.1} MB) | {} | {} | {} | {} |",
-                row.share,
-                row.budget as f64 / MB,
-                opt(row.mount_tps, 1.0, 2),
-                opt(row.local_tps, 1.0, 2),
-                opt_ratio(ratio(median(row.mount_tps), median(row.local_tps))),
-                opt(row.mount_remote_bytes, MB, 1),
-            );
-        }
-        out.push('\n');
-    }
-    if let Some(row) = &summary.fetch {
-        let _ = writeln!(
-            out,
-            "### Bytes fetched from the remote per token\n\nA cache tier of {:.1} MB \
-             (`--cache-size`), `--budget {:.0}%` ({:.1} MB); per round two cold runs (an \
-             empty cache tier, the page cache dropped) of `-n {}` and `-n {}` `--ignore-eos`: \
-             the difference of the bytes the mount fetched (its `--stats`), over {} tokens. \
-             Floor: model - budget - cache tier.\n",
-            row.cache as f64 / MB,
+            "| {:.0}% ({:.1} MB) | {} | {} | {} | {} | {} | {} |",
             row.share,
             row.budget as f64 / MB,
-            row.tokens.0,
-            row.tokens.1,
-            row.tokens.1 - row.tokens.0,
-        );
-        let _ = writeln!(out, "| fetched per token MB | floor MB | fetched / floor |");
-        let _ = writeln!(out, "|---|---|---|");
-        let floor = (row.floor > 0).then_some(row.floor as f64);
-        let _ = writeln!(
-            out,
-            "| {} | {:.1} | {} |\n",
-            opt(row.per_token, MB, 1),
-            row.floor as f64 / MB,
-            opt_ratio(ratio(median(row.per_token), floor)),
+            opt(row.mount_s, 1.0, 2),
+            opt(row.local_s, 1.0, 2),
+            opt_ratio(ratio(median(row.mount_s), median(row.local_s))),
+            opt(row.download_s, 1.0, 2),
+            opt(row.local_run_s, 1.0, 2),
+            opt(row.mount_remote_bytes, MB, 1),
         );
     }
+    out.push('\n');
+}
+
+/// The decode table, a row per budget (`tokens` generated per run).
+fn write_decode(out: &mut String, tokens: u32, rows: &[DecodeRow]) {
+    let _ = writeln!(
+        out,
+        "### Decode with a warm cache tier\n\n`-n {} --ignore-eos`, llama's eval rate. \
+         Mount: a cache tier holding the whole model (read through the mount once \
+         before); local: the downloaded copy.\n",
+        tokens
+    );
+    let _ = writeln!(
+        out,
+        "| budget | mount tok/s | local tok/s | mount / local | fetched by the mount MB |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|");
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "| {:.0}% ({:.1} MB) | {} | {} | {} | {} |",
+            row.share,
+            row.budget as f64 / MB,
+            opt(row.mount_tps, 1.0, 2),
+            opt(row.local_tps, 1.0, 2),
+            opt_ratio(ratio(median(row.mount_tps), median(row.local_tps))),
+            opt(row.mount_remote_bytes, MB, 1),
+        );
+    }
+    out.push('\n');
+}
+
+/// The bytes fetched per token, against the floor.
+fn write_fetch(out: &mut String, row: &FetchRow) {
+    let _ = writeln!(
+        out,
+        "### Bytes fetched from the remote per token\n\nA cache tier of {:.1} MB \
+         (`--cache-size`), `--budget {:.0}%` ({:.1} MB); per round two cold runs (an \
+         empty cache tier, the page cache dropped) of `-n {}` and `-n {}` `--ignore-eos`: \
+         the difference of the bytes the mount fetched (its `--stats`), over {} tokens. \
+         Floor: model - budget - cache tier.\n",
+        row.cache as f64 / MB,
+        row.share,
+        row.budget as f64 / MB,
+        row.tokens.0,
+        row.tokens.1,
+        row.tokens.1 - row.tokens.0,
+    );
+    let _ = writeln!(out, "| fetched per token MB | floor MB | fetched / floor |");
+    let _ = writeln!(out, "|---|---|---|");
+    let floor = (row.floor > 0).then_some(row.floor as f64);
+    let _ = writeln!(
+        out,
+        "| {} | {:.1} | {} |\n",
+        opt(row.per_token, MB, 1),
+        row.floor as f64 / MB,
+        opt_ratio(ratio(median(row.per_token), floor)),
+    );
+}
+
+/// Whether the runs through the mount printed the local runs' text, and where the raw
+/// runs are.
+fn write_text_check(out: &mut String, text_identical: bool) {
     let _ = writeln!(
         out,
         "Text: {}. Raw runs: `remote.json`; the mount's logs and stats: `remote/`.",
-        if summary.text_identical {
+        if text_identical {
             "every run through the mount printed the local run's text"
         } else {
             "**a run through the mount printed a text other than the local run's** (remote.json)"
         }
     );
-    out
 }
 
 /// results.md with `section` (which starts with `SECTION_HEADING`) in place of the
