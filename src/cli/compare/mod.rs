@@ -120,7 +120,7 @@ pub struct CompareConfig {
 pub fn compare(
     config: &CompareConfig,
     interrupted: &AtomicBool,
-    mut on_run: impl FnMut(&RunRecord),
+    on_run: impl FnMut(&RunRecord),
 ) -> Result<Report, CompareError> {
     if config.budget == PagerBudget::Auto && config.cgroup_limit.is_none() {
         return Err(CompareError::AutoWithoutLimit);
@@ -133,11 +133,31 @@ pub fn compare(
         path: model_path.clone(),
         source,
     })?;
-    let files = &model.files;
     std::fs::create_dir_all(&config.out_dir).map_err(|source| CompareError::Output {
         path: config.out_dir.clone(),
         source,
     })?;
+    let runs = run_sides(config, &model, interrupted, on_run)?;
+    let (latency_edges_us, request_size_edges) = report::standard_edges();
+    let report = Report {
+        header: report_header(config, &model, &runs),
+        method: METHOD.to_string(),
+        latency_edges_us,
+        request_size_edges,
+        runs,
+    };
+    write_outputs(&report, &config.out_dir)?;
+    Ok(report)
+}
+
+/// The runs of both sides on `model`, alternately, kernel first; the first that fails
+/// ends the comparison.
+fn run_sides(
+    config: &CompareConfig,
+    model: &ModelTarget,
+    interrupted: &AtomicBool,
+    mut on_run: impl FnMut(&RunRecord),
+) -> Result<Vec<RunRecord>, CompareError> {
     let mut runs = Vec::new();
     for index in 1..=config.runs {
         for side in [Side::Kernel, Side::Pager] {
@@ -147,7 +167,7 @@ pub fn compare(
                 program: &config.program,
                 budget: config.budget,
                 cgroup_limit: config.cgroup_limit,
-                model: &model,
+                model,
                 out_dir: &config.out_dir,
                 launcher: &config.launcher,
                 interrupted,
@@ -161,51 +181,49 @@ pub fn compare(
             runs.push(record);
         }
     }
-    let (latency_edges_us, request_size_edges) = report::standard_edges();
-    let report = Report {
-        header: ReportHeader {
-            command: config
-                .program
+    Ok(runs)
+}
+
+/// What the report says of the comparison: the command, the model and its disks, the
+/// budget, and the machine.
+fn report_header(config: &CompareConfig, model: &ModelTarget, runs: &[RunRecord]) -> ReportHeader {
+    let files = &model.files;
+    ReportHeader {
+        command: config
+            .program
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
+        model: files.first().path.display().to_string(),
+        model_parts: if files.is_split() {
+            files
+                .parts()
                 .iter()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect(),
-            model: files.first().path.display().to_string(),
-            model_parts: if files.is_split() {
-                files
-                    .parts()
-                    .iter()
-                    .map(|part| part.path.display().to_string())
-                    .collect()
-            } else {
-                Vec::new()
-            },
-            model_bytes: files.total_len(),
-            budget_bytes: config.budget.bytes().unwrap_or(0),
-            budget_auto: config.budget == PagerBudget::Auto,
-            cgroup_limit_bytes: config.cgroup_limit,
-            device: model
-                .devices
-                .iter()
-                .map(|device| device.to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            runs_per_side: config.runs,
-            cold: runs.iter().all(|r| r.cold),
-            cgroup_version: cgroup::memory_hierarchy()
-                .map(|(_, version)| format!("{version:?}"))
-                .unwrap_or_default(),
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
+                .map(|part| part.path.display().to_string())
+                .collect()
+        } else {
+            Vec::new()
         },
-        method: METHOD.to_string(),
-        latency_edges_us,
-        request_size_edges,
-        runs,
-    };
-    write_outputs(&report, &config.out_dir)?;
-    Ok(report)
+        model_bytes: files.total_len(),
+        budget_bytes: config.budget.bytes().unwrap_or(0),
+        budget_auto: config.budget == PagerBudget::Auto,
+        cgroup_limit_bytes: config.cgroup_limit,
+        device: model
+            .devices
+            .iter()
+            .map(|device| device.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        runs_per_side: config.runs,
+        cold: runs.iter().all(|r| r.cold),
+        cgroup_version: cgroup::memory_hierarchy()
+            .map(|(_, version)| format!("{version:?}"))
+            .unwrap_or_default(),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+    }
 }
 
 /// Writes `report.md`, `report.json` and the SVG plots.

@@ -123,79 +123,86 @@ pub fn parse_line(line: &str) -> Result<Option<TraceEvent>, TraceLineError> {
     let (event, text) = rest
         .split_once(": ")
         .unwrap_or((rest.trim_end_matches(':'), ""));
-    let bad = || TraceLineError::BadEvent {
+    let kind = event_kind(event, text).ok_or_else(|| TraceLineError::BadEvent {
         event: event.to_string(),
         text: text.to_string(),
-    };
-    let kind = match event {
-        "page_fault_user" => EventKind::PageFaultUser {
-            address: hex(field(text, "address=").ok_or_else(bad)?).ok_or_else(bad)?,
-            error_code: hex(field(text, "error_code=").ok_or_else(bad)?).ok_or_else(bad)?,
-        },
-        "sched_switch" => EventKind::SchedSwitch {
-            prev_pid: number(field(text, "prev_pid=")).ok_or_else(bad)?,
-            prev_state: field(text, "prev_state=").ok_or_else(bad)?.to_string(),
-            next_pid: number(field(text, "next_pid=")).ok_or_else(bad)?,
-        },
-        "sys_enter" => EventKind::SyscallEnter {
-            number: number(
-                text.strip_prefix("NR ")
-                    .and_then(|t| t.split_whitespace().next()),
-            )
-            .ok_or_else(bad)?,
-        },
-        "block_bio_queue" => {
-            // `254,0 R 12345 + 8 [comm]`
-            let words: Vec<&str> = text.split_whitespace().collect();
-            EventKind::BioQueue {
-                dev: device(words.first()).ok_or_else(bad)?,
-                rwbs: words.get(1).ok_or_else(bad)?.to_string(),
-                sector: number(words.get(2).copied()).ok_or_else(bad)?,
-                sectors: number(words.get(4).copied()).ok_or_else(bad)?,
-            }
-        }
-        "block_rq_issue" => {
-            // `254,0 R 4096 () 12345 + 8 none,0,0 [comm]`; the `(cmd)` is empty for
-            // file-system requests.
-            let words: Vec<&str> = text.split_whitespace().collect();
-            let plus = words.iter().position(|w| *w == "+").ok_or_else(bad)?;
-            EventKind::RequestIssue {
-                dev: device(words.first()).ok_or_else(bad)?,
-                rwbs: words.get(1).ok_or_else(bad)?.to_string(),
-                bytes: number(words.get(2).copied()).ok_or_else(bad)?,
-                sector: number(plus.checked_sub(1).and_then(|i| words.get(i).copied()))
-                    .ok_or_else(bad)?,
-                sectors: number(words.get(plus + 1).copied()).ok_or_else(bad)?,
-            }
-        }
-        "block_rq_complete" => {
-            // `254,0 R () 12345 + 8 none,0,0 [0]`
-            let words: Vec<&str> = text.split_whitespace().collect();
-            let plus = words.iter().position(|w| *w == "+").ok_or_else(bad)?;
-            let error = words
-                .last()
-                .and_then(|w| w.strip_prefix('[')?.strip_suffix(']')?.parse().ok())
-                .ok_or_else(bad)?;
-            EventKind::RequestComplete {
-                dev: device(words.first()).ok_or_else(bad)?,
-                rwbs: words.get(1).ok_or_else(bad)?.to_string(),
-                sector: number(plus.checked_sub(1).and_then(|i| words.get(i).copied()))
-                    .ok_or_else(bad)?,
-                sectors: number(words.get(plus + 1).copied()).ok_or_else(bad)?,
-                error,
-            }
-        }
-        "task_newtask" => EventKind::TaskNew {
-            pid: number(field(text, "pid=")).ok_or_else(bad)?,
-        },
-        other => EventKind::Other(other.to_string()),
-    };
+    })?;
     Ok(Some(TraceEvent {
         tid,
         cpu,
         t_ns,
         kind,
     }))
+}
+
+/// The event `event` read from its fields `text`; `None` when a field it needs is not
+/// there or does not read. An event the comparison does not use is `Other`.
+fn event_kind(event: &str, text: &str) -> Option<EventKind> {
+    Some(match event {
+        "page_fault_user" => EventKind::PageFaultUser {
+            address: hex(field(text, "address=")?)?,
+            error_code: hex(field(text, "error_code=")?)?,
+        },
+        "sched_switch" => EventKind::SchedSwitch {
+            prev_pid: number(field(text, "prev_pid="))?,
+            prev_state: field(text, "prev_state=")?.to_string(),
+            next_pid: number(field(text, "next_pid="))?,
+        },
+        "sys_enter" => EventKind::SyscallEnter {
+            number: number(
+                text.strip_prefix("NR ")
+                    .and_then(|t| t.split_whitespace().next()),
+            )?,
+        },
+        "block_bio_queue" => bio_queue(text)?,
+        "block_rq_issue" => request_issue(text)?,
+        "block_rq_complete" => request_complete(text)?,
+        "task_newtask" => EventKind::TaskNew {
+            pid: number(field(text, "pid="))?,
+        },
+        other => EventKind::Other(other.to_string()),
+    })
+}
+
+/// `block_bio_queue`'s fields: `254,0 R 12345 + 8 [comm]`.
+fn bio_queue(text: &str) -> Option<EventKind> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    Some(EventKind::BioQueue {
+        dev: device(words.first())?,
+        rwbs: words.get(1)?.to_string(),
+        sector: number(words.get(2).copied())?,
+        sectors: number(words.get(4).copied())?,
+    })
+}
+
+/// `block_rq_issue`'s fields: `254,0 R 4096 () 12345 + 8 none,0,0 [comm]`; the `(cmd)`
+/// is empty for file-system requests.
+fn request_issue(text: &str) -> Option<EventKind> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let plus = words.iter().position(|w| *w == "+")?;
+    Some(EventKind::RequestIssue {
+        dev: device(words.first())?,
+        rwbs: words.get(1)?.to_string(),
+        bytes: number(words.get(2).copied())?,
+        sector: number(plus.checked_sub(1).and_then(|i| words.get(i).copied()))?,
+        sectors: number(words.get(plus + 1).copied())?,
+    })
+}
+
+/// `block_rq_complete`'s fields: `254,0 R () 12345 + 8 none,0,0 [0]`.
+fn request_complete(text: &str) -> Option<EventKind> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let plus = words.iter().position(|w| *w == "+")?;
+    let error = words
+        .last()
+        .and_then(|w| w.strip_prefix('[')?.strip_suffix(']')?.parse().ok())?;
+    Some(EventKind::RequestComplete {
+        dev: device(words.first())?,
+        rwbs: words.get(1)?.to_string(),
+        sector: number(plus.checked_sub(1).and_then(|i| words.get(i).copied()))?,
+        sectors: number(words.get(plus + 1).copied())?,
+        error,
+    })
 }
 
 /// The count in a `CPU:1 [LOST 12 EVENTS]` line.
