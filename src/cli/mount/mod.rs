@@ -92,6 +92,66 @@ pub enum Eviction {
 
 pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     let source = Source::parse(&args.source)?;
+    check_args(&args, &source)?;
+    let policy = RetryPolicy::with_deadline(Duration::from_secs_f64(args.timeout));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("hyperoffload-remote")
+        .build()
+        .context("starting the I/O runtime")?;
+    let remote = remote::Remote::new(source, policy)?;
+    let started = Instant::now();
+    let names = object_names(&args, &runtime, &remote)?;
+    let tree = Tree::build(&names)?;
+    let infos = runtime.block_on(futures::future::try_join_all(
+        names.iter().map(|name| remote.head(name)),
+    ))?;
+    let graph = graph_order(&args);
+    let (cache, objects) = open_cache(&args, infos, graph.as_ref())?;
+    let total: u64 = objects.iter().map(|o| o.info.size).sum();
+    let shared = Arc::new(fs::Shared::new(
+        objects,
+        cache,
+        remote,
+        runtime.handle().clone(),
+        graph.clone(),
+        args.max_inflight as usize,
+        args.readahead,
+    ));
+    choose_passthrough(&shared, &args);
+    if let Some(graph) = &graph {
+        learn_passes(&shared, graph, &runtime, args.block);
+    }
+    shared.check_cached();
+    let filesystem = fs::MountFs {
+        tree,
+        shared: Arc::clone(&shared),
+        // SAFETY: getuid/getgid have no preconditions and cannot fail.
+        uid: unsafe { libc::getuid() },
+        // SAFETY: as above.
+        gid: unsafe { libc::getgid() },
+        mounted_at: SystemTime::now(),
+    };
+    let (mut unmounter, worker, done) = start_session(filesystem, &args)?;
+    say_mounted(&args, &shared, total, started);
+    let signal = wait_for_end(&runtime, &shared, done)?;
+    let ended = end_session(signal, &mut unmounter, worker, &args);
+    shared.cache.flush().context("writing the cache index")?;
+    let summary = summary(&shared);
+    say_unmounted(&args, signal, &summary);
+    if let Some(path) = &args.stats {
+        std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    // Fetches still running (read-ahead) are dropped with the runtime.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    ended.context("the FUSE session")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses arguments the mount cannot run with, before anything is asked of the remote.
+fn check_args(args: &MountArgs, source: &Source) -> anyhow::Result<()> {
     if !args.block.is_power_of_two() || args.block < 4096 {
         bail!(
             "--block {}: must be a power of two of at least 4K",
@@ -113,16 +173,16 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     if matches!(source, Source::Http { .. }) && args.objects.is_empty() {
         bail!("an HTTP source has no listing: name its objects with --object NAME (repeatable)");
     }
-    let policy = RetryPolicy::with_deadline(Duration::from_secs_f64(args.timeout));
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("hyperoffload-remote")
-        .build()
-        .context("starting the I/O runtime")?;
-    let remote = remote::Remote::new(source, policy)?;
-    let started = Instant::now();
-    let names = if args.objects.is_empty() {
+    Ok(())
+}
+
+/// The objects to serve: those --object names, else every object the store lists.
+fn object_names(
+    args: &MountArgs,
+    runtime: &tokio::runtime::Runtime,
+    remote: &remote::Remote,
+) -> anyhow::Result<Vec<String>> {
+    Ok(if args.objects.is_empty() {
         let names = runtime.block_on(remote.list())?;
         if names.is_empty() {
             bail!("{}: no objects there", args.source);
@@ -130,11 +190,28 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         names
     } else {
         args.objects.clone()
-    };
-    let tree = Tree::build(&names)?;
-    let infos = runtime.block_on(futures::future::try_join_all(
-        names.iter().map(|name| remote.head(name)),
-    ))?;
+    })
+}
+
+/// The cache's eviction order when it is the graph's (`--eviction graph`).
+fn graph_order(args: &MountArgs) -> Option<Arc<GraphOrder>> {
+    // The blocks read ahead, and the one being read, are spared (`GraphOrder`); so are
+    // those read within two such windows, which a pager reading ahead of its program
+    // may drop and read again. Replaying the reads a mount saw from a 3 GiB llama
+    // under a quarter's budget, over a cache of half the model: 4.4 % fewer fetches
+    // with 20 reads (the default here), 3.8 % with 16 or 24, 0.3 % with 8.
+    let window = args.readahead as u32 + 2;
+    (args.eviction == Eviction::Graph)
+        .then(|| Arc::new(GraphOrder::new(window).spare_recent(2 * u64::from(window))))
+}
+
+/// The cache tier under --cache-dir, evicting by `graph` (else least recently used
+/// first), and an entry in it for each object.
+fn open_cache(
+    args: &MountArgs,
+    infos: Vec<remote::ObjectInfo>,
+    graph: Option<&Arc<GraphOrder>>,
+) -> anyhow::Result<(Cache, Vec<fs::Served>)> {
     let limit = args.cache_size.unwrap_or(u64::MAX);
     if limit < args.block {
         eprintln!(
@@ -143,15 +220,7 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             format_size(args.block)
         );
     }
-    // The blocks read ahead, and the one being read, are spared (`GraphOrder`); so are
-    // those read within two such windows, which a pager reading ahead of its program
-    // may drop and read again. Replaying the reads a mount saw from a 3 GiB llama
-    // under a quarter's budget, over a cache of half the model: 4.4 % fewer fetches
-    // with 20 reads (the default here), 3.8 % with 16 or 24, 0.3 % with 8.
-    let window = args.readahead as u32 + 2;
-    let graph = (args.eviction == Eviction::Graph)
-        .then(|| Arc::new(GraphOrder::new(window).spare_recent(2 * u64::from(window))));
-    let order: Box<dyn EvictionOrder> = match &graph {
+    let order: Box<dyn EvictionOrder> = match graph {
         Some(graph) => Box::new(Arc::clone(graph)),
         None => Box::new(Lru),
     };
@@ -177,16 +246,12 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             checking: Default::default(),
         });
     }
-    let total: u64 = objects.iter().map(|o| o.info.size).sum();
-    let shared = Arc::new(fs::Shared::new(
-        objects,
-        cache,
-        remote,
-        runtime.handle().clone(),
-        graph.clone(),
-        args.max_inflight as usize,
-        args.readahead,
-    ));
+    Ok((cache, objects))
+}
+
+/// Turns passthrough off for the mount when --no-passthrough says so or the cache
+/// directory cannot give the kernel what it needs.
+fn choose_passthrough(shared: &fs::Shared, args: &MountArgs) {
     if args.no_passthrough {
         shared.turn_passthrough_off("--no-passthrough".to_string());
     } else if let Err(error) = shared.cache.opens_direct() {
@@ -196,19 +261,18 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             args.cache_dir.display()
         ));
     }
-    if let Some(graph) = &graph {
-        learn_passes(&shared, graph, &runtime, args.block);
-    }
-    shared.check_cached();
-    let filesystem = fs::MountFs {
-        tree,
-        shared: Arc::clone(&shared),
-        // SAFETY: getuid/getgid have no preconditions and cannot fail.
-        uid: unsafe { libc::getuid() },
-        // SAFETY: as above.
-        gid: unsafe { libc::getgid() },
-        mounted_at: SystemTime::now(),
-    };
+}
+
+/// Mounts `filesystem` on --dir and runs its session on a thread of its own; the
+/// session's unmounter, the thread, and what says the session ended.
+fn start_session(
+    filesystem: fs::MountFs,
+    args: &MountArgs,
+) -> anyhow::Result<(
+    fuser::SessionUnmounter,
+    std::thread::JoinHandle<std::io::Result<()>>,
+    tokio::sync::oneshot::Receiver<()>,
+)> {
     let mut config = fuser::Config::default();
     config.mount_options = vec![
         fuser::MountOption::RO,
@@ -226,7 +290,7 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             args.dir.display()
         )
     })?;
-    let mut unmounter = session.unmount_callable();
+    let unmounter = session.unmount_callable();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let worker = std::thread::Builder::new()
         .name("hyperoffload-fuse".into())
@@ -236,6 +300,11 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
             result
         })
         .context("starting the FUSE thread")?;
+    Ok((unmounter, worker, done_rx))
+}
+
+/// The line that says the mount is up: `bench --remote` waits for it.
+fn say_mounted(args: &MountArgs, shared: &fs::Shared, total: u64, started: Instant) {
     eprintln!(
         "hyperoffload: mounted {} object{} ({}) of {} at {} in {:.2} s; cache {} holds {}",
         shared.objects.len(),
@@ -247,9 +316,16 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         args.cache_dir.display(),
         format_size(shared.cache.stats().used_bytes),
     );
-    // Until a signal or an unmount from outside (umount, fusermount3 -u); the cache's
-    // last-use order is written every few seconds meanwhile.
-    let signal = runtime.block_on(async {
+}
+
+/// Waits until a signal (its name) or an unmount from outside (umount, fusermount3 -u:
+/// `None`), writing the cache's last-use order every few seconds meanwhile.
+fn wait_for_end(
+    runtime: &tokio::runtime::Runtime,
+    shared: &fs::Shared,
+    done_rx: tokio::sync::oneshot::Receiver<()>,
+) -> std::io::Result<Option<&'static str>> {
+    runtime.block_on(async {
         use tokio::signal::unix::{signal, SignalKind};
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
@@ -269,7 +345,18 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-    })?;
+    })
+}
+
+/// Unmounts on a signal (detaching the mount when files are still open in it) and
+/// waits for the FUSE thread: the session's outcome (`Ok` for a thread left to end
+/// with the process, still connected to open files).
+fn end_session(
+    signal: Option<&str>,
+    unmounter: &mut fuser::SessionUnmounter,
+    worker: std::thread::JoinHandle<std::io::Result<()>>,
+    args: &MountArgs,
+) -> std::io::Result<()> {
     let mut detached = false;
     if signal.is_some() {
         if let Err(error) = unmounter.unmount() {
@@ -292,13 +379,15 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     while detached && !worker.is_finished() && waited.elapsed() < Duration::from_secs(1) {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let ended = if worker.is_finished() || !detached {
+    if worker.is_finished() || !detached {
         worker.join().expect("FUSE thread panicked")
     } else {
         Ok(()) // still connected to open files: ends with the process
-    };
-    shared.cache.flush().context("writing the cache index")?;
-    let summary = summary(&shared);
+    }
+}
+
+/// The line that says what the mount did, once unmounted.
+fn say_unmounted(args: &MountArgs, signal: Option<&str>, summary: &serde_json::Value) {
     eprintln!(
         "hyperoffload: unmounted {}{}: opens: {} with passthrough, {} through the mount; {} reads ({}), {} failed; remote: {} GETs ({}), {} retries; cache: {} hit, {} stored, {} evicted, holds {}",
         args.dir.display(),
@@ -316,14 +405,6 @@ pub fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         format_size(summary["cache"]["evicted_bytes"].as_u64().unwrap_or(0)),
         format_size(summary["cache"]["used_bytes"].as_u64().unwrap_or(0)),
     );
-    if let Some(path) = &args.stats {
-        std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    // Fetches still running (read-ahead) are dropped with the runtime.
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    ended.context("the FUSE session")?;
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Gives `graph` the pass of every GGUF object, read from its header (through the
