@@ -17,6 +17,9 @@
 //!   with the same signal (so a shell sees the same thing), or exits with 128 + N if it
 //!   survives that. With `--require-served`, a run that served nothing exits with
 //!   `NOTHING_SERVED` instead, whatever the program's status.
+//!
+//! The private directory the shim writes into is `private_dir`'s; reading what it left
+//! there, `shim_records`'.
 
 use std::ffi::OsString;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -26,7 +29,6 @@ use std::process::{Command, ExitCode, ExitStatus};
 use anyhow::{bail, Context};
 use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
-use hyperoffload::served_files::SeenFiles;
 use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VARS};
 use hyperoffload::{budget_floor, memory_limits};
 
@@ -36,6 +38,11 @@ use super::exec_check::{check_reachable, resolve_program};
 use super::exit_status::ending;
 use super::forward;
 use hyperoffload::keeper::serve::{KeeperThread, KeptChildren};
+use private_dir::PrivateDir;
+use shim_records::{last_snapshot, seen_files};
+
+mod private_dir;
+mod shim_records;
 
 /// The shim's file name.
 pub const SHIM_FILE: &str = "libhyperoffload_preload.so";
@@ -232,51 +239,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(NOTHING_SERVED));
     }
     Ok(super::exit_status::pass_through(ended.status))
-}
-
-/// What the shim recorded of the model files (`seen-<pid>.json` in `dir`): the
-/// program's (`pid`) first, then those of the programs it ran with `--inherit`.
-fn seen_files(dir: &Path, pid: u32) -> Option<SeenFiles> {
-    let mut records: Vec<(bool, SeenFiles)> = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let own = name == format!("seen-{pid}.json");
-            if !name.starts_with("seen-") || !name.ends_with(".json") {
-                return None;
-            }
-            let json = std::fs::read_to_string(entry.path()).ok()?;
-            Some((own, SeenFiles::from_json(&json)?))
-        })
-        .collect();
-    records.sort_by_key(|(own, _)| !own);
-    let mut records = records.into_iter().map(|(_, seen)| seen);
-    let mut seen = records.next()?;
-    for other in records {
-        seen.files.extend(other.files);
-    }
-    Some(seen)
-}
-
-/// The last stats snapshot the shim wrote in `dir` (see `ShimConfig::snapshot_dir`):
-/// the program's (`pid`), else the newest of the programs it ran with `--inherit`.
-fn last_snapshot(dir: &Path, pid: u32) -> Option<String> {
-    let own = dir.join(format!("snapshot-{pid}.json"));
-    if let Ok(json) = std::fs::read_to_string(own) {
-        return Some(json);
-    }
-    let newest = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .filter(|entry| {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with("snapshot-") && name.ends_with(".json")
-        })
-        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
-        .max()?;
-    std::fs::read_to_string(newest.1).ok()
 }
 
 /// Refuses a run that would overwrite a file: the shim refuses to (with a message on
@@ -503,82 +465,6 @@ fn absolute(path: &PathBuf) -> anyhow::Result<PathBuf> {
     })
 }
 
-/// A 0700 directory only this user can enter, for the shim to write its stats into;
-/// removed when dropped.
-struct PrivateDir(PathBuf);
-
-impl PrivateDir {
-    fn create() -> anyhow::Result<Self> {
-        let base = std::env::temp_dir();
-        remove_stale_private_dirs(&base);
-        for attempt in 0..100u32 {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.subsec_nanos())
-                .unwrap_or(0);
-            let path = base.join(format!(
-                "hyperoffload-run-{}-{:08x}",
-                std::process::id(),
-                nanos ^ attempt
-            ));
-            match std::fs::DirBuilder::new().mode(0o700).create(&path) {
-                Ok(()) => return Ok(Self(path)),
-                Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(error) => {
-                    return Err(error).with_context(|| format!("cannot create {}", path.display()))
-                }
-            }
-        }
-        bail!("cannot create a private directory in {}", base.display())
-    }
-}
-
-/// Removes the private directories of launchers that died without removing theirs
-/// (killed with SIGKILL): this user's, named for a process that no longer exists.
-fn remove_stale_private_dirs(base: &Path) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(base) else {
-        return;
-    };
-    // SAFETY: getuid has no memory effects.
-    let uid = unsafe { libc::getuid() };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = stale_dir_pid(&name.to_string_lossy()) else {
-            continue;
-        };
-        // Never through a symlink, and only this user's directories.
-        let Ok(metadata) = entry.path().symlink_metadata() else {
-            continue;
-        };
-        if !metadata.is_dir() || metadata.uid() != uid {
-            continue;
-        }
-        // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
-        let gone = unsafe { libc::kill(pid, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if gone {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-}
-
-/// The launcher pid in a private directory's name (`hyperoffload-run-<pid>-<hex>`).
-fn stale_dir_pid(name: &str) -> Option<libc::pid_t> {
-    let rest = name.strip_prefix("hyperoffload-run-")?;
-    let (pid, suffix) = rest.split_once('-')?;
-    if suffix.len() != 8 || !suffix.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    pid.parse().ok().filter(|&pid: &libc::pid_t| pid > 0)
-}
-
-impl Drop for PrivateDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Where the shim writes its mapping events beside a `--trace` file.
 fn events_path(trace: &Path) -> PathBuf {
     PathBuf::from(format!("{}.events.jsonl", trace.display()))
@@ -632,16 +518,6 @@ fn wait_without_reaping(pid: libc::pid_t) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_private_directory_names_carry_a_pid() {
-        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00d"), Some(1234));
-        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00"), None);
-        assert_eq!(stale_dir_pid("hyperoffload-run-1234-0badf00g"), None);
-        assert_eq!(stale_dir_pid("hyperoffload-run-x-0badf00d"), None);
-        assert_eq!(stale_dir_pid("hyperoffload-run-0-0badf00d"), None);
-        assert_eq!(stale_dir_pid("other-run-1234-0badf00d"), None);
-    }
 
     #[test]
     fn the_shims_refusals_are_the_launchers() {
