@@ -2,27 +2,30 @@
 //! tensor table, sizes per layer and per kind, the predicted execution order, the most
 //! central nodes, and the graph for Graphviz; for a mixture of experts and a trace of it,
 //! how its router picks experts from token to token.
+//!
+//! Here the model's tables and graph; a mixture of experts' experts and heat map are
+//! `experts`', its router's statistics from a trace `routing`'s.
+
+mod experts;
+mod routing;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use super::compare::heat_map::expert_heat_map;
 use super::compare::model_summary::{
     bytes_per_kind, bytes_per_layer, predicted_order, to_dot, top_nodes,
 };
-use anyhow::{bail, Context};
 use clap::Args;
 use hyperoffload::geometry::BlockGeometry;
-use hyperoffload::graph::expert_store::{self, ExpertCount, ExpertCounts, LoadedCounts};
 use hyperoffload::graph::experts::model_block_cuts;
-use hyperoffload::graph::routing_stats::{token_expert_sets, RoutingStats, Spread};
+use hyperoffload::graph::routing_stats::RoutingStats;
 use hyperoffload::graph::{ModelGraph, PartTensors};
 use hyperoffload::model::{ModelFile, TensorInfo};
-use hyperoffload::policy::graph::{expert_use_from_faults, CoActivationSummary};
 use hyperoffload::size::format_size;
 use serde_json::json;
 
 use super::size_arg;
+use experts::{dense_layers, print_experts, write_heat_map};
+use routing::{print_routing, TraceReplay};
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
@@ -327,308 +330,4 @@ fn ranks_alike(ranks: impl Iterator<Item = f64>) -> bool {
         (low.min(rank), high.max(rank))
     });
     high <= low * 1.01 || high == 0.0
-}
-
-/// Writes the heat map of expert use to `out` (counted from `replay`, the trace, when
-/// given), and prints per layer the experts used most.
-fn write_heat_map(
-    args: &InspectArgs,
-    graph: &ModelGraph,
-    replay: Option<&TraceReplay>,
-    out: &Path,
-) -> anyhow::Result<()> {
-    if graph.experts().is_empty() {
-        bail!(
-            "{} has no routed experts: no heat map to draw",
-            args.model.display()
-        );
-    }
-    let (counts, source) = match replay {
-        Some(replay) => {
-            let (counts, co_activation) = replay.expert_counts()?;
-            print_co_activation(&co_activation);
-            (counts, replay.path.clone())
-        }
-        None => match expert_store::load(&args.model)? {
-            LoadedCounts::Fresh { path, counts } => (counts, path),
-            LoadedCounts::Stale { path, reason } => {
-                bail!(
-                    "{} is for another model ({reason}); give --trace",
-                    path.display()
-                )
-            }
-            LoadedCounts::Absent => bail!(
-                "nothing is known yet of how often {}'s experts run: run it under the pager \
-                 once (the graph policy saves what it learns), or give --trace",
-                args.model.display()
-            ),
-        },
-    };
-    let title = format!(
-        "{}: share of tokens using each expert ({})",
-        args.model
-            .file_name()
-            .map_or_else(String::new, |name| name.to_string_lossy().into_owned()),
-        source.display()
-    );
-    std::fs::write(out, expert_heat_map(&title, &counts))
-        .with_context(|| format!("writing {}", out.display()))?;
-    println!("\n## expert use ({})\n", source.display());
-    println!("| layer | tokens | most used experts (share of tokens) |");
-    println!("|---|---|---|");
-    let mut by_layer: std::collections::BTreeMap<u32, Vec<&ExpertCount>> = Default::default();
-    for count in &counts.experts {
-        by_layer.entry(count.layer).or_default().push(count);
-    }
-    for (layer, mut experts) in by_layer {
-        let share = |c: &ExpertCount| c.uses / c.tokens.max(f64::MIN_POSITIVE);
-        experts.sort_by(|a, b| share(b).total_cmp(&share(a)));
-        let tokens = experts.iter().map(|c| c.tokens).fold(0.0, f64::max);
-        let top: Vec<String> = experts
-            .iter()
-            .take(4)
-            .map(|c| format!("{} ({:.0} %)", c.expert, share(c) * 100.0))
-            .collect();
-        println!("| {layer} | {tokens:.0} | {} |", top.join(", "));
-    }
-    println!("\nheat map: {}", out.display());
-    Ok(())
-}
-
-/// How predictable the trace's routing was from one layer to the next.
-fn print_co_activation(summary: &CoActivationSummary) {
-    println!(
-        "\n## co-activation\n\nOver {} transitions from one expert layer to the next, replayed \
-         in order as the pager learns them: of the {:.2} experts a token used in the next \
-         layer, {:.2} were among as many most likely given the experts it used in this one, \
-         {:.2} among the most popular; eviction {} co-activation at the end.",
-        summary.transitions,
-        summary.experts_per_transition,
-        summary.hits_co_activation,
-        summary.hits_popularity,
-        if summary.in_use {
-            "follows"
-        } else {
-            "does not follow"
-        }
-    );
-}
-
-/// A demand trace recorded on a model, replayed against the graph of the run that
-/// recorded it (its block size, and its cuts at the experts' slices).
-struct TraceReplay {
-    path: PathBuf,
-    graph: Arc<ModelGraph>,
-    /// The blocks faulted on, in order, each with the faulting byte's offset in it.
-    faults: Vec<(u32, Option<u32>)>,
-}
-
-impl TraceReplay {
-    fn read(trace: &Path, model: &Path) -> anyhow::Result<Self> {
-        let mut workload = super::simulate::read_trace(trace, None)?;
-        let graph = super::simulate::trace_model_graph(model, trace, &mut workload)?;
-        if graph.experts().is_empty() {
-            bail!(
-                "{} has no routed experts: --trace shows how a mixture of experts routes",
-                model.display()
-            );
-        }
-        let faults = workload
-            .accesses
-            .iter()
-            .copied()
-            .zip(workload.offsets.iter().map(|&offset| Some(offset)))
-            .collect();
-        Ok(Self {
-            path: trace.to_path_buf(),
-            graph: Arc::new(graph),
-            faults,
-        })
-    }
-
-    /// Expert use counted from the trace, and how well co-activation predicted it.
-    fn expert_counts(&self) -> anyhow::Result<(ExpertCounts, CoActivationSummary)> {
-        expert_use_from_faults(&self.graph, self.faults.iter().copied())
-            .context("the model has no routed experts")
-    }
-
-    /// How the trace's router picked experts from token to token.
-    fn routing(&self) -> anyhow::Result<RoutingStats> {
-        let sets = token_expert_sets(&self.graph, self.faults.iter().copied());
-        sets.stats()
-            .with_context(|| format!("measuring the routing of {}", self.path.display()))
-    }
-}
-
-/// The routing statistics of a trace, beside published figures of real routers.
-fn print_routing(trace: &Path, stats: &RoutingStats) {
-    println!("\n## routing ({})\n", trace.display());
-    let used = stats
-        .used_per_token
-        .map_or_else(|| "none".to_string(), |used| format!("{used:.2}"));
-    println!(
-        "{} tokens; {} expert layers of {} experts ({} never used); experts a token used in \
-         a layer: {used}",
-        stats.tokens, stats.layers, stats.experts_per_layer, stats.layers_unused
-    );
-    println!(
-        "\nHit rate of a cache per layer holding a share of the layer's experts: each \
-         token's experts looked up as the token found the cache, then put in (every token \
-         after the first counts), mean over layers \
-         (lowest-highest). A router picking evenly and independently of the previous token \
-         hits about the share; real ones more (Qwen3-235B-A22B decode, the last column), and on them \
-         LFU loses to LRU at every share.\n"
-    );
-    println!("| share | experts kept | LRU | LFU | Qwen3-235B LRU |");
-    println!("|---|---|---|---|---|");
-    for point in &stats.caches {
-        println!(
-            "| {:.0} % | {} | {} | {} | {:.3} |",
-            point.share * 100.0,
-            point.experts_kept,
-            rate(point.lru),
-            rate(point.lfu),
-            point.reference_lru
-        );
-    }
-    let losses = (stats.caches.iter()).filter(|p| {
-        p.lru
-            .zip(p.lfu)
-            .is_some_and(|(lru, lfu)| lru.mean > lfu.mean)
-    });
-    match stats.lfu_loses_everywhere() {
-        None => println!("\ntoo few tokens for a hit rate: a trace of 2 tokens at least"),
-        Some(true) => println!("\nLFU loses to LRU at every share, as on real routers"),
-        Some(false) => println!(
-            "\nLFU loses to LRU at {} of {} shares (on real routers, at every share)",
-            losses.count(),
-            stats.caches.len()
-        ),
-    }
-    print_consecutive(stats);
-}
-
-/// How often consecutive tokens chose the same experts, against chance.
-fn print_consecutive(stats: &RoutingStats) {
-    let c = &stats.consecutive;
-    let Some(same) = c.same else {
-        println!("no two consecutive tokens used a layer: nothing to compare");
-        return;
-    };
-    println!(
-        "consecutive tokens: {} of a token's experts in a layer were the previous token's \
-         (independent picks with each layer's popularity: {}); {} of tokens shared at least \
-         one (any two tokens: {}; Mixtral 8x7B, of its 2 among 8: 46-67 % against 46 %)",
-        percent(Some(same)),
-        percent(c.same_by_chance),
-        percent(c.any_shared),
-        percent(c.any_shared_by_chance)
-    );
-}
-
-/// `mean (min-max)` of a rate per layer.
-fn rate(figure: Option<Spread>) -> String {
-    let Some(s) = figure else { return "-".into() };
-    format!("{:.3} ({:.3}-{:.3})", s.mean, s.min, s.max)
-}
-
-/// `mean % (min-max)` of a share per layer.
-fn percent(figure: Option<Spread>) -> String {
-    let Some(s) = figure else { return "-".into() };
-    let [mean, min, max] = [s.mean, s.min, s.max].map(|share| share * 100.0);
-    format!("{mean:.1} % ({min:.1}-{max:.1})")
-}
-
-/// The routed experts as the pager sees them: how many per layer and per token, the
-/// size of an expert's slices against the block, and the bytes one token reads: every
-/// tensor outside the experts plus the used share of them (the model's sparsity).
-/// The layers of a mixture of experts that have none (DeepSeek's and GLM's leading
-/// dense layers): paged as every token's, like attention.
-fn dense_layers(graph: &ModelGraph, tensors: &[TensorInfo]) -> Vec<u32> {
-    let expert_layers: std::collections::BTreeSet<u32> =
-        graph.experts().groups().iter().map(|g| g.layer).collect();
-    bytes_per_layer(tensors)
-        .into_keys()
-        .flatten()
-        .filter(|layer| !expert_layers.contains(layer))
-        .collect()
-}
-
-fn print_experts(graph: &ModelGraph, tensors: &[TensorInfo], weights: u64, shared: Option<u32>) {
-    let experts = graph.experts();
-    if experts.is_empty() {
-        return;
-    }
-    let groups = experts.groups();
-    let layers: std::collections::BTreeSet<u32> = groups.iter().map(|g| g.layer).collect();
-    let slices: Vec<u64> = groups
-        .iter()
-        .flat_map(|g| g.bytes.iter().map(|r| r.end - r.start))
-        .collect();
-    let expert_bytes: u64 = slices.iter().sum();
-    let (smallest, largest) = (
-        slices.iter().copied().min().unwrap_or(0),
-        slices.iter().copied().max().unwrap_or(0),
-    );
-    let geometry = graph.geometry();
-    let block = geometry.block_size;
-    // What a miss on a slice reads: the blocks holding any of it.
-    let worst_read = groups
-        .iter()
-        .flat_map(|g| g.bytes.iter())
-        .map(|slice| {
-            let read = geometry.data_range(geometry.blocks_overlapping(slice.clone()));
-            (read.end - read.start) as f64 / (slice.end - slice.start).max(1) as f64
-        })
-        .fold(0.0, f64::max);
-    let used = experts.prior_use();
-    let per_token = weights.saturating_sub(expert_bytes) as f64 + expert_bytes as f64 * used;
-    println!("\n## experts\n");
-    println!(
-        "{} experts in each of {} layers, {} of them used per token ({:.1} %): {} of routed \
-         experts ({:.1} % of the weights)",
-        experts.experts_per_layer(),
-        layers.len(),
-        match experts.used_per_token() {
-            Some(used) => used.to_string(),
-            None => "an unknown number".to_string(),
-        },
-        used * 100.0,
-        format_size(expert_bytes),
-        expert_bytes as f64 * 100.0 / weights.max(1) as f64
-    );
-    if let Some(shared) = shared {
-        println!(
-            "{shared} shared expert(s) per layer besides, run by every token: paged as the \
-             layer's attention is, not as routed experts"
-        );
-    }
-    let dense = dense_layers(graph, tensors);
-    if !dense.is_empty() {
-        let names: Vec<String> = dense.iter().map(u32::to_string).collect();
-        println!(
-            "dense layer(s) without experts, run whole by every token: {}",
-            names.join(", ")
-        );
-    }
-    println!(
-        "an expert's slice is {} to {} ({:.2} to {:.2} blocks of {}); one token reads about {} \
-         ({:.1} % of the weights): the tensors every token reads and its experts",
-        format_size(smallest),
-        format_size(largest),
-        smallest as f64 / block as f64,
-        largest as f64 / block as f64,
-        format_size(block),
-        format_size(per_token as u64),
-        per_token * 100.0 / weights.max(1) as f64
-    );
-    let cut = if geometry.is_uniform() {
-        "blocks follow the grid alone"
-    } else {
-        "blocks are cut at every slice"
-    };
-    println!(
-        "{cut} ({} blocks in all): reading a slice reads at most {worst_read:.2}x its bytes",
-        geometry.block_count()
-    );
 }
