@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use hyperoffload::model::ggml_type::GgmlType;
 use hyperoffload::model::gguf::GgufFile;
 use hyperoffload::model::synth::{
-    self, MoeSpec, QuantMix, RouterLocality, SynthArch, SynthRequest, TensorOrder,
+    self, MoeSpec, QuantMix, RouterLocality, SynthArch, SynthPlan, SynthRequest, TensorOrder,
 };
 use hyperoffload::size::{format_size, parse_size};
 
@@ -181,7 +181,20 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     let small =
         GgufFile::open(&args.like).with_context(|| format!("reading {}", args.like.display()))?;
     refuse_overwriting_input(&args)?;
-    let request = SynthRequest {
+    let plan = synth::plan_request(&small, &synth_request(&args)).with_context(|| {
+        format!(
+            "planning a {} model like {}",
+            format_size(args.size),
+            args.like.display()
+        )
+    })?;
+    say_plan(&plan);
+    write_model(&args, &plan)
+}
+
+/// What the arguments ask the library to make.
+fn synth_request(args: &SynthArgs) -> SynthRequest {
+    SynthRequest {
         target: args.size,
         order: args.order.into(),
         seed: args.seed,
@@ -206,14 +219,11 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             locality: args.router_locality.0,
         }),
         arch: args.arch.into(),
-    };
-    let plan = synth::plan_request(&small, &request).with_context(|| {
-        format!(
-            "planning a {} model like {}",
-            format_size(args.size),
-            args.like.display()
-        )
-    })?;
+    }
+}
+
+/// The planned model's shape, on stderr.
+fn say_plan(plan: &SynthPlan) {
     let s = plan.shape;
     eprintln!(
         "synth: {} layers, n_embd {}, n_ff {}, heads {}/{} (kv), {:.2}B parameters, {} tensors, {}",
@@ -232,7 +242,10 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             s.n_expert, s.n_expert_used, s.n_ff
         );
     }
+}
 
+/// Writes `plan` to --out with a progress bar, and syncs it.
+fn write_model(args: &SynthArgs, plan: &SynthPlan) -> anyhow::Result<()> {
     let file =
         File::create(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let bar = ProgressBar::new(plan.file_len);
@@ -242,7 +255,7 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     );
     let start = Instant::now();
     let out = synth::write(
-        &plan,
+        plan,
         BufWriter::with_capacity(1 << 20, file),
         args.seed,
         |done| bar.set_position(done),
