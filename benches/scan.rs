@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use hyperoffload::policy::PrefetchKind;
 use hyperoffload::size::{format_size, parse_size};
-use hyperoffload::stats::LatencyHistogram;
+use hyperoffload::stats::{LatencyHistogram, LatencySummary};
 use hyperoffload::{MapOptions, Pager};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -158,115 +158,164 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// What every case runs on: the file, the pager's budget, the repeats.
+struct Bench {
+    path: PathBuf,
+    len: u64,
+    file: File,
+    /// The pager's budget: half the file.
+    budget: u64,
+    runs: usize,
+    /// Random touches per thread.
+    touches: usize,
+}
+
+impl Bench {
+    /// The benchmark the environment asks for, its file written if missing; prints the
+    /// report's title.
+    fn from_env() -> Self {
+        let len = parse_size(&env_or("HYPEROFFLOAD_BENCH_SIZE", "2G")).unwrap();
+        let path = PathBuf::from(env_or(
+            "HYPEROFFLOAD_BENCH_FILE",
+            "target/bench/scan-2g.bin",
+        ));
+        let runs: usize = env_or("HYPEROFFLOAD_BENCH_RUNS", "3").parse().unwrap();
+        let touches: usize = env_or("HYPEROFFLOAD_BENCH_TOUCHES", "4000")
+            .parse()
+            .unwrap();
+        ensure_file(&path, len);
+        let cold = device::drop_page_cache();
+        if !cold {
+            eprintln!("warning: cannot drop the page cache (not root?): runs are not cold");
+        }
+        let file = File::open(&path).unwrap();
+        let budget = len / 2;
+        println!(
+            "# scan benchmark: {} file {}, budget {} for the pager, {runs} runs per case (median), cold={cold}",
+            format_size(len),
+            path.display(),
+            format_size(budget)
+        );
+        Self {
+            path,
+            len,
+            file,
+            budget,
+            runs,
+            touches,
+        }
+    }
+}
+
+/// Measurements of each case, by name, in the order first measured.
+type Cases = Vec<(String, Vec<f64>)>;
+
+/// Adds `value` to the measurements of the case `name`.
+fn record(table: &mut Cases, name: &str, value: f64) {
+    match table.iter_mut().find(|(n, _)| n == name) {
+        Some((_, values)) => values.push(value),
+        None => table.push((name.to_string(), vec![value])),
+    }
+}
+
 fn main() {
     if std::env::args().any(|arg| arg == "--list" || arg == "--test") {
         return; // `cargo test --benches` probes benches; nothing to do then.
     }
-    let len = parse_size(&env_or("HYPEROFFLOAD_BENCH_SIZE", "2G")).unwrap();
-    let path = PathBuf::from(env_or(
-        "HYPEROFFLOAD_BENCH_FILE",
-        "target/bench/scan-2g.bin",
-    ));
-    let runs: usize = env_or("HYPEROFFLOAD_BENCH_RUNS", "3").parse().unwrap();
-    let touches: usize = env_or("HYPEROFFLOAD_BENCH_TOUCHES", "4000")
-        .parse()
-        .unwrap();
-    ensure_file(&path, len);
-    let cold = device::drop_page_cache();
-    if !cold {
-        eprintln!("warning: cannot drop the page cache (not root?): runs are not cold");
-    }
-    let file = File::open(&path).unwrap();
-    let budget = len / 2;
-    println!(
-        "# scan benchmark: {} file {}, budget {} for the pager, {runs} runs per case (median), cold={cold}",
-        format_size(len),
-        path.display(),
-        format_size(budget)
-    );
-
+    let bench = Bench::from_env();
     let mut device = Vec::new();
-    let mut seq: Vec<(String, Vec<f64>)> = Vec::new();
-    let record = |name: &str, value: f64, table: &mut Vec<(String, Vec<f64>)>| match table
-        .iter_mut()
-        .find(|(n, _)| n == name)
-    {
-        Some((_, values)) => values.push(value),
-        None => table.push((name.to_string(), vec![value])),
-    };
-    for _ in 0..runs {
+    let mut seq = Cases::new();
+    for _ in 0..bench.runs {
         device::drop_page_cache();
-        device.push(device_limit(&path));
-        for (name, advice) in [
-            ("kernel mmap", None),
-            ("kernel mmap + MADV_SEQUENTIAL", Some(libc::MADV_SEQUENTIAL)),
-        ] {
+        device.push(device_limit(&bench.path));
+        kernel_sequential(&bench, &mut seq);
+        pager_sequential(&bench, &mut seq);
+    }
+    print_sequential(&mut device, &mut seq);
+    print_random_touches(&bench);
+}
+
+/// One cold sequential scan through the kernel's mmap, without and with
+/// MADV_SEQUENTIAL.
+fn kernel_sequential(bench: &Bench, seq: &mut Cases) {
+    for (name, advice) in [
+        ("kernel mmap", None),
+        ("kernel mmap + MADV_SEQUENTIAL", Some(libc::MADV_SEQUENTIAL)),
+    ] {
+        device::drop_page_cache();
+        let map = Mmap::new(&bench.file, bench.len as usize, advice);
+        let mbs = sequential_scan(map.slice());
+        record(seq, name, mbs);
+    }
+}
+
+/// One cold sequential scan through the pager, readahead policy, per block size and
+/// install mode; zero copy scans twice.
+fn pager_sequential(bench: &Bench, seq: &mut Cases) {
+    let workers = hyperoffload::pager::DEFAULT_INSTALL_THREADS;
+    for (block, install_threads, zero_copy) in [
+        (4 << 10, 0, false),
+        (4 << 10, workers, false),
+        (64 << 10, workers, false),
+        (1 << 20, workers, false),
+        (2 << 20, workers, false),
+        (2 << 20, workers, true),
+    ] {
+        device::drop_page_cache();
+        let pager = Pager::builder()
+            .budget(bench.budget)
+            .block_size(block)
+            .install_threads(install_threads)
+            .zero_copy(zero_copy)
+            .prefetch(PrefetchKind::Readahead.build())
+            .build()
+            .unwrap();
+        assert_eq!(
+            pager.stats().zero_copy,
+            zero_copy,
+            "{:?}",
+            pager.stats().zero_copy_refused
+        );
+        let region = pager.map_file(&bench.path, MapOptions::default()).unwrap();
+        let mbs = sequential_scan(region.as_slice());
+        let install = if zero_copy {
+            "zero copy".to_string()
+        } else {
+            format!("copy, {install_threads} install threads")
+        };
+        record(
+            seq,
+            &format!("pager readahead, block {}, {install}", format_size(block)),
+            mbs,
+        );
+        if zero_copy {
+            // The same pager again, page cache dropped: every block is read from
+            // the disk again (the first half of the pass evicts what the last pass
+            // left), but into frames whose memory is already in use. The first pass
+            // paid for fresh memory, which this VM backs on first touch.
             device::drop_page_cache();
-            let map = Mmap::new(&file, len as usize, advice);
-            let mbs = sequential_scan(map.slice());
-            record(name, mbs, &mut seq);
-        }
-        let workers = hyperoffload::pager::DEFAULT_INSTALL_THREADS;
-        for (block, install_threads, zero_copy) in [
-            (4 << 10, 0, false),
-            (4 << 10, workers, false),
-            (64 << 10, workers, false),
-            (1 << 20, workers, false),
-            (2 << 20, workers, false),
-            (2 << 20, workers, true),
-        ] {
-            device::drop_page_cache();
-            let pager = Pager::builder()
-                .budget(budget)
-                .block_size(block)
-                .install_threads(install_threads)
-                .zero_copy(zero_copy)
-                .prefetch(PrefetchKind::Readahead.build())
-                .build()
-                .unwrap();
-            assert_eq!(
-                pager.stats().zero_copy,
-                zero_copy,
-                "{:?}",
-                pager.stats().zero_copy_refused
-            );
-            let region = pager.map_file(&path, MapOptions::default()).unwrap();
             let mbs = sequential_scan(region.as_slice());
-            let install = if zero_copy {
-                "zero copy".to_string()
-            } else {
-                format!("copy, {install_threads} install threads")
-            };
             record(
-                &format!("pager readahead, block {}, {install}", format_size(block)),
+                seq,
+                &format!(
+                    "pager readahead, block {}, zero copy, second pass",
+                    format_size(block)
+                ),
                 mbs,
-                &mut seq,
             );
-            if zero_copy {
-                // The same pager again, page cache dropped: every block is read from
-                // the disk again (the first half of the pass evicts what the last pass
-                // left), but into frames whose memory is already in use. The first pass
-                // paid for fresh memory, which this VM backs on first touch.
-                device::drop_page_cache();
-                let mbs = sequential_scan(region.as_slice());
-                record(
-                    &format!(
-                        "pager readahead, block {}, zero copy, second pass",
-                        format_size(block)
-                    ),
-                    mbs,
-                    &mut seq,
-                );
-            }
         }
     }
-    let device_mbs = median(&mut device);
+}
+
+/// The sequential scan's table: each case's median against the device and the kernel.
+fn print_sequential(device: &mut [f64], seq: &mut Cases) {
+    let device_mbs = median(device);
     println!("\n## cold sequential scan (one byte per page, one thread)\n");
     println!("| case | MB/s | of device limit | vs kernel mmap |");
     println!("|---|---|---|---|");
     println!("| device limit (io_uring O_DIRECT 1 MiB, QD32) | {device_mbs:.0} | 100% | |");
     let kernel_mbs = median(&mut seq[0].1.clone());
-    for (name, values) in &mut seq {
+    for (name, values) in seq {
         let mbs = median(values);
         println!(
             "| {name} | {mbs:.0} | {:.0}% | {:.2}x |",
@@ -274,7 +323,11 @@ fn main() {
             mbs / kernel_mbs
         );
     }
+}
 
+/// The random touches' table: each case on 8 threads, then on one.
+fn print_random_touches(bench: &Bench) {
+    let touches = bench.touches;
     println!("\n## cold random 4 KiB touches, {touches} distinct pages per thread\n");
     println!(
         "| threads | case | touches/s | latency p50 us | p90 | p99 | max | p50 vs kernel MADV_RANDOM |"
@@ -294,32 +347,7 @@ fn main() {
             ("pager, block 64 KiB".into(), None, Some(64 << 10)),
         ];
         for (name, advice, block) in cases {
-            let mut rates = Vec::new();
-            let mut p50s = Vec::new();
-            let mut last = None;
-            for _ in 0..runs {
-                device::drop_page_cache();
-                let (rate, histogram) = match block {
-                    None => {
-                        let map = Mmap::new(&file, len as usize, advice);
-                        random_touches(map.slice(), threads, touches)
-                    }
-                    Some(block) => {
-                        let pager = Pager::builder()
-                            .budget(budget)
-                            .block_size(block)
-                            .prefetch(PrefetchKind::None.build())
-                            .build()
-                            .unwrap();
-                        let region = pager.map_file(&path, MapOptions::default()).unwrap();
-                        random_touches(region.as_slice(), threads, touches)
-                    }
-                };
-                rates.push(rate);
-                p50s.push(histogram.summary().p50);
-                last = Some(histogram.summary());
-            }
-            let summary = last.unwrap();
+            let (mut rates, mut p50s, summary) = random_case(bench, threads, advice, block);
             let p50 = median(&mut p50s);
             if advice == Some(libc::MADV_RANDOM) {
                 kernel_p50 = Some(p50);
@@ -336,4 +364,41 @@ fn main() {
             );
         }
     }
+}
+
+/// `bench.runs` cold runs of random touches on `threads` threads, through the kernel's
+/// mmap (with `advice`) or, with a `block` size, the pager without prefetch: each run's
+/// touch rate and p50 latency, and the last run's latency summary.
+fn random_case(
+    bench: &Bench,
+    threads: usize,
+    advice: Option<i32>,
+    block: Option<u64>,
+) -> (Vec<f64>, Vec<f64>, LatencySummary) {
+    let mut rates = Vec::new();
+    let mut p50s = Vec::new();
+    let mut last = None;
+    for _ in 0..bench.runs {
+        device::drop_page_cache();
+        let (rate, histogram) = match block {
+            None => {
+                let map = Mmap::new(&bench.file, bench.len as usize, advice);
+                random_touches(map.slice(), threads, bench.touches)
+            }
+            Some(block) => {
+                let pager = Pager::builder()
+                    .budget(bench.budget)
+                    .block_size(block)
+                    .prefetch(PrefetchKind::None.build())
+                    .build()
+                    .unwrap();
+                let region = pager.map_file(&bench.path, MapOptions::default()).unwrap();
+                random_touches(region.as_slice(), threads, bench.touches)
+            }
+        };
+        rates.push(rate);
+        p50s.push(histogram.summary().p50);
+        last = Some(histogram.summary());
+    }
+    (rates, p50s, last.unwrap())
 }
