@@ -120,10 +120,12 @@ pub enum Completion {
     Readable { token: u32, rearm: bool },
 }
 
+/// In `user_data`: a poll's, carrying its token in the low 32 bits (else a read's, the
+/// slot).
 const POLL_BIT: u64 = 1 << 63;
-
-/// The token `unwatch`'s own completion carries.
-pub const UNWATCH_TOKEN: u32 = u32::MAX;
+/// The whole `user_data` of an `unwatch` request, whose completion `reap` drops: it tells
+/// the caller nothing (the poll's own last completion does).
+const UNWATCH: u64 = 1 << 62;
 
 /// Memory a read lands in other than its slot's buffer.
 #[derive(Debug, Clone, Copy)]
@@ -382,13 +384,13 @@ impl<Tag> ReadRing<Tag> {
         self.push(&entry)
     }
 
-    /// Ends the multishot poll `watch` started with `token`. Its last completion (and
-    /// this request's own, which carries `UNWATCH_TOKEN`) come as `Readable` like any
-    /// other: the caller ignores tokens it no longer watches.
+    /// Ends the multishot poll `watch` started with `token`. Its last completion comes
+    /// as `Readable` like any other: the caller ignores tokens it no longer watches.
+    /// This request's own completion is not reaped as anything.
     pub fn unwatch(&mut self, token: u32) -> Result<(), RingError> {
         let entry = opcode::PollRemove::new(POLL_BIT | token as u64)
             .build()
-            .user_data(POLL_BIT | UNWATCH_TOKEN as u64);
+            .user_data(UNWATCH);
         self.push(&entry)
     }
 
@@ -500,10 +502,13 @@ impl<Tag> ReadRing<Tag> {
         }
     }
 
-    /// Moves every ready completion into `out`.
+    /// Moves every ready completion into `out` (but `unwatch`'s own).
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
         for entry in self.ring.completion() {
             let user_data = entry.user_data();
+            if user_data == UNWATCH {
+                continue;
+            }
             if user_data & POLL_BIT != 0 {
                 out.push(Completion::Readable {
                     token: (user_data & !POLL_BIT) as u32,
@@ -569,6 +574,34 @@ mod tests {
         assert_eq!(ring.checkin(slot), Some(43));
         assert_eq!(ring.reads_in_flight(), 0);
         assert_eq!(ring.checkout(), Some(slot));
+    }
+
+    #[test]
+    fn a_watch_is_readable_until_unwatched_and_the_unwatch_itself_is_not_reaped() {
+        let (read_end, write_end) = pipe();
+        let mut ring: ReadRing<u32> = ReadRing::new(1, 4096).unwrap();
+        ring.watch(read_end.as_raw_fd(), 7).unwrap();
+        std::fs::File::from(write_end).write_all(b"x").unwrap();
+        assert_eq!(
+            reaped(&mut ring),
+            vec![Completion::Readable {
+                token: 7,
+                rearm: false
+            }]
+        );
+        ring.unwatch(7).unwrap();
+        // The poll's last completion says it ended; the removal's own says nothing.
+        assert_eq!(
+            reaped(&mut ring),
+            vec![Completion::Readable {
+                token: 7,
+                rearm: true
+            }]
+        );
+        let mut more = Vec::new();
+        ring.submit_and_wait(0).unwrap();
+        ring.reap(&mut more);
+        assert_eq!(more, vec![]);
     }
 
     #[test]
