@@ -3,6 +3,7 @@
 //! checked, continued when short, retried, moved off O_DIRECT when refused, failed for
 //! good (split first, then poisoned) or handed on to be installed.
 
+use std::io;
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
@@ -64,24 +65,31 @@ pub(super) enum ReadStep {
 }
 
 impl ReadTag {
-    /// Takes a completion's result (bytes, or a negative errno) into the request's
-    /// progress and says what comes next. `direct`: whether the file is still read with
-    /// O_DIRECT.
-    pub(super) fn step(&mut self, result: i32, max_attempts: u32, direct: bool) -> ReadStep {
-        if result < 0 {
-            if -result == libc::EINVAL && direct {
+    /// Takes a completion's result (bytes read, or the error) into the request's
+    /// progress and says what comes next. Any error is retried while attempts are left
+    /// (EINTR and EAGAIN as much as EIO); EINVAL from an O_DIRECT read is the
+    /// filesystem refusing it. `direct`: whether the file is still read with O_DIRECT.
+    pub(super) fn step(
+        &mut self,
+        result: &io::Result<usize>,
+        max_attempts: u32,
+        direct: bool,
+    ) -> ReadStep {
+        let bytes = match result {
+            Ok(bytes) => *bytes,
+            Err(error) if direct && error.raw_os_error() == Some(libc::EINVAL) => {
                 return ReadStep::GoBuffered;
             }
-            if self.attempts < max_attempts {
+            Err(_) if self.attempts < max_attempts => {
                 self.attempts += 1;
                 return ReadStep::Retry;
             }
-            return ReadStep::Fail;
-        }
-        if result == 0 && self.done < self.valid {
+            Err(_) => return ReadStep::Fail,
+        };
+        if bytes == 0 && self.done < self.valid {
             return ReadStep::FileShrank;
         }
-        self.done += result as usize;
+        self.done += bytes;
         if self.done < self.valid {
             ReadStep::Continue
         } else {
@@ -405,7 +413,12 @@ impl FaultService {
         Ok(())
     }
 
-    pub(super) fn read_done(&mut self, slot: u32, result: i32) -> Result<(), ServiceError> {
+    /// Handles the completion of the read in `slot`: `result` is what the ring reaped.
+    pub(super) fn read_done(
+        &mut self,
+        slot: u32,
+        result: io::Result<usize>,
+    ) -> Result<(), ServiceError> {
         let Some(tag) = self.ring.tag(slot) else {
             return Ok(());
         };
@@ -430,7 +443,7 @@ impl FaultService {
         }
         let region = self.regions.get_mut(&region_id).expect("checked live");
         let tag = self.ring.tag_mut(slot).expect("checked above");
-        match tag.step(result, self.config.read_attempts, region.file.is_direct()) {
+        match tag.step(&result, self.config.read_attempts, region.file.is_direct()) {
             ReadStep::Complete => self.read_complete(slot),
             ReadStep::Continue => self.continue_read(slot),
             ReadStep::Retry => {
@@ -438,9 +451,9 @@ impl FaultService {
                 self.continue_read(slot)
             }
             ReadStep::GoBuffered => {
+                let error = result.expect_err("only an error goes buffered");
                 region.file.give_up_direct(format!(
-                    "O_DIRECT read refused ({}); reading through the page cache",
-                    std::io::Error::from_raw_os_error(-result)
+                    "O_DIRECT read refused ({error}); reading through the page cache"
                 ));
                 self.continue_read(slot)
             }
