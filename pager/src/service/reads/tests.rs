@@ -2,7 +2,7 @@
 //! reads are counted against the queue and the device, which prefetch requests merge.
 
 use super::*;
-use crate::policy::Urgency;
+use crate::policy::{RegionId, Urgency};
 
 const MIB: usize = 1 << 20;
 
