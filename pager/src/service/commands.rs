@@ -8,6 +8,7 @@ use std::sync::mpsc::SyncSender;
 use super::block_state::{BlockEvent, BlockState};
 use super::installs::release_frame;
 use super::region::ServedRegion;
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::command::{Command, PinRefused, RegionMove};
 use crate::file::BackingFile;
@@ -15,6 +16,17 @@ use crate::layout::RegionLayout;
 use crate::policy::{BlockRef, PrefetchRequest, RegionId};
 
 impl FaultService {
+    /// The command eventfd is readable (`Watch::Commands`): carries out every queued
+    /// command.
+    pub(super) fn commands_readable(&mut self, rearm: bool) -> Result<(), ServiceError> {
+        self.drain_commands()?;
+        if rearm {
+            self.ring
+                .watch(self.shared.wakeup.as_raw_fd(), Watch::Commands.token())?;
+        }
+        Ok(())
+    }
+
     /// Carries out every queued command.
     pub(super) fn drain_commands(&mut self) -> Result<(), ServiceError> {
         self.shared.wakeup.drain();

@@ -1,7 +1,7 @@
 //! Fault intake: a userfaultfd event becomes a block's state change, a waiter, and news
 //! for the policies (what was touched, what to prefetch, what to watch).
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use userfaultfd::Event;
 
@@ -9,6 +9,7 @@ use super::block_state::{BlockEvent, BlockState};
 use super::children::Source;
 use super::fault_log::Waiter;
 use super::installs::{continue_mapped, discard_pages, map_frame, page_present, poison_range};
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
 use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, Urgency};
@@ -29,6 +30,16 @@ struct BlockFault {
 }
 
 impl FaultService {
+    /// The program's userfaultfd is readable (`Watch::Faults`): serves its faults.
+    pub(super) fn faults_readable(&mut self, rearm: bool) -> Result<(), ServiceError> {
+        self.drain_faults()?;
+        if rearm {
+            self.ring
+                .watch(self.uffd.as_raw_fd(), Watch::Faults.token())?;
+        }
+        Ok(())
+    }
+
     /// Serves every fault the program's userfaultfd has queued (and those read while an
     /// install waited for a fork, first).
     pub(super) fn drain_faults(&mut self) -> Result<(), ServiceError> {

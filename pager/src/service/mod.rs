@@ -362,38 +362,7 @@ impl FaultService {
             self.ring.reap(&mut completions);
             completions.append(&mut self.deferred);
             for completion in completions.drain(..) {
-                match completion {
-                    Completion::Read { slot, result } => self.read_done(slot, result)?,
-                    Completion::Readable { token, rearm } => match Watch::from_token(token) {
-                        Some(Watch::Faults) => {
-                            self.drain_faults()?;
-                            if rearm {
-                                self.ring
-                                    .watch(self.uffd.as_raw_fd(), Watch::Faults.token())?;
-                            }
-                        }
-                        Some(Watch::Commands) => {
-                            self.drain_commands()?;
-                            if rearm {
-                                self.ring.watch(
-                                    self.shared.wakeup.as_raw_fd(),
-                                    Watch::Commands.token(),
-                                )?;
-                            }
-                        }
-                        Some(Watch::Installed) => {
-                            self.collect_installs(false)?;
-                            if let (true, Some(pool)) = (rearm, &self.installs) {
-                                self.ring.watch(pool.event_fd(), Watch::Installed.token())?;
-                            }
-                        }
-                        Some(Watch::ShareListen) => self.share_listen_readable(rearm)?,
-                        Some(Watch::Child(number)) => self.child_readable(number, rearm)?,
-                        Some(Watch::Guest(number)) => self.guest_readable(number, rearm)?,
-                        // No poll carries a number no watch gives.
-                        None => {}
-                    },
-                }
+                self.complete(completion)?;
             }
             self.completions = completions;
             // Faults read while an install waited on a fork.
@@ -424,6 +393,32 @@ impl FaultService {
                 self.publish();
                 return Ok(());
             }
+        }
+    }
+
+    /// Handles what the ring reaped: a read finished, or a watched descriptor is
+    /// readable.
+    fn complete(&mut self, completion: Completion) -> Result<(), ServiceError> {
+        match completion {
+            Completion::Read { slot, result } => self.read_done(slot, result),
+            Completion::Readable { token, rearm } => match Watch::from_token(token) {
+                Some(watch) => self.readable(watch, rearm),
+                // No poll carries a number no watch gives.
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// `watch` is readable: the part that owns it serves it, and polls it again if
+    /// `rearm` (the kernel ended the multishot poll).
+    fn readable(&mut self, watch: Watch, rearm: bool) -> Result<(), ServiceError> {
+        match watch {
+            Watch::Faults => self.faults_readable(rearm),
+            Watch::Commands => self.commands_readable(rearm),
+            Watch::Installed => self.installs_readable(rearm),
+            Watch::ShareListen => self.share_listen_readable(rearm),
+            Watch::Child(number) => self.child_readable(number, rearm),
+            Watch::Guest(number) => self.guest_readable(number, rearm),
         }
     }
 
