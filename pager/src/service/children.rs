@@ -294,6 +294,7 @@ impl FaultService {
                     return false;
                 }
                 Source::Child(child) => child,
+                // Never recorded (`Children::wait`): installs wake the program's threads.
                 Source::Parent => return false,
             };
             let Some(uffd) = self.children.get(child) else {
