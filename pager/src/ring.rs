@@ -111,19 +111,25 @@ impl Drop for BufferArena {
     }
 }
 /// What a completion was for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Completion {
-    /// A read into `slot` finished with `result` (bytes read, or a negated errno).
-    Read { slot: u32, result: i32 },
+    /// A read into `slot` finished: the bytes it read (fewer than asked for at the end
+    /// of the file or when short), or why it failed.
+    Read {
+        slot: u32,
+        result: io::Result<usize>,
+    },
     /// A watched descriptor became readable. `rearm` is set when the kernel ended the
     /// multishot poll and it must be added again.
     Readable { token: u32, rearm: bool },
 }
 
+/// In `user_data`: a poll's, carrying its token in the low 32 bits (else a read's, the
+/// slot).
 const POLL_BIT: u64 = 1 << 63;
-
-/// The token `unwatch`'s own completion carries.
-pub const UNWATCH_TOKEN: u32 = u32::MAX;
+/// The whole `user_data` of an `unwatch` request, whose completion `reap` drops: it tells
+/// the caller nothing (the poll's own last completion does).
+const UNWATCH: u64 = 1 << 62;
 
 /// Memory a read lands in other than its slot's buffer.
 #[derive(Debug, Clone, Copy)]
@@ -382,13 +388,13 @@ impl<Tag> ReadRing<Tag> {
         self.push(&entry)
     }
 
-    /// Ends the multishot poll `watch` started with `token`. Its last completion (and
-    /// this request's own, which carries `UNWATCH_TOKEN`) come as `Readable` like any
-    /// other: the caller ignores tokens it no longer watches.
+    /// Ends the multishot poll `watch` started with `token`. Its last completion comes
+    /// as `Readable` like any other: the caller ignores tokens it no longer watches.
+    /// This request's own completion is not reaped as anything.
     pub fn unwatch(&mut self, token: u32) -> Result<(), RingError> {
         let entry = opcode::PollRemove::new(POLL_BIT | token as u64)
             .build()
-            .user_data(POLL_BIT | UNWATCH_TOKEN as u64);
+            .user_data(UNWATCH);
         self.push(&entry)
     }
 
@@ -500,10 +506,13 @@ impl<Tag> ReadRing<Tag> {
         }
     }
 
-    /// Moves every ready completion into `out`.
+    /// Moves every ready completion into `out` (but `unwatch`'s own).
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
         for entry in self.ring.completion() {
             let user_data = entry.user_data();
+            if user_data == UNWATCH {
+                continue;
+            }
             if user_data & POLL_BIT != 0 {
                 out.push(Completion::Readable {
                     token: (user_data & !POLL_BIT) as u32,
@@ -520,10 +529,19 @@ impl<Tag> ReadRing<Tag> {
                 };
                 out.push(Completion::Read {
                     slot,
-                    result: entry.result(),
+                    result: read_result(entry.result()),
                 });
             }
         }
+    }
+}
+
+/// A read's result as the kernel posts it (bytes read, or a negated errno), made the
+/// `io::Result` the ring hands on: the one place a raw result is read.
+fn read_result(raw: i32) -> io::Result<usize> {
+    match usize::try_from(raw) {
+        Ok(bytes) => Ok(bytes),
+        Err(_) => Err(io::Error::from_raw_os_error(raw.wrapping_neg())),
     }
 }
 
@@ -543,6 +561,56 @@ mod tests {
         out
     }
 
+    /// The reads among `completions`: (slot, bytes or errno).
+    fn reads(completions: Vec<Completion>) -> Vec<(u32, Result<usize, Option<i32>>)> {
+        completions
+            .into_iter()
+            .map(|completion| match completion {
+                Completion::Read { slot, result } => {
+                    (slot, result.map_err(|error| error.raw_os_error()))
+                }
+                other => panic!("not a read: {other:?}"),
+            })
+            .collect()
+    }
+
+    /// The readiness among `completions`: (token, rearm).
+    fn readable(completions: Vec<Completion>) -> Vec<(u32, bool)> {
+        completions
+            .into_iter()
+            .map(|completion| match completion {
+                Completion::Readable { token, rearm } => (token, rearm),
+                other => panic!("not a readiness: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_raw_result_is_bytes_or_the_errno_it_negates() {
+        assert_eq!(read_result(4096).unwrap(), 4096);
+        assert_eq!(read_result(0).unwrap(), 0, "end of file");
+        assert_eq!(read_result(i32::MAX).unwrap(), i32::MAX as usize);
+        for errno in [libc::EIO, libc::EINTR, libc::EAGAIN, libc::EINVAL, 4095] {
+            let error = read_result(-errno).unwrap_err();
+            assert_eq!(error.raw_os_error(), Some(errno));
+        }
+    }
+
+    #[test]
+    fn a_failed_read_is_reaped_as_its_error() {
+        let (_read_end, write_end) = pipe();
+        let mut ring: ReadRing<u32> = ReadRing::new(1, 4096).unwrap();
+        let slot = ring.checkout().unwrap();
+        // Reading the write end of a pipe: EBADF.
+        ring.read(slot, write_end.as_raw_fd(), 0, 0, 4096, 1)
+            .unwrap();
+        assert_eq!(
+            reads(reaped(&mut ring)),
+            vec![(slot, Err(Some(libc::EBADF)))]
+        );
+        assert_eq!(ring.checkin(slot), Some(1));
+    }
+
     #[test]
     fn a_slot_lends_its_buffer_only_when_no_read_is_in_flight() {
         let mut file = tempfile();
@@ -552,23 +620,33 @@ mod tests {
         ring.buffer_mut(slot).fill(1);
         ring.read(slot, file.as_raw_fd(), 0, 0, 4096, 42).unwrap();
         assert_eq!(ring.tag(slot), Some(&42));
-        assert_eq!(
-            reaped(&mut ring),
-            vec![Completion::Read { slot, result: 4096 }]
-        );
+        assert_eq!(reads(reaped(&mut ring)), vec![(slot, Ok(4096))]);
         assert!(ring.buffer(slot).iter().all(|&byte| byte == 7));
         // The rest of a request reuses the slot, its tag and its buffer.
         let tag = ring.reclaim(slot);
         ring.read(slot, file.as_raw_fd(), 0, 0, 10, tag + 1)
             .unwrap();
-        assert_eq!(
-            reaped(&mut ring),
-            vec![Completion::Read { slot, result: 10 }]
-        );
+        assert_eq!(reads(reaped(&mut ring)), vec![(slot, Ok(10))]);
         assert_eq!(ring.reads_in_flight(), 1);
         assert_eq!(ring.checkin(slot), Some(43));
         assert_eq!(ring.reads_in_flight(), 0);
         assert_eq!(ring.checkout(), Some(slot));
+    }
+
+    #[test]
+    fn a_watch_is_readable_until_unwatched_and_the_unwatch_itself_is_not_reaped() {
+        let (read_end, write_end) = pipe();
+        let mut ring: ReadRing<u32> = ReadRing::new(1, 4096).unwrap();
+        ring.watch(read_end.as_raw_fd(), 7).unwrap();
+        std::fs::File::from(write_end).write_all(b"x").unwrap();
+        assert_eq!(readable(reaped(&mut ring)), vec![(7, false)]);
+        ring.unwatch(7).unwrap();
+        // The poll's last completion says it ended; the removal's own says nothing.
+        assert_eq!(readable(reaped(&mut ring)), vec![(7, true)]);
+        let mut more = Vec::new();
+        ring.submit_and_wait(0).unwrap();
+        ring.reap(&mut more);
+        assert!(more.is_empty(), "{more:?}");
     }
 
     #[test]

@@ -120,16 +120,16 @@ pub fn read_rate(
         ring.submit_and_wait(1)?;
         completions.clear();
         ring.reap(&mut completions);
-        for completion in &completions {
-            if let Completion::Read { slot, result } = *completion {
+        for completion in completions.drain(..) {
+            if let Completion::Read { slot, result } = completion {
                 let (offset, index) = ring.checkin(slot).unwrap_or_default();
                 taken[index] = false;
                 in_flight -= 1;
-                if result < 0 {
+                if let Err(error) = result {
                     return Err(DeviceError::Read {
                         path: name(),
                         offset,
-                        error: std::io::Error::from_raw_os_error(-result),
+                        error,
                     });
                 }
             }

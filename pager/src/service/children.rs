@@ -23,13 +23,10 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 
 use super::block_state::BlockState;
 use super::installs::poison_range;
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, RegionId};
 use crate::uffd_ext;
-
-/// Ring tokens of children's userfaultfds start here (below: the program's, commands,
-/// installs).
-pub(super) const TOKEN_CHILD_BASE: u32 = 16;
 
 /// Where to ask whether a child lives when no region is left: above any
 /// `vm.mmap_min_addr`, below any task size.
@@ -40,22 +37,11 @@ const PROBE_WITHOUT_REGIONS: usize = 1 << 30;
 pub(super) enum Source {
     /// The program's (the process the service runs in).
     Parent,
-    /// A forked child's, by its ring token.
+    /// A forked child's, by its number (`Watch::Child`).
     Child(u32),
     /// A guest's (another process of the run mapping a region's file, `sharing`), by
-    /// its connection's ring token: answered with a message, not on a userfaultfd.
+    /// its number (`Watch::Guest`): answered with a message, not on a userfaultfd.
     Guest(u32),
-}
-
-impl Source {
-    /// The token a waiter from this source is recorded under (None: the program's,
-    /// which installs wake).
-    pub(super) fn waiting_token(self) -> Option<u32> {
-        match self {
-            Source::Parent => None,
-            Source::Child(token) | Source::Guest(token) => Some(token),
-        }
-    }
 }
 
 /// What a child's thread waiting on a block needs, by the block's state.
@@ -84,15 +70,17 @@ pub(super) fn settle(state: Option<BlockState>) -> Settle {
 
 struct Child {
     uffd: Uffd,
-    token: u32,
+    /// Its number (`Watch::Child`).
+    number: u32,
     /// The regions it was forked with: an address the program maps another region at
     /// since (after unmapping one the child still maps) is not this child's.
     regions: Vec<RegionId>,
 }
 
-/// A child's thread waiting on a block.
+/// A child's thread waiting on a block, or a guest's fault.
 struct ChildWait {
-    token: u32,
+    /// `Source::Child` or `Source::Guest`: the program's threads are woken by installs.
+    source: Source,
     block: BlockRef,
     page_addr: usize,
     /// The page's offset in its region (a guest is answered with it).
@@ -103,7 +91,8 @@ struct ChildWait {
 #[derive(Default)]
 pub(super) struct Children {
     list: Vec<Child>,
-    next_token: u32,
+    /// The number the next child adopted gets.
+    next_number: u32,
     waits: Vec<ChildWait>,
     /// Whether the one message for a child faulting where the program unmapped its
     /// region was written.
@@ -111,32 +100,39 @@ pub(super) struct Children {
 }
 
 impl Children {
-    /// Whether child `token` was forked with region `id` (unknown children: no).
-    pub(super) fn maps(&self, token: u32, id: RegionId) -> bool {
+    /// Whether child `number` was forked with region `id` (unknown children: no).
+    pub(super) fn maps(&self, number: u32, id: RegionId) -> bool {
         self.list
             .iter()
-            .any(|child| child.token == token && child.regions.contains(&id))
+            .any(|child| child.number == number && child.regions.contains(&id))
     }
 
-    pub(super) fn get(&self, token: u32) -> Option<&Uffd> {
+    /// Child `number`'s userfaultfd (None: it is gone).
+    pub(super) fn get(&self, number: u32) -> Option<&Uffd> {
         self.list
             .iter()
-            .find(|child| child.token == token)
+            .find(|child| child.number == number)
             .map(|child| &child.uffd)
     }
 
-    pub(super) fn wait(&mut self, token: u32, block: BlockRef, page_addr: usize, offset: u64) {
+    /// Records that a fault from `source` (a child or a guest) waits on `block`.
+    pub(super) fn wait(&mut self, source: Source, block: BlockRef, page_addr: usize, offset: u64) {
+        debug_assert_ne!(
+            source,
+            Source::Parent,
+            "installs wake the program's threads"
+        );
         self.waits.push(ChildWait {
-            token,
+            source,
             block,
             page_addr,
             offset,
         });
     }
 
-    /// Forgets what `token` (a guest gone) waited for.
-    pub(super) fn forget_waits(&mut self, token: u32) {
-        self.waits.retain(|wait| wait.token != token);
+    /// Forgets what `source` (a child or guest gone) waited for.
+    pub(super) fn forget_waits(&mut self, source: Source) {
+        self.waits.retain(|wait| wait.source != source);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -214,7 +210,7 @@ impl FaultService {
     pub(super) fn uffd_of(&self, source: Source) -> &Uffd {
         match source {
             Source::Parent => &self.uffd,
-            Source::Child(token) => self.children.get(token).unwrap_or(&self.uffd),
+            Source::Child(child) => self.children.get(child).unwrap_or(&self.uffd),
             Source::Guest(_) => &self.uffd,
         }
     }
@@ -230,13 +226,14 @@ impl FaultService {
             .map(|(&id, _)| id)
             .collect();
         for uffd in forked {
-            let token = TOKEN_CHILD_BASE + self.children.next_token;
-            self.children.next_token += 1;
-            self.ring.watch(uffd.as_raw_fd(), token)?;
-            self.tell_keeper_child(token, &uffd);
+            let number = self.children.next_number;
+            self.children.next_number += 1;
+            self.ring
+                .watch(uffd.as_raw_fd(), Watch::Child(number).token())?;
+            self.tell_keeper_child(number, &uffd);
             self.children.list.push(Child {
                 uffd,
-                token,
+                number,
                 regions: live.clone(),
             });
             self.stats.forked_children += 1;
@@ -245,16 +242,16 @@ impl FaultService {
         Ok(())
     }
 
-    /// A readiness of ring token `token` (at or above `TOKEN_CHILD_BASE`): serves that
-    /// child's faults. Tokens of children already closed are ignored.
-    pub(super) fn child_readable(&mut self, token: u32, rearm: bool) -> Result<(), ServiceError> {
-        let Some(uffd) = self.children.get(token) else {
+    /// Child `number`'s userfaultfd is readable: serves its faults. Readiness of
+    /// children already closed is ignored.
+    pub(super) fn child_readable(&mut self, number: u32, rearm: bool) -> Result<(), ServiceError> {
+        let Some(uffd) = self.children.get(number) else {
             return Ok(());
         };
         let fd = uffd.as_raw_fd();
-        self.drain_from(Source::Child(token))?;
+        self.drain_from(Source::Child(number))?;
         if rearm {
-            self.ring.watch(fd, token)?;
+            self.ring.watch(fd, Watch::Child(number).token())?;
         }
         Ok(())
     }
@@ -284,18 +281,23 @@ impl FaultService {
                 .get(&wait.block.region)
                 .filter(|region| !region.removed)
                 .map(|region| region.state(wait.block.index));
-            if wait.token >= super::sharing::TOKEN_GUEST_BASE {
-                // A region unmapped meanwhile was filled for the guests first: told
-                // ready, the guest checks the page and reads it itself if need be.
-                let ready = match settle(state) {
-                    Settle::Wait => return true,
-                    Settle::Wake => true,
-                    Settle::Poison => state != Some(BlockState::Poisoned),
-                };
-                self.answer_guest(wait.token, wait.block.region.0, wait.offset, ready);
-                return false;
-            }
-            let Some(uffd) = self.children.get(wait.token) else {
+            let child = match wait.source {
+                Source::Guest(guest) => {
+                    // A region unmapped meanwhile was filled for the guests first: told
+                    // ready, the guest checks the page and reads it itself if need be.
+                    let ready = match settle(state) {
+                        Settle::Wait => return true,
+                        Settle::Wake => true,
+                        Settle::Poison => state != Some(BlockState::Poisoned),
+                    };
+                    self.answer_guest(guest, wait.block.region.0, wait.offset, ready);
+                    return false;
+                }
+                Source::Child(child) => child,
+                // Never recorded (`Children::wait`): installs wake the program's threads.
+                Source::Parent => return false,
+            };
+            let Some(uffd) = self.children.get(child) else {
                 return false;
             };
             match settle(state) {
@@ -321,7 +323,7 @@ impl FaultService {
                 // The program unmapped the block, or the region, while it was read: the
                 // child still maps it, and is served as any fault of its there.
                 Settle::Poison if state != Some(BlockState::Poisoned) => {
-                    gone.push((wait.token, wait.block.region, wait.offset, wait.page_addr));
+                    gone.push((child, wait.block.region, wait.offset, wait.page_addr));
                     false
                 }
                 Settle::Poison => {
@@ -333,21 +335,21 @@ impl FaultService {
         // Waits recorded meanwhile (none: nothing above faults) go after these.
         waits.append(&mut self.children.waits);
         self.children.waits = waits;
-        for (token, id, offset, page_addr) in gone {
+        for (child, id, offset, page_addr) in gone {
             match self.regions.get(&id).filter(|region| !region.removed) {
                 Some(_) => {
-                    self.fill_page_for_child(token, id, offset & !(page as u64 - 1), page_addr)
+                    self.fill_page_for_child(child, id, offset & !(page as u64 - 1), page_addr)
                 }
-                None => self.orphaned_child_fault(token, page_addr),
+                None => self.orphaned_child_fault(child, page_addr),
             }
         }
     }
 
     /// A child faulted where the program no longer maps a region: SIGBUS there, with
     /// one message for the run.
-    pub(super) fn orphaned_child_fault(&mut self, token: u32, page_addr: usize) {
+    pub(super) fn orphaned_child_fault(&mut self, child: u32, page_addr: usize) {
         let page = self.page();
-        let Some(uffd) = self.children.get(token) else {
+        let Some(uffd) = self.children.get(child) else {
             return;
         };
         // Registered for minor faults, the child faults on pages the file holds too: the
@@ -381,14 +383,14 @@ impl FaultService {
         self.children.list.retain(|child| {
             let alive = crate::sys::uffd_process_alive(child.uffd.as_fd(), addr);
             if !alive {
-                gone.push(child.token);
+                gone.push(child.number);
             }
             alive
         });
-        for token in gone {
-            self.ring.unwatch(token)?;
-            self.tell_keeper_child_gone(token);
-            self.children.waits.retain(|wait| wait.token != token);
+        for number in gone {
+            self.ring.unwatch(Watch::Child(number).token())?;
+            self.tell_keeper_child_gone(number);
+            self.children.forget_waits(Source::Child(number));
         }
         self.stats.live_children = self.children.live();
         Ok(())

@@ -3,17 +3,30 @@
 
 use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::mpsc::SyncSender;
 
 use super::block_state::{BlockEvent, BlockState};
 use super::installs::release_frame;
 use super::region::ServedRegion;
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
-use crate::command::{Command, PinRefused};
+use crate::command::{Command, PinRefused, RegionMove};
 use crate::file::BackingFile;
 use crate::layout::RegionLayout;
 use crate::policy::{BlockRef, PrefetchRequest, RegionId};
 
 impl FaultService {
+    /// The command eventfd is readable (`Watch::Commands`): carries out every queued
+    /// command.
+    pub(super) fn commands_readable(&mut self, rearm: bool) -> Result<(), ServiceError> {
+        self.drain_commands()?;
+        if rearm {
+            self.ring
+                .watch(self.shared.wakeup.as_raw_fd(), Watch::Commands.token())?;
+        }
+        Ok(())
+    }
+
     /// Carries out every queued command.
     pub(super) fn drain_commands(&mut self) -> Result<(), ServiceError> {
         self.shared.wakeup.drain();
@@ -23,6 +36,7 @@ impl FaultService {
         Ok(())
     }
 
+    /// Carries out `command`, or holds it while regions are being moved at a fork.
     fn command(&mut self, command: Command) -> Result<(), ServiceError> {
         if command.waits_for_moves() && self.regions.values().any(|region| region.moving()) {
             // Carried out once the forking thread has made its moves (`shaped_for_fork`).
@@ -31,12 +45,22 @@ impl FaultService {
         }
         if command.changes_residency() {
             // Nothing may be copied into a range this command drops or lets go of.
-            let ready = std::mem::take(&mut self.ready);
-            for slot in ready {
-                self.install_read(slot)?;
-            }
-            self.collect_installs(true)?;
+            self.install_everything_read()?;
         }
+        self.carry_out(command)
+    }
+
+    /// Installs every finished read, here and on the install workers.
+    fn install_everything_read(&mut self) -> Result<(), ServiceError> {
+        let ready = std::mem::take(&mut self.ready);
+        for slot in ready {
+            self.install_read(slot)?;
+        }
+        self.collect_installs(true)
+    }
+
+    /// Does what `command` asks and answers it.
+    fn carry_out(&mut self, command: Command) -> Result<(), ServiceError> {
         match command {
             Command::AddRegion {
                 id,
@@ -60,27 +84,12 @@ impl FaultService {
                 generation,
                 reply,
                 kept,
-            } => {
-                self.make_ready_for_fork();
-                let _ = reply.send(());
-                self.pause_for_fork(generation)?;
-                // The child's userfaultfd goes to the keeper before the forking thread
-                // returns from its fork (it waits for `kept`): a program ending right
-                // after the fork leaves the child kept.
-                self.take_backlog()?;
-                let _ = kept.send(());
-            }
+            } => self.fork_coming(generation, &reply, &kept)?,
             Command::ShapeForFork { reply } => {
                 let moves = self.shape_for_fork()?;
                 let _ = reply.send(moves);
             }
-            Command::ShapedForFork { failed, reply } => {
-                self.shaped_for_fork(&failed)?;
-                let _ = reply.send(());
-                for command in std::mem::take(&mut self.held_for_moves) {
-                    self.command(command)?;
-                }
-            }
+            Command::ShapedForFork { failed, reply } => self.moves_made(&failed, &reply)?,
             Command::Prefetch { id, range } => {
                 for index in self.blocks_of(id, &range) {
                     self.queue_prefetch(PrefetchRequest::eager(BlockRef::new(id, index)));
@@ -123,6 +132,40 @@ impl FaultService {
                 self.fill_for_outliving_children()?;
                 self.shutting_down = true;
             }
+        }
+        Ok(())
+    }
+
+    /// The program is about to fork: answers once the service is ready for it, then
+    /// waits until the fork has returned (`fork_pause`).
+    fn fork_coming(
+        &mut self,
+        generation: u64,
+        reply: &SyncSender<()>,
+        kept: &SyncSender<()>,
+    ) -> Result<(), ServiceError> {
+        self.make_ready_for_fork();
+        let _ = reply.send(());
+        self.pause_for_fork(generation)?;
+        // The child's userfaultfd goes to the keeper before the forking thread returns
+        // from its fork (it waits for `kept`): a program ending right after the fork
+        // leaves the child kept.
+        self.take_backlog()?;
+        let _ = kept.send(());
+        Ok(())
+    }
+
+    /// The forking thread has made its moves (`failed`: those it could not make):
+    /// answers, then carries out the commands held meanwhile.
+    fn moves_made(
+        &mut self,
+        failed: &[RegionMove],
+        reply: &SyncSender<()>,
+    ) -> Result<(), ServiceError> {
+        self.shaped_for_fork(failed)?;
+        let _ = reply.send(());
+        for command in std::mem::take(&mut self.held_for_moves) {
+            self.command(command)?;
         }
         Ok(())
     }

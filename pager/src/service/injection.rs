@@ -2,6 +2,7 @@
 //! built with the `fault-injection` feature only). Without the feature the hooks are
 //! empty and the fault path carries no check for them.
 
+use std::io;
 #[cfg(feature = "fault-injection")]
 use std::ops::Range;
 
@@ -37,12 +38,15 @@ impl FaultService {
     /// The completion result of the read in `slot` after injected delays, short reads
     /// and errors.
     #[inline(always)]
-    pub(super) fn injected_read_result(&mut self, slot: u32, result: i32) -> i32 {
+    pub(super) fn injected_read_result(
+        &mut self,
+        slot: u32,
+        result: io::Result<usize>,
+    ) -> io::Result<usize> {
         #[cfg(not(feature = "fault-injection"))]
         let _ = slot;
         #[cfg(feature = "fault-injection")]
         let result = {
-            let mut result = result;
             let faults = &self.config.faults;
             if !faults.read_delay.is_zero() {
                 std::thread::sleep(faults.read_delay);
@@ -52,18 +56,20 @@ impl FaultService {
             if let Some((range, errno)) = &faults.read_error {
                 let read = file_offset..file_offset + valid as u64;
                 if read.start < range.end && range.start < read.end {
-                    return -errno;
+                    return Err(io::Error::from_raw_os_error(*errno));
                 }
             }
-            if faults.short_reads && result > 1 {
-                let asked = (len - done) as i32;
-                let full = result as usize;
-                result = result.min(asked / 2).max(1);
-                // What the shortened read did not deliver must not be in the buffer either.
-                let (from, to) = (done + result as usize, done + full);
-                self.landing(slot)[from..to].fill(0xEE);
+            match result {
+                Ok(full) if faults.short_reads && full > 1 => {
+                    let asked = len - done;
+                    let short = full.min(asked / 2).max(1);
+                    // What the shortened read did not deliver must not be in the buffer
+                    // either.
+                    self.landing(slot)[done + short..done + full].fill(0xEE);
+                    Ok(short)
+                }
+                other => other,
             }
-            result
         };
         result
     }

@@ -10,7 +10,8 @@
 //! reads and installs what a thread is waiting for itself.
 //!
 //! A worker only copies. Everything the service's bookkeeping needs to know comes back
-//! through `InstallPool::collect` (with an eventfd the service's ring watches), so block
+//! through `InstallPool::collect` (with an eventfd the service's ring watches,
+//! `Watch::Installed`; `collect_installs`, here, does the bookkeeping), so block
 //! states, budget and policies stay single-threaded. A block being installed is still
 //! "reading" to the service: it cannot be evicted, and a fault on it waits for the copy,
 //! which wakes it. Before any command that changes mappings (drop, unmap, remove) the
@@ -27,6 +28,8 @@ use std::time::Instant;
 use userfaultfd::Uffd;
 
 use super::installs::{install, InstallError};
+use super::watch::Watch;
+use super::{FaultService, ServiceError};
 use crate::event::EventFd;
 
 /// One read to install: its ring slot (held by the service until the install is
@@ -183,6 +186,47 @@ impl Drop for InstallPool {
         self.shared.work.notify_all();
         for worker in self.workers.drain(..) {
             let _ = worker.join();
+        }
+    }
+}
+
+impl FaultService {
+    /// The workers' eventfd is readable (`Watch::Installed`): finishes what they
+    /// installed.
+    pub(super) fn installs_readable(&mut self, rearm: bool) -> Result<(), ServiceError> {
+        self.collect_installs(false)?;
+        if let (true, Some(pool)) = (rearm, &self.installs) {
+            self.ring.watch(pool.event_fd(), Watch::Installed.token())?;
+        }
+        Ok(())
+    }
+
+    /// Finishes installs done by the workers; with `wait`, all of them, waiting for
+    /// those still copying.
+    pub(super) fn collect_installs(&mut self, wait: bool) -> Result<(), ServiceError> {
+        let Some(pool) = &mut self.installs else {
+            return Ok(());
+        };
+        let mut installed = std::mem::take(&mut self.installed);
+        if wait {
+            pool.wait_idle(&mut installed);
+        } else {
+            pool.collect(&mut installed);
+        }
+        let mut failure = None;
+        for done in installed.drain(..) {
+            match done.result {
+                Ok(()) => {
+                    let at = done.at.saturating_duration_since(self.start).as_nanos() as u64;
+                    self.installed(done.slot, at);
+                }
+                Err(error) => failure = failure.or(Some(error)),
+            }
+        }
+        self.installed = installed;
+        match failure {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
         }
     }
 }

@@ -159,35 +159,6 @@ impl FaultService {
         Ok(())
     }
 
-    /// Finishes installs done by the workers; with `wait`, all of them, waiting for
-    /// those still copying.
-    pub(super) fn collect_installs(&mut self, wait: bool) -> Result<(), ServiceError> {
-        let Some(pool) = &mut self.installs else {
-            return Ok(());
-        };
-        let mut installed = std::mem::take(&mut self.installed);
-        if wait {
-            pool.wait_idle(&mut installed);
-        } else {
-            pool.collect(&mut installed);
-        }
-        let mut failure = None;
-        for done in installed.drain(..) {
-            match done.result {
-                Ok(()) => {
-                    let at = done.at.saturating_duration_since(self.start).as_nanos() as u64;
-                    self.installed(done.slot, at);
-                }
-                Err(error) => failure = failure.or(Some(error)),
-            }
-        }
-        self.installed = installed;
-        match failure {
-            Some(error) => Err(error.into()),
-            None => Ok(()),
-        }
-    }
-
     /// The bookkeeping after a read's blocks were installed at `now`.
     pub(super) fn installed(&mut self, slot: u32, now: u64) {
         let tag = self.ring.tag(slot).expect("installed a read in flight");

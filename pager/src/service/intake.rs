@@ -1,7 +1,7 @@
 //! Fault intake: a userfaultfd event becomes a block's state change, a waiter, and news
 //! for the policies (what was touched, what to prefetch, what to watch).
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use userfaultfd::Event;
 
@@ -9,6 +9,7 @@ use super::block_state::{BlockEvent, BlockState};
 use super::children::Source;
 use super::fault_log::Waiter;
 use super::installs::{continue_mapped, discard_pages, map_frame, page_present, poison_range};
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
 use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, Urgency};
@@ -29,6 +30,16 @@ struct BlockFault {
 }
 
 impl FaultService {
+    /// The program's userfaultfd is readable (`Watch::Faults`): serves its faults.
+    pub(super) fn faults_readable(&mut self, rearm: bool) -> Result<(), ServiceError> {
+        self.drain_faults()?;
+        if rearm {
+            self.ring
+                .watch(self.uffd.as_raw_fd(), Watch::Faults.token())?;
+        }
+        Ok(())
+    }
+
     /// Serves every fault the program's userfaultfd has queued (and those read while an
     /// install waited for a fork, first).
     pub(super) fn drain_faults(&mut self) -> Result<(), ServiceError> {
@@ -44,7 +55,7 @@ impl FaultService {
             let mut forked = Vec::new();
             let uffd = match source {
                 Source::Parent => &*self.uffd,
-                Source::Child(token) => match self.children.get(token) {
+                Source::Child(child) => match self.children.get(child) {
                     Some(uffd) => uffd,
                     None => return Ok(()),
                 },
@@ -99,15 +110,15 @@ impl FaultService {
         let page = self.page();
         let page_addr = addr & !(page - 1);
         let Some((id, offset)) = self.locator.lookup(addr) else {
-            if let Source::Guest(token) = source {
+            if let Source::Guest(guest) = source {
                 // Checked when the message came: not reached. Told to look for itself.
-                self.answer_guest_at(token, page_addr, true);
+                self.answer_guest_at(guest, page_addr, true);
                 return None;
             }
-            if let Source::Child(token) = source {
+            if let Source::Child(child) = source {
                 // The program unmapped the region the child still maps: nothing is
                 // served there any more.
-                self.orphaned_child_fault(token, page_addr);
+                self.orphaned_child_fault(child, page_addr);
                 return None;
             }
             // A range being unmapped: its owner is waiting for us to let go. Waking is
@@ -115,11 +126,11 @@ impl FaultService {
             let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
             return None;
         };
-        if let Source::Child(token) = source {
-            if !self.children.maps(token, id) {
+        if let Source::Child(child) = source {
+            if !self.children.maps(child, id) {
                 // A region the program mapped after the fork, where the child still maps
                 // one the program unmapped (and filled) before: not the child's.
-                self.orphaned_child_fault(token, page_addr);
+                self.orphaned_child_fault(child, page_addr);
                 return None;
             }
         }
@@ -127,8 +138,8 @@ impl FaultService {
         let index = match region.layout.locate(offset) {
             Location::PastEof => {
                 // As with a file mapping: a whole page past the end of the file is SIGBUS.
-                if let Source::Guest(token) = source {
-                    self.answer_guest(token, id.0, offset & !(page as u64 - 1), false);
+                if let Source::Guest(guest) = source {
+                    self.answer_guest(guest, id.0, offset & !(page as u64 - 1), false);
                     return None;
                 }
                 poison_range(self.uffd_of(source), page_addr, page, page);
@@ -143,25 +154,25 @@ impl FaultService {
         }
         let page_offset = offset & !(page as u64 - 1);
         let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
-        if let (Source::Guest(token), true) = (
+        if let (Source::Guest(guest), true) = (
             source,
             in_a_hole || region.state(index) == BlockState::Unmapped,
         ) {
             // The program unmapped this page: the guest reads it into the memfd itself
             // (it checks the page on `Ready`).
-            self.answer_guest(token, id.0, page_offset, true);
+            self.answer_guest(guest, id.0, page_offset, true);
             return None;
         }
-        if let (Source::Child(token), true) = (source, in_a_hole) {
+        if let (Source::Child(child), true) = (source, in_a_hole) {
             // The program unmapped this page after the fork: installs go through its
             // mapping and would never reach the child's (the child would fault again
             // and again). The page is written into the file instead.
-            self.fill_page_for_child(token, id, page_offset, page_addr);
+            self.fill_page_for_child(child, id, page_offset, page_addr);
             return None;
         }
         if region.state(index) == BlockState::Unmapped {
-            if let Source::Child(token) = source {
-                self.fill_page_for_child(token, id, page_offset, page_addr);
+            if let Source::Child(child) = source {
+                self.fill_page_for_child(child, id, page_offset, page_addr);
                 return None;
             }
             // The program is unmapping it: the service has been told, the kernel's
@@ -272,8 +283,8 @@ impl FaultService {
                 let page = self.config.page_size as usize;
                 let in_place = region.minor;
                 let memory = region.layout.block_memory(block.index);
-                if let Source::Guest(token) = fault.source {
-                    self.answer_guest_at(token, fault.page_addr, true);
+                if let Source::Guest(guest) = fault.source {
+                    self.answer_guest_at(guest, fault.page_addr, true);
                 } else if in_place && fault.source == Source::Parent {
                     let region = self
                         .regions
@@ -307,10 +318,11 @@ impl FaultService {
                     .entry(block)
                     .or_default()
                     .push(waiter(FaultOutcome::Staged));
-                if let Some(token) = fault.source.waiting_token() {
+                if fault.source != Source::Parent {
                     let base = self.regions[&block.region].base;
                     let offset = (fault.page_addr - base) as u64;
-                    self.children.wait(token, block, fault.page_addr, offset);
+                    self.children
+                        .wait(fault.source, block, fault.page_addr, offset);
                 }
                 self.install_staged(block, place)?;
                 return Ok((FaultOutcome::Staged, false));
@@ -324,12 +336,13 @@ impl FaultService {
         };
         if outcome != FaultOutcome::Resident {
             self.waiters.entry(block).or_default().push(waiter(outcome));
-            if let Some(token) = fault.source.waiting_token() {
+            if fault.source != Source::Parent {
                 // Installs wake the program's threads; a child's are woken (a guest's
                 // answered) once the block settles (`settle_children`).
                 let base = self.regions[&block.region].base;
                 let offset = (fault.page_addr - base) as u64;
-                self.children.wait(token, block, fault.page_addr, offset);
+                self.children
+                    .wait(fault.source, block, fault.page_addr, offset);
             }
         }
         Ok((outcome, false))

@@ -39,7 +39,8 @@ impl FaultService {
         }
     }
 
-    pub(super) fn tell_keeper_child(&mut self, token: u32, uffd: &Uffd) {
+    /// Hands child `number`'s userfaultfd (`Watch::Child`) to the keeper.
+    pub(super) fn tell_keeper_child(&mut self, number: u32, uffd: &Uffd) {
         let Some(link) = &mut self.keeper else {
             return;
         };
@@ -51,17 +52,17 @@ impl FaultService {
             .collect();
         let message = Message::Child {
             session: link.session(),
-            child: token,
+            child: number,
             regions,
         };
         link.send(message, &[uffd.as_fd()]);
     }
 
-    pub(super) fn tell_keeper_child_gone(&mut self, token: u32) {
+    pub(super) fn tell_keeper_child_gone(&mut self, number: u32) {
         if let Some(link) = &mut self.keeper {
             let message = Message::ChildGone {
                 session: link.session(),
-                child: token,
+                child: number,
             };
             link.send(message, &[]);
         }

@@ -9,6 +9,8 @@
 //! than leave threads waiting on faults forever.
 //!
 //! The parts, in the order a fault meets them (docs/ARCHITECTURE.md has the whole path):
+//! - `watch`: which descriptor a readiness reaped from the ring is for (the program's
+//!   userfaultfd, the commands, a forked child's userfaultfd, a guest's connection...).
 //! - `intake`: a fault is located (region, block) and moves its block's state; the
 //!   policies hear of it and plan prefetches.
 //! - `reads`: queued blocks become io_uring reads within the queue depth, after `room`
@@ -42,6 +44,7 @@ mod room;
 mod shaping;
 mod sharing;
 mod staging;
+mod watch;
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -54,7 +57,7 @@ use userfaultfd::{EventBuffer, Uffd};
 
 use self::breaches::Breaches;
 use self::budget::Budget;
-use self::children::{Backlog, Children, TOKEN_CHILD_BASE};
+use self::children::{Backlog, Children};
 use self::fault_log::{FaultLog, Waiter};
 #[cfg(feature = "fault-injection")]
 pub(crate) use self::injection::InjectedFaults;
@@ -64,6 +67,7 @@ use self::installs::InstallError;
 use self::reads::{ReadLoad, ReadTag};
 use self::region::ServedRegion;
 use self::staging::max_staged;
+use self::watch::Watch;
 use crate::command::Shared;
 use crate::keeper::link::KeeperLink;
 use crate::layout::FaultLocator;
@@ -73,10 +77,6 @@ use crate::ring::{Completion, ReadRing, RingError};
 use crate::shared_store::FrameStore;
 use crate::stash::Stash;
 use crate::stats::{LatencyHistogram, Stats};
-
-const TOKEN_UFFD: u32 = 0;
-const TOKEN_COMMANDS: u32 = 1;
-const TOKEN_INSTALLED: u32 = 2;
 
 pub(crate) struct ServiceConfig {
     pub budget: u64,
@@ -336,11 +336,12 @@ impl FaultService {
     }
 
     fn serve(&mut self) -> Result<(), ServiceError> {
-        self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
         self.ring
-            .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
+            .watch(self.uffd.as_raw_fd(), Watch::Faults.token())?;
+        self.ring
+            .watch(self.shared.wakeup.as_raw_fd(), Watch::Commands.token())?;
         if let Some(pool) = &self.installs {
-            self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
+            self.ring.watch(pool.event_fd(), Watch::Installed.token())?;
         }
         self.start_sharing()?;
         loop {
@@ -361,36 +362,7 @@ impl FaultService {
             self.ring.reap(&mut completions);
             completions.append(&mut self.deferred);
             for completion in completions.drain(..) {
-                match completion {
-                    Completion::Read { slot, result } => self.read_done(slot, result)?,
-                    Completion::Readable { token, rearm } => {
-                        if token == crate::ring::UNWATCH_TOKEN {
-                            // A child's poll was ended: nothing to do.
-                        } else if token >= sharing::TOKEN_GUEST_BASE {
-                            self.guest_readable(token, rearm)?;
-                        } else if token == sharing::TOKEN_SHARE_LISTEN {
-                            self.share_listen_readable(rearm)?;
-                        } else if token >= TOKEN_CHILD_BASE {
-                            self.child_readable(token, rearm)?;
-                        } else if token == TOKEN_UFFD {
-                            self.drain_faults()?;
-                            if rearm {
-                                self.ring.watch(self.uffd.as_raw_fd(), TOKEN_UFFD)?;
-                            }
-                        } else if token == TOKEN_INSTALLED {
-                            self.collect_installs(false)?;
-                            if let (true, Some(pool)) = (rearm, &self.installs) {
-                                self.ring.watch(pool.event_fd(), TOKEN_INSTALLED)?;
-                            }
-                        } else {
-                            self.drain_commands()?;
-                            if rearm {
-                                self.ring
-                                    .watch(self.shared.wakeup.as_raw_fd(), TOKEN_COMMANDS)?;
-                            }
-                        }
-                    }
-                }
+                self.complete(completion)?;
             }
             self.completions = completions;
             // Faults read while an install waited on a fork.
@@ -421,6 +393,32 @@ impl FaultService {
                 self.publish();
                 return Ok(());
             }
+        }
+    }
+
+    /// Handles what the ring reaped: a read finished, or a watched descriptor is
+    /// readable.
+    fn complete(&mut self, completion: Completion) -> Result<(), ServiceError> {
+        match completion {
+            Completion::Read { slot, result } => self.read_done(slot, result),
+            Completion::Readable { token, rearm } => match Watch::from_token(token) {
+                Some(watch) => self.readable(watch, rearm),
+                // No poll carries a number no watch gives.
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// `watch` is readable: the part that owns it serves it, and polls it again if
+    /// `rearm` (the kernel ended the multishot poll).
+    fn readable(&mut self, watch: Watch, rearm: bool) -> Result<(), ServiceError> {
+        match watch {
+            Watch::Faults => self.faults_readable(rearm),
+            Watch::Commands => self.commands_readable(rearm),
+            Watch::Installed => self.installs_readable(rearm),
+            Watch::ShareListen => self.share_listen_readable(rearm),
+            Watch::Child(number) => self.child_readable(number, rearm),
+            Watch::Guest(number) => self.guest_readable(number, rearm),
         }
     }
 

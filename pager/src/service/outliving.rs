@@ -168,7 +168,7 @@ impl FaultService {
     /// the child's thread; SIGBUS only if that fails.
     pub(super) fn fill_page_for_child(
         &mut self,
-        token: u32,
+        child: u32,
         id: RegionId,
         page_offset: u64,
         page_addr: usize,
@@ -199,7 +199,7 @@ impl FaultService {
         match written {
             Some((base, chunk)) => {
                 self.stats.child_fill_bytes += chunk.end - chunk.start;
-                if let Some(uffd) = self.children.get(token) {
+                if let Some(uffd) = self.children.get(child) {
                     // Mapped from the file where the child's range is registered for
                     // minor faults (reads in place), else woken to map it itself.
                     let start = base + chunk.start as usize;
@@ -207,7 +207,7 @@ impl FaultService {
                     crate::uffd_ext::continue_or_wake(uffd.as_fd(), start, len, page);
                 }
             }
-            None => self.orphaned_child_fault(token, page_addr),
+            None => self.orphaned_child_fault(child, page_addr),
         }
     }
 

@@ -12,20 +12,18 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use super::children::Source;
+use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::policy::RegionId;
 use crate::share::protocol::{FileKey, Message, MAX_MESSAGE};
 use crate::share::{host_socket_name, region_for_attach, share_link_name, HostRegion};
 use crate::sys;
 
-/// The ring token of the listening socket.
-pub(super) const TOKEN_SHARE_LISTEN: u32 = 3;
-/// Ring tokens of guests' connections start here (children's are below).
-pub(super) const TOKEN_GUEST_BASE: u32 = 1 << 30;
-
 struct GuestConn {
     socket: OwnedFd,
-    token: u32,
+    /// Its number (`Watch::Guest`).
+    number: u32,
 }
 
 /// The listening socket, the links made, the guests connected.
@@ -34,7 +32,8 @@ pub(super) struct ShareHost {
     socket_path: PathBuf,
     listener: OwnedFd,
     guests: Vec<GuestConn>,
-    next_token: u32,
+    /// The number the next guest connected gets.
+    next_number: u32,
     links: Vec<PathBuf>,
 }
 
@@ -50,7 +49,7 @@ impl ShareHost {
             socket_path,
             listener,
             guests: Vec::new(),
-            next_token: 0,
+            next_number: 0,
             links: Vec::new(),
         })
     }
@@ -59,10 +58,11 @@ impl ShareHost {
         !self.guests.is_empty()
     }
 
-    fn get(&self, token: u32) -> Option<&OwnedFd> {
+    /// Guest `number`'s connection (None: it is gone).
+    fn get(&self, number: u32) -> Option<&OwnedFd> {
         self.guests
             .iter()
-            .find(|guest| guest.token == token)
+            .find(|guest| guest.number == number)
             .map(|guest| &guest.socket)
     }
 
@@ -96,9 +96,9 @@ impl ShareHost {
         }
     }
 
-    /// Sends `message` to guest `token`; false if it cannot (the guest is then lost).
-    fn send(&self, token: u32, message: &Message, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
-        self.get(token).is_some_and(|socket| {
+    /// Sends `message` to guest `number`; false if it cannot (the guest is then lost).
+    fn send(&self, number: u32, message: &Message, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
+        self.get(number).is_some_and(|socket| {
             sys::send_with_fds(socket.as_fd(), &message.encode(), fds).is_ok()
         })
     }
@@ -132,7 +132,7 @@ impl FaultService {
         match ShareHost::start(&dir) {
             Ok(host) => {
                 self.ring
-                    .watch(host.listener.as_raw_fd(), TOKEN_SHARE_LISTEN)?;
+                    .watch(host.listener.as_raw_fd(), Watch::ShareListen.token())?;
                 self.share = Some(host);
             }
             Err(error) => sys::write_stderr(
@@ -182,19 +182,21 @@ impl FaultService {
                     self.stats.guest_processes.push(process);
                 }
             }
-            let token = TOKEN_GUEST_BASE + share.next_token;
-            share.next_token += 1;
-            self.ring.watch(socket.as_raw_fd(), token)?;
-            share.guests.push(GuestConn { socket, token });
+            let number = share.next_number;
+            share.next_number += 1;
+            self.ring
+                .watch(socket.as_raw_fd(), Watch::Guest(number).token())?;
+            share.guests.push(GuestConn { socket, number });
         }
         if rearm {
             self.ring
-                .watch(share.listener.as_raw_fd(), TOKEN_SHARE_LISTEN)?;
+                .watch(share.listener.as_raw_fd(), Watch::ShareListen.token())?;
         }
         Ok(())
     }
 
     /// Guest `token`'s connection is readable: answers its messages, serves its faults.
+    /// (`token` is the guest's number, `Watch::Guest`.)
     pub(super) fn guest_readable(&mut self, token: u32, rearm: bool) -> Result<(), ServiceError> {
         let mut buffer = [0u8; MAX_MESSAGE];
         let mut faults = Vec::new();
@@ -218,29 +220,33 @@ impl FaultService {
                 _ => return self.forget_guest(token),
             }
         }
+        // The guest's ring token stands for its faulting thread (`recent_faults`, the
+        // trace): it is above any thread id (`watch`).
+        let thread = Watch::Guest(token).token();
         let mut addrs = Vec::with_capacity(faults.len());
         for (region, offset) in faults {
             match self.regions.get(&RegionId(region)) {
                 Some(served) if !served.removed && offset < served.layout.map_len => {
                     self.stats.guest_faults += 1;
-                    addrs.push((served.base + offset as usize, token));
+                    addrs.push((served.base + offset as usize, thread));
                 }
                 // The region is gone (filled for the guests first) or the offset is
                 // outside it: the guest checks the page and reads it itself if needed.
                 _ => self.answer_guest(token, region, offset, true),
             }
         }
-        self.serve_faults(&addrs, super::children::Source::Guest(token))?;
+        self.serve_faults(&addrs, Source::Guest(token))?;
         if rearm {
             if let Some(socket) = self.share.as_ref().and_then(|share| share.get(token)) {
-                self.ring.watch(socket.as_raw_fd(), token)?;
+                self.ring
+                    .watch(socket.as_raw_fd(), Watch::Guest(token).token())?;
             }
         }
         Ok(())
     }
 
-    /// Answers an `Attach`; false if the answer could not be sent.
-    fn answer_attach(&mut self, token: u32, file: &FileKey, offset: u64, len: u64) -> bool {
+    /// Answers guest `guest`'s `Attach`; false if the answer could not be sent.
+    fn answer_attach(&mut self, guest: u32, file: &FileKey, offset: u64, len: u64) -> bool {
         let candidates = self.regions.iter().map(|(id, region)| HostRegion {
             id: id.0,
             file: key_of(region.file.identity()),
@@ -258,7 +264,7 @@ impl FaultService {
         match region {
             Some((id, start, region)) => {
                 let Some(shape) = &region.shape else {
-                    return share.send(token, &Message::Refused { not_yet: false }, &[]);
+                    return share.send(guest, &Message::Refused { not_yet: false }, &[]);
                 };
                 let message = Message::Attached {
                     region: id,
@@ -266,7 +272,7 @@ impl FaultService {
                     shape_len: region.shape_len,
                     start,
                 };
-                let sent = share.send(token, &message, &[shape.as_fd(), region.file.buffered()]);
+                let sent = share.send(guest, &message, &[shape.as_fd(), region.file.buffered()]);
                 if sent {
                     self.stats.guests += 1;
                 }
@@ -279,39 +285,39 @@ impl FaultService {
                     .regions
                     .values()
                     .any(|region| key_of(region.file.identity()) == *file);
-                share.send(token, &Message::Refused { not_yet }, &[])
+                share.send(guest, &Message::Refused { not_yet }, &[])
             }
         }
     }
 
-    /// Tells guest `token` the page at `offset` of `region` is in the memfd (`ready`) or
+    /// Tells guest `guest` the page at `offset` of `region` is in the memfd (`ready`) or
     /// cannot be read. A guest that cannot be told is forgotten at its next readiness.
-    pub(super) fn answer_guest(&self, token: u32, region: u32, offset: u64, ready: bool) {
+    pub(super) fn answer_guest(&self, guest: u32, region: u32, offset: u64, ready: bool) {
         let message = if ready {
             Message::Ready { region, offset }
         } else {
             Message::Poison { region, offset }
         };
         if let Some(share) = &self.share {
-            share.send(token, &message, &[]);
+            share.send(guest, &message, &[]);
         }
     }
 
-    /// Answers guest `token`'s fault at the program's address `page_addr`.
-    pub(super) fn answer_guest_at(&self, token: u32, page_addr: usize, ready: bool) {
+    /// Answers guest `guest`'s fault at the program's address `page_addr`.
+    pub(super) fn answer_guest_at(&self, guest: u32, page_addr: usize, ready: bool) {
         let Some((id, offset)) = self.locator.lookup(page_addr) else {
-            return self.answer_guest(token, u32::MAX, 0, true);
+            return self.answer_guest(guest, u32::MAX, 0, true);
         };
-        self.answer_guest(token, id.0, offset, ready);
+        self.answer_guest(guest, id.0, offset, ready);
     }
 
     /// A guest hung up (or broke the protocol): forgets it and its waits.
-    fn forget_guest(&mut self, token: u32) -> Result<(), ServiceError> {
+    fn forget_guest(&mut self, number: u32) -> Result<(), ServiceError> {
         if let Some(share) = &mut self.share {
-            share.guests.retain(|guest| guest.token != token);
+            share.guests.retain(|guest| guest.number != number);
         }
-        self.ring.unwatch(token)?;
-        self.children.forget_waits(token);
+        self.ring.unwatch(Watch::Guest(number).token())?;
+        self.children.forget_waits(Source::Guest(number));
         Ok(())
     }
 }

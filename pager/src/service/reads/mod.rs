@@ -2,19 +2,29 @@
 //! of the queue and the device), each after room was made in the budget; completions are
 //! checked, continued when short, retried, moved off O_DIRECT when refused, failed for
 //! good (split first, then poisoned) or handed on to be installed.
+//!
+//! The decisions are apart, without a ring or a kernel: `tag` says what a completion
+//! asks for next, `load` counts reads against the queue and the device, `landed` says
+//! where a finished read goes.
 
+use std::io;
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
 use super::installs::{poison_range, punch_region_pages, release_frame};
 use super::staging::max_staged;
 use super::{FaultService, ServiceError};
-use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind, RegionId};
+use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind};
 use crate::ring::Landing;
 
 mod landed;
+mod load;
+mod tag;
 
 use self::landed::{Landed, NextForRead};
+pub(super) use self::load::ReadLoad;
+use self::tag::ReadStep;
+pub(super) use self::tag::ReadTag;
 
 /// O_DIRECT needs lengths in multiples of the logical block size; 4096 covers every
 /// device we meet.
@@ -24,139 +34,6 @@ const DIRECT_IO_ALIGN: u64 = 4096;
 /// program comes to wait on may find ahead of it. One expert slice of a coarse model
 /// (3.6 MiB for 16 experts of a 3 GiB model), a few of a fine-grained one.
 const IDLE_FILL_DEVICE_BYTES: u64 = 4 << 20;
-
-/// A read the ring is doing for us.
-pub(super) struct ReadTag {
-    pub region: RegionId,
-    pub first: u32,
-    pub count: u32,
-    /// File offset and length of the whole request (length O_DIRECT aligned).
-    pub file_offset: u64,
-    pub len: usize,
-    /// Bytes of file data the request must deliver.
-    pub valid: usize,
-    /// Bytes received so far (short reads continue).
-    pub done: usize,
-    pub attempts: u32,
-    pub submitted_ns: u64,
-    /// Bytes of budget reserved for the blocks.
-    pub reserved: u64,
-    pub install: Install,
-    pub prefetch: bool,
-}
-
-/// What a read's completion asks for next (`ReadTag::step`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(super) enum ReadStep {
-    /// Every byte the request must deliver has arrived.
-    Complete,
-    /// Short: the rest is read next (`done` already counts what arrived).
-    Continue,
-    /// Failed with attempts left: the rest is read again.
-    Retry,
-    /// The filesystem refused an O_DIRECT read it had accepted at open: the rest is
-    /// read through the page cache, and so is everything after.
-    GoBuffered,
-    /// End of file before the data the region was made for: the file shrank.
-    FileShrank,
-    /// Failed with no attempts left.
-    Fail,
-}
-
-impl ReadTag {
-    /// Takes a completion's result (bytes, or a negative errno) into the request's
-    /// progress and says what comes next. `direct`: whether the file is still read with
-    /// O_DIRECT.
-    pub(super) fn step(&mut self, result: i32, max_attempts: u32, direct: bool) -> ReadStep {
-        if result < 0 {
-            if -result == libc::EINVAL && direct {
-                return ReadStep::GoBuffered;
-            }
-            if self.attempts < max_attempts {
-                self.attempts += 1;
-                return ReadStep::Retry;
-            }
-            return ReadStep::Fail;
-        }
-        if result == 0 && self.done < self.valid {
-            return ReadStep::FileShrank;
-        }
-        self.done += result as usize;
-        if self.done < self.valid {
-            ReadStep::Continue
-        } else {
-            ReadStep::Complete
-        }
-    }
-
-    /// Whether the rest of the request can still be read with O_DIRECT: a short read may
-    /// end off its alignment.
-    pub(super) fn rest_is_aligned(&self) -> bool {
-        self.done as u64 % DIRECT_IO_ALIGN == 0
-    }
-}
-
-/// The reads on the ring, by kind. Demand reads take any free slot; prefetch reads
-/// leave a quarter of the slots to demand and keep at most the prefetch policy's
-/// device share of bytes in flight. Every read counted by `issued` is uncounted by
-/// `finished` exactly once.
-#[derive(Debug, Default)]
-pub(super) struct ReadLoad {
-    demand: u32,
-    prefetch: u32,
-    /// Bytes of prefetch reads submitted and not yet completed by the device (a read
-    /// completed but not yet installed no longer counts).
-    prefetch_bytes_on_device: u64,
-}
-
-impl ReadLoad {
-    /// A read of `len` bytes was submitted.
-    pub(super) fn issued(&mut self, prefetch: bool, len: u64) {
-        if prefetch {
-            self.prefetch += 1;
-            self.prefetch_bytes_on_device += len;
-        } else {
-            self.demand += 1;
-        }
-    }
-
-    /// The rest of a read in flight, `len` bytes, was submitted again.
-    pub(super) fn resubmitted(&mut self, prefetch: bool, len: u64) {
-        if prefetch {
-            self.prefetch_bytes_on_device += len;
-        }
-    }
-
-    /// The device answered the last `len` bytes submitted for a read.
-    pub(super) fn device_answered(&mut self, prefetch: bool, len: u64) {
-        if prefetch {
-            self.prefetch_bytes_on_device = self
-                .prefetch_bytes_on_device
-                .checked_sub(len)
-                .expect("the device answers no more than was submitted");
-        }
-    }
-
-    /// A read's slot was freed, whatever became of the read.
-    pub(super) fn finished(&mut self, prefetch: bool) {
-        let count = match prefetch {
-            true => &mut self.prefetch,
-            false => &mut self.demand,
-        };
-        *count = count.checked_sub(1).expect("a read finishes once");
-    }
-
-    pub(super) fn demand_in_flight(&self) -> u32 {
-        self.demand
-    }
-
-    /// Whether another prefetch read may start on a ring of `queue_depth` slots, with
-    /// at most `device_limit` prefetch bytes on the device.
-    pub(super) fn prefetch_may_start(&self, queue_depth: u32, device_limit: u64) -> bool {
-        let slots = (queue_depth - queue_depth / 4).max(1);
-        self.prefetch < slots && self.prefetch_bytes_on_device < device_limit
-    }
-}
 
 /// How many prefetch requests, `first` and those following it in the queue, one read
 /// takes: the next blocks of the same region, eager all (a marker stays alone, since
@@ -303,7 +180,7 @@ impl FaultService {
             let device_idle = self.demand.is_empty()
                 && self.prefetch_queue.is_empty()
                 && self.load.demand_in_flight() == 0
-                && self.load.prefetch_bytes_on_device < IDLE_FILL_DEVICE_BYTES;
+                && self.load.prefetch_bytes_on_device() < IDLE_FILL_DEVICE_BYTES;
             if !device_idle || !self.ring.has_free_slot() {
                 break;
             }
@@ -405,7 +282,12 @@ impl FaultService {
         Ok(())
     }
 
-    pub(super) fn read_done(&mut self, slot: u32, result: i32) -> Result<(), ServiceError> {
+    /// Handles the completion of the read in `slot`: `result` is what the ring reaped.
+    pub(super) fn read_done(
+        &mut self,
+        slot: u32,
+        result: io::Result<usize>,
+    ) -> Result<(), ServiceError> {
         let Some(tag) = self.ring.tag(slot) else {
             return Ok(());
         };
@@ -430,7 +312,7 @@ impl FaultService {
         }
         let region = self.regions.get_mut(&region_id).expect("checked live");
         let tag = self.ring.tag_mut(slot).expect("checked above");
-        match tag.step(result, self.config.read_attempts, region.file.is_direct()) {
+        match tag.step(&result, self.config.read_attempts, region.file.is_direct()) {
             ReadStep::Complete => self.read_complete(slot),
             ReadStep::Continue => self.continue_read(slot),
             ReadStep::Retry => {
@@ -438,9 +320,9 @@ impl FaultService {
                 self.continue_read(slot)
             }
             ReadStep::GoBuffered => {
+                let error = result.expect_err("only an error goes buffered");
                 region.file.give_up_direct(format!(
-                    "O_DIRECT read refused ({}); reading through the page cache",
-                    std::io::Error::from_raw_os_error(-result)
+                    "O_DIRECT read refused ({error}); reading through the page cache"
                 ));
                 self.continue_read(slot)
             }

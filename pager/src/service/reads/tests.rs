@@ -2,9 +2,14 @@
 //! reads are counted against the queue and the device, which prefetch requests merge.
 
 use super::*;
-use crate::policy::Urgency;
+use crate::policy::{RegionId, Urgency};
 
 const MIB: usize = 1 << 20;
+
+/// A read's result that failed with `errno`, as the ring hands it on.
+fn failed(errno: i32) -> io::Result<usize> {
+    Err(io::Error::from_raw_os_error(errno))
+}
 
 fn tag(valid: usize) -> ReadTag {
     ReadTag {
@@ -26,19 +31,19 @@ fn tag(valid: usize) -> ReadTag {
 #[test]
 fn a_whole_read_completes_and_a_short_one_continues_until_it_is_whole() {
     let mut whole = tag(MIB);
-    assert_eq!(whole.step(MIB as i32, 3, true), ReadStep::Complete);
+    assert_eq!(whole.step(&Ok(MIB), 3, true), ReadStep::Complete);
     assert_eq!(whole.done, MIB);
 
     let mut short = tag(MIB);
-    assert_eq!(short.step(4096, 3, true), ReadStep::Continue);
+    assert_eq!(short.step(&Ok(4096), 3, true), ReadStep::Continue);
     assert_eq!(short.done, 4096);
     assert!(short.rest_is_aligned());
-    assert_eq!(short.step(100, 3, true), ReadStep::Continue);
+    assert_eq!(short.step(&Ok(100), 3, true), ReadStep::Continue);
     assert!(
         !short.rest_is_aligned(),
         "4196 bytes in: off O_DIRECT alignment"
     );
-    assert_eq!(short.step((MIB - 4196) as i32, 3, true), ReadStep::Complete);
+    assert_eq!(short.step(&Ok(MIB - 4196), 3, true), ReadStep::Complete);
     assert_eq!(short.done, MIB);
 }
 
@@ -47,39 +52,51 @@ fn a_read_past_the_data_is_complete_and_the_padding_does_not_count_as_missing() 
     // The request's length is aligned up; the file's data ends at `valid`.
     let mut tail = tag(5000);
     assert_eq!(tail.len, 8192);
-    assert_eq!(tail.step(5000, 3, true), ReadStep::Complete);
+    assert_eq!(tail.step(&Ok(5000), 3, true), ReadStep::Complete);
 }
 
 #[test]
 fn end_of_file_before_the_data_means_the_file_shrank() {
     let mut read = tag(MIB);
-    assert_eq!(read.step(4096, 3, true), ReadStep::Continue);
-    assert_eq!(read.step(0, 3, true), ReadStep::FileShrank);
+    assert_eq!(read.step(&Ok(4096), 3, true), ReadStep::Continue);
+    assert_eq!(read.step(&Ok(0), 3, true), ReadStep::FileShrank);
     assert_eq!(read.done, 4096, "nothing arrived");
 }
 
 #[test]
 fn errors_are_retried_until_the_attempts_run_out() {
     let mut read = tag(MIB);
-    assert_eq!(read.step(-libc::EIO, 3, true), ReadStep::Retry);
+    assert_eq!(read.step(&failed(libc::EIO), 3, true), ReadStep::Retry);
     assert_eq!(read.attempts, 2);
-    assert_eq!(read.step(-libc::EIO, 3, true), ReadStep::Retry);
+    assert_eq!(read.step(&failed(libc::EIO), 3, true), ReadStep::Retry);
     assert_eq!(read.attempts, 3);
-    assert_eq!(read.step(-libc::EIO, 3, true), ReadStep::Fail);
+    assert_eq!(read.step(&failed(libc::EIO), 3, true), ReadStep::Fail);
     assert_eq!(read.done, 0);
 
     let mut once = tag(MIB);
-    assert_eq!(once.step(-libc::EIO, 1, true), ReadStep::Fail);
+    assert_eq!(once.step(&failed(libc::EIO), 1, true), ReadStep::Fail);
+}
+
+#[test]
+fn an_interrupted_or_busy_read_is_retried_as_any_error_is() {
+    for errno in [libc::EINTR, libc::EAGAIN] {
+        let mut read = tag(MIB);
+        assert_eq!(read.step(&failed(errno), 2, true), ReadStep::Retry);
+        assert_eq!(read.step(&failed(errno), 2, true), ReadStep::Fail);
+    }
 }
 
 #[test]
 fn a_refused_direct_read_goes_buffered_without_spending_an_attempt() {
     let mut read = tag(MIB);
-    assert_eq!(read.step(-libc::EINVAL, 1, true), ReadStep::GoBuffered);
+    assert_eq!(
+        read.step(&failed(libc::EINVAL), 1, true),
+        ReadStep::GoBuffered
+    );
     assert_eq!(read.attempts, 1);
     // Read buffered already, EINVAL is an error like any other.
-    assert_eq!(read.step(-libc::EINVAL, 2, false), ReadStep::Retry);
-    assert_eq!(read.step(-libc::EINVAL, 2, false), ReadStep::Fail);
+    assert_eq!(read.step(&failed(libc::EINVAL), 2, false), ReadStep::Retry);
+    assert_eq!(read.step(&failed(libc::EINVAL), 2, false), ReadStep::Fail);
 }
 
 #[test]
