@@ -1,7 +1,7 @@
 //! The architectures synth writes besides llama: the mixtures of experts people run,
-//! each the llama mixture of experts (`plan::expert_layer`) with the tensors and keys
-//! llama.cpp's loader for that architecture requires (it refuses a file with a tensor
-//! it does not claim, or without one it needs, or a key of another GGUF type).
+//! each the llama mixture of experts (`plan::roles::expert_layer`) with the tensors and
+//! keys llama.cpp's loader for that architecture requires (it refuses a file with a
+//! tensor it does not claim, or without one it needs, or a key of another GGUF type).
 //!
 //! - `qwen3moe` (Qwen3-30B-A3B, Qwen3-235B-A22B): RMS norms of each head's queries and
 //!   keys (`attn_q_norm`, `attn_k_norm`), the experts' width in
