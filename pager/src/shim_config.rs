@@ -28,8 +28,10 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 use crate::budget_floor::{self, Raise};
-use crate::policy_name::{check_policy_name, DEFAULT_POLICY};
+use crate::policy_name::DEFAULT_POLICY;
 use crate::size::{format_size, parse_size, SizeError};
+
+mod from_env;
 
 pub const ENV_BUDGET: &str = "HYPEROFFLOAD_BUDGET";
 pub const ENV_BUDGET_MIN: &str = "HYPEROFFLOAD_BUDGET_MIN";
@@ -366,133 +368,6 @@ impl ShimConfig {
         }
     }
 
-    /// Reads the configuration through `lookup` (a variable's value, or `None` when
-    /// unset). The first bad value is the error.
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let mut config = Self::defaults();
-        let bad = |var: &'static str, value: &str, reason: String| ConfigError {
-            var,
-            value: value.to_string(),
-            reason,
-        };
-        if let Some(value) = lookup(ENV_BUDGET) {
-            config.budget = BudgetSpec::parse(&value)
-                .map_err(|error| bad(ENV_BUDGET, &value, error.to_string()))?;
-        }
-        for (var, bound) in [
-            (ENV_BUDGET_MIN, &mut config.budget_min),
-            (ENV_BUDGET_MAX, &mut config.budget_max),
-        ] {
-            if let Some(value) = lookup(var) {
-                let bytes =
-                    parse_size(&value).map_err(|error| bad(var, &value, error.to_string()))?;
-                *bound = Some(bytes);
-            }
-        }
-        if let (Some(min), Some(max)) = (config.budget_min, config.budget_max) {
-            if min > max {
-                return Err(bad(
-                    ENV_BUDGET_MIN,
-                    &min.to_string(),
-                    format!("more than {ENV_BUDGET_MAX} ({max})"),
-                ));
-            }
-        }
-        if let Some(value) = lookup(ENV_MATCH) {
-            let patterns: Vec<String> = value
-                .split(',')
-                .map(str::trim)
-                .filter(|p| !p.is_empty())
-                .map(str::to_string)
-                .collect();
-            if patterns.is_empty() {
-                return Err(bad(
-                    ENV_MATCH,
-                    &value,
-                    "no patterns (give comma-separated globs such as *.gguf)".into(),
-                ));
-            }
-            config.patterns = patterns;
-        }
-        if let Some(value) = lookup(ENV_MIN_SIZE) {
-            config.min_size =
-                parse_size(&value).map_err(|error| bad(ENV_MIN_SIZE, &value, error.to_string()))?;
-        }
-        if let Some(value) = lookup(ENV_POLICY) {
-            let name = value.trim();
-            check_policy_name(name).map_err(|error| bad(ENV_POLICY, &value, error.to_string()))?;
-            config.policy = name.to_string();
-        }
-        if let Some(value) = lookup(ENV_BLOCK) {
-            let size = parse_block_size(&value)
-                .map_err(|error| bad(ENV_BLOCK, &value, error.to_string()))?;
-            config.block_size = Some(size);
-        }
-        if let Some(value) = lookup(ENV_INSTALL_THREADS) {
-            let threads = value
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| n <= MAX_INSTALL_THREADS)
-                .ok_or_else(|| {
-                    bad(
-                        ENV_INSTALL_THREADS,
-                        &value,
-                        format!("give a number of threads from 0 to {MAX_INSTALL_THREADS}"),
-                    )
-                })?;
-            config.install_threads = Some(threads);
-        }
-        let path = |var: &'static str| -> Result<Option<PathBuf>, ConfigError> {
-            match lookup(var) {
-                None => Ok(None),
-                Some(value) if value.is_empty() => Ok(None),
-                Some(value) if !value.starts_with('/') => Err(bad(
-                    var,
-                    &value,
-                    "must be an absolute path (the program may change directory)".into(),
-                )),
-                Some(value) => Ok(Some(PathBuf::from(value))),
-            }
-        };
-        if lookup(ENV_ZERO_COPY).is_some() {
-            config.zero_copy = flag(&lookup, ENV_ZERO_COPY)?;
-        }
-        (config.serve_forks, config.serve_forks_at_fork) = match lookup(ENV_SERVE_FORKS)
-            .as_deref()
-            .map(str::trim)
-        {
-            None | Some("") | Some("fork") => (false, true),
-            Some("1") => (true, false),
-            Some("0") => (false, false),
-            Some(other) => return Err(bad(ENV_SERVE_FORKS, other, "must be 0, 1 or fork".into())),
-        };
-        if lookup(ENV_EXPERT_BLOCKS).is_some() {
-            config.expert_blocks = flag(&lookup, ENV_EXPERT_BLOCKS)?;
-        }
-        config.stats_path = path(ENV_STATS)?;
-        config.snapshot_dir = path(ENV_SNAPSHOTS)?;
-        config.trace_path = path(ENV_TRACE)?;
-        config.verbose = flag(&lookup, ENV_VERBOSE)?;
-        config.inherit = flag(&lookup, ENV_INHERIT)?;
-        config.share_dir = path(ENV_SHARE_DIR)?;
-        if config.share_dir.is_some() {
-            // Only file-shaped regions can be shared.
-            config.serve_forks = true;
-        }
-        if let Some(value) = lookup(ENV_KEEPER) {
-            let fd = value.trim().parse::<i32>().ok().filter(|&fd| fd > 2);
-            config.keeper_fd = Some(fd.ok_or_else(|| {
-                bad(
-                    ENV_KEEPER,
-                    &value,
-                    "must be a descriptor number above 2".into(),
-                )
-            })?);
-        }
-        Ok(config)
-    }
-
     /// `ENV_SERVE_FORKS`'s value for this configuration.
     fn serve_forks_value(&self) -> &'static str {
         match (self.serve_forks, self.serve_forks_at_fork) {
@@ -555,18 +430,6 @@ impl ShimConfig {
             let subject = if pattern.contains(&b'/') { path } else { name };
             crate::glob::glob_match(pattern, subject)
         })
-    }
-}
-
-fn flag(lookup: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<bool, ConfigError> {
-    match lookup(var).as_deref().map(str::trim) {
-        None | Some("") | Some("0") => Ok(false),
-        Some("1") => Ok(true),
-        Some(other) => Err(ConfigError {
-            var,
-            value: other.to_string(),
-            reason: "must be 0 or 1".into(),
-        }),
     }
 }
 
