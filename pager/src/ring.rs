@@ -3,16 +3,20 @@
 //! io_uring entries.
 //!
 //! As in tokio-uring, the ring owns every buffer it reads into (a slab keyed by
-//! `user_data`), and each slot's state says who may touch its buffer: nobody while the
-//! read is in flight (the kernel writes it), the service once its completion was
-//! reaped. Accessing the buffer of a read in flight, or freeing its slot, panics rather
-//! than race with the kernel.
+//! `user_data`, `slots`), and each slot's state says who may touch its buffer: nobody
+//! while the read is in flight (the kernel writes it), the service once its completion
+//! was reaped. Accessing the buffer of a read in flight, or freeing its slot, panics
+//! rather than race with the kernel.
 
 use std::io;
 use std::os::fd::RawFd;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use thiserror::Error;
+
+mod slots;
+
+use slots::ReadSlots;
 
 /// Why the service cannot use io_uring.
 #[derive(Debug, Error)]
@@ -142,42 +146,13 @@ pub struct Landing {
     pub off_thread: bool,
 }
 
-/// What a slot (a buffer and the read it carries) is doing.
-enum Slot<Tag> {
-    /// In the free list.
-    Free,
-    /// Handed out by `checkout`, no read issued yet: its owner may use the buffer.
-    Claimed,
-    /// A read was issued: the kernel may be writing the buffer.
-    InFlight(Tag),
-    /// The read's completion was reaped: the buffer is the owner's again.
-    Done(Tag),
-}
-
-/// A slot's state without its tag, for panic messages.
-struct SlotName<'a, Tag>(&'a Slot<Tag>);
-
-impl<Tag> std::fmt::Debug for SlotName<'_, Tag> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self.0 {
-            Slot::Free => "free",
-            Slot::Claimed => "claimed",
-            Slot::InFlight(_) => "in flight",
-            Slot::Done(_) => "reaped",
-        })
-    }
-}
-
 /// The ring, its read buffers and what each one is doing.
 pub struct ReadRing<Tag> {
     ring: IoUring,
     buffers: BufferArena,
-    /// Buffers handed out so far (slots are allocated lazily, in order).
-    allocated: u32,
-    slots: Vec<Slot<Tag>>,
-    free: Vec<u32>,
+    /// What each buffer is doing (one slot per buffer).
+    slots: ReadSlots<Tag>,
     buffer_len: usize,
-    max_buffers: u32,
 }
 
 impl<Tag> ReadRing<Tag> {
@@ -229,11 +204,8 @@ impl<Tag> ReadRing<Tag> {
         Ok(Self {
             ring,
             buffers,
-            allocated: 0,
-            slots: Vec::new(),
-            free: Vec::new(),
+            slots: ReadSlots::new(max_reads),
             buffer_len,
-            max_buffers: max_reads,
         })
     }
 
@@ -243,38 +215,22 @@ impl<Tag> ReadRing<Tag> {
 
     /// Reads issued and not yet checked in (in flight, or reaped and still held).
     pub fn reads_in_flight(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|slot| matches!(slot, Slot::InFlight(_) | Slot::Done(_)))
-            .count()
+        self.slots.issued()
     }
 
     /// Reads issued whose completions have not been reaped yet.
     pub fn reads_pending(&self) -> usize {
-        self.slots
-            .iter()
-            .filter(|slot| matches!(slot, Slot::InFlight(_)))
-            .count()
+        self.slots.in_flight()
     }
 
     /// Whether `checkout` would find a slot.
     pub fn has_free_slot(&self) -> bool {
-        !self.free.is_empty() || self.allocated < self.max_buffers
+        self.slots.has_free()
     }
 
     /// A free buffer slot, allocating buffers lazily up to the limit.
     pub fn checkout(&mut self) -> Option<u32> {
-        let slot = match self.free.pop() {
-            Some(slot) => slot,
-            None if self.allocated < self.max_buffers => {
-                self.allocated += 1;
-                self.slots.push(Slot::Free);
-                self.allocated - 1
-            }
-            None => return None,
-        };
-        self.slots[slot as usize] = Slot::Claimed;
-        Some(slot)
+        self.slots.checkout()
     }
 
     /// Returns a slot whose read was reaped (or never issued) to the free list, with the
@@ -284,13 +240,7 @@ impl<Tag> ReadRing<Tag> {
     /// If the slot's read is in flight (its buffer still belongs to the kernel) or the
     /// slot is already free.
     pub fn checkin(&mut self, slot: u32) -> Option<Tag> {
-        let tag = match std::mem::replace(&mut self.slots[slot as usize], Slot::Free) {
-            Slot::Claimed => None,
-            Slot::Done(tag) => Some(tag),
-            other => panic!("slot {slot} checked in while {:?}", SlotName(&other)),
-        };
-        self.free.push(slot);
-        tag
+        self.slots.checkin(slot)
     }
 
     /// Takes the tag back from a slot whose read was reaped, keeping the slot (and its
@@ -300,13 +250,7 @@ impl<Tag> ReadRing<Tag> {
     /// # Panics
     /// If the slot's read is not reaped.
     pub fn reclaim(&mut self, slot: u32) -> Tag {
-        match std::mem::replace(&mut self.slots[slot as usize], Slot::Claimed) {
-            Slot::Done(tag) => tag,
-            other => panic!(
-                "slot {slot} reclaimed while {other:?}",
-                other = SlotName(&other)
-            ),
-        }
+        self.slots.reclaim(slot)
     }
 
     /// Starts a read of `len` bytes at file `offset` into `slot`'s buffer at
@@ -369,13 +313,7 @@ impl<Tag> ReadRing<Tag> {
         if landing.off_thread {
             entry = entry.flags(squeue::Flags::ASYNC);
         }
-        let state = &mut self.slots[slot as usize];
-        assert!(
-            matches!(state, Slot::Claimed | Slot::Done(_)),
-            "read issued into slot {slot} while {:?}",
-            SlotName(state)
-        );
-        *state = Slot::InFlight(tag);
+        self.slots.issue(slot, tag);
         self.push(&entry)
     }
 
@@ -414,17 +352,11 @@ impl<Tag> ReadRing<Tag> {
 
     /// The tag of the read `slot` carries (in flight or reaped).
     pub fn tag(&self, slot: u32) -> Option<&Tag> {
-        match &self.slots[slot as usize] {
-            Slot::InFlight(tag) | Slot::Done(tag) => Some(tag),
-            Slot::Free | Slot::Claimed => None,
-        }
+        self.slots.tag(slot)
     }
 
     pub fn tag_mut(&mut self, slot: u32) -> Option<&mut Tag> {
-        match &mut self.slots[slot as usize] {
-            Slot::InFlight(tag) | Slot::Done(tag) => Some(tag),
-            Slot::Free | Slot::Claimed => None,
-        }
+        self.slots.tag_mut(slot)
     }
 
     /// `slot`'s buffer, once its read was reaped.
@@ -432,7 +364,7 @@ impl<Tag> ReadRing<Tag> {
     /// # Panics
     /// If the slot is free or its read in flight.
     pub fn buffer(&self, slot: u32) -> &[u8] {
-        self.check_owned(slot);
+        self.slots.check_owned(slot);
         self.buffers.slice(slot)
     }
 
@@ -441,15 +373,8 @@ impl<Tag> ReadRing<Tag> {
     /// # Panics
     /// If the slot is free or its read in flight.
     pub fn buffer_mut(&mut self, slot: u32) -> &mut [u8] {
-        self.check_owned(slot);
+        self.slots.check_owned(slot);
         self.buffers.slice_mut(slot)
-    }
-
-    fn check_owned(&self, slot: u32) {
-        let state = &self.slots[slot as usize];
-        if !matches!(state, Slot::Claimed | Slot::Done(_)) {
-            panic!("buffer of slot {slot} used while {:?}", SlotName(state));
-        }
     }
 
     /// Submits queued entries without waiting for any completion.
@@ -520,13 +445,7 @@ impl<Tag> ReadRing<Tag> {
                 });
             } else {
                 let slot = user_data as u32;
-                let state = &mut self.slots[slot as usize];
-                *state = match std::mem::replace(state, Slot::Free) {
-                    Slot::InFlight(tag) => Slot::Done(tag),
-                    other => {
-                        unreachable!("completion for slot {slot} while {:?}", SlotName(&other))
-                    }
-                };
+                self.slots.reaped(slot);
                 out.push(Completion::Read {
                     slot,
                     result: read_result(entry.result()),

@@ -114,11 +114,35 @@ impl Transitions {
     /// appended in turn, and blocks on no kept edge come last. Deterministic, and a
     /// function of the counts only, so a saved graph reproduces it.
     pub fn cyclic_order(&self) -> Vec<u32> {
-        let passes = self.typical_count();
-        // Successors as (remaining multiplicity, count, target), heaviest first.
+        let mut edges = TrailEdges::kept(&self.counts, self.typical_count());
+        let mut order: Vec<u32> = Vec::new();
+        let mut placed: BTreeSet<u32> = BTreeSet::new();
+        while let Some(start) = edges.trail_start() {
+            let trail = edges.walk(start, &self.contexts);
+            placed.extend(trail.iter().copied());
+            order.extend(trail);
+        }
+        order.extend(self.seen.iter().copied().filter(|b| !placed.contains(b)));
+        order
+    }
+}
+
+/// The edges `cyclic_order` walks: those kept for one pass, each as many times as it is
+/// taken per pass, minus those walked already.
+struct TrailEdges {
+    /// Successors as (remaining multiplicity, count, target), heaviest first.
+    successors: BTreeMap<u32, Vec<(u64, u64, u32)>>,
+    /// Per block: the multiplicities of the edges left leaving it, less those entering.
+    balance: BTreeMap<u32, i64>,
+}
+
+impl TrailEdges {
+    /// The transitions of `counts` seen in more than half of `passes` passes, each
+    /// taken its count divided by the passes (rounded, at least once) per pass.
+    fn kept(counts: &BTreeMap<(u32, u32), u64>, passes: u64) -> Self {
         let mut successors: BTreeMap<u32, Vec<(u64, u64, u32)>> = BTreeMap::new();
         let mut balance: BTreeMap<u32, i64> = BTreeMap::new();
-        for (&(from, to), &count) in &self.counts {
+        for (&(from, to), &count) in counts {
             if 2 * count <= passes {
                 continue;
             }
@@ -133,76 +157,78 @@ impl Transitions {
         for list in successors.values_mut() {
             list.sort_by(|x, y| y.1.cmp(&x.1).then(x.2.cmp(&y.2)));
         }
-        let out_weight = |list: &Vec<(u64, u64, u32)>| list.iter().map(|e| e.1).sum::<u64>();
-
-        let mut order: Vec<u32> = Vec::new();
-        let mut placed: BTreeSet<u32> = BTreeSet::new();
-        loop {
-            // A trail starts where more leaves than enters; a closed one anywhere: at the
-            // heaviest block with edges left (lowest index on ties).
-            let remaining = |node: &u32| {
-                successors
-                    .get(node)
-                    .is_some_and(|l| l.iter().any(|e| e.0 > 0))
-            };
-            let start = balance
-                .iter()
-                .filter(|(node, &b)| b > 0 && remaining(node))
-                .map(|(&node, _)| node)
-                .next()
-                .or_else(|| {
-                    successors
-                        .iter()
-                        .filter(|(node, _)| remaining(node))
-                        .max_by(|a, b| out_weight(a.1).cmp(&out_weight(b.1)).then(b.0.cmp(a.0)))
-                        .map(|(&node, _)| node)
-                });
-            let Some(start) = start else {
-                break;
-            };
-            let mut stack = vec![start];
-            let mut trail = Vec::new();
-            while let Some(&node) = stack.last() {
-                // Leave the block the way the trace most often left it when entered from
-                // where the walk came from, then by the heaviest edge.
-                let before = stack.len().checked_sub(2).map(|i| stack[i]);
-                let context = |to: u32| {
-                    before.map_or(0, |b| {
-                        self.contexts.get(&(b, node, to)).copied().unwrap_or(0)
-                    })
-                };
-                let next = successors
-                    .get_mut(&node)
-                    .and_then(|list| {
-                        list.iter_mut().filter(|e| e.0 > 0).max_by(|x, y| {
-                            (context(x.2), x.1)
-                                .cmp(&(context(y.2), y.1))
-                                .then(y.2.cmp(&x.2))
-                        })
-                    })
-                    .map(|edge| {
-                        edge.0 -= 1;
-                        edge.2
-                    });
-                match next {
-                    Some(to) => {
-                        *balance.entry(node).or_default() -= 1;
-                        *balance.entry(to).or_default() += 1;
-                        stack.push(to);
-                    }
-                    None => trail.extend(stack.pop()),
-                }
-            }
-            trail.reverse();
-            // A closed trail ends where it began: the pass wraps there by itself.
-            if trail.len() > 1 && trail.first() == trail.last() {
-                trail.pop();
-            }
-            placed.extend(trail.iter().copied());
-            order.extend(trail);
+        Self {
+            successors,
+            balance,
         }
-        order.extend(self.seen.iter().copied().filter(|b| !placed.contains(b)));
-        order
+    }
+
+    /// Where the next trail starts: where more leaves than enters; a closed one
+    /// anywhere: at the heaviest block with edges left (lowest index on ties). `None`
+    /// once every edge is walked.
+    fn trail_start(&self) -> Option<u32> {
+        let out_weight = |list: &Vec<(u64, u64, u32)>| list.iter().map(|e| e.1).sum::<u64>();
+        let remaining = |node: &u32| {
+            self.successors
+                .get(node)
+                .is_some_and(|l| l.iter().any(|e| e.0 > 0))
+        };
+        self.balance
+            .iter()
+            .filter(|(node, &b)| b > 0 && remaining(node))
+            .map(|(&node, _)| node)
+            .next()
+            .or_else(|| {
+                self.successors
+                    .iter()
+                    .filter(|(node, _)| remaining(node))
+                    .max_by(|a, b| out_weight(a.1).cmp(&out_weight(b.1)).then(b.0.cmp(a.0)))
+                    .map(|(&node, _)| node)
+            })
+    }
+
+    /// Walks a trail from `start` (Hierholzer's algorithm), using up its edges: at each
+    /// block the edge the trace (`contexts`) most often took after the block the walk
+    /// came from, then the heaviest. A closed trail is returned without its return to
+    /// `start`: the pass wraps there by itself.
+    fn walk(&mut self, start: u32, contexts: &BTreeMap<(u32, u32, u32), u64>) -> Vec<u32> {
+        let mut stack = vec![start];
+        let mut trail = Vec::new();
+        while let Some(&node) = stack.last() {
+            // Leave the block the way the trace most often left it when entered from
+            // where the walk came from, then by the heaviest edge.
+            let before = stack.len().checked_sub(2).map(|i| stack[i]);
+            let context =
+                |to: u32| before.map_or(0, |b| contexts.get(&(b, node, to)).copied().unwrap_or(0));
+            let next = self
+                .successors
+                .get_mut(&node)
+                .and_then(|list| {
+                    list.iter_mut().filter(|e| e.0 > 0).max_by(|x, y| {
+                        (context(x.2), x.1)
+                            .cmp(&(context(y.2), y.1))
+                            .then(y.2.cmp(&x.2))
+                    })
+                })
+                .map(|edge| {
+                    edge.0 -= 1;
+                    edge.2
+                });
+            match next {
+                Some(to) => {
+                    *self.balance.entry(node).or_default() -= 1;
+                    *self.balance.entry(to).or_default() += 1;
+                    stack.push(to);
+                }
+                None => trail.extend(stack.pop()),
+            }
+        }
+        trail.reverse();
+        // A closed trail ends where it began: the pass wraps there by itself.
+        if trail.len() > 1 && trail.first() == trail.last() {
+            trail.pop();
+        }
+        trail
     }
 }
 

@@ -1,5 +1,7 @@
 use std::path::Path;
 
+use petgraph::graph::NodeIndex;
+
 use super::*;
 
 /// Lays tensors out back to back, each start aligned to 32 bytes as GGUF does.

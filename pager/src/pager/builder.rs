@@ -380,41 +380,15 @@ impl PagerBuilder {
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = sys::page_size();
         let max_read = self.checked_max_read(page)?;
-        let mut shape_files = None;
-        let mut at_fork = false;
-        let (uffd, store, mut zero_copy_refused, forks_refused) = if self.serve_forks {
-            match self.shaping_uffd() {
-                Ok((uffd, files, copied)) => {
-                    shape_files = files.map(Arc::new);
-                    (uffd, None, copied, None)
-                }
-                Err(error) => {
-                    let (uffd, store, refused, _) = self.uffd_and_frames(false)?;
-                    let why =
-                        format!("userfaultfd refused fork events ({error}; needs CAP_SYS_PTRACE)");
-                    (uffd, store, refused, Some(why))
-                }
-            }
-        } else {
-            let (uffd, store, refused, forks) =
-                self.uffd_and_frames(self.serve_forks_at_fork && self.share_dir.is_none())?;
-            at_fork = forks.is_ok();
-            if at_fork {
-                // Made now, while nothing waits: a fork's prepare handler must not.
-                shape_files = Some(Arc::new(ShapeFiles::new()));
-            }
-            (uffd, store, refused, forks.err().flatten())
-        };
-        let serve_forks = self.serve_forks && forks_refused.is_none();
-        // A pager whose regions other processes attach to copies blocks in: a guest maps
-        // the memfd's pages itself, and one a read in place had allocated but not yet
-        // filled would be mapped as it is.
-        let shape_files =
-            shape_files.filter(|_| (serve_forks && self.share_dir.is_none()) || at_fork);
-        if serve_forks && self.share_dir.is_some() && zero_copy_refused.is_none() {
-            zero_copy_refused =
-                Some("its regions are shared with other processes of the run".into());
-        }
+        let FaultSetup {
+            uffd,
+            store,
+            zero_copy_refused,
+            forks_refused,
+            serve_forks,
+            at_fork,
+            shape_files,
+        } = self.fault_setup()?;
         let zero_copy = store.is_some();
         // A read fills one frame: blocks are read one at a time (they are 2 MiB or more).
         let max_read = if zero_copy { self.block_size } else { max_read };
@@ -424,21 +398,7 @@ impl PagerBuilder {
         shared
             .serving_forks
             .store(serve_forks, std::sync::atomic::Ordering::Release);
-        // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
-        // Serving forks: a fork makes installs wait (EAGAIN) until the service has read
-        // its event, which workers could only spin on; the service thread installs.
-        let install_threads = if zero_copy || serve_forks {
-            0
-        } else {
-            self.install_threads
-        };
-        let installs = match install_threads {
-            0 => None,
-            threads => Some(
-                InstallPool::new(threads, uffd.clone(), page as usize, self.thread_nice)
-                    .map_err(PagerError::Spawn)?,
-            ),
-        };
+        let installs = self.install_pool(zero_copy || serve_forks, &uffd, page)?;
         let (budget_floor, budget_ceiling) = self.budget_bounds();
         let service = FaultService::new(
             ServiceConfig {
@@ -494,6 +454,100 @@ impl PagerBuilder {
             }),
         })
     }
+
+    /// How the pager meets faults, as the kernel grants it: the userfaultfd and its
+    /// features, the frame store for zero copy, whether forked children are served
+    /// (from the start, or from the first fork) and where file-shaped regions' files
+    /// are made; with why what was asked for is not granted.
+    fn fault_setup(&self) -> Result<FaultSetup, PagerError> {
+        let mut shape_files = None;
+        let mut at_fork = false;
+        let (uffd, store, mut zero_copy_refused, forks_refused) = if self.serve_forks {
+            match self.shaping_uffd() {
+                Ok((uffd, files, copied)) => {
+                    shape_files = files.map(Arc::new);
+                    (uffd, None, copied, None)
+                }
+                Err(error) => {
+                    let (uffd, store, refused, _) = self.uffd_and_frames(false)?;
+                    let why =
+                        format!("userfaultfd refused fork events ({error}; needs CAP_SYS_PTRACE)");
+                    (uffd, store, refused, Some(why))
+                }
+            }
+        } else {
+            let (uffd, store, refused, forks) =
+                self.uffd_and_frames(self.serve_forks_at_fork && self.share_dir.is_none())?;
+            at_fork = forks.is_ok();
+            if at_fork {
+                // Made now, while nothing waits: a fork's prepare handler must not.
+                shape_files = Some(Arc::new(ShapeFiles::new()));
+            }
+            (uffd, store, refused, forks.err().flatten())
+        };
+        let serve_forks = self.serve_forks && forks_refused.is_none();
+        // A pager whose regions other processes attach to copies blocks in: a guest maps
+        // the memfd's pages itself, and one a read in place had allocated but not yet
+        // filled would be mapped as it is.
+        let shape_files =
+            shape_files.filter(|_| (serve_forks && self.share_dir.is_none()) || at_fork);
+        if serve_forks && self.share_dir.is_some() && zero_copy_refused.is_none() {
+            zero_copy_refused =
+                Some("its regions are shared with other processes of the run".into());
+        }
+        Ok(FaultSetup {
+            uffd,
+            store,
+            zero_copy_refused,
+            forks_refused,
+            serve_forks,
+            at_fork,
+            shape_files,
+        })
+    }
+
+    /// The install workers, unless the service thread installs blocks itself
+    /// (`service_installs`).
+    fn install_pool(
+        &self,
+        service_installs: bool,
+        uffd: &Arc<Uffd>,
+        page: u64,
+    ) -> Result<Option<InstallPool>, PagerError> {
+        // Mapping a frame is cheap: the service thread does it; there is nothing to copy.
+        // Serving forks: a fork makes installs wait (EAGAIN) until the service has read
+        // its event, which workers could only spin on; the service thread installs.
+        let install_threads = if service_installs {
+            0
+        } else {
+            self.install_threads
+        };
+        Ok(match install_threads {
+            0 => None,
+            threads => Some(
+                InstallPool::new(threads, uffd.clone(), page as usize, self.thread_nice)
+                    .map_err(PagerError::Spawn)?,
+            ),
+        })
+    }
+}
+
+/// What `PagerBuilder::fault_setup` decided.
+struct FaultSetup {
+    uffd: Uffd,
+    /// The frame store, with zero copy.
+    store: Option<FrameStore>,
+    /// Why blocks are copied in, if they are.
+    zero_copy_refused: Option<String>,
+    /// Why forked children are not served, if they were to be.
+    forks_refused: Option<String>,
+    /// Whether forked children are served from the start.
+    serve_forks: bool,
+    /// Whether they are served from the first fork on.
+    at_fork: bool,
+    /// Where file-shaped regions' files are made, for reads in place (from the start)
+    /// or at the first fork.
+    shape_files: Option<Arc<ShapeFiles>>,
 }
 
 /// The userfaultfd, the frame store, why blocks are copied if they are, and whether fork

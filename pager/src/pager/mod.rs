@@ -11,6 +11,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::sync_channel;
@@ -34,9 +35,11 @@ use crate::trace::TraceRecord;
 
 mod builder;
 mod fork_guard;
+mod map_extent;
 mod region;
 
 pub use self::builder::PagerBuilder;
+use self::map_extent::MapExtent;
 pub use self::region::Region;
 use self::region::{Mapping, MappingPromise};
 
@@ -446,39 +449,12 @@ impl Pager {
             return Err(MapError::Writable);
         }
         let file = BackingFile::open(path)?;
-        let name = || path.display().to_string();
         let page = sys::page_size();
-        if options.offset % page != 0 {
-            return Err(MapError::UnalignedOffset {
-                path: name(),
-                offset: options.offset,
-            });
-        }
-        let file_len = file.len();
-        let len = match options.len {
-            Some(0) => return Err(MapError::ZeroLength { path: name() }),
-            Some(len) => len,
-            None => file_len.saturating_sub(options.offset),
-        };
-        if options.offset >= file_len || len > file_len - options.offset {
-            return Err(MapError::OutOfRange {
-                path: name(),
-                offset: options.offset,
-                len,
-                file_len,
-            });
-        }
-        let needed = len.next_multiple_of(page);
-        let map_len = options.map_len.unwrap_or(needed).next_multiple_of(page);
-        if map_len < needed {
-            return Err(MapError::MapTooShort { map_len, needed });
-        }
-        if let Some(&offset) = options.block_cuts.iter().find(|&&cut| cut % page != 0) {
-            return Err(MapError::UnalignedCut {
-                path: name(),
-                offset,
-            });
-        }
+        let MapExtent {
+            len,
+            needed,
+            map_len,
+        } = MapExtent::check(&options, path, file.len(), page)?;
         let geometry = BlockGeometry::new(options.offset, len, self.inner.block_size)?
             .with_file_cuts(options.block_cuts.iter().copied())?;
         // Mapped from frames, blocks are huge pages only at huge-page-aligned addresses.
@@ -489,7 +465,10 @@ impl Pager {
         };
         // The blocks, and the block-sized pieces of the mapping past the data.
         let past_data = (map_len - needed).div_ceil(self.inner.block_size);
-        let mappings = self.promise_mappings(&name(), geometry.block_count() as u64 + past_data)?;
+        let mappings = self.promise_mappings(
+            &path.display().to_string(),
+            geometry.block_count() as u64 + past_data,
+        )?;
         // Reserved inaccessible, registered, and only then given the program's
         // protection. Under mlockall(MCL_FUTURE) the kernel fills every new accessible
         // mapping as it creates it: a readable reservation got zero pages before it was
@@ -498,58 +477,12 @@ impl Pager {
         // it readable fills nothing.
         let serve_forks = self.inner.serve_forks();
         let mapping = Mapping::reserve(map_len as usize, align, serve_forks)?;
-        let reserve_error = |source| MapError::Reserve {
-            len: map_len,
-            source,
-        };
-        let shape = match (serve_forks, &self.inner.shape_files) {
-            (false, _) => None,
-            (true, Some(files)) => {
-                let huge = crate::shaped_region::blocks_are_huge_pages(
-                    self.inner.block_size,
-                    options.offset,
-                    &options.block_cuts,
-                );
-                let file = files.create(needed, huge).map_err(reserve_error)?;
-                // SAFETY: the data pages of the reservation just made, which nothing
-                // uses.
-                unsafe {
-                    crate::shaped_region::map_file_over(mapping.base, needed as usize, &file)
-                }
-                .map_err(reserve_error)?;
-                Some(file)
-            }
-            // SAFETY: the data pages of the reservation just made, which nothing uses.
-            (true, None) => Some(
-                unsafe { crate::shaped_region::map_shaped(mapping.base, needed as usize) }
-                    .map_err(reserve_error)?,
-            ),
-        };
-        let register = |start: usize, len: usize, mode| {
-            self.inner
-                .uffd
-                .register_with_mode(start as *mut libc::c_void, len, mode)
-                .map_err(|error| MapError::Register(format!("{error:?}")))
-        };
-        if shape.is_some() && self.inner.shape_files.is_some() {
-            // Read in place: the file's pages exist before their bytes do (see
-            // `shaped_region`). The reservation past the data is anonymous, where minor
-            // faults cannot be registered.
-            register(
-                mapping.base,
-                needed as usize,
-                RegisterMode::MISSING | RegisterMode::MINOR,
-            )?;
-            if mapping.len > needed as usize {
-                register(
-                    mapping.base + needed as usize,
-                    mapping.len - needed as usize,
-                    RegisterMode::MISSING,
-                )?;
-            }
-        } else {
-            register(mapping.base, mapping.len, RegisterMode::MISSING)?;
-        }
+        let shape = self.shape_reservation(&mapping, serve_forks, needed, map_len, &options)?;
+        self.register_reservation(
+            &mapping,
+            needed as usize,
+            shape.is_some() && self.inner.shape_files.is_some(),
+        )?;
         let id = RegionId(self.inner.next_region.fetch_add(1, Ordering::Relaxed));
         let layout = RegionLayout::new(geometry, map_len, page);
         let (reply, answer) = sync_channel(1);
@@ -578,5 +511,82 @@ impl Pager {
             },
         )?;
         Ok(region)
+    }
+
+    /// For a pager that serves forked children: the file the data pages of `mapping`
+    /// (`needed` bytes, of a reservation of `map_len`) are made a shared mapping of, so
+    /// that children inherit the region (`shaped_region`); a file of `shape_files` when
+    /// blocks are read in place, else a memfd. `None` otherwise.
+    fn shape_reservation(
+        &self,
+        mapping: &Mapping,
+        serve_forks: bool,
+        needed: u64,
+        map_len: u64,
+        options: &MapOptions,
+    ) -> Result<Option<OwnedFd>, MapError> {
+        let reserve_error = |source| MapError::Reserve {
+            len: map_len,
+            source,
+        };
+        Ok(match (serve_forks, &self.inner.shape_files) {
+            (false, _) => None,
+            (true, Some(files)) => {
+                let huge = crate::shaped_region::blocks_are_huge_pages(
+                    self.inner.block_size,
+                    options.offset,
+                    &options.block_cuts,
+                );
+                let file = files.create(needed, huge).map_err(reserve_error)?;
+                // SAFETY: the data pages of the reservation just made, which nothing
+                // uses.
+                unsafe {
+                    crate::shaped_region::map_file_over(mapping.base, needed as usize, &file)
+                }
+                .map_err(reserve_error)?;
+                Some(file)
+            }
+            // SAFETY: the data pages of the reservation just made, which nothing uses.
+            (true, None) => Some(
+                unsafe { crate::shaped_region::map_shaped(mapping.base, needed as usize) }
+                    .map_err(reserve_error)?,
+            ),
+        })
+    }
+
+    /// Registers `mapping` with the userfaultfd: missing faults everywhere, and minor
+    /// faults too on its first `needed` bytes (the data) when `read_in_place`.
+    fn register_reservation(
+        &self,
+        mapping: &Mapping,
+        needed: usize,
+        read_in_place: bool,
+    ) -> Result<(), MapError> {
+        let register = |start: usize, len: usize, mode| {
+            self.inner
+                .uffd
+                .register_with_mode(start as *mut libc::c_void, len, mode)
+                .map_err(|error| MapError::Register(format!("{error:?}")))
+        };
+        if read_in_place {
+            // Read in place: the file's pages exist before their bytes do (see
+            // `shaped_region`). The reservation past the data is anonymous, where minor
+            // faults cannot be registered.
+            register(
+                mapping.base,
+                needed,
+                RegisterMode::MISSING | RegisterMode::MINOR,
+            )?;
+            if mapping.len > needed {
+                register(
+                    mapping.base + needed,
+                    mapping.len - needed,
+                    RegisterMode::MISSING,
+                )?;
+            }
+        } else {
+            register(mapping.base, mapping.len, RegisterMode::MISSING)?;
+        }
+        Ok(())
     }
 }

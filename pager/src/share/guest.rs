@@ -240,6 +240,61 @@ fn ask(
     map_len: usize,
     prot: i32,
 ) -> Result<Attachment, AttachError> {
+    let granted = request_region(&socket, key, offset, len)?;
+    let (base, uffd) = map_registered(&granted.memfd, granted.start, map_len, prot)?;
+    let unmap = unmap_on_error(base, map_len);
+    let stop = sys::eventfd().map_err(|error| unmap(sys_error("eventfd")(error)))?;
+    let stop_read =
+        sys::dup_cloexec(stop.as_fd()).map_err(|error| unmap(sys_error("dup")(error)))?;
+    let counters = Arc::new(GuestCounters::default());
+    let served = Served {
+        base,
+        map_len,
+        region: granted.region,
+        data_len: granted.data_len,
+        shape_len: granted.shape_len,
+        start: granted.start,
+        memfd: granted.memfd,
+        file: granted.file,
+        page: sys::page_size(),
+        file_offset: offset - granted.start,
+        counters: Arc::clone(&counters),
+    };
+    let thread = std::thread::Builder::new()
+        .name("hyperoffload-guest".into())
+        .spawn(move || served.run(uffd, socket, stop_read))
+        .map_err(|error| unmap(sys_error("starting the guest thread")(error)))?;
+    Ok(Attachment {
+        base,
+        map_len,
+        host_pid,
+        stop,
+        thread: Some(thread),
+        counters,
+        unmap_on_drop: true,
+    })
+}
+
+/// What the host's `Attached` grants: its region (see `Message::Attached`), with the
+/// region's memfd and the file it maps.
+struct Granted {
+    region: u32,
+    data_len: u64,
+    shape_len: u64,
+    start: u64,
+    memfd: OwnedFd,
+    file: OwnedFd,
+}
+
+/// Sends `Attach` for `len` bytes of the file `key` from `offset` over `socket`, and
+/// reads the host's answer: refused, not yet, or the region, whose range must start on
+/// a page at or before `offset`.
+fn request_region(
+    socket: &OwnedFd,
+    key: &FileKey,
+    offset: u64,
+    len: u64,
+) -> Result<Granted, AttachError> {
     let attach = Message::Attach {
         file: *key,
         offset,
@@ -275,6 +330,25 @@ fn ask(
     if start % sys::page_size() != 0 || start > offset {
         return Err(AttachError::Unexpected);
     }
+    Ok(Granted {
+        region,
+        data_len,
+        shape_len,
+        start,
+        memfd,
+        file,
+    })
+}
+
+/// Maps `map_len` bytes of the host's region from `start` of its memfd, registers the
+/// mapping with a userfaultfd of its own and gives it the program's protection `prot`;
+/// returns where it is, with the userfaultfd. Unmapped again if a step fails.
+fn map_registered(
+    memfd: &OwnedFd,
+    start: u64,
+    map_len: usize,
+    prot: i32,
+) -> Result<(usize, Uffd), AttachError> {
     // SAFETY: a new mapping at an address the kernel picks replaces nothing.
     let base = unsafe {
         sys::mmap(
@@ -287,11 +361,7 @@ fn ask(
         )
     }
     .map_err(sys_error("mapping the host's region"))?;
-    let unmap = |error: AttachError| {
-        // SAFETY: the mapping was made above and nothing refers to it yet.
-        let _ = unsafe { sys::munmap(base, map_len) };
-        error
-    };
+    let unmap = unmap_on_error(base, map_len);
     let uffd = new_uffd().map_err(unmap)?;
     // Missing faults only: a host that shares its regions copies blocks in (a page is
     // in its memfd only with its bytes), so a page the memfd holds maps with no fault.
@@ -309,36 +379,17 @@ fn ask(
         let _ = sys::madvise_raw(base, map_len, libc::MADV_DONTFORK);
         sys::mprotect(base, map_len, prot).map_err(|error| unmap(sys_error("mprotect")(error)))?;
     }
-    let stop = sys::eventfd().map_err(|error| unmap(sys_error("eventfd")(error)))?;
-    let stop_read =
-        sys::dup_cloexec(stop.as_fd()).map_err(|error| unmap(sys_error("dup")(error)))?;
-    let counters = Arc::new(GuestCounters::default());
-    let served = Served {
-        base,
-        map_len,
-        region,
-        data_len,
-        shape_len,
-        start,
-        memfd,
-        file,
-        page: sys::page_size(),
-        file_offset: offset - start,
-        counters: Arc::clone(&counters),
-    };
-    let thread = std::thread::Builder::new()
-        .name("hyperoffload-guest".into())
-        .spawn(move || served.run(uffd, socket, stop_read))
-        .map_err(|error| unmap(sys_error("starting the guest thread")(error)))?;
-    Ok(Attachment {
-        base,
-        map_len,
-        host_pid,
-        stop,
-        thread: Some(thread),
-        counters,
-        unmap_on_drop: true,
-    })
+    Ok((base, uffd))
+}
+
+/// Passes an error on after unmapping the guest's mapping at `base`, made by
+/// `map_registered` and referred to by nothing yet.
+fn unmap_on_error(base: usize, map_len: usize) -> impl Fn(AttachError) -> AttachError + Copy {
+    move |error| {
+        // SAFETY: the mapping was made by `map_registered` and nothing refers to it yet.
+        let _ = unsafe { sys::munmap(base, map_len) };
+        error
+    }
 }
 
 fn new_uffd() -> Result<Uffd, AttachError> {

@@ -1,7 +1,7 @@
 //! The architectures synth writes besides llama: the mixtures of experts people run,
-//! each the llama mixture of experts (`plan::expert_layer`) with the tensors and keys
-//! llama.cpp's loader for that architecture requires (it refuses a file with a tensor
-//! it does not claim, or without one it needs, or a key of another GGUF type).
+//! each the llama mixture of experts (`plan::roles::expert_layer`) with the tensors and
+//! keys llama.cpp's loader for that architecture requires (it refuses a file with a
+//! tensor it does not claim, or without one it needs, or a key of another GGUF type).
 //!
 //! - `qwen3moe` (Qwen3-30B-A3B, Qwen3-235B-A22B): RMS norms of each head's queries and
 //!   keys (`attn_q_norm`, `attn_k_norm`), the experts' width in
@@ -133,40 +133,13 @@ impl SynthArch {
         layer: &mut Vec<Role>,
         n_layer: usize,
     ) {
-        let f32_role = |name: &str| Role {
-            name: name.to_string(),
-            types: vec![GgmlType::F32; n_layer],
-        };
         match self {
             SynthArch::Llama => {}
             SynthArch::Qwen3Moe => {
-                layer.push(f32_role("attn_q_norm.weight"));
-                layer.push(f32_role("attn_k_norm.weight"));
+                layer.push(f32_role("attn_q_norm.weight", n_layer));
+                layer.push(f32_role("attn_k_norm.weight", n_layer));
             }
-            SynthArch::GptOss => {
-                rename(layer, "ffn_norm.weight", "post_attention_norm.weight");
-                add_f32_roles(
-                    layer,
-                    &[
-                        "attn_sinks.weight",
-                        "attn_output.bias",
-                        "ffn_gate_inp.bias",
-                        "ffn_gate_exps.bias",
-                        "ffn_up_exps.bias",
-                        "ffn_down_exps.bias",
-                    ],
-                    n_layer,
-                );
-                let has_output = globals.iter().any(|role| role.name == "output.weight");
-                let embedding = globals.iter().find(|role| role.name == "token_embd.weight");
-                if let (false, Some(embedding)) = (has_output, embedding) {
-                    let output = Role {
-                        name: "output.weight".into(),
-                        types: embedding.types.clone(),
-                    };
-                    globals.push(output);
-                }
-            }
+            SynthArch::GptOss => gpt_oss_roles(globals, layer, n_layer),
             SynthArch::Glm4Moe => {
                 rename(layer, "ffn_norm.weight", "post_attention_norm.weight");
                 add_f32_roles(
@@ -182,36 +155,8 @@ impl SynthArch {
                 add_shared_experts(layer);
             }
             SynthArch::DeepSeek2 => {
-                let types_of = |layer: &[Role], name: &str| {
-                    layer
-                        .iter()
-                        .find(|role| role.name == name)
-                        .map_or_else(|| vec![GgmlType::F32; n_layer], |role| role.types.clone())
-                };
-                let (q, k, v) = (
-                    types_of(layer, "attn_q.weight"),
-                    types_of(layer, "attn_k.weight"),
-                    types_of(layer, "attn_v.weight"),
-                );
-                layer.retain(|role| {
-                    !["attn_q.", "attn_k.", "attn_v."]
-                        .iter()
-                        .any(|prefix| role.name.starts_with(prefix))
-                });
-                let typed = |name: &str, types: &Vec<GgmlType>| Role {
-                    name: name.to_string(),
-                    types: types.clone(),
-                };
-                layer.extend([
-                    typed("attn_q_a.weight", &q),
-                    f32_role("attn_q_a_norm.weight"),
-                    typed("attn_q_b.weight", &q),
-                    typed("attn_kv_a_mqa.weight", &k),
-                    f32_role("attn_kv_a_norm.weight"),
-                    typed("attn_k_b.weight", &k),
-                    typed("attn_v_b.weight", &v),
-                    f32_role("exp_probs_b.bias"),
-                ]);
+                latent_attention_roles(layer, n_layer);
+                layer.push(f32_role("exp_probs_b.bias", n_layer));
                 add_shared_experts(layer);
             }
         }
@@ -299,6 +244,77 @@ impl SynthArch {
             }
         }
     }
+}
+
+/// A role of F32 tensors (a norm, a bias), in each of `n_layer` small layers.
+fn f32_role(name: &str, n_layer: usize) -> Role {
+    Role {
+        name: name.to_string(),
+        types: vec![GgmlType::F32; n_layer],
+    }
+}
+
+/// gpt-oss's: the norm before the experts renamed, biases on the attention output, the
+/// router and the experts, sinks, and an output head of its own (of the embedding's
+/// types) where the small model ties it to the embedding.
+fn gpt_oss_roles(globals: &mut Vec<Role>, layer: &mut Vec<Role>, n_layer: usize) {
+    rename(layer, "ffn_norm.weight", "post_attention_norm.weight");
+    add_f32_roles(
+        layer,
+        &[
+            "attn_sinks.weight",
+            "attn_output.bias",
+            "ffn_gate_inp.bias",
+            "ffn_gate_exps.bias",
+            "ffn_up_exps.bias",
+            "ffn_down_exps.bias",
+        ],
+        n_layer,
+    );
+    let has_output = globals.iter().any(|role| role.name == "output.weight");
+    let embedding = globals.iter().find(|role| role.name == "token_embd.weight");
+    if let (false, Some(embedding)) = (has_output, embedding) {
+        let output = Role {
+            name: "output.weight".into(),
+            types: embedding.types.clone(),
+        };
+        globals.push(output);
+    }
+}
+
+/// DeepSeek's latent attention in place of llama's: its query pair of the queries'
+/// types, its key-value compression and key expansion of the keys', its value
+/// expansion of the values', and F32 norms.
+fn latent_attention_roles(layer: &mut Vec<Role>, n_layer: usize) {
+    let types_of = |layer: &[Role], name: &str| {
+        layer
+            .iter()
+            .find(|role| role.name == name)
+            .map_or_else(|| vec![GgmlType::F32; n_layer], |role| role.types.clone())
+    };
+    let (q, k, v) = (
+        types_of(layer, "attn_q.weight"),
+        types_of(layer, "attn_k.weight"),
+        types_of(layer, "attn_v.weight"),
+    );
+    layer.retain(|role| {
+        !["attn_q.", "attn_k.", "attn_v."]
+            .iter()
+            .any(|prefix| role.name.starts_with(prefix))
+    });
+    let typed = |name: &str, types: &Vec<GgmlType>| Role {
+        name: name.to_string(),
+        types: types.clone(),
+    };
+    layer.extend([
+        typed("attn_q_a.weight", &q),
+        f32_role("attn_q_a_norm.weight", n_layer),
+        typed("attn_q_b.weight", &q),
+        typed("attn_kv_a_mqa.weight", &k),
+        f32_role("attn_kv_a_norm.weight", n_layer),
+        typed("attn_k_b.weight", &k),
+        typed("attn_v_b.weight", &v),
+    ]);
 }
 
 /// F32 roles (norms, biases, sinks) of these names, where the layer lacks them.

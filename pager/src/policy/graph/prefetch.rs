@@ -224,56 +224,69 @@ impl PrefetchPolicy for GraphPrefetch {
     fn plan(&mut self, fault: &FaultEvent, out: &mut Vec<PrefetchRequest>) {
         let prediction = Arc::clone(&self.prediction);
         let graph = prediction.graph();
-        let order = graph.order();
-        let layout = graph.geometry();
         let mut progress = prediction.lock();
+        let region = fault.block.region;
         // A routed expert in use: the rest of its slices (gate, up, down) follow at once.
         let global = progress.global(graph, fault.block);
         let in_use =
             global.and_then(|global| progress.experts_in_use(graph, global, fault.offset_in_block));
         if let (Some(global), Some(groups)) = (global, &in_use) {
-            let experts = graph.experts();
-            let mut wanted: Vec<u32> = groups
-                .iter()
-                .flat_map(|&group| experts.group(group).blocks())
-                .filter(|&block| block != global && !progress.resident[block as usize])
-                .collect();
-            wanted.dedup();
-            for block in wanted {
-                if let Some(block_ref) = progress.local(graph, block, fault.block.region) {
-                    out.push(PrefetchRequest::eager(block_ref));
-                }
-            }
+            ask_rest_of_experts(graph, &progress, global, groups, region, out);
         }
         let Some(position) = progress.advance(graph, fault) else {
             return;
         };
-        self.ask_idle_fill(graph, &progress, fault.block.region, out);
+        self.ask_idle_fill(graph, &progress, region, out);
         if in_use.is_some() {
-            speculate(graph, &mut progress, fault.block.region, out);
+            speculate(graph, &mut progress, region, out);
         }
+        self.follow_progress(graph, position, fault.time_ns);
+        let planned = self.ask_along_order(graph, &progress, position, region, out);
+        progress.planned = Some(planned);
+    }
+}
+
+impl GraphPrefetch {
+    /// The program is at `position` of the order at `time_ns`: counts the positions it
+    /// advanced since the previous fault, and from them its rate of progress.
+    fn follow_progress(&mut self, graph: &ModelGraph, position: u32, time_ns: u64) {
         if let Some((last_position, last_ns)) = self.last {
-            let steps = progress_steps(order, last_position, position);
+            let steps = progress_steps(graph.order(), last_position, position);
             self.progress_steps += steps;
-            if fault.time_ns > last_ns && steps > 0 {
-                let bytes = (steps * layout.block_size) as f64;
-                let seconds = (fault.time_ns - last_ns) as f64 * 1e-9;
+            if time_ns > last_ns && steps > 0 {
+                let bytes = (steps * graph.geometry().block_size) as f64;
+                let seconds = (time_ns - last_ns) as f64 * 1e-9;
                 self.consume_bytes_per_s = ewma(self.consume_bytes_per_s, bytes / seconds);
             }
         }
-        self.last = Some((position, fault.time_ns));
+        self.last = Some((position, time_ns));
+    }
+
+    /// Asks for the blocks the order says come after `position` (the fault's), as far
+    /// as the lookahead reaches, in the region `region` where it presents them; returns
+    /// where the next fault should land.
+    ///
+    /// Every block used within the lookahead (`window` positions) must be resident or
+    /// in flight. Blocks this policy requested for a position still ahead count
+    /// towards the window whether read yet or not. Other resident blocks are the part
+    /// of the model kept resident: they do not count, and the walk goes through them
+    /// to the blocks after, because the program raises no fault while it runs through
+    /// resident blocks, so the next plan would come too late. The first block after
+    /// such a stretch is a marker, so the program reports back as it leaves it.
+    fn ask_along_order(
+        &mut self,
+        graph: &ModelGraph,
+        progress: &Progress,
+        position: u32,
+        region: RegionId,
+        out: &mut Vec<PrefetchRequest>,
+    ) -> Planned {
+        let order = graph.order();
+        let block_size = graph.geometry().block_size;
         // The fault's block, in the graph's numbering.
         let faulted = order.block_at(position);
-
-        // Every block used within the lookahead (`window` positions) must be resident or
-        // in flight. Blocks this policy requested for a position still ahead count
-        // towards the window whether read yet or not. Other resident blocks are the part
-        // of the model kept resident: they do not count, and the walk goes through them
-        // to the blocks after, because the program raises no fault while it runs through
-        // resident blocks, so the next plan would come too late. The first block after
-        // such a stretch is a marker, so the program reports back as it leaves it.
         let lookahead = self.lookahead_bytes();
-        let window = lookahead.div_ceil(layout.block_size).max(1);
+        let window = lookahead.div_ceil(block_size).max(1);
         // Other markers sit at fixed positions (multiples of a power-of-two stride), so
         // successive plans agree on them: a block first requested without a marker is
         // never meant to carry one.
@@ -304,7 +317,7 @@ impl PrefetchPolicy for GraphPrefetch {
                 continue;
             }
             // A part of the model no region presents (not mapped yet, or any more).
-            let Some(block_ref) = progress.local(graph, block, fault.block.region) else {
+            let Some(block_ref) = progress.local(graph, block, region) else {
                 continue;
             };
             self.target[block as usize] = target;
@@ -319,10 +332,34 @@ impl PrefetchPolicy for GraphPrefetch {
         // The next fault should land within what this plan covered (the window, and
         // the blocks resident after it, which the program runs through without a fault),
         // or one window more: a program briefly ahead of its reads.
-        progress.planned = Some(Planned {
+        Planned {
             from: position,
             reach: (reach + window).min(u32::MAX as u64) as u32,
-        });
+        }
+    }
+}
+
+/// At a fault on `global`, a slice of the routed experts `groups`: asks for the rest of
+/// their blocks that are not resident, in the region `region` where it presents them.
+fn ask_rest_of_experts(
+    graph: &ModelGraph,
+    progress: &Progress,
+    global: u32,
+    groups: &[u32],
+    region: RegionId,
+    out: &mut Vec<PrefetchRequest>,
+) {
+    let experts = graph.experts();
+    let mut wanted: Vec<u32> = groups
+        .iter()
+        .flat_map(|&group| experts.group(group).blocks())
+        .filter(|&block| block != global && !progress.resident[block as usize])
+        .collect();
+    wanted.dedup();
+    for block in wanted {
+        if let Some(block_ref) = progress.local(graph, block, region) {
+            out.push(PrefetchRequest::eager(block_ref));
+        }
     }
 }
 
