@@ -21,7 +21,7 @@ use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
 use crate::shaped_region::ShapeFiles;
 use crate::shared_store::{FrameStore, Tmpfs};
-use crate::sys::HUGE_PAGE;
+use crate::sys::memory::HUGE_PAGE;
 use crate::{budget_floor, sys, uffd_ext};
 
 /// Builds a pager.
@@ -378,7 +378,7 @@ impl PagerBuilder {
     }
 
     pub fn build(self) -> Result<Pager, PagerError> {
-        let page = sys::page_size();
+        let page = sys::memory::page_size();
         let max_read = self.checked_max_read(page)?;
         let mut shape_files = None;
         let mut at_fork = false;
@@ -490,7 +490,7 @@ impl PagerBuilder {
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
                 shape_files,
-                owner: sys::getpid(),
+                owner: sys::processes::getpid(),
             }),
         })
     }

@@ -239,7 +239,7 @@ struct PagerInner {
 impl PagerInner {
     /// Whether this is the process the service runs in, not a forked child.
     fn serving_here(&self) -> bool {
-        sys::getpid() == self.owner
+        sys::processes::getpid() == self.owner
     }
 
     /// Whether forked children are served (`PagerBuilder::serve_forks`, or since the
@@ -447,7 +447,7 @@ impl Pager {
         }
         let file = BackingFile::open(path)?;
         let name = || path.display().to_string();
-        let page = sys::page_size();
+        let page = sys::memory::page_size();
         if options.offset % page != 0 {
             return Err(MapError::UnalignedOffset {
                 path: name(),
@@ -571,12 +571,11 @@ impl Pager {
             _mappings: mappings,
         };
         // SAFETY: the reservation is this region's own, and nothing reads it yet.
-        unsafe { sys::mprotect(region.mapping.base, region.mapping.len, options.prot) }.map_err(
-            |source| MapError::Reserve {
+        unsafe { sys::memory::mprotect(region.mapping.base, region.mapping.len, options.prot) }
+            .map_err(|source| MapError::Reserve {
                 len: map_len,
                 source,
-            },
-        )?;
+            })?;
         Ok(region)
     }
 }

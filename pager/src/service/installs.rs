@@ -411,20 +411,26 @@ pub(super) fn map_frame(
         // service learns of every unmap before it happens) with the block's own bytes;
         // nothing but the program's reads reaches this range.
         unsafe {
-            crate::sys::mmap(
+            crate::sys::memory::mmap(
                 part.start,
                 bytes,
                 region.prot,
                 libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                store.fd(frame),
+                Some(store.fd(frame)),
                 offset as i64,
             )
         }
         .map_err(|error| map_error(part.start, error))?;
         // As for the reservation: a forked child must not see the range.
         // SAFETY: advises a mapping of the service's own; DONTFORK discards nothing.
-        unsafe { crate::sys::madvise(part.start, bytes, crate::sys::Advice::LinuxDontFork) }
-            .map_err(|error| map_error(part.start, error))?;
+        unsafe {
+            crate::sys::memory::madvise(
+                part.start,
+                bytes,
+                crate::sys::memory::Advice::LinuxDontFork,
+            )
+        }
+        .map_err(|error| map_error(part.start, error))?;
         uffd.register_with_mode(
             part.start as *mut libc::c_void,
             bytes,
@@ -492,13 +498,13 @@ pub(super) fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -
 
 /// Drops pages so the range faults again on next access.
 pub(super) fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
-    // Locked pages too (see `sys::discard`): the budget bounds the region whatever the
+    // Locked pages too (see `sys::memory::discard`): the budget bounds the region whatever the
     // program asked of the kernel. Plain MADV_DONTNEED on a region the program had
     // mlocked through the kernel failed here, which stopped the service and the program.
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
     // points into it.
-    match unsafe { crate::sys::discard(start, end - start) } {
+    match unsafe { crate::sys::memory::discard(start, end - start) } {
         // ENOMEM: part of the range was unmapped by the program (a block cut by a
         // partial munmap); the kernel still dropped the pages of the mapped parts.
         Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
@@ -520,7 +526,7 @@ pub(super) fn punch_pages(
     let Some((offset, len)) = crate::shaped_region::file_range(start, end, region.shape_len) else {
         return Ok(());
     };
-    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+    crate::sys::files::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
         addr: part.start,
         error,
     })
@@ -541,7 +547,7 @@ pub(super) fn punch_region_pages(
     else {
         return Ok(());
     };
-    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+    crate::sys::files::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
         addr: region.base + range.start as usize,
         error,
     })
@@ -552,7 +558,7 @@ pub(super) fn punch_region_pages(
 pub(super) fn page_present(addr: usize) -> bool {
     // A failure (the page was unmapped meanwhile) is answered as present: waking the
     // thread is then what the fault needs.
-    crate::sys::page_resident(addr).unwrap_or(true)
+    crate::sys::memory::page_resident(addr).unwrap_or(true)
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ mod seen_files;
 
 /// The kernel's page size.
 pub fn page() -> usize {
-    sys::page_size() as usize
+    sys::memory::page_size() as usize
 }
 
 /// A region the shim made, and which file it presents.
@@ -87,7 +87,7 @@ impl Drop for ManagedRegion {
 
 /// A file a mapping request is for, as the shim screened it (see `Shim::take_file`).
 struct MappedFile {
-    stat: sys::Stat,
+    stat: sys::files::Stat,
     /// The kernel's name for it: the one the pager opens.
     path: PathBuf,
     /// The name the program gave it (see `given_name`), else `path`.
@@ -280,18 +280,22 @@ impl Shim {
     fn keeper_socket(&self) -> Option<std::os::fd::OwnedFd> {
         let forks = self.config.serve_forks || self.config.serve_forks_at_fork;
         let fd = self.config.keeper_fd.filter(|_| forks)?;
-        if !hyperoffload::sys::is_seqpacket(fd) {
+        // A number from the environment: the program may have closed it since.
+        let open = hyperoffload::sys::files::is_open(fd).then(|| {
+            // SAFETY: `fd` is open (checked just now) and is the launcher's socket, which
+            // the shim never closes and the program has no reason to (only the shim's
+            // environment names it); borrowed for the two calls below only.
+            unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+        });
+        let Some(borrowed) = open.filter(|&fd| hyperoffload::sys::sockets::is_seqpacket(fd)) else {
             self.say(&format!(
                 "descriptor {fd} is not the keeper's socket any more (the program closed \
                  it): forked children alive when this process ends by _exit, a signal or an \
                  exec may read zeros where a block was not resident"
             ));
             return None;
-        }
-        // SAFETY: `fd` is open (it is a socket, checked above); it is only borrowed for
-        // the duplication.
-        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        hyperoffload::sys::dup_cloexec(borrowed).ok()
+        };
+        hyperoffload::sys::files::dup_cloexec(borrowed).ok()
     }
 
     /// The process's pager, created at the first managed mapping as `sizing` says (its
@@ -340,7 +344,7 @@ impl Shim {
                     // this.
                     let ceiling = self
                         .config
-                        .auto_ceiling(budget, hyperoffload::sys::physical_ram());
+                        .auto_ceiling(budget, hyperoffload::sys::memory::physical_ram());
                     builder = builder.max_budget(ceiling);
                 }
                 if self.config.trace_path.is_some() || policies.learn.is_some() {
@@ -488,7 +492,7 @@ impl Shim {
     fn screen(
         &self,
         request: &MapRequest,
-        stat: &sys::Stat,
+        stat: &sys::files::Stat,
         path: &[u8],
     ) -> Result<(PathBuf, u64), PassReason> {
         let size = stat.st_size as u64;
@@ -785,7 +789,7 @@ impl Shim {
             |range| {
                 // SAFETY: the program asked for this range to be unmapped; it is not
                 // managed memory.
-                raw::check(unsafe { sys::munmap(range.start, range.len()) })
+                raw::check(unsafe { sys::memory::munmap(range.start, range.len()) })
             },
         )
     }
@@ -810,7 +814,7 @@ impl Shim {
 }
 
 /// Whether `path` leads to the file `stat` describes (the same device and inode).
-fn names_file(path: &Path, stat: &sys::Stat) -> bool {
+fn names_file(path: &Path, stat: &sys::files::Stat) -> bool {
     std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
 }
 
@@ -820,6 +824,6 @@ fn starts_as_a_model(fd: i32) -> bool {
     // SAFETY: `fd` is the descriptor the program passed to mmap, open for the duration
     // of this call; it is only read from, at an explicit offset (its position is kept).
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    matches!(sys::pread(fd, &mut start, 0), Ok(n) if n == start.len())
+    matches!(sys::files::pread(fd, &mut start, 0), Ok(n) if n == start.len())
         && hyperoffload::model::has_model_header(&start)
 }
