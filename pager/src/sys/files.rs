@@ -274,3 +274,226 @@ pub fn unmount_lazy(path: &Path) -> io::Result<()> {
         rustix::mount::UnmountFlags::DETACH,
     )?)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CString;
+    use std::os::fd::{AsFd, AsRawFd};
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::sys::memory::page_size;
+
+    /// A directory of this test's own, removed with what it holds when dropped.
+    struct TestDir(PathBuf);
+
+    impl TestDir {
+        fn new(name: &str) -> Self {
+            let pid = std::process::id();
+            let dir = std::env::temp_dir().join(format!("hyperoffload-sys-{pid}-{name}"));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir(&dir).unwrap();
+            Self(dir)
+        }
+
+        fn path(&self, name: &str) -> CString {
+            CString::new(self.0.join(name).as_os_str().as_bytes()).unwrap()
+        }
+    }
+
+    impl Drop for TestDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+        let (a, b) = (fstat(a).unwrap(), fstat(b).unwrap());
+        (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    }
+
+    #[test]
+    fn a_memfd_is_all_holes_until_written_and_again_once_punched() {
+        let page = page_size();
+        let file = memfd(c"files-test", 4 * page).unwrap();
+        let fd = file.as_fd();
+        assert_eq!(fstat(fd).unwrap().st_size as u64, 4 * page);
+        assert_eq!(holes(fd, 4 * page).unwrap(), vec![0..4 * page]);
+        assert_eq!(pwrite(fd, b"data", page + 10).unwrap(), 4);
+        assert_eq!(
+            holes(fd, 4 * page).unwrap(),
+            vec![0..page, 2 * page..4 * page]
+        );
+        assert!(is_hole(fd, 0).unwrap());
+        assert!(!is_hole(fd, page).unwrap());
+        assert!(!is_hole(fd, 8 * page).unwrap(), "past the end");
+        // Only the first `len` bytes are asked about.
+        assert_eq!(holes(fd, page).unwrap(), vec![0..page]);
+        let mut buffer = [0u8; 6];
+        assert_eq!(pread(fd, &mut buffer, page + 8).unwrap(), 6);
+        assert_eq!(&buffer, b"\0\0data");
+
+        punch_hole(fd, page, page).unwrap();
+        assert_eq!(holes(fd, 4 * page).unwrap(), vec![0..4 * page]);
+        assert_eq!(
+            fstat(fd).unwrap().st_size as u64,
+            4 * page,
+            "the size is kept"
+        );
+        assert_eq!(pread(fd, &mut buffer, page + 8).unwrap(), 6);
+        assert_eq!(buffer, [0; 6]);
+    }
+
+    #[test]
+    fn openat_creates_with_the_mode_and_refuses_what_the_kernel_refuses() {
+        let dir = TestDir::new("openat");
+        let dir_fd = open_read(&dir.path("")).unwrap();
+        let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC;
+        let file = openat(dir_fd.as_fd(), c"made", flags, 0o600).unwrap();
+        assert_eq!(fstat(file.as_fd()).unwrap().st_mode & 0o777, 0o600);
+        let again = openat(dir_fd.as_fd(), c"made", flags, 0o600).unwrap_err();
+        assert_eq!(again.kind(), io::ErrorKind::AlreadyExists);
+        let missing = openat(CWD, &dir.path("missing"), libc::O_RDONLY, 0).unwrap_err();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound);
+        // The same file by its full path, from the working directory.
+        let by_path = openat(CWD, &dir.path("made"), libc::O_RDONLY, 0).unwrap();
+        assert!(same_file(file.as_fd(), by_path.as_fd()));
+    }
+
+    #[test]
+    fn writes_reach_the_file_and_reads_come_back() {
+        let dir = TestDir::new("write");
+        let path = dir.path("file");
+        std::fs::write(dir.0.join("file"), b"").unwrap();
+        let writer = open_write(&path).unwrap();
+        assert_eq!(write(writer.as_fd(), b"hello").unwrap(), 5);
+        let reader = open_read(&path).unwrap();
+        let mut buffer = [0u8; 16];
+        assert_eq!(read(reader.as_fd(), &mut buffer).unwrap(), 5);
+        assert_eq!(&buffer[..5], b"hello");
+        assert_eq!(read(reader.as_fd(), &mut buffer).unwrap(), 0, "at the end");
+        let error = write(reader.as_fd(), b"x").unwrap_err();
+        assert_eq!(
+            error.raw_os_error(),
+            Some(libc::EBADF),
+            "opened for reading"
+        );
+        let both = open_read_write_nonblock(&path).unwrap();
+        assert_eq!(pwrite(both.as_fd(), b"J", 0).unwrap(), 1);
+        assert_eq!(pread(reader.as_fd(), &mut buffer[..5], 0).unwrap(), 5);
+        assert_eq!(&buffer[..5], b"Jello");
+    }
+
+    #[test]
+    fn a_duplicate_is_the_same_file_closed_on_exec_and_open_until_dropped() {
+        let file = memfd(c"dup-test", 0).unwrap();
+        let copy = dup_cloexec(file.as_fd()).unwrap();
+        assert!(copy.as_raw_fd() >= 3);
+        assert_ne!(copy.as_raw_fd(), file.as_raw_fd());
+        assert!(same_file(file.as_fd(), copy.as_fd()));
+        let flags = rustix::io::fcntl_getfd(&copy).unwrap();
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        assert!(is_open(copy.as_raw_fd()));
+        // Numbers no descriptor has (a closed one may be reused by another test at once).
+        assert!(!is_open(-1));
+        assert!(!is_open(1 << 30));
+    }
+
+    #[test]
+    fn fadvise_takes_the_posix_numbers_only() {
+        let dir = TestDir::new("fadvise");
+        std::fs::write(dir.0.join("file"), [1u8; 8192]).unwrap();
+        let file = open_read(&dir.path("file")).unwrap();
+        fadvise(file.as_fd(), 0, 0, libc::POSIX_FADV_WILLNEED).unwrap();
+        fadvise(file.as_fd(), 0, 4096, libc::POSIX_FADV_DONTNEED).unwrap();
+        let error = fadvise(file.as_fd(), 0, 0, 99).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+        let (read_end, _write_end) = rustix::pipe::pipe().unwrap();
+        let error = fadvise(read_end.as_fd(), 0, 0, libc::POSIX_FADV_NORMAL).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::ESPIPE), "not on a pipe");
+    }
+
+    #[test]
+    fn an_eventfd_counts_and_polls_readable_while_it_is_not_zero() {
+        let event = eventfd().unwrap();
+        let mut fds = [PollFd::new(&event, PollFlags::IN)];
+        assert_eq!(poll(&mut fds, Duration::from_millis(1)).unwrap(), 0);
+        assert_eq!(write(event.as_fd(), &2u64.to_ne_bytes()).unwrap(), 8);
+        assert_eq!(write(event.as_fd(), &3u64.to_ne_bytes()).unwrap(), 8);
+        let mut fds = [PollFd::new(&event, PollFlags::IN)];
+        assert_eq!(poll(&mut fds, Duration::from_secs(10)).unwrap(), 1);
+        assert!(fds[0].revents().contains(PollFlags::IN));
+        let mut counter = [0u8; 8];
+        assert_eq!(read(event.as_fd(), &mut counter).unwrap(), 8);
+        assert_eq!(u64::from_ne_bytes(counter), 5);
+        let error = read(event.as_fd(), &mut counter).unwrap_err();
+        assert_eq!(
+            error.kind(),
+            io::ErrorKind::WouldBlock,
+            "non-blocking, at zero"
+        );
+    }
+
+    #[test]
+    fn an_exclusive_lock_is_refused_to_a_second_open_file_description() {
+        let dir = TestDir::new("lock");
+        std::fs::write(dir.0.join("lock"), b"").unwrap();
+        let first = open_read(&dir.path("lock")).unwrap();
+        let second = open_read(&dir.path("lock")).unwrap();
+        assert!(try_lock_exclusive(first.as_fd()).unwrap());
+        assert!(
+            try_lock_exclusive(first.as_fd()).unwrap(),
+            "held by this one already"
+        );
+        assert!(!try_lock_exclusive(second.as_fd()).unwrap());
+        drop(first);
+        assert!(try_lock_exclusive(second.as_fd()).unwrap());
+    }
+
+    #[test]
+    fn links_lead_to_their_target_and_are_made_once() {
+        let dir = TestDir::new("links");
+        let link = dir.0.join("link");
+        symlink(Path::new("target-name"), &link).unwrap();
+        let error = symlink(Path::new("other"), &link).unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::AlreadyExists);
+        let mut buffer = [0u8; 64];
+        assert_eq!(
+            readlink(&dir.path("link"), &mut buffer).unwrap(),
+            b"target-name"
+        );
+        let mut short = [0u8; 6];
+        assert_eq!(readlink(&dir.path("link"), &mut short).unwrap(), b"target");
+        unlink(&link).unwrap();
+        assert_eq!(unlink(&link).unwrap_err().kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn a_detached_tmpfs_holds_unnamed_files() {
+        let mount = match mount_tmpfs(&[(c"size", c"4m"), (c"mode", c"0700")]) {
+            Ok(mount) => mount,
+            // No CAP_SYS_ADMIN (EPERM) or a kernel before 5.2 (ENOSYS): the environment.
+            Err(error) if matches!(error.raw_os_error(), Some(libc::EPERM | libc::ENOSYS)) => {
+                eprintln!("no tmpfs mount here: {error}");
+                return;
+            }
+            Err(error) => panic!("mount_tmpfs: {error}"),
+        };
+        let page = page_size();
+        let file = create_tmpfile(mount.as_fd(), 2 * page).unwrap();
+        assert_eq!(fstat(file.as_fd()).unwrap().st_size as u64, 2 * page);
+        assert_eq!(holes(file.as_fd(), 2 * page).unwrap(), vec![0..2 * page]);
+        assert_eq!(pwrite(file.as_fd(), b"x", 0).unwrap(), 1);
+        assert_eq!(holes(file.as_fd(), 2 * page).unwrap(), vec![page..2 * page]);
+        let error = mount_tmpfs(&[(c"no-such-option", c"1")]).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn unmounting_what_is_no_mount_point_is_refused() {
+        let dir = TestDir::new("unmount");
+        let error = unmount_lazy(&dir.0).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+    }
+}

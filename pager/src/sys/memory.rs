@@ -208,8 +208,10 @@ pub unsafe fn munlock(addr: usize, len: usize) -> io::Result<()> {
     Ok(unsafe { rustix::mm::munlock(addr as *mut c_void, len) }?)
 }
 
-/// Whether the page at `addr` is in the process's page tables (or in swap), by
-/// mincore(2). A raw syscall: rustix has no mincore.
+/// Whether the page at `addr` (page aligned; EINVAL otherwise) is resident, by
+/// mincore(2): in the process's page tables or in swap; and, in a file mapping, also
+/// when the file's page is in the page cache though not mapped here yet. A raw syscall:
+/// rustix has no mincore.
 pub fn page_resident(addr: usize) -> io::Result<bool> {
     let mut state = 0u8;
     // SAFETY: mincore reads the page tables of the one page at `addr` (any address is
@@ -217,4 +219,159 @@ pub fn page_resident(addr: usize) -> io::Result<bool> {
     let rc = unsafe { libc::syscall(libc::SYS_mincore, addr, 1usize, &mut state as *mut u8) };
     syscall_result(rc)?;
     Ok(state & 1 == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+    use crate::sys::files;
+
+    /// A private anonymous read-write mapping of `pages` pages, none touched yet.
+    fn anonymous(pages: usize) -> (usize, usize) {
+        let len = pages * page_size() as usize;
+        // SAFETY: a new mapping at an address the kernel picks replaces nothing.
+        let addr = unsafe {
+            mmap(
+                0,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                None,
+                0,
+            )
+        }
+        .unwrap();
+        (addr, len)
+    }
+
+    #[test]
+    fn page_sizes_and_ram_are_the_machines() {
+        let page = page_size();
+        assert!(page.is_power_of_two() && page >= 4096, "{page}");
+        assert_eq!(HUGE_PAGE % page, 0);
+        // More RAM than one huge page: anything less is a wrong unit.
+        assert!(physical_ram() > HUGE_PAGE, "{}", physical_ram());
+    }
+
+    #[test]
+    fn a_page_is_resident_once_touched_and_not_after_a_discard() {
+        let (addr, len) = anonymous(2);
+        assert!(!page_resident(addr).unwrap(), "untouched");
+        // SAFETY: our own fresh read-write mapping.
+        unsafe { (addr as *mut u8).write(7) };
+        assert!(page_resident(addr).unwrap());
+        assert!(!page_resident(addr + page_size() as usize).unwrap());
+        // SAFETY: our own mapping; the byte written may go.
+        unsafe { discard(addr, len) }.unwrap();
+        assert!(!page_resident(addr).unwrap());
+        // SAFETY: our own mapping, read after the discard: a fresh zero page.
+        assert_eq!(unsafe { (addr as *const u8).read() }, 0);
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(addr, len) }.unwrap();
+        let unmapped = page_resident(addr).unwrap_err();
+        assert_eq!(unmapped.raw_os_error(), Some(libc::ENOMEM));
+    }
+
+    #[test]
+    fn an_anonymous_mapping_needs_the_anonymous_flag_and_an_aligned_offset() {
+        let page = page_size() as usize;
+        // SAFETY: refused before anything is mapped.
+        let error = unsafe { mmap(0, page, libc::PROT_READ, libc::MAP_PRIVATE, None, 0) };
+        assert_eq!(error.unwrap_err().raw_os_error(), Some(libc::EBADF));
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        // SAFETY: as above.
+        let error = unsafe { mmap(0, page, libc::PROT_READ, flags, None, 1) };
+        assert_eq!(error.unwrap_err().raw_os_error(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn mprotect_changes_the_protection_and_keeps_the_pages() {
+        let (addr, len) = anonymous(1);
+        // SAFETY: our own fresh read-write mapping.
+        unsafe { (addr as *mut u8).write(9) };
+        // SAFETY: nothing writes the mapping afterwards.
+        unsafe { mprotect(addr, len, libc::PROT_READ) }.unwrap();
+        assert!(page_resident(addr).unwrap());
+        // SAFETY: still readable.
+        assert_eq!(unsafe { (addr as *const u8).read() }, 9);
+        let unaligned = addr + 1;
+        // SAFETY: refused: not page aligned.
+        let error = unsafe { mprotect(unaligned, len, libc::PROT_NONE) }.unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(addr, len) }.unwrap();
+    }
+
+    #[test]
+    fn mremap_moves_a_mapping_with_its_bytes_to_a_fixed_place() {
+        let (from, len) = anonymous(1);
+        let (to, _) = anonymous(1);
+        // SAFETY: our own fresh read-write mapping.
+        unsafe { (from as *mut u8).write(42) };
+        let flags = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED;
+        // SAFETY: moves our own mapping over another of ours; neither is referenced.
+        let moved = unsafe { mremap(from, len, len, flags, to) }.unwrap();
+        assert_eq!(moved, to);
+        // SAFETY: the moved mapping, readable.
+        assert_eq!(unsafe { (to as *const u8).read() }, 42);
+        assert_eq!(
+            page_resident(from).unwrap_err().raw_os_error(),
+            Some(libc::ENOMEM)
+        );
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(to, len) }.unwrap();
+    }
+
+    #[test]
+    fn madvise_raw_passes_the_number_on_and_the_kernel_judges_it() {
+        let (addr, len) = anonymous(1);
+        // SAFETY: non-destructive advice on our own mapping.
+        unsafe { madvise_raw(addr, len, libc::MADV_WILLNEED) }.unwrap();
+        // SAFETY: a number no kernel names: refused, nothing changes.
+        let error = unsafe { madvise_raw(addr, len, 12345) }.unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(addr, len) }.unwrap();
+    }
+
+    #[test]
+    fn mlock_faults_the_range_in() {
+        let (addr, len) = anonymous(2);
+        // SAFETY: our own mapping, faulted in.
+        match unsafe { mlock(addr, len, 0) } {
+            // The environment's limit (RLIMIT_MEMLOCK without CAP_IPC_LOCK), not a bug.
+            Err(error) if matches!(error.raw_os_error(), Some(libc::EPERM | libc::ENOMEM)) => {
+                eprintln!("mlock not allowed here: {error}");
+            }
+            result => {
+                result.unwrap();
+                assert!(page_resident(addr).unwrap());
+                assert!(page_resident(addr + len - page_size() as usize).unwrap());
+                // SAFETY: our own mapping.
+                unsafe { munlock(addr, len) }.unwrap();
+            }
+        }
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(addr, len) }.unwrap();
+    }
+
+    #[test]
+    fn a_shared_file_mapping_shows_the_files_bytes_once_made_accessible() {
+        let page = page_size() as usize;
+        let file = files::memfd(c"memory-test", page as u64).unwrap();
+        let addr = map_shared_inaccessible(file.as_fd(), page).unwrap();
+        assert!(!page_resident(addr).unwrap(), "a hole of the file");
+        assert_eq!(files::pwrite(file.as_fd(), b"bytes", 0).unwrap(), 5);
+        // In a file mapping, resident means in the page cache, mapped here or not.
+        assert!(page_resident(addr).unwrap());
+        // SAFETY: our own fresh mapping, which nothing reads yet.
+        unsafe { mprotect(addr, page, libc::PROT_READ) }.unwrap();
+        // SAFETY: readable now, and `page` bytes long.
+        let seen = unsafe { std::slice::from_raw_parts(addr as *const u8, 5) };
+        assert_eq!(seen, b"bytes");
+        // SAFETY: nothing refers to the mapping any more.
+        unsafe { munmap(addr, page) }.unwrap();
+    }
 }

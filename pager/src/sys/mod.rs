@@ -31,6 +31,9 @@ pub mod processes;
 pub mod sockets;
 pub mod userfaultfd;
 
+#[cfg(test)]
+mod test_child;
+
 /// The error the kernel would give as `code`.
 fn errno(code: rustix::io::Errno) -> io::Error {
     io::Error::from(code)

@@ -169,3 +169,111 @@ pub fn recv_with_fds_waiting(
     }
     recv_with_fds(socket, buffer)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+    use crate::sys::files;
+    use crate::sys::processes::getpid;
+
+    /// Whether two descriptors are of the same file.
+    fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+        let (a, b) = (files::fstat(a).unwrap(), files::fstat(b).unwrap());
+        (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    }
+
+    #[test]
+    fn a_descriptor_sent_with_a_message_arrives_as_the_same_file() {
+        let (here, there) = seqpacket_pair().unwrap();
+        assert!(is_seqpacket(here.as_fd()));
+        let file = files::memfd(c"sent", 4096).unwrap();
+        assert!(!is_seqpacket(file.as_fd()));
+        send_with_fds(here.as_fd(), b"hello", &[file.as_fd()]).unwrap();
+        let mut buffer = [0u8; 16];
+        let Received::Message(5, fds) = recv_with_fds(there.as_fd(), &mut buffer).unwrap() else {
+            panic!("one message of 5 bytes");
+        };
+        assert_eq!(&buffer[..5], b"hello");
+        assert_eq!(fds.len(), 1);
+        assert!(same_file(fds[0].as_fd(), file.as_fd()));
+        // What is written through one descriptor is read through the other.
+        assert_eq!(files::pwrite(fds[0].as_fd(), b"shared", 100).unwrap(), 6);
+        assert_eq!(
+            files::pread(file.as_fd(), &mut buffer[..6], 100).unwrap(),
+            6
+        );
+        assert_eq!(&buffer[..6], b"shared");
+    }
+
+    #[test]
+    fn messages_keep_their_boundaries_and_a_long_one_is_cut() {
+        let (here, there) = seqpacket_pair().unwrap();
+        send_with_fds(here.as_fd(), b"0123456789", &[]).unwrap();
+        send_with_fds(here.as_fd(), b"ab", &[]).unwrap();
+        let mut buffer = [0u8; 4];
+        let first = recv_with_fds(there.as_fd(), &mut buffer).unwrap();
+        assert!(matches!(first, Received::Message(4, ref fds) if fds.is_empty()));
+        assert_eq!(&buffer, b"0123");
+        let second = recv_with_fds(there.as_fd(), &mut buffer).unwrap();
+        assert!(matches!(second, Received::Message(2, _)), "{second:?}");
+        assert_eq!(&buffer[..2], b"ab");
+        assert!(matches!(
+            recv_with_fds(there.as_fd(), &mut buffer).unwrap(),
+            Received::Empty
+        ));
+        drop(here);
+        assert!(matches!(
+            recv_with_fds(there.as_fd(), &mut buffer).unwrap(),
+            Received::Closed
+        ));
+    }
+
+    #[test]
+    fn too_many_descriptors_are_refused_and_a_silent_peer_times_out() {
+        let (here, there) = seqpacket_pair().unwrap();
+        let file = files::memfd(c"many", 0).unwrap();
+        let fds = [file.as_fd(); MAX_SENT_FDS + 1];
+        let error = send_with_fds(here.as_fd(), b"x", &fds).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EINVAL));
+        send_with_fds(here.as_fd(), b"x", &fds[..MAX_SENT_FDS]).unwrap();
+        let mut buffer = [0u8; 4];
+        let received = recv_with_fds(there.as_fd(), &mut buffer).unwrap();
+        assert!(matches!(received, Received::Message(1, ref fds) if fds.len() == MAX_SENT_FDS));
+        let waited = recv_with_fds_waiting(there.as_fd(), &mut buffer, Duration::from_millis(5));
+        assert_eq!(waited.unwrap_err().kind(), io::ErrorKind::TimedOut);
+        drop(there);
+        let error = send_with_fds(here.as_fd(), b"x", &[]).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EPIPE), "no SIGPIPE, EPIPE");
+    }
+
+    #[test]
+    fn a_listener_accepts_a_connection_through_a_symlink_and_knows_its_peer() {
+        let dir = std::env::temp_dir().join(format!("hyperoffload-sockets-{}", getpid()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let listener = listen_seqpacket(&dir.join("socket")).unwrap();
+        assert!(is_seqpacket(listener.as_fd()));
+        assert!(
+            accept_seqpacket(listener.as_fd()).unwrap().is_none(),
+            "nobody waits"
+        );
+        files::symlink(Path::new("socket"), &dir.join("link")).unwrap();
+        let client = connect_seqpacket(&dir.join("link")).unwrap();
+        let server = accept_seqpacket(listener.as_fd())
+            .unwrap()
+            .expect("a connection");
+        assert_eq!(peer_pid(server.as_fd()).unwrap(), getpid());
+        send_with_fds(client.as_fd(), b"hi", &[]).unwrap();
+        let mut buffer = [0u8; 2];
+        let received = recv_with_fds_waiting(server.as_fd(), &mut buffer, Duration::from_secs(10));
+        assert!(
+            matches!(received, Ok(Received::Message(2, _))),
+            "{received:?}"
+        );
+        let missing = connect_seqpacket(&dir.join("missing")).unwrap_err();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
