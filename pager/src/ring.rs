@@ -623,14 +623,6 @@ mod tests {
     }
 
     fn pipe() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
-        use std::os::fd::FromRawFd;
-        let (read_end, write_end) = nix::unistd::pipe().unwrap();
-        // SAFETY: pipe() just created both descriptors; nothing else owns them.
-        unsafe {
-            (
-                std::os::fd::OwnedFd::from_raw_fd(read_end),
-                std::os::fd::OwnedFd::from_raw_fd(write_end),
-            )
-        }
+        rustix::pipe::pipe().unwrap()
     }
 }

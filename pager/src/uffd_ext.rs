@@ -5,7 +5,7 @@
 
 use std::os::fd::BorrowedFd;
 
-use nix::errno::Errno;
+use rustix::io::Errno;
 
 /// `UFFD_FEATURE_POISON`: lets `UFFDIO_POISON` be used on the registered ranges.
 pub const FEATURE_POISON: u64 = 1 << 14;
@@ -73,8 +73,7 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
                 single_until = done + page;
             }
             Partial::Stopped {
-                errno: Errno::ESRCH,
-                ..
+                errno: Errno::SRCH, ..
             } => return mapped,
             // The refusal may be of the whole range (ENOENT: it spans mappings).
             Partial::Stopped { .. } if chunk > page => single_until = done + page,
@@ -99,11 +98,11 @@ pub fn continue_page(uffd: BorrowedFd<'_>, addr: usize, page: usize) -> bool {
     match partial(result, field, page) {
         Partial::Done => true,
         Partial::Stopped {
-            errno: Errno::EEXIST,
+            errno: Errno::EXIST,
             ..
         } => true,
         Partial::Stopped {
-            errno: Errno::EAGAIN,
+            errno: Errno::AGAIN,
             ..
         } => {
             wake(uffd, addr, page);
@@ -128,7 +127,7 @@ fn partial(result: std::io::Result<()>, done_field: i64, len: usize) -> Partial 
             } else {
                 0
             },
-            errno: Errno::from_i32(error.raw_os_error().unwrap_or(0)),
+            errno: Errno::from_raw_os_error(error.raw_os_error().unwrap_or(0)),
         },
     }
 }

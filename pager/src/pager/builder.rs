@@ -523,15 +523,16 @@ fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
         | extra;
     match build(features) {
         Ok(uffd) => Ok(uffd),
-        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
-            PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),
-        ),
+        // The `userfaultfd` crate's errors carry its own errno type, matched by number.
+        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EPERM => {
+            Err(PagerError::UffdNotPermitted(errno.desc().into()))
+        }
         Err(userfaultfd::Error::OpenDevUserfaultfd(error))
             if error.kind() == std::io::ErrorKind::PermissionDenied =>
         {
             Err(PagerError::UffdNotPermitted(error.to_string()))
         }
-        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EINVAL)) => {
+        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EINVAL => {
             // The API handshake refused the features: check whether POISON is the reason.
             match UffdBuilder::new().user_mode_only(false).create() {
                 Ok(_) => Err(PagerError::UffdNoPoison),

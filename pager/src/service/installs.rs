@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 
-use nix::errno::Errno;
+use rustix::io::Errno;
 use userfaultfd::{RegisterMode, Uffd};
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
@@ -322,8 +322,10 @@ pub(crate) unsafe fn install(
         };
         let (copied, errno) = match result {
             Ok(n) => (n.max(page).min(len - done), None),
-            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::EAGAIN)),
-            Err(userfaultfd::Error::CopyFailed(errno)) => (0, Some(errno)),
+            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::AGAIN)),
+            Err(userfaultfd::Error::CopyFailed(errno)) => {
+                (0, Some(Errno::from_raw_os_error(errno as i32)))
+            }
             Err(other) => return Err(InstallError::Other(format!("{other:?}"))),
         };
         done += copied;
@@ -332,20 +334,20 @@ pub(crate) unsafe fn install(
             Some(_) if copied > 0 => page_by_page_until = done + page,
             // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
             // unmapped part of the region): skip it.
-            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
+            Some(Errno::EXIST | Errno::NOENT) if chunk == page => done += page,
             // EAGAIN with nothing copied: the address space is changing (a fork whose
             // event is unread; otherwise it settles): go page by page.
-            Some(Errno::EAGAIN) if busy < 1_000_000 => {
+            Some(Errno::AGAIN) if busy < 1_000_000 => {
                 busy += 1;
                 on_busy();
                 page_by_page_until = done + page
             }
-            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
+            Some(Errno::EXIST | Errno::NOENT | Errno::AGAIN) if stalls < 10_000 => {
                 stalls += 1;
                 page_by_page_until = done + page
             }
             // The process is exiting: nobody is left to wait for these pages.
-            Some(Errno::ESRCH) => return Ok(()),
+            Some(Errno::SRCH) => return Ok(()),
             Some(errno) => {
                 return Err(InstallError::Copy {
                     addr: target + done,
