@@ -95,8 +95,8 @@ fn reclaim_in_the_cgroup_is_heard_of() {
             heard = heard.max(events.wait(Duration::ZERO));
         }
         // Dropped from the cache, to be read (and charged) again.
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
-        hyperoffload::sys::fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED).unwrap();
+        let fd = std::os::fd::AsFd::as_fd(&file);
+        hyperoffload::sys::files::fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED).unwrap();
         heard = heard.max(events.wait(Duration::from_millis(10)));
     }
 }

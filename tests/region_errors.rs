@@ -265,19 +265,20 @@ fn use_up_mappings_but(spare: u64) {
     let pieces = (limit - in_use - spare) as usize;
     // SAFETY: a fresh private anonymous mapping at a kernel-chosen address.
     let base = unsafe {
-        hyperoffload::sys::mmap(
+        hyperoffload::sys::memory::mmap(
             0,
             pieces * 4096,
             libc::PROT_READ,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
+            None,
             0,
         )
     }
     .unwrap();
     for piece in (0..pieces).step_by(2) {
         // SAFETY: changes the protection of a page of our own fresh mapping.
-        unsafe { hyperoffload::sys::mprotect(base + piece * 4096, 4096, libc::PROT_NONE) }.unwrap();
+        unsafe { hyperoffload::sys::memory::mprotect(base + piece * 4096, 4096, libc::PROT_NONE) }
+            .unwrap();
     }
     let (_, now) = hyperoffload::map_count::limit_and_in_use().unwrap();
     assert!(

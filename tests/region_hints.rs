@@ -23,12 +23,12 @@ fn cut_a_page_and_read_around_it(region: &hyperoffload::Region, len: usize) -> u
     region.unmap_part(4096..8192).unwrap();
     // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
     let reused = unsafe {
-        hyperoffload::sys::mmap(
+        hyperoffload::sys::memory::mmap(
             base + 4096,
             4096,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-            -1,
+            None,
             0,
         )
     }
@@ -237,12 +237,12 @@ fn unmapping_part_of_a_region_keeps_the_rest_and_spares_a_reused_hole() {
     // The hole is really gone: map something else exactly there.
     // SAFETY: MAP_FIXED_NOREPLACE only succeeds if nothing is mapped there.
     let reused = unsafe {
-        hyperoffload::sys::mmap(
+        hyperoffload::sys::memory::mmap(
             base + (2 << 20),
             1 << 20,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-            -1,
+            None,
             0,
         )
     }
@@ -265,7 +265,7 @@ fn unmapping_part_of_a_region_keeps_the_rest_and_spares_a_reused_hole() {
     // SAFETY: still our mapping.
     assert_eq!(unsafe { *((reused + 4096) as *const u8) }, 0xAB);
     // SAFETY: our mapping, no longer used.
-    unsafe { hyperoffload::sys::munmap(reused, 1 << 20) }.unwrap();
+    unsafe { hyperoffload::sys::memory::munmap(reused, 1 << 20) }.unwrap();
 }
 
 #[test]
@@ -289,7 +289,7 @@ fn evicting_a_block_cut_by_an_unmap_spares_what_is_mapped_in_the_hole() {
     assert_our_page_untouched(reused);
     drop(region);
     // SAFETY: our mapping, no longer used.
-    unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
+    unsafe { hyperoffload::sys::memory::munmap(reused, 4096) }.unwrap();
 }
 
 #[test]
@@ -336,7 +336,7 @@ fn zero_copy_regions_keep_pins_drops_and_the_holes_the_program_cuts() {
     assert_our_page_untouched(reused);
     drop(region);
     // SAFETY: our mapping, no longer used.
-    unsafe { hyperoffload::sys::munmap(reused, 4096) }.unwrap();
+    unsafe { hyperoffload::sys::memory::munmap(reused, 4096) }.unwrap();
 }
 
 /// The kernel function thread `tid` of this process sleeps in (`0` when running).

@@ -38,7 +38,7 @@ fn every_fault_is_traced_in_order_and_round_trips_through_csv() {
     // the faulting thread was interrupted while it waited (it faults anew on the way
     // back): such a repeat finds its block resident or being read, right after the
     // fault it repeats.
-    let me = nix::unistd::gettid().as_raw() as u32;
+    let me = hyperoffload::sys::processes::gettid() as u32;
     let demand: Vec<_> = (trace.iter())
         .filter(|record| record.outcome == FaultOutcome::Missing)
         .collect();

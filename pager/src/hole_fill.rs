@@ -5,7 +5,7 @@
 //! (`service::outliving`) and by the keeper when the process that served them ended
 //! without that (`crate::keeper`).
 //!
-//! Only the holes are written (`sys::holes`), with pwrite(2), which puts each page into
+//! Only the holes are written (`sys::files::holes`), with pwrite(2), which puts each page into
 //! the file complete before any process can map it (the page is locked from allocation
 //! until its bytes are in): a process touching a page meanwhile either faults as before
 //! (a hole) or sees the whole page.
@@ -61,7 +61,7 @@ pub fn fill_holes(
     buffer: &mut [u8],
 ) -> Filled {
     let mut filled = Filled::default();
-    let holes = match crate::sys::holes(shape, shape_len) {
+    let holes = match crate::sys::files::holes(shape, shape_len) {
         Ok(holes) => holes,
         Err(error) => {
             filled.error = Some(error);
@@ -93,7 +93,7 @@ pub fn fill_page(
     page: u64,
 ) -> std::io::Result<u64> {
     let end = (offset + page).min(source.data_len);
-    if offset >= end || !crate::sys::is_hole(shape, offset)? {
+    if offset >= end || !crate::sys::files::is_hole(shape, offset)? {
         return Ok(0);
     }
     let mut bytes = vec![0u8; (end - offset) as usize];
@@ -108,8 +108,8 @@ pub fn fill_page(
 /// the other 511 present as zeros; and in a file read in place a page that is not a
 /// hole may hold what a read left unfinished.
 pub fn chunk_around(offset: u64, data_len: u64) -> Option<Range<u64>> {
-    let start = offset - offset % crate::sys::HUGE_PAGE;
-    let end = (start + crate::sys::HUGE_PAGE).min(data_len);
+    let start = offset - offset % crate::sys::memory::HUGE_PAGE;
+    let end = (start + crate::sys::memory::HUGE_PAGE).min(data_len);
     (offset < data_len).then_some(start..end)
 }
 
@@ -149,7 +149,7 @@ pub fn read_exact(
     mut offset: u64,
 ) -> std::io::Result<()> {
     while !buffer.is_empty() {
-        match crate::sys::pread(file, buffer, offset)? {
+        match crate::sys::files::pread(file, buffer, offset)? {
             0 => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
@@ -168,7 +168,7 @@ pub fn read_exact(
 /// pwrite(2) of all of `buffer` at `offset`.
 pub fn write_all(fd: BorrowedFd<'_>, mut buffer: &[u8], mut offset: u64) -> std::io::Result<()> {
     while !buffer.is_empty() {
-        let n = crate::sys::pwrite(fd, buffer, offset)?;
+        let n = crate::sys::files::pwrite(fd, buffer, offset)?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
@@ -216,11 +216,11 @@ mod tests {
 
     #[test]
     fn only_the_holes_get_the_files_bytes() {
-        let page = crate::sys::page_size();
-        let source = crate::sys::memfd(c"source", 4 * page).unwrap();
+        let page = crate::sys::memory::page_size();
+        let source = crate::sys::files::memfd(c"source", 4 * page).unwrap();
         let bytes: Vec<u8> = (0..4 * page).map(|i| (i % 251) as u8).collect();
         write_all(source.as_fd(), &bytes, 0).unwrap();
-        let shape = crate::sys::memfd(c"shape", 3 * page).unwrap();
+        let shape = crate::sys::files::memfd(c"shape", 3 * page).unwrap();
         // Page 1 is data already (other bytes, which stay); pages 0 and 2 are holes.
         write_all(shape.as_fd(), &vec![7u8; page as usize], page).unwrap();
         let source = FillSource {
@@ -242,7 +242,7 @@ mod tests {
             bytes[3 * page..4 * page - 100]
         );
         assert!(got[3 * page - 100..].iter().all(|&b| b == 0));
-        assert!(crate::sys::holes(shape.as_fd(), 3 * page as u64)
+        assert!(crate::sys::files::holes(shape.as_fd(), 3 * page as u64)
             .unwrap()
             .is_empty());
     }

@@ -259,7 +259,7 @@ pub fn read() -> MemoryLimits {
 /// `--budget auto` for this process now (the thin layer over `auto_budget`): half the
 /// RAM when nothing is known.
 pub fn auto_budget_now() -> u64 {
-    auto_budget(&read()).unwrap_or_else(|| crate::sys::physical_ram() / 2)
+    auto_budget(&read()).unwrap_or_else(|| crate::sys::memory::physical_ram() / 2)
 }
 
 #[cfg(test)]

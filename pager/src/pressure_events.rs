@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use crate::budget_follow::Pressure;
 use crate::memory_pressure::{psi_pressure, CgroupFiles};
-use crate::sys::{self, PollFd, PollFlags};
+use crate::sys;
+use crate::sys::files::{PollFd, PollFlags};
 
 /// A PSI trigger fires after this much stall...
 pub const PSI_STALL_US: u64 = 100_000;
@@ -58,10 +59,10 @@ fn psi_trigger(path: &Path) -> std::io::Result<OwnedFd> {
     let mut refused = None;
     for window in [PSI_WINDOW_US, PSI_UNPRIVILEGED_WINDOW_US] {
         // A descriptor takes one trigger: a refused write leaves it unusable for another.
-        let fd = sys::open_read_write_nonblock(&path)?;
+        let fd = sys::files::open_read_write_nonblock(&path)?;
         let stall = PSI_STALL_US * window / PSI_WINDOW_US;
         let trigger = format!("some {stall} {window}\0");
-        match sys::write(fd.as_fd(), trigger.as_bytes()) {
+        match sys::files::write(fd.as_fd(), trigger.as_bytes()) {
             Ok(_) => return Ok(fd),
             Err(error) => refused = Some(error),
         }
@@ -70,11 +71,11 @@ fn psi_trigger(path: &Path) -> std::io::Result<OwnedFd> {
 }
 
 fn v1_level(dir: &Path, level: &str) -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let events = sys::eventfd()?;
-    let level_file = sys::open_read(&c_path(&dir.join("memory.pressure_level"))?)?;
-    let control = sys::open_write(&c_path(&dir.join("cgroup.event_control"))?)?;
+    let events = sys::files::eventfd()?;
+    let level_file = sys::files::open_read(&c_path(&dir.join("memory.pressure_level"))?)?;
+    let control = sys::files::open_write(&c_path(&dir.join("cgroup.event_control"))?)?;
     let line = format!("{} {} {level}", events.as_raw_fd(), level_file.as_raw_fd());
-    sys::write(control.as_fd(), line.as_bytes())?;
+    sys::files::write(control.as_fd(), line.as_bytes())?;
     Ok((events, level_file))
 }
 
@@ -144,7 +145,7 @@ impl PressureEvents {
                 PollFd::new(&source.fd, flags)
             })
             .collect();
-        if sys::poll(&mut fds, timeout).unwrap_or(0) == 0 {
+        if sys::files::poll(&mut fds, timeout).unwrap_or(0) == 0 {
             return Pressure::None;
         }
         let revents: Vec<PollFlags> = fds.iter().map(PollFd::revents).collect();
@@ -159,7 +160,7 @@ impl PressureEvents {
             if events.intersects(PollFlags::IN | PollFlags::PRI) {
                 if source.counter {
                     let mut counter = [0u8; 8];
-                    let _ = sys::read(source.fd.as_fd(), &mut counter);
+                    let _ = sys::files::read(source.fd.as_fd(), &mut counter);
                 }
                 pressure = pressure.max(source.pressure);
             }

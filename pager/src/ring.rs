@@ -59,7 +59,7 @@ pub struct BufferArena {
 // &self / &mut self of the ring that owns it.
 unsafe impl Send for BufferArena {}
 
-const HUGE_PAGE: usize = crate::sys::HUGE_PAGE as usize;
+const HUGE_PAGE: usize = crate::sys::memory::HUGE_PAGE as usize;
 
 impl BufferArena {
     pub fn new(count: usize, buffer_len: usize) -> io::Result<Self> {
@@ -68,19 +68,21 @@ impl BufferArena {
         // SAFETY: an anonymous private mapping at an address the kernel chooses touches no
         // existing memory.
         let raw = unsafe {
-            crate::sys::mmap(
+            crate::sys::memory::mmap(
                 0,
                 mapped_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
+                None,
                 0,
             )
         }?;
         let base = raw.next_multiple_of(HUGE_PAGE);
         // Best effort: without THP the buffers still work, in smaller pages.
         // SAFETY: advises our own fresh mapping; MADV_HUGEPAGE discards nothing.
-        let _ = unsafe { crate::sys::madvise(base, len, crate::sys::Advice::LinuxHugepage) };
+        let _ = unsafe {
+            crate::sys::memory::madvise(base, len, crate::sys::memory::Advice::LinuxHugepage)
+        };
         Ok(Self {
             mapping: raw,
             mapped_len,
@@ -109,7 +111,7 @@ impl Drop for BufferArena {
     fn drop(&mut self) {
         // SAFETY: unmaps exactly the mapping created in `new`, which nothing references
         // any more (the ring never drops its arena with a read in flight).
-        if let Err(error) = unsafe { crate::sys::munmap(self.mapping, self.mapped_len) } {
+        if let Err(error) = unsafe { crate::sys::memory::munmap(self.mapping, self.mapped_len) } {
             panic!("munmap of the read buffers failed: {error}");
         }
     }
@@ -618,14 +620,6 @@ mod tests {
     }
 
     fn pipe() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
-        use std::os::fd::FromRawFd;
-        let (read_end, write_end) = nix::unistd::pipe().unwrap();
-        // SAFETY: pipe() just created both descriptors; nothing else owns them.
-        unsafe {
-            (
-                std::os::fd::OwnedFd::from_raw_fd(read_end),
-                std::os::fd::OwnedFd::from_raw_fd(write_end),
-            )
-        }
+        rustix::pipe::pipe().unwrap()
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! The region's data pages are one shared-memory file, block `b` at the region offset
 //! of block `b`, mapped `MAP_SHARED` over the reservation. The service evicts a block by
-//! punching a hole in the file (`sys::punch_hole`), which drops the page from every
+//! punching a hole in the file (`sys::files::punch_hole`), which drops the page from every
 //! process that maps it. Because the pages belong to the file, a child of `fork` (with
 //! `UFFD_FEATURE_EVENT_FORK`, and the range not MADV_DONTFORK) maps the same file: the
 //! blocks resident when it touches them cost nothing more, and its faults on holes come
@@ -41,7 +41,7 @@
 //! As with the anonymous regions, an `mprotect` adding PROT_WRITE behind the shim's
 //! back is not prevented.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::shared_store::Tmpfs;
 use crate::sys;
@@ -70,7 +70,7 @@ impl ShapeFiles {
         let mount = if huge_pages { &self.huge } else { &None };
         match mount.as_ref().or(self.small.as_ref()) {
             Some(tmpfs) => tmpfs.create_file(len),
-            None => sys::memfd(c"hyperoffload-region", len),
+            None => sys::files::memfd(c"hyperoffload-region", len),
         }
     }
 }
@@ -91,12 +91,12 @@ pub unsafe fn map_file_over(base: usize, len: usize, file: &OwnedFd) -> std::io:
     // SAFETY: the caller's reservation, replaced by a shared mapping of a file of the
     // region's own; MAP_NORESERVE as for the reservation.
     unsafe {
-        sys::mmap(
+        sys::memory::mmap(
             base,
             len,
             libc::PROT_NONE,
             libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            file.as_raw_fd(),
+            Some(file.as_fd()),
             0,
         )
     }?;
@@ -111,7 +111,7 @@ pub unsafe fn map_file_over(base: usize, len: usize, file: &OwnedFd) -> std::io:
 /// `base..base + len` must be a reservation the caller owns and nothing uses yet: it is
 /// replaced.
 pub unsafe fn map_shaped(base: usize, len: usize) -> std::io::Result<OwnedFd> {
-    let file = sys::memfd(c"hyperoffload-region", len as u64)?;
+    let file = sys::files::memfd(c"hyperoffload-region", len as u64)?;
     // SAFETY: the caller's guarantees.
     unsafe { map_file_over(base, len, &file) }?;
     Ok(file)
@@ -131,13 +131,13 @@ impl FileView {
         let len = len as usize;
         // Made writable only once mapped: accessible at once under mlockall(MCL_FUTURE),
         // the whole file would be allocated.
-        let addr = sys::map_shared_inaccessible(file.as_fd(), len)?;
+        let addr = sys::memory::map_shared_inaccessible(file.as_fd(), len)?;
         let view = Self { addr, len };
         // SAFETY: the mapping just made, which nothing uses yet.
-        unsafe { sys::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) }?;
+        unsafe { sys::memory::mprotect(addr, len, libc::PROT_READ | libc::PROT_WRITE) }?;
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just made; DONTFORK discards nothing.
-        unsafe { sys::madvise(addr, len, sys::Advice::LinuxDontFork) }?;
+        unsafe { sys::memory::madvise(addr, len, sys::memory::Advice::LinuxDontFork) }?;
         Ok(view)
     }
 
@@ -164,7 +164,7 @@ impl FileView {
         // SAFETY: MADV_DONTNEED on a shared mapping of the view's own only unmaps it:
         // the file keeps its bytes, and nothing holds a reference into it. (Locked too:
         // under mlockall(MCL_FUTURE) the view is.)
-        let _ = unsafe { sys::discard(start, len) };
+        let _ = unsafe { sys::memory::discard(start, len) };
     }
 }
 
@@ -172,7 +172,7 @@ impl Drop for FileView {
     fn drop(&mut self) {
         // SAFETY: the view is this value's own mapping; reads landing in it are done
         // (the service drops a region's view only once none are in flight).
-        let _ = unsafe { sys::munmap(self.addr, self.len) };
+        let _ = unsafe { sys::memory::munmap(self.addr, self.len) };
     }
 }
 
@@ -181,7 +181,7 @@ impl Drop for FileView {
 /// start in the file. A huge page holding parts of two blocks would keep the evicted
 /// one's memory while the other is resident.
 pub fn blocks_are_huge_pages(block_size: u64, region_file_offset: u64, cuts: &[u64]) -> bool {
-    let huge = sys::HUGE_PAGE;
+    let huge = sys::memory::HUGE_PAGE;
     block_size % huge == 0
         && cuts
             .iter()
@@ -225,16 +225,16 @@ mod tests {
 
     #[test]
     fn holes_punched_in_the_file_read_as_missing_again() {
-        let page = sys::page_size() as usize;
+        let page = sys::memory::page_size() as usize;
         let len = 4 * page;
         // SAFETY: a fresh private reservation of our own, nothing else uses it.
         let base = unsafe {
-            sys::mmap(
+            sys::memory::mmap(
                 0,
                 len,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
+                None,
                 0,
             )
         }
@@ -242,18 +242,18 @@ mod tests {
         // SAFETY: the reservation just made.
         let file = unsafe { map_shaped(base, len) }.unwrap();
         let fd = file.as_fd();
-        sys::write(fd, &[7u8; 64]).unwrap();
+        sys::files::write(fd, &[7u8; 64]).unwrap();
         // SAFETY: our own mapping; read access only.
-        unsafe { sys::mprotect(base, len, libc::PROT_READ) }.unwrap();
+        unsafe { sys::memory::mprotect(base, len, libc::PROT_READ) }.unwrap();
         // SAFETY: the first page is in the file and mapped readable.
         assert_eq!(unsafe { *(base as *const u8) }, 7);
-        assert!(sys::page_resident(base).unwrap());
-        sys::punch_hole(fd, 0, page as u64).unwrap();
+        assert!(sys::memory::page_resident(base).unwrap());
+        sys::files::punch_hole(fd, 0, page as u64).unwrap();
         assert!(
-            !sys::page_resident(base).unwrap(),
+            !sys::memory::page_resident(base).unwrap(),
             "gone from the mapping too"
         );
         // SAFETY: unmaps our own mapping.
-        unsafe { sys::munmap(base, len) }.unwrap();
+        unsafe { sys::memory::munmap(base, len) }.unwrap();
     }
 }

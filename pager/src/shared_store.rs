@@ -32,7 +32,7 @@
 //! reason too.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use crate::sys;
 
@@ -56,13 +56,13 @@ impl Tmpfs {
     /// Creates the mount. Fails with EPERM without CAP_SYS_ADMIN, ENOSYS before Linux 5.2.
     pub fn new(huge: bool) -> io::Result<Self> {
         let pages = if huge { c"always" } else { c"never" };
-        let mount = sys::mount_tmpfs(&[(c"huge", pages), (c"mode", c"0700")])?;
+        let mount = sys::files::mount_tmpfs(&[(c"huge", pages), (c"mode", c"0700")])?;
         Ok(Self { mount })
     }
 
     /// A new unnamed file of `len` bytes (all holes) in the mount.
     pub fn create_file(&self, len: u64) -> io::Result<OwnedFd> {
-        sys::create_tmpfile(self.mount.as_fd(), len)
+        sys::files::create_tmpfile(self.mount.as_fd(), len)
     }
 }
 
@@ -81,9 +81,9 @@ impl FrameFile {
         // At a kernel-chosen address (tmpfs aligns it for huge pages); made writable only
         // once mapped: accessible at once under mlockall(MCL_FUTURE), the slots' view,
         // far larger than the memory it will ever hold, would be filled.
-        let view = sys::map_shared_inaccessible(file.as_fd(), len as usize)?;
+        let view = sys::memory::map_shared_inaccessible(file.as_fd(), len as usize)?;
         // SAFETY: the mapping just created, which nothing uses yet.
-        unsafe { sys::mprotect(view, len as usize, libc::PROT_READ | libc::PROT_WRITE) }?;
+        unsafe { sys::memory::mprotect(view, len as usize, libc::PROT_READ | libc::PROT_WRITE) }?;
         let frames = Self {
             file,
             view,
@@ -91,7 +91,7 @@ impl FrameFile {
         };
         // A forked child must not share the service's view (and cannot use it).
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
-        unsafe { sys::madvise(view, len as usize, sys::Advice::LinuxDontFork) }?;
+        unsafe { sys::memory::madvise(view, len as usize, sys::memory::Advice::LinuxDontFork) }?;
         Ok(frames)
     }
 }
@@ -100,7 +100,7 @@ impl Drop for FrameFile {
     fn drop(&mut self) {
         // SAFETY: the view is this value's own mapping; the service drops the store only
         // after its last read completed.
-        let _ = unsafe { sys::munmap(self.view, self.len) };
+        let _ = unsafe { sys::memory::munmap(self.view, self.len) };
     }
 }
 
@@ -176,7 +176,7 @@ impl FrameStore {
         // Every slot in use holds at least a page of a block the budget counts. (A
         // budget grown past the first limit may find the slots taken; the read then
         // waits for an eviction's, as for a huge frame.)
-        let slot_count = (memory_limit / sys::page_size()).clamp(1, MAX_SLOTS) as u32;
+        let slot_count = (memory_limit / sys::memory::page_size()).clamp(1, MAX_SLOTS) as u32;
         Ok(Self {
             huge: FrameFile::new(huge, frame_len * count as u64)?,
             pages: FrameFile::new(pages, frame_len * slot_count as u64)?,
@@ -213,8 +213,8 @@ impl FrameStore {
     }
 
     /// The file `frame` is in, to map it from.
-    pub fn fd(&self, frame: u32) -> RawFd {
-        self.file_of(frame).0.file.as_raw_fd()
+    pub fn fd(&self, frame: u32) -> BorrowedFd<'_> {
+        self.file_of(frame).0.file.as_fd()
     }
 
     pub fn frame_len(&self) -> usize {
@@ -283,7 +283,7 @@ impl FrameStore {
             None => return None,
         };
         self.slot_in_use[slot as usize] = true;
-        let needed = len.next_multiple_of(sys::page_size());
+        let needed = len.next_multiple_of(sys::memory::page_size());
         let held = self.slot_bytes[slot as usize];
         if held > needed {
             // Pages past the block would be memory the budget does not count.
@@ -330,7 +330,7 @@ impl FrameStore {
         }
         let offset = slot as u64 * self.frame_len as u64 + keep;
         // Best effort: failing only leaves the memory in use until the store goes.
-        let _ = sys::punch_hole(self.pages.file.as_fd(), offset, held - keep);
+        let _ = sys::files::punch_hole(self.pages.file.as_fd(), offset, held - keep);
         self.slot_bytes[slot as usize] = keep;
         self.memory_bytes -= held - keep;
     }
@@ -341,7 +341,7 @@ impl FrameStore {
         }
         let offset = frame as u64 * self.frame_len as u64;
         // Best effort, as in `punch_slot`.
-        let _ = sys::punch_hole(self.huge.file.as_fd(), offset, self.frame_len as u64);
+        let _ = sys::files::punch_hole(self.huge.file.as_fd(), offset, self.frame_len as u64);
         self.memory_bytes -= self.frame_len as u64;
     }
 
@@ -420,14 +420,14 @@ impl FrameStore {
         // SAFETY: MADV_DONTNEED on a shared mapping only unmaps it: the file keeps its
         // bytes, and the service holds no reference into the frame. (Locked too: under
         // mlockall(MCL_FUTURE) the view is.)
-        let _ = unsafe { sys::discard(self.view(frame) as usize, self.frame_len) };
+        let _ = unsafe { sys::memory::discard(self.view(frame) as usize, self.frame_len) };
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sys::HUGE_PAGE;
+    use crate::sys::memory::HUGE_PAGE;
 
     /// A store of `count` huge frames. Where the process may not mount tmpfs (EPERM
     /// without CAP_SYS_ADMIN, ENOSYS before Linux 5.2) the test fails, as the

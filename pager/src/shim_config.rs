@@ -247,7 +247,7 @@ impl std::fmt::Display for BudgetSpec {
 /// half its size, 23 blocks of 2 MiB, decodes at 30-38 tok/s with them against 12 with
 /// 4 KiB blocks (`hyperoffload run --block 2M|4K`, llama-bench tg16).
 pub const HUGE_BLOCK_MIN_BUDGET: u64 = 8 * HUGE_BLOCK;
-const HUGE_BLOCK: u64 = crate::sys::HUGE_PAGE;
+const HUGE_BLOCK: u64 = crate::sys::memory::HUGE_PAGE;
 /// Most blocks of a file the launcher's block size gives (see `block_size_for`).
 pub const MAX_MAPPED_BLOCKS: u64 = 16 << 10;
 
@@ -447,7 +447,7 @@ pub fn default_block_size(zero_copy: bool, budget: u64, file_len: u64) -> u64 {
 }
 
 pub fn physical_ram() -> u64 {
-    crate::sys::physical_ram()
+    crate::sys::memory::physical_ram()
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 
 use std::os::fd::BorrowedFd;
 
-use nix::errno::Errno;
+use rustix::io::Errno;
 
 /// `UFFD_FEATURE_POISON`: lets `UFFDIO_POISON` be used on the registered ranges.
 pub const FEATURE_POISON: u64 = 1 << 14;
@@ -34,7 +34,7 @@ pub enum Partial {
 /// The range must be page aligned and inside a range registered on `uffd`; pages that
 /// are already present are left as they are (`EEXIST`).
 pub fn poison(uffd: BorrowedFd<'_>, start: usize, len: usize) -> Partial {
-    let (result, updated) = crate::sys::uffdio_poison(uffd, start, len);
+    let (result, updated) = crate::sys::userfaultfd::uffdio_poison(uffd, start, len);
     partial(result, updated, len)
 }
 
@@ -59,7 +59,7 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
         } else {
             len - done
         };
-        let (result, field) = crate::sys::uffdio_continue(uffd, start + done, chunk);
+        let (result, field) = crate::sys::userfaultfd::uffdio_continue(uffd, start + done, chunk);
         match partial(result, field, chunk) {
             Partial::Done => {
                 done += chunk;
@@ -73,8 +73,7 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
                 single_until = done + page;
             }
             Partial::Stopped {
-                errno: Errno::ESRCH,
-                ..
+                errno: Errno::SRCH, ..
             } => return mapped,
             // The refusal may be of the whole range (ENOENT: it spans mappings).
             Partial::Stopped { .. } if chunk > page => single_until = done + page,
@@ -95,15 +94,15 @@ pub fn continue_or_wake(uffd: BorrowedFd<'_>, start: usize, len: usize, page: us
 /// served then). False: the file has no page there, or the range is not one the file
 /// backs; nothing was woken.
 pub fn continue_page(uffd: BorrowedFd<'_>, addr: usize, page: usize) -> bool {
-    let (result, field) = crate::sys::uffdio_continue(uffd, addr, page);
+    let (result, field) = crate::sys::userfaultfd::uffdio_continue(uffd, addr, page);
     match partial(result, field, page) {
         Partial::Done => true,
         Partial::Stopped {
-            errno: Errno::EEXIST,
+            errno: Errno::EXIST,
             ..
         } => true,
         Partial::Stopped {
-            errno: Errno::EAGAIN,
+            errno: Errno::AGAIN,
             ..
         } => {
             wake(uffd, addr, page);
@@ -115,7 +114,7 @@ pub fn continue_page(uffd: BorrowedFd<'_>, addr: usize, page: usize) -> bool {
 
 /// UFFDIO_WAKE of `[start, start + len)`; a failure means nobody waits there.
 fn wake(uffd: BorrowedFd<'_>, start: usize, len: usize) {
-    let _ = crate::sys::uffdio_wake(uffd, start, len);
+    let _ = crate::sys::userfaultfd::uffdio_wake(uffd, start, len);
 }
 
 fn partial(result: std::io::Result<()>, done_field: i64, len: usize) -> Partial {
@@ -128,7 +127,7 @@ fn partial(result: std::io::Result<()>, done_field: i64, len: usize) -> Partial 
             } else {
                 0
             },
-            errno: Errno::from_i32(error.raw_os_error().unwrap_or(0)),
+            errno: Errno::from_raw_os_error(error.raw_os_error().unwrap_or(0)),
         },
     }
 }

@@ -11,7 +11,6 @@
 use libc::{c_char, c_int, c_uint, c_void, off_t, pid_t, size_t, FILE};
 
 use hyperoffload::map_candidate::{screen_request, MapRequest, PassReason};
-use hyperoffload::sys;
 
 use crate::fork_child;
 use crate::managed::{page, Errno, Shim};
@@ -141,7 +140,7 @@ unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: c_uint)
     }
     // SAFETY: the caller's NUL-terminated path, read only during this call.
     let name = unsafe { std::ffi::CStr::from_ptr(path) };
-    match sys::openat_raw(dirfd, name, flags, mode) {
+    match raw::openat(dirfd, name, flags, mode) {
         Ok(fd) => {
             note_open(fd, flags);
             fd

@@ -144,7 +144,12 @@ unsafe fn decide_on(envp: *const *mut c_char) -> bool {
     if let (false, Some(fd)) = (launched, found.keeper) {
         // A child inherited the keeper's socket from the launched process: nothing here
         // uses it, and nothing it runs should hold it.
-        if sys::is_seqpacket(fd) {
+        // A number from the environment: the program may have closed it before exec.
+        if sys::files::is_open(fd)
+            // SAFETY: `fd` is open (checked just before), and stays so while borrowed:
+            // before `main`, no other thread runs to close it.
+            && sys::sockets::is_seqpacket(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })
+        {
             // SAFETY: `fd` is open (checked just above) and is the launcher's socket,
             // which nothing in this image has taken ownership of yet (before `main`).
             drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
@@ -193,15 +198,15 @@ fn value_of<'a>(entry: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
 /// This process's identity (see `process_claim`) into `out`; its length.
 fn own_identity(out: &mut [u8; IDENTITY_MAX]) -> usize {
     let mut stat = [0u8; 1024];
-    let start = sys::open_read(c"/proc/self/stat")
+    let start = sys::files::open_read(c"/proc/self/stat")
         .and_then(|file| {
             use std::os::fd::AsFd;
-            sys::read(file.as_fd(), &mut stat)
+            sys::files::read(file.as_fd(), &mut stat)
         })
         .ok()
         .and_then(|len| process_claim::start_time(&stat[..len]))
         .unwrap_or(0);
-    process_claim::format_identity(sys::getpid() as u32, start, out)
+    process_claim::format_identity(sys::processes::getpid() as u32, start, out)
 }
 
 /// Removes the shim's entries from a `:`/space separated list, in place.

@@ -27,7 +27,7 @@ use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::graph::{expert_store, store, Transitions};
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::shim_config::ShimConfig;
-use hyperoffload::sys::getpid;
+use hyperoffload::sys::processes::getpid;
 use hyperoffload::trace::{events_path, TraceRecord, TraceWriter};
 use hyperoffload::Pager;
 

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use hyperoffload::size::format_size;
-use hyperoffload::sys::getpid;
+use hyperoffload::sys::processes::getpid;
 
 use crate::fork_plan::{ForkPlan, ServedRanges};
 use crate::raw;
@@ -69,7 +69,7 @@ pub fn refuses_remap_in_child(old: usize, old_len: usize, fixed: Option<(usize, 
     if served.is_empty() {
         return false;
     }
-    let page = hyperoffload::sys::page_size() as usize;
+    let page = hyperoffload::sys::memory::page_size() as usize;
     let span = |addr: usize, len: usize| -> Range<usize> {
         addr..addr.saturating_add(len.max(1)).next_multiple_of(page)
     };

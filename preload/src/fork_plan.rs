@@ -11,7 +11,7 @@
 
 use std::ffi::CString;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use hyperoffload::sys;
 use libc::c_int;
@@ -139,8 +139,8 @@ impl ForkPlan {
 
 /// The file by its name, if the name still leads to the file that was managed.
 fn open_same(file: &PlanFile) -> Option<OwnedFd> {
-    let fd = sys::open_read(&file.path).ok()?;
-    let stat = sys::fstat(fd.as_raw_fd()).ok()?;
+    let fd = sys::files::open_read(&file.path).ok()?;
+    let stat = sys::files::fstat(fd.as_fd()).ok()?;
     (stat.st_dev == file.dev && stat.st_ino == file.ino).then_some(fd)
 }
 
@@ -150,12 +150,12 @@ fn map_fixed(fd: &OwnedFd, part: &PlanRange) -> std::io::Result<usize> {
     // private, read-only mapping of the file at a page-aligned offset, as the program
     // asked for it.
     unsafe {
-        sys::mmap(
+        sys::memory::mmap(
             part.range.start,
             part.range.end - part.range.start,
             part.prot,
             libc::MAP_PRIVATE | libc::MAP_FIXED,
-            fd.as_raw_fd(),
+            Some(fd.as_fd()),
             part.offset as i64,
         )
     }

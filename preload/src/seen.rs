@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use hyperoffload::served_files::{SeenFile, SeenFiles};
-use hyperoffload::sys::getpid;
+use hyperoffload::sys::processes::getpid;
 
 /// The records, and where they go.
 pub struct Seen {

@@ -44,7 +44,7 @@ use hyperoffload::pressure_follower::PressureFollower;
 use hyperoffload::shim_config::{BudgetSpec, ShimConfig};
 use libc::{c_char, c_int};
 
-use hyperoffload::sys::getpid;
+use hyperoffload::sys::processes::getpid;
 
 use crate::env_scrub;
 use crate::exit_report;

@@ -124,7 +124,7 @@ fn model_graph(model: &ModelFile, files: &[ModelFile], block: u64) -> anyhow::Re
             block,
         )?
     } else {
-        let cuts = model_block_cuts(model, hyperoffload::sys::page_size());
+        let cuts = model_block_cuts(model, hyperoffload::sys::memory::page_size());
         ModelGraph::from_tensors(
             &model.tensors,
             BlockGeometry::new(0, model.file_len, block)?.with_file_cuts(cuts)?,

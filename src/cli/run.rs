@@ -406,10 +406,11 @@ fn run_supervised(
 fn keep_children(command: &mut Command) -> Option<(KeeperThread, std::os::fd::OwnedFd)> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
-    let started = hyperoffload::sys::seqpacket_pair().and_then(|(keeper_end, program_end)| {
-        let thread = hyperoffload::keeper::serve::start(keeper_end)?;
-        Ok((thread, program_end))
-    });
+    let started =
+        hyperoffload::sys::sockets::seqpacket_pair().and_then(|(keeper_end, program_end)| {
+            let thread = hyperoffload::keeper::serve::start(keeper_end)?;
+            Ok((thread, program_end))
+        });
     let (thread, program_end) = match started {
         Ok(started) => started,
         Err(error) => {

@@ -269,7 +269,7 @@ fn workload_and_graph(
                 }
                 // Cut at the experts' slices, as the pager cuts them.
                 None => {
-                    let cuts = model_block_cuts(&model, hyperoffload::sys::page_size());
+                    let cuts = model_block_cuts(&model, hyperoffload::sys::memory::page_size());
                     let layout =
                         BlockGeometry::new(0, model.file_len, block)?.with_file_cuts(cuts)?;
                     ModelGraph::from_tensors(&model.tensors, layout)
@@ -323,7 +323,7 @@ pub(super) fn trace_model_graph(
     let model = hyperoffload::model::ModelFile::open(path)?;
     let block = workload.layout.block_size;
     let cuts = if recorded_expert_blocks(trace)? {
-        model_block_cuts(&model, hyperoffload::sys::page_size())
+        model_block_cuts(&model, hyperoffload::sys::memory::page_size())
     } else {
         Vec::new()
     };

@@ -18,13 +18,13 @@ impl KeeperLink {
     /// Starts a session on `socket` for the calling thread (the service's), whose end
     /// the keeper watches through the pidfd sent along.
     pub(crate) fn start(socket: OwnedFd) -> std::io::Result<Self> {
-        let pidfd = sys::own_thread_pidfd()?;
+        let pidfd = sys::processes::own_thread_pidfd()?;
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.subsec_nanos());
-        let session = (sys::gettid() as u64) << 32 | u64::from(nanos);
+        let session = (sys::processes::gettid() as u64) << 32 | u64::from(nanos);
         let message = Message::Session { session }.encode();
-        sys::send_with_fds(socket.as_fd(), &message, &[pidfd.as_fd()])?;
+        sys::sockets::send_with_fds(socket.as_fd(), &message, &[pidfd.as_fd()])?;
         Ok(Self {
             socket,
             session,
@@ -41,14 +41,15 @@ impl KeeperLink {
         if self.lost {
             return;
         }
-        if let Err(error) = sys::send_with_fds(self.socket.as_fd(), &message.encode(), fds) {
+        if let Err(error) = sys::sockets::send_with_fds(self.socket.as_fd(), &message.encode(), fds)
+        {
             self.lost = true;
             let text = format!(
                 "hyperoffload: lost the keeper ({error}): forked children alive when this \
                  process ends by _exit, a signal or an exec may read zeros where a block \
                  was not resident\n"
             );
-            sys::write_stderr(text.as_bytes());
+            sys::files::write_stderr(text.as_bytes());
         }
     }
 }

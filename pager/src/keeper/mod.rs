@@ -26,7 +26,7 @@
 //! program's copy closes, so a child's fault on a hole waits (the kernel queues it on
 //! that userfaultfd) instead of reading zeros. When the service's thread has ended
 //! (`serve`), the keeper takes every message still queued, asks which of that service's
-//! children still live (`sys::uffd_process_alive`), fills every hole of the regions
+//! children still live (`sys::userfaultfd::uffd_process_alive`), fills every hole of the regions
 //! they were handed over with (`hole_fill`, the code the service's own exit fill uses),
 //! and closes everything it held for that service. Closing a child's userfaultfd, now
 //! its last descriptor, makes the kernel unregister the child's ranges and wake every

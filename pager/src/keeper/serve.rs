@@ -23,7 +23,9 @@ use userfaultfd::{Event, EventBuffer, Uffd};
 use super::protocol::Message;
 use super::state::{Ending, HeldRegion, Keeper};
 use crate::hole_fill::{fill_holes, rewrite_chunk, FillSource, FILL_CHUNK};
-use crate::sys::{self, PollFd, PollFlags, Received};
+use crate::sys;
+use crate::sys::files::{PollFd, PollFlags};
+use crate::sys::sockets::Received;
 
 /// The largest message (a child handed over with some thousand regions).
 const MAX_MESSAGE: usize = 64 << 10;
@@ -60,9 +62,9 @@ pub struct KeptChildren {
 /// other).
 pub fn start(socket: OwnedFd) -> std::io::Result<KeeperThread> {
     // Each forked child is a descriptor held here until it is gone.
-    sys::raise_fd_limit();
-    let ended = sys::eventfd()?;
-    let ended_here = sys::dup_cloexec(ended.as_fd())?;
+    sys::processes::raise_fd_limit();
+    let ended = sys::files::eventfd()?;
+    let ended_here = sys::files::dup_cloexec(ended.as_fd())?;
     let (report_tx, report) = sync_channel(1);
     let thread = std::thread::Builder::new()
         .name("hyperoffload-keeper".into())
@@ -79,7 +81,7 @@ impl KeeperThread {
     /// finished (filled where children live). Returns what the keeper did, and the
     /// children it goes on serving.
     pub fn finish(self) -> (KeeperReport, KeptChildren) {
-        let _ = sys::write(self.ended.as_fd(), &1u64.to_ne_bytes());
+        let _ = sys::files::write(self.ended.as_fd(), &1u64.to_ne_bytes());
         let report = self.report.recv().unwrap_or_default();
         (
             report,
@@ -134,9 +136,9 @@ fn keep(socket: OwnedFd, ended: OwnedFd, report_tx: SyncSender<KeeperReport>) {
             if program_ended {
                 fds[0] = PollFd::new(&ended, PollFlags::empty());
             }
-            if let Err(error) = sys::poll(&mut fds, PROBE_EVERY) {
+            if let Err(error) = sys::files::poll(&mut fds, PROBE_EVERY) {
                 let text = format!("hyperoffload: the keeper cannot wait ({error})\n");
-                sys::write_stderr(text.as_bytes());
+                sys::files::write_stderr(text.as_bytes());
                 program_ended = true;
             }
             if !program_ended && !fds[0].revents().is_empty() {
@@ -194,7 +196,7 @@ fn drain(
     report: &mut KeeperReport,
 ) -> bool {
     loop {
-        match sys::recv_with_fds(socket.as_fd(), buffer) {
+        match sys::sockets::recv_with_fds(socket.as_fd(), buffer) {
             Ok(Received::Message(len, fds)) => {
                 let outcome = Message::decode(&buffer[..len], fds.len())
                     .map_err(|error| error.to_string())
@@ -212,7 +214,7 @@ fn drain(
                         if report.refused == 1 {
                             let text =
                                 format!("hyperoffload: the keeper ignored a message: {why}\n");
-                            sys::write_stderr(text.as_bytes());
+                            sys::files::write_stderr(text.as_bytes());
                         }
                     }
                 }
@@ -221,7 +223,7 @@ fn drain(
             Ok(Received::Closed) => return false,
             Err(error) => {
                 let text = format!("hyperoffload: the keeper cannot receive ({error})\n");
-                sys::write_stderr(text.as_bytes());
+                sys::files::write_stderr(text.as_bytes());
                 return false;
             }
         }
@@ -233,7 +235,7 @@ fn alive(uffd: &Uffd, regions: &[HeldRegion<OwnedFd>]) -> bool {
     let at = regions
         .first()
         .map_or(super::state::PROBE_ELSEWHERE, |region| region.base);
-    sys::uffd_process_alive(uffd.as_fd(), at as usize)
+    sys::userfaultfd::uffd_process_alive(uffd.as_fd(), at as usize)
 }
 
 /// A service has ended: fills the regions its live children map and wakes every fault
@@ -244,7 +246,10 @@ fn finish_session(ending: Ending<OwnedFd>, report: &mut KeeperReport) -> Vec<Orp
         .children
         .iter()
         .map(|child| {
-            sys::uffd_process_alive(child.uffd.as_fd(), ending.probe_address(child) as usize)
+            sys::userfaultfd::uffd_process_alive(
+                child.uffd.as_fd(),
+                ending.probe_address(child) as usize,
+            )
         })
         .collect();
     let to_fill = ending.to_fill(&live);
@@ -288,7 +293,7 @@ fn finish_session(ending: Ending<OwnedFd>, report: &mut KeeperReport) -> Vec<Orp
                 failures.join("; ")
             ));
         }
-        sys::write_stderr(text.as_bytes());
+        sys::files::write_stderr(text.as_bytes());
     }
     let Ending {
         regions, children, ..
@@ -333,7 +338,7 @@ fn source(region: &HeldRegion<OwnedFd>) -> FillSource<'_> {
 /// hole (a region the fill skipped) and woken, or poisoned (SIGBUS) where it cannot be;
 /// a fork's child is served too.
 fn serve_orphan(orphans: &mut Vec<Orphan>, index: usize, events: &mut EventBuffer) {
-    let page = sys::page_size();
+    let page = sys::memory::page_size();
     let mut forked = Vec::new();
     {
         let orphan = &orphans[index];
@@ -373,7 +378,7 @@ fn serve_orphan(orphans: &mut Vec<Orphan>, index: usize, events: &mut EventBuffe
                         // A page nobody can give: SIGBUS, as a file mapping gives for an
                         // unreadable page, rather than a fault answered forever.
                         _ => {
-                            let _ = sys::uffdio_poison(uffd, page_addr as usize, page);
+                            let _ = sys::userfaultfd::uffdio_poison(uffd, page_addr as usize, page);
                         }
                     }
                 }

@@ -79,7 +79,7 @@ pub struct Ending<F> {
 
 /// Where to ask whether a child's address space lives when none of its regions is
 /// held: above any `vm.mmap_min_addr`, below any task size (see
-/// `sys::uffd_process_alive`).
+/// `sys::userfaultfd::uffd_process_alive`).
 pub const PROBE_ELSEWHERE: u64 = 1 << 30;
 
 impl<F> Ending<F> {

@@ -21,7 +21,7 @@ use crate::service::InjectedFaults;
 use crate::service::{FaultService, InstallPool, ServiceConfig};
 use crate::shaped_region::ShapeFiles;
 use crate::shared_store::{FrameStore, Tmpfs};
-use crate::sys::HUGE_PAGE;
+use crate::sys::memory::HUGE_PAGE;
 use crate::{budget_floor, sys, uffd_ext};
 
 /// Builds a pager.
@@ -378,7 +378,7 @@ impl PagerBuilder {
     }
 
     pub fn build(self) -> Result<Pager, PagerError> {
-        let page = sys::page_size();
+        let page = sys::memory::page_size();
         let max_read = self.checked_max_read(page)?;
         let FaultSetup {
             uffd,
@@ -450,7 +450,7 @@ impl PagerBuilder {
                 zero_copy,
                 mappings_promised: AtomicU64::new(0),
                 shape_files,
-                owner: sys::getpid(),
+                owner: sys::processes::getpid(),
             }),
         })
     }
@@ -577,15 +577,16 @@ fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
         | extra;
     match build(features) {
         Ok(uffd) => Ok(uffd),
-        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EPERM)) => Err(
-            PagerError::UffdNotPermitted(nix::errno::Errno::EPERM.desc().into()),
-        ),
+        // The `userfaultfd` crate's errors carry its own errno type, matched by number.
+        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EPERM => {
+            Err(PagerError::UffdNotPermitted(errno.desc().into()))
+        }
         Err(userfaultfd::Error::OpenDevUserfaultfd(error))
             if error.kind() == std::io::ErrorKind::PermissionDenied =>
         {
             Err(PagerError::UffdNotPermitted(error.to_string()))
         }
-        Err(userfaultfd::Error::SystemError(nix::errno::Errno::EINVAL)) => {
+        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EINVAL => {
             // The API handshake refused the features: check whether POISON is the reason.
             match UffdBuilder::new().user_mode_only(false).create() {
                 Ok(_) => Err(PagerError::UffdNoPoison),

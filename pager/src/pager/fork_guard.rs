@@ -45,21 +45,21 @@ thread_local! {
 /// Has forks of this process announced to `shared`'s service.
 pub(super) fn guard(shared: &Arc<Shared>) {
     REGISTER.call_once(|| {
-        if let Err(error) = sys::at_fork(prepare, parent, child) {
+        if let Err(error) = sys::processes::at_fork(prepare, parent, child) {
             let message = format!(
                 "hyperoffload: cannot register the fork handlers ({error}): a fork may stop \
                  the fault service\n"
             );
-            sys::write_stderr(message.as_bytes());
+            sys::files::write_stderr(message.as_bytes());
         }
     });
     let mut pagers = lock(&PAGERS);
     pagers.retain(|(pager, _)| pager.strong_count() > 0);
-    pagers.push((Arc::downgrade(shared), sys::getpid()));
+    pagers.push((Arc::downgrade(shared), sys::processes::getpid()));
 }
 
 extern "C" fn prepare() {
-    let pid = sys::getpid();
+    let pid = sys::processes::getpid();
     let live: Vec<Arc<Shared>> = lock(&PAGERS)
         .iter()
         .filter(|(_, owner)| *owner == pid)
@@ -116,7 +116,7 @@ pub(super) fn shape_regions(shared: &Shared) {
             // of the region the program maps, replacing the old mapping (of frames the
             // service let go) in one step; the service answers faults on neither meanwhile.
             let moved = unsafe {
-                sys::mremap(
+                sys::memory::mremap(
                     step.from,
                     step.len,
                     step.len,

@@ -242,7 +242,7 @@ struct PagerInner {
 impl PagerInner {
     /// Whether this is the process the service runs in, not a forked child.
     fn serving_here(&self) -> bool {
-        sys::getpid() == self.owner
+        sys::processes::getpid() == self.owner
     }
 
     /// Whether forked children are served (`PagerBuilder::serve_forks`, or since the
@@ -449,7 +449,7 @@ impl Pager {
             return Err(MapError::Writable);
         }
         let file = BackingFile::open(path)?;
-        let page = sys::page_size();
+        let page = sys::memory::page_size();
         let MapExtent {
             len,
             needed,
@@ -504,12 +504,11 @@ impl Pager {
             _mappings: mappings,
         };
         // SAFETY: the reservation is this region's own, and nothing reads it yet.
-        unsafe { sys::mprotect(region.mapping.base, region.mapping.len, options.prot) }.map_err(
-            |source| MapError::Reserve {
+        unsafe { sys::memory::mprotect(region.mapping.base, region.mapping.len, options.prot) }
+            .map_err(|source| MapError::Reserve {
                 len: map_len,
                 source,
-            },
-        )?;
+            })?;
         Ok(region)
     }
 

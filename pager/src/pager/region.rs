@@ -33,16 +33,16 @@ impl Mapping {
             len: len as u64,
             source,
         };
-        let extra = align - sys::page_size() as usize;
+        let extra = align - sys::memory::page_size() as usize;
         // SAFETY: a fresh private anonymous mapping at a kernel-chosen address touches no
         // existing memory. MAP_NORESERVE: the budget, not swap accounting, bounds it.
         let start = unsafe {
-            sys::mmap(
+            sys::memory::mmap(
                 0,
                 len + extra,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
+                None,
                 0,
             )
         }
@@ -54,7 +54,7 @@ impl Mapping {
             if bytes > 0 {
                 // SAFETY: unmaps only parts of the mapping just created, outside the part
                 // kept.
-                unsafe { sys::munmap(from, bytes) }.map_err(reserve_error)?;
+                unsafe { sys::memory::munmap(from, bytes) }.map_err(reserve_error)?;
             }
         }
         let mapping = Self {
@@ -68,7 +68,8 @@ impl Mapping {
         // A forked child would inherit the range unregistered and read zeros where the
         // parent reads the file. Not inheriting it makes a child's access fault loudly.
         // SAFETY: advises only the mapping just created; DONTFORK discards nothing.
-        unsafe { sys::madvise(base, len, sys::Advice::LinuxDontFork) }.map_err(reserve_error)?;
+        unsafe { sys::memory::madvise(base, len, sys::memory::Advice::LinuxDontFork) }
+            .map_err(reserve_error)?;
         Ok(mapping)
     }
 }
@@ -103,7 +104,8 @@ impl Drop for Mapping {
             // SAFETY: unmaps a part of the reservation this value owns that the program
             // has not unmapped; the region dropping it holds no references into it any
             // more (`as_slice` borrows the region).
-            let result = unsafe { sys::munmap(self.base + part.start, part.end - part.start) };
+            let result =
+                unsafe { sys::memory::munmap(self.base + part.start, part.end - part.start) };
             if let Err(error) = result {
                 panic!("munmap of a region failed: {error}");
             }
@@ -267,7 +269,7 @@ impl Region {
     /// The rest of the region keeps working.
     pub fn unmap_part(&self, range: Range<u64>) -> Result<(), HintError> {
         self.check(&range)?;
-        let page = sys::page_size();
+        let page = sys::memory::page_size();
         let range = range.start / page * page..range.end.next_multiple_of(page);
         if range.is_empty() {
             return Ok(());
@@ -283,7 +285,7 @@ impl Region {
         // the service has been told and no reference we hold points there. It cannot
         // fail for a page-aligned range inside a mapping we own.
         let _ = unsafe {
-            sys::munmap(
+            sys::memory::munmap(
                 self.mapping.base + range.start as usize,
                 (range.end - range.start) as usize,
             )

@@ -140,7 +140,7 @@ impl State {
         entry.entries[block as usize] = Entry::default();
         entry.verified[block as usize] = false;
         entry.write_entry(block)?;
-        crate::sys::punch_hole(entry.data.as_fd(), block * entry.header.block, bytes)?;
+        crate::sys::files::punch_hole(entry.data.as_fd(), block * entry.header.block, bytes)?;
         self.stats.used_bytes -= bytes;
         Ok(())
     }
@@ -172,7 +172,7 @@ impl Cache {
             .write(true)
             .open(root.join("lock"))
             .map_err(err)?;
-        if !crate::sys::try_lock_exclusive(lock.as_fd()).map_err(err)? {
+        if !crate::sys::files::try_lock_exclusive(lock.as_fd()).map_err(err)? {
             return Err(CacheError::Busy(dir.to_path_buf()));
         }
         let mut state = State {
@@ -271,7 +271,6 @@ impl Cache {
     /// Asks the kernel to read block `block` of `id` into the page cache ahead of its
     /// use, if the cache holds it (the warm path's read-ahead); true if it does.
     pub fn prefetch(&self, id: ObjectId, block: u64) -> bool {
-        use std::os::fd::AsRawFd;
         let mut state = crate::lock::lock(&self.state);
         let object = state.object(id);
         if !object.entries[block as usize].present() {
@@ -280,8 +279,8 @@ impl Cache {
         let start = block * object.header.block;
         let len = object.block_bytes(block);
         // Only advice: a refusal costs a slower read, nothing else.
-        let _ = crate::sys::fadvise(
-            object.data.as_raw_fd(),
+        let _ = crate::sys::files::fadvise(
+            object.data.as_fd(),
             start as i64,
             len as i64,
             libc::POSIX_FADV_WILLNEED,

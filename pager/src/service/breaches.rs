@@ -27,7 +27,7 @@ impl Breaches {
             let message = format!(
                 "hyperoffload: internal invariant broken (a bug; the service goes on): {what}\n"
             );
-            crate::sys::write_stderr(message.as_bytes());
+            crate::sys::files::write_stderr(message.as_bytes());
         }
     }
 

@@ -8,7 +8,7 @@
 //!
 //! The kernel says nothing when a child exits or execs: its userfaultfd never hangs up
 //! and no event comes. `UFFDIO_CONTINUE` tells (ESRCH once the address space has no
-//! users, `sys::uffd_process_alive`); the service asks every child at each stats
+//! users, `sys::userfaultfd::uffd_process_alive`); the service asks every child at each stats
 //! publication and closes the userfaultfds of those gone.
 //!
 //! A fork makes the parent's UFFDIO_COPY fail with EAGAIN from the moment the child's
@@ -359,7 +359,7 @@ impl FaultService {
         }
         self.stats.poisoned_pages += poison_range(uffd, page_addr, page, page);
         if !std::mem::replace(&mut self.children.said_orphaned, true) {
-            crate::sys::write_stderr(
+            crate::sys::files::write_stderr(
                 b"hyperoffload: a forked child read a model range its parent has unmapped: \
                   the pager no longer serves it there (SIGBUS)\n",
             );
@@ -381,7 +381,7 @@ impl FaultService {
             .map_or(PROBE_WITHOUT_REGIONS, |region| region.base);
         let mut gone = Vec::new();
         self.children.list.retain(|child| {
-            let alive = crate::sys::uffd_process_alive(child.uffd.as_fd(), addr);
+            let alive = crate::sys::userfaultfd::uffd_process_alive(child.uffd.as_fd(), addr);
             if !alive {
                 gone.push(child.number);
             }

@@ -2,7 +2,7 @@
 //! and go, ranges are prefetched, dropped, unmapped, pinned and hinted.
 
 use std::ops::Range;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::mpsc::SyncSender;
 
 use super::block_state::{BlockEvent, BlockState};
@@ -184,7 +184,7 @@ impl FaultService {
             ServedRegion::new(base, layout, file, prot, zero_copy, self.breaches.clone());
         if let Some(file) = shape {
             region.shape_len =
-                crate::sys::fstat(file.as_raw_fd()).map_or(0, |stat| stat.st_size as u64);
+                crate::sys::files::fstat(file.as_fd()).map_or(0, |stat| stat.st_size as u64);
             if self.config.read_in_place {
                 region.minor = true;
                 // Without a view the region's reads are copied in (UFFDIO_COPY fills holes

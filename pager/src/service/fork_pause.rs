@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use userfaultfd::Event;
 
 use super::{FaultService, ServiceError};
-use crate::sys::{PollFd, PollFlags};
+use crate::sys::files::{PollFd, PollFlags};
 
 /// Faults read while paused, at most: one per thread of the program is pending at a
 /// time, so this is the most threads a paused fork serves without a lost fault.
@@ -115,7 +115,7 @@ impl FaultService {
 /// Whether `fd` becomes readable within `timeout`.
 fn readable(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-    matches!(crate::sys::poll(&mut fds, timeout), Ok(n) if n > 0)
+    matches!(crate::sys::files::poll(&mut fds, timeout), Ok(n) if n > 0)
 }
 
 #[cfg(test)]

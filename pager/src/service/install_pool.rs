@@ -241,7 +241,7 @@ impl FaultService {
 /// spinning at a barrier took as much CPU as the installs they waited for (docs/design.md,
 /// "The fault service, measured").
 pub(crate) fn raise_priority(nice: i32) -> i32 {
-    crate::sys::set_thread_nice(nice).unwrap_or(-1)
+    crate::sys::processes::set_thread_nice(nice).unwrap_or(-1)
 }
 
 fn work(shared: &PoolShared) {

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 
-use nix::errno::Errno;
+use rustix::io::Errno;
 use userfaultfd::{RegisterMode, Uffd};
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
@@ -293,8 +293,10 @@ pub(crate) unsafe fn install(
         };
         let (copied, errno) = match result {
             Ok(n) => (n.max(page).min(len - done), None),
-            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::EAGAIN)),
-            Err(userfaultfd::Error::CopyFailed(errno)) => (0, Some(errno)),
+            Err(userfaultfd::Error::PartiallyCopied(n)) => (n, Some(Errno::AGAIN)),
+            Err(userfaultfd::Error::CopyFailed(errno)) => {
+                (0, Some(Errno::from_raw_os_error(errno as i32)))
+            }
             Err(other) => return Err(InstallError::Other(format!("{other:?}"))),
         };
         done += copied;
@@ -303,20 +305,20 @@ pub(crate) unsafe fn install(
             Some(_) if copied > 0 => page_by_page_until = done + page,
             // The first page exists (EEXIST) or is no longer mapped (ENOENT: the program
             // unmapped part of the region): skip it.
-            Some(Errno::EEXIST | Errno::ENOENT) if chunk == page => done += page,
+            Some(Errno::EXIST | Errno::NOENT) if chunk == page => done += page,
             // EAGAIN with nothing copied: the address space is changing (a fork whose
             // event is unread; otherwise it settles): go page by page.
-            Some(Errno::EAGAIN) if busy < 1_000_000 => {
+            Some(Errno::AGAIN) if busy < 1_000_000 => {
                 busy += 1;
                 on_busy();
                 page_by_page_until = done + page
             }
-            Some(Errno::EEXIST | Errno::ENOENT | Errno::EAGAIN) if stalls < 10_000 => {
+            Some(Errno::EXIST | Errno::NOENT | Errno::AGAIN) if stalls < 10_000 => {
                 stalls += 1;
                 page_by_page_until = done + page
             }
             // The process is exiting: nobody is left to wait for these pages.
-            Some(Errno::ESRCH) => return Ok(()),
+            Some(Errno::SRCH) => return Ok(()),
             Some(errno) => {
                 return Err(InstallError::Copy {
                     addr: target + done,
@@ -382,20 +384,26 @@ pub(super) fn map_frame(
         // service learns of every unmap before it happens) with the block's own bytes;
         // nothing but the program's reads reaches this range.
         unsafe {
-            crate::sys::mmap(
+            crate::sys::memory::mmap(
                 part.start,
                 bytes,
                 region.prot,
                 libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                store.fd(frame),
+                Some(store.fd(frame)),
                 offset as i64,
             )
         }
         .map_err(|error| map_error(part.start, error))?;
         // As for the reservation: a forked child must not see the range.
         // SAFETY: advises a mapping of the service's own; DONTFORK discards nothing.
-        unsafe { crate::sys::madvise(part.start, bytes, crate::sys::Advice::LinuxDontFork) }
-            .map_err(|error| map_error(part.start, error))?;
+        unsafe {
+            crate::sys::memory::madvise(
+                part.start,
+                bytes,
+                crate::sys::memory::Advice::LinuxDontFork,
+            )
+        }
+        .map_err(|error| map_error(part.start, error))?;
         uffd.register_with_mode(
             part.start as *mut libc::c_void,
             bytes,
@@ -463,13 +471,13 @@ pub(super) fn poison_range(uffd: &Uffd, start: usize, len: usize, page: usize) -
 
 /// Drops pages so the range faults again on next access.
 pub(super) fn discard_pages(start: usize, end: usize) -> Result<(), ServiceError> {
-    // Locked pages too (see `sys::discard`): the budget bounds the region whatever the
+    // Locked pages too (see `sys::memory::discard`): the budget bounds the region whatever the
     // program asked of the kernel. Plain MADV_DONTNEED on a region the program had
     // mlocked through the kernel failed here, which stopped the service and the program.
     // SAFETY: the range is a page-aligned part of a region this service serves; its
     // contents are file bytes that can be read again, and no reference the service holds
     // points into it.
-    match unsafe { crate::sys::discard(start, end - start) } {
+    match unsafe { crate::sys::memory::discard(start, end - start) } {
         // ENOMEM: part of the range was unmapped by the program (a block cut by a
         // partial munmap); the kernel still dropped the pages of the mapped parts.
         Err(error) if error.raw_os_error() == Some(libc::ENOMEM) => Ok(()),
@@ -491,7 +499,7 @@ pub(super) fn punch_pages(
     let Some((offset, len)) = crate::shaped_region::file_range(start, end, region.shape_len) else {
         return Ok(());
     };
-    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+    crate::sys::files::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
         addr: part.start,
         error,
     })
@@ -512,7 +520,7 @@ pub(super) fn punch_region_pages(
     else {
         return Ok(());
     };
-    crate::sys::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
+    crate::sys::files::punch_hole(file.as_fd(), offset, len).map_err(|error| ServiceError::Evict {
         addr: region.base + range.start as usize,
         error,
     })
@@ -523,7 +531,7 @@ pub(super) fn punch_region_pages(
 pub(super) fn page_present(addr: usize) -> bool {
     // A failure (the page was unmapped meanwhile) is answered as present: waking the
     // thread is then what the fault needs.
-    crate::sys::page_resident(addr).unwrap_or(true)
+    crate::sys::memory::page_resident(addr).unwrap_or(true)
 }
 
 #[cfg(test)]

@@ -216,7 +216,7 @@ impl FaultService {
         let lost = match (&region.shape, region.minor) {
             (Some(shape), true) => {
                 let offset = (fault.page_addr - region.base) as u64;
-                resident && crate::sys::is_hole(shape.as_fd(), offset).unwrap_or(false)
+                resident && crate::sys::files::is_hole(shape.as_fd(), offset).unwrap_or(false)
             }
             _ => self.store.is_none() && resident && !page_present(fault.page_addr),
         };

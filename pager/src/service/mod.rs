@@ -291,7 +291,7 @@ impl FaultService {
         if let Some(socket) = self.config.keeper.take() {
             match KeeperLink::start(socket) {
                 Ok(link) => self.keeper = Some(link),
-                Err(error) => crate::sys::write_stderr(
+                Err(error) => crate::sys::files::write_stderr(
                     format!(
                         "hyperoffload: cannot reach the keeper ({error}): forked children alive \
                          when this process ends by _exit, a signal or an exec may read zeros \
@@ -459,6 +459,6 @@ impl FaultService {
 fn fatal(why: &str) -> ! {
     let message =
         format!("hyperoffload: the fault service failed and the process cannot continue: {why}\n");
-    crate::sys::write_stderr(message.as_bytes());
+    crate::sys::files::write_stderr(message.as_bytes());
     std::process::abort();
 }

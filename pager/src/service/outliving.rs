@@ -253,6 +253,6 @@ impl FaultService {
             ));
         }
         // Not through stderr's lock, which a faulting thread may hold.
-        crate::sys::write_stderr(message.as_bytes());
+        crate::sys::files::write_stderr(message.as_bytes());
     }
 }

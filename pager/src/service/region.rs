@@ -211,7 +211,7 @@ impl ServedRegion {
             now.mtime_ns != then.mtime_ns
         );
         // Not through stderr's lock, which a faulting thread may hold.
-        crate::sys::write_stderr(message.as_bytes());
+        crate::sys::files::write_stderr(message.as_bytes());
         true
     }
 }

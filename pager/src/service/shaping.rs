@@ -37,7 +37,7 @@
 //! file-shaped from the start are not watched.
 
 use std::ops::Range;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
 use userfaultfd::RegisterMode;
@@ -61,7 +61,7 @@ struct NewMapping {
 impl Drop for NewMapping {
     fn drop(&mut self) {
         // SAFETY: the mapping is this value's own; nothing refers into it.
-        let _ = unsafe { sys::munmap(self.addr, self.len) };
+        let _ = unsafe { sys::memory::munmap(self.addr, self.len) };
     }
 }
 
@@ -96,7 +96,7 @@ impl FaultService {
                      ({error}): forked children map the model files from the page cache, \
                      outside the budget\n"
                 );
-                sys::write_stderr(message.as_bytes());
+                sys::files::write_stderr(message.as_bytes());
                 self.stats.forks_refused = Some(error.to_string());
                 return Ok(Vec::new());
             }
@@ -133,13 +133,13 @@ impl FaultService {
             let geometry = &region.layout.geometry;
             let len = geometry.data_len.next_multiple_of(self.config.page_size);
             let huge = (0..region.block_count())
-                .all(|index| region.layout.block_memory(index).start % sys::HUGE_PAGE == 0)
-                && self.config.block_size % sys::HUGE_PAGE == 0;
+                .all(|index| region.layout.block_memory(index).start % sys::memory::HUGE_PAGE == 0)
+                && self.config.block_size % sys::memory::HUGE_PAGE == 0;
             let file = files.create(len, huge)?;
             let view = FileView::new(&file, len)?;
             // Inaccessible until registered: under mlockall(MCL_FUTURE) an accessible
             // mapping would be filled at once, with the file's holes as zeros.
-            let addr = sys::map_shared_inaccessible(file.as_fd(), len as usize)?;
+            let addr = sys::memory::map_shared_inaccessible(file.as_fd(), len as usize)?;
             let mapping = NewMapping {
                 addr,
                 len: len as usize,
@@ -152,7 +152,7 @@ impl FaultService {
                 )
                 .map_err(|error| std::io::Error::other(format!("{error:?}")))?;
             // SAFETY: the mapping just made, registered, which nothing uses yet.
-            unsafe { sys::mprotect(addr, len as usize, region.prot) }?;
+            unsafe { sys::memory::mprotect(addr, len as usize, region.prot) }?;
             prepared.push(Prepared {
                 id,
                 file,
@@ -268,7 +268,7 @@ impl FaultService {
                          move ({error}): its pages fault forever\n",
                         failed.to
                     );
-                    sys::write_stderr(message.as_bytes());
+                    sys::files::write_stderr(message.as_bytes());
                 }
             }
             let refused_ranges: Vec<Range<u64>> = refused
@@ -283,7 +283,7 @@ impl FaultService {
                 // (a hole of the region, or a refused move): still mapped there, since
                 // only the moves sent took parts of it.
                 let _ = unsafe {
-                    sys::munmap(
+                    sys::memory::munmap(
                         new.start + left.start as usize,
                         (left.end - left.start) as usize,
                     )
@@ -300,7 +300,7 @@ impl FaultService {
 /// Writes all of `bytes` at `offset` of `file`.
 fn write_all_at(file: &OwnedFd, mut bytes: &[u8], mut offset: u64) -> std::io::Result<()> {
     while !bytes.is_empty() {
-        match sys::pwrite(file.as_fd(), bytes, offset) {
+        match sys::files::pwrite(file.as_fd(), bytes, offset) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(written) => {
                 bytes = &bytes[written..];
@@ -326,12 +326,12 @@ fn map_in_place(
     // SAFETY: replaces a part of a region this service serves, whose old mapping (of
     // frames let go) serves nothing any more.
     unsafe {
-        sys::mmap(
+        sys::memory::mmap(
             failed.to,
             failed.len,
             libc::PROT_NONE,
             libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            file.as_raw_fd(),
+            Some(file.as_fd()),
             offset,
         )
     }?;
@@ -342,7 +342,7 @@ fn map_in_place(
     )
     .map_err(|error| std::io::Error::other(format!("{error:?}")))?;
     // SAFETY: the mapping just made and registered.
-    unsafe { sys::mprotect(failed.to, failed.len, prot) }
+    unsafe { sys::memory::mprotect(failed.to, failed.len, prot) }
 }
 
 /// The moves that put the parts `live` (region offsets) of a new mapping at `from` over

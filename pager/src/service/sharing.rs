@@ -40,10 +40,10 @@ pub(super) struct ShareHost {
 impl ShareHost {
     /// Listens in `dir` (the run's share directory).
     pub(super) fn start(dir: &Path) -> std::io::Result<Self> {
-        let socket_path = dir.join(host_socket_name(sys::getpid()));
+        let socket_path = dir.join(host_socket_name(sys::processes::getpid()));
         // A socket left by an earlier image of this process (an exec): gone with it.
-        let _ = sys::unlink(&socket_path);
-        let listener = sys::listen_seqpacket(&socket_path)?;
+        let _ = sys::files::unlink(&socket_path);
+        let listener = sys::sockets::listen_seqpacket(&socket_path)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             socket_path,
@@ -79,17 +79,17 @@ impl ShareHost {
             return;
         }
         for _ in 0..2 {
-            match sys::symlink(target, &link) {
+            match sys::files::symlink(target, &link) {
                 Ok(()) => {
                     self.links.push(link);
                     return;
                 }
                 Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {
                     // Another host's, if it answers; else stale (its host is gone).
-                    if sys::connect_seqpacket(&link).is_ok() {
+                    if sys::sockets::connect_seqpacket(&link).is_ok() {
                         return;
                     }
-                    let _ = sys::unlink(&link);
+                    let _ = sys::files::unlink(&link);
                 }
                 Err(_) => return,
             }
@@ -99,7 +99,7 @@ impl ShareHost {
     /// Sends `message` to guest `number`; false if it cannot (the guest is then lost).
     fn send(&self, number: u32, message: &Message, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
         self.get(number).is_some_and(|socket| {
-            sys::send_with_fds(socket.as_fd(), &message.encode(), fds).is_ok()
+            sys::sockets::send_with_fds(socket.as_fd(), &message.encode(), fds).is_ok()
         })
     }
 }
@@ -107,9 +107,9 @@ impl ShareHost {
 impl Drop for ShareHost {
     fn drop(&mut self) {
         for link in &self.links {
-            let _ = sys::unlink(link);
+            let _ = sys::files::unlink(link);
         }
-        let _ = sys::unlink(&self.socket_path);
+        let _ = sys::files::unlink(&self.socket_path);
     }
 }
 
@@ -135,7 +135,7 @@ impl FaultService {
                     .watch(host.listener.as_raw_fd(), Watch::ShareListen.token())?;
                 self.share = Some(host);
             }
-            Err(error) => sys::write_stderr(
+            Err(error) => sys::files::write_stderr(
                 format!(
                     "hyperoffload: cannot share this process's models with the others of the \
                      run ({}: {error}); they read them on their own\n",
@@ -169,8 +169,8 @@ impl FaultService {
         let Some(share) = &mut self.share else {
             return Ok(());
         };
-        while let Ok(Some(socket)) = sys::accept_seqpacket(share.listener.as_fd()) {
-            if let Ok(pid) = sys::peer_pid(socket.as_fd()) {
+        while let Ok(Some(socket)) = sys::sockets::accept_seqpacket(share.listener.as_fd()) {
+            if let Ok(pid) = sys::sockets::peer_pid(socket.as_fd()) {
                 // For the launcher's summary: which processes this pager served.
                 // The program's file name (comm is cut to 15 bytes).
                 let program = std::fs::read_link(format!("/proc/{pid}/exe"))
@@ -204,10 +204,12 @@ impl FaultService {
             let Some(socket) = self.share.as_ref().and_then(|share| share.get(token)) else {
                 return Ok(());
             };
-            let message = match sys::recv_with_fds(socket.as_fd(), &mut buffer) {
-                Ok(sys::Received::Message(len, fds)) => Message::decode(&buffer[..len], fds.len()),
-                Ok(sys::Received::Empty) => break,
-                Ok(sys::Received::Closed) | Err(_) => return self.forget_guest(token),
+            let message = match sys::sockets::recv_with_fds(socket.as_fd(), &mut buffer) {
+                Ok(sys::sockets::Received::Message(len, fds)) => {
+                    Message::decode(&buffer[..len], fds.len())
+                }
+                Ok(sys::sockets::Received::Empty) => break,
+                Ok(sys::sockets::Received::Closed) | Err(_) => return self.forget_guest(token),
             };
             match message {
                 Ok(Message::Attach { file, offset, len }) => {

@@ -8,7 +8,7 @@
 //! memfd from the file (`hole_fill`) and wakes the whole mapping; later faults are
 //! answered by reading the page into the memfd and waking it.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -97,20 +97,20 @@ impl Attachment {
 
 impl Drop for Attachment {
     fn drop(&mut self) {
-        let _ = sys::write(self.stop.as_fd(), &1u64.to_ne_bytes());
+        let _ = sys::files::write(self.stop.as_fd(), &1u64.to_ne_bytes());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
         if self.unmap_on_drop {
             // SAFETY: the attachment owns the mapping; its owner unmaps it by dropping
             // it.
-            let _ = unsafe { sys::munmap(self.base, self.map_len) };
+            let _ = unsafe { sys::memory::munmap(self.base, self.map_len) };
         }
     }
 }
 
 /// The file key of the file `stat` describes.
-pub fn key_of_stat(stat: &sys::Stat) -> FileKey {
+pub fn key_of_stat(stat: &sys::files::Stat) -> FileKey {
     FileKey {
         dev: stat.st_dev,
         ino: stat.st_ino,
@@ -147,20 +147,20 @@ pub enum Claim {
 /// link left by a process that is gone is replaced.
 pub fn claim(dir: &Path, key: &FileKey) -> std::io::Result<Claim> {
     let link = dir.join(share_link_name(key.dev, key.ino));
-    let me = sys::getpid();
+    let me = sys::processes::getpid();
     let mine = super::host_socket_name(me);
     for _ in 0..4 {
-        match sys::symlink(Path::new(&mine), &link) {
+        match sys::files::symlink(Path::new(&mine), &link) {
             Ok(()) => return Ok(Claim::Mine),
             Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {
                 let pid = host_pid_of(&link);
                 if pid == me {
                     return Ok(Claim::Mine);
                 }
-                if pid > 0 && sys::process_exists(pid) {
+                if pid > 0 && sys::processes::process_exists(pid) {
                     return Ok(Claim::Other(pid));
                 }
-                let _ = sys::unlink(&link);
+                let _ = sys::files::unlink(&link);
             }
             Err(error) => return Err(error),
         }
@@ -173,8 +173,8 @@ pub fn claim(dir: &Path, key: &FileKey) -> std::io::Result<Claim> {
 /// file themselves at once instead of after `STARTING_HOST_WAIT`.
 pub fn release_claim(dir: &Path, key: &FileKey) {
     let link = dir.join(share_link_name(key.dev, key.ino));
-    if host_pid_of(&link) == sys::getpid() {
-        let _ = sys::unlink(&link);
+    if host_pid_of(&link) == sys::processes::getpid() {
+        let _ = sys::files::unlink(&link);
     }
 }
 
@@ -205,12 +205,12 @@ pub fn attach(
         )
     };
     loop {
-        let socket = match sys::connect_seqpacket(&link) {
+        let socket = match sys::sockets::connect_seqpacket(&link) {
             Ok(socket) => socket,
             Err(error)
                 if starting(&error)
                     && host_pid_of(&link) == host_pid
-                    && sys::process_exists(host_pid)
+                    && sys::processes::process_exists(host_pid)
                     && std::time::Instant::now() < deadline =>
             {
                 pause();
@@ -220,7 +220,8 @@ pub fn attach(
         };
         match ask(socket, host_pid, key, offset, len, map_len, prot) {
             Err(AttachError::NotYet)
-                if sys::process_exists(host_pid) && std::time::Instant::now() < deadline =>
+                if sys::processes::process_exists(host_pid)
+                    && std::time::Instant::now() < deadline =>
             {
                 pause();
             }
@@ -243,9 +244,9 @@ fn ask(
     let granted = request_region(&socket, key, offset, len)?;
     let (base, uffd) = map_registered(&granted.memfd, granted.start, map_len, prot)?;
     let unmap = unmap_on_error(base, map_len);
-    let stop = sys::eventfd().map_err(|error| unmap(sys_error("eventfd")(error)))?;
+    let stop = sys::files::eventfd().map_err(|error| unmap(sys_error("eventfd")(error)))?;
     let stop_read =
-        sys::dup_cloexec(stop.as_fd()).map_err(|error| unmap(sys_error("dup")(error)))?;
+        sys::files::dup_cloexec(stop.as_fd()).map_err(|error| unmap(sys_error("dup")(error)))?;
     let counters = Arc::new(GuestCounters::default());
     let served = Served {
         base,
@@ -256,7 +257,7 @@ fn ask(
         start: granted.start,
         memfd: granted.memfd,
         file: granted.file,
-        page: sys::page_size(),
+        page: sys::memory::page_size(),
         file_offset: offset - granted.start,
         counters: Arc::clone(&counters),
     };
@@ -300,15 +301,15 @@ fn request_region(
         offset,
         len,
     };
-    sys::send_with_fds(socket.as_fd(), &attach.encode(), &[])
+    sys::sockets::send_with_fds(socket.as_fd(), &attach.encode(), &[])
         .map_err(sys_error("sending Attach"))?;
     let mut buffer = [0u8; MAX_MESSAGE];
     let (bytes, mut fds) =
-        match sys::recv_with_fds_waiting(socket.as_fd(), &mut buffer, ATTACH_TIMEOUT)
+        match sys::sockets::recv_with_fds_waiting(socket.as_fd(), &mut buffer, ATTACH_TIMEOUT)
             .map_err(sys_error("waiting for the host"))?
         {
-            sys::Received::Message(bytes, fds) => (bytes, fds),
-            sys::Received::Empty | sys::Received::Closed => {
+            sys::sockets::Received::Message(bytes, fds) => (bytes, fds),
+            sys::sockets::Received::Empty | sys::sockets::Received::Closed => {
                 return Err(AttachError::NoHost(std::io::Error::from_raw_os_error(
                     libc::ECONNRESET,
                 )))
@@ -327,7 +328,7 @@ fn request_region(
     };
     let file = fds.pop().expect("two descriptors");
     let memfd = fds.pop().expect("two descriptors");
-    if start % sys::page_size() != 0 || start > offset {
+    if start % sys::memory::page_size() != 0 || start > offset {
         return Err(AttachError::Unexpected);
     }
     Ok(Granted {
@@ -351,12 +352,12 @@ fn map_registered(
 ) -> Result<(usize, Uffd), AttachError> {
     // SAFETY: a new mapping at an address the kernel picks replaces nothing.
     let base = unsafe {
-        sys::mmap(
+        sys::memory::mmap(
             0,
             map_len,
             libc::PROT_NONE,
             libc::MAP_SHARED,
-            memfd.as_raw_fd(),
+            Some(memfd.as_fd()),
             start as i64,
         )
     }
@@ -376,8 +377,9 @@ fn map_registered(
     unsafe {
         // A forked child must not inherit it: its copy would not be registered, and a
         // read of a hole would put a page of zeros into the file every process maps.
-        let _ = sys::madvise_raw(base, map_len, libc::MADV_DONTFORK);
-        sys::mprotect(base, map_len, prot).map_err(|error| unmap(sys_error("mprotect")(error)))?;
+        let _ = sys::memory::madvise_raw(base, map_len, libc::MADV_DONTFORK);
+        sys::memory::mprotect(base, map_len, prot)
+            .map_err(|error| unmap(sys_error("mprotect")(error)))?;
     }
     Ok((base, uffd))
 }
@@ -387,7 +389,7 @@ fn map_registered(
 fn unmap_on_error(base: usize, map_len: usize) -> impl Fn(AttachError) -> AttachError + Copy {
     move |error| {
         // SAFETY: the mapping was made by `map_registered` and nothing refers to it yet.
-        let _ = unsafe { sys::munmap(base, map_len) };
+        let _ = unsafe { sys::memory::munmap(base, map_len) };
         error
     }
 }
@@ -455,7 +457,7 @@ impl Served {
 
     fn poison(&self, uffd: &Uffd, offset: u64) {
         if let Some((addr, len)) = self.addresses(offset, self.page) {
-            let _ = sys::uffdio_poison(uffd.as_fd(), addr, len);
+            let _ = sys::userfaultfd::uffdio_poison(uffd.as_fd(), addr, len);
         }
     }
 
@@ -485,7 +487,7 @@ impl Served {
                 };
                 self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
                 let sent = socket.as_ref().is_some_and(|socket| {
-                    sys::send_with_fds(socket.as_fd(), &message.encode(), &[]).is_ok()
+                    sys::sockets::send_with_fds(socket.as_fd(), &message.encode(), &[]).is_ok()
                 });
                 if !sent {
                     *socket = None;
@@ -527,16 +529,16 @@ impl Served {
         loop {
             let (uffd_ready, socket_ready, stopped) = {
                 let mut fds = vec![
-                    sys::PollFd::new(&uffd, sys::PollFlags::IN),
-                    sys::PollFd::new(&stop, sys::PollFlags::IN),
+                    sys::files::PollFd::new(&uffd, sys::files::PollFlags::IN),
+                    sys::files::PollFd::new(&stop, sys::files::PollFlags::IN),
                 ];
                 if let Some(socket) = &socket {
-                    fds.push(sys::PollFd::new(socket, sys::PollFlags::IN));
+                    fds.push(sys::files::PollFd::new(socket, sys::files::PollFlags::IN));
                 }
-                if sys::poll(&mut fds, Duration::from_secs(3600)).is_err() {
+                if sys::files::poll(&mut fds, Duration::from_secs(3600)).is_err() {
                     continue;
                 }
-                let ready = |fd: &sys::PollFd<'_>| !fd.revents().is_empty();
+                let ready = |fd: &sys::files::PollFd<'_>| !fd.revents().is_empty();
                 (
                     ready(&fds[0]),
                     fds.get(2).is_some_and(ready),
@@ -548,16 +550,16 @@ impl Served {
             }
             if socket_ready {
                 while let Some(open) = &socket {
-                    let event = match sys::recv_with_fds(open.as_fd(), &mut buffer) {
-                        Ok(sys::Received::Message(len, fds)) => {
+                    let event = match sys::sockets::recv_with_fds(open.as_fd(), &mut buffer) {
+                        Ok(sys::sockets::Received::Message(len, fds)) => {
                             match Message::decode(&buffer[..len], fds.len()) {
                                 Ok(Message::Ready { offset, .. }) => GuestEvent::Ready(offset),
                                 Ok(Message::Poison { offset, .. }) => GuestEvent::Poison(offset),
                                 _ => GuestEvent::HostGone,
                             }
                         }
-                        Ok(sys::Received::Empty) => break,
-                        Ok(sys::Received::Closed) | Err(_) => GuestEvent::HostGone,
+                        Ok(sys::sockets::Received::Empty) => break,
+                        Ok(sys::sockets::Received::Closed) | Err(_) => GuestEvent::HostGone,
                     };
                     self.act(&uffd, &mut socket, &mut guest, event);
                 }

@@ -25,7 +25,7 @@ impl Shim {
             },
             |range| {
                 // SAFETY: the program's own advice on memory the shim does not manage.
-                raw::check(unsafe { sys::madvise_raw(range.start, range.len(), advice) })
+                raw::check(unsafe { sys::memory::madvise_raw(range.start, range.len(), advice) })
             },
         )
     }
@@ -63,7 +63,7 @@ impl Shim {
                 let start = region.as_ptr() as usize + range.start as usize;
                 let len = (range.end - range.start) as usize;
                 // SAFETY: advice that keeps the contents, on the region's own pages.
-                raw::check(unsafe { sys::madvise_raw(start, len, advice) })
+                raw::check(unsafe { sys::memory::madvise_raw(start, len, advice) })
             }
             _ => {
                 // Anything else may drop or fence pages the pager counts resident (guard
@@ -95,7 +95,7 @@ impl Shim {
             },
             |range| {
                 // SAFETY: the program's own request on memory the shim does not manage.
-                raw::check(unsafe { sys::mlock(range.start, range.len(), flags) })
+                raw::check(unsafe { sys::memory::mlock(range.start, range.len(), flags) })
             },
         )
     }
@@ -114,7 +114,7 @@ impl Shim {
             },
             |range| {
                 // SAFETY: unlocking memory the shim does not manage.
-                raw::check(unsafe { sys::munlock(range.start, range.len()) })
+                raw::check(unsafe { sys::memory::munlock(range.start, range.len()) })
             },
         )
     }

@@ -49,7 +49,7 @@ mod take_file;
 
 /// The kernel's page size.
 pub fn page() -> usize {
-    sys::page_size() as usize
+    sys::memory::page_size() as usize
 }
 
 /// A region the shim made, and which file it presents.
@@ -88,7 +88,7 @@ impl Drop for ManagedRegion {
 
 /// A file a mapping request is for, as the shim screened it (see `Shim::take_file`).
 struct MappedFile {
-    stat: sys::Stat,
+    stat: sys::files::Stat,
     /// The kernel's name for it: the one the pager opens.
     path: PathBuf,
     /// The name the program gave it (see `given_name`), else `path`.
@@ -281,18 +281,22 @@ impl Shim {
     fn keeper_socket(&self) -> Option<std::os::fd::OwnedFd> {
         let forks = self.config.serve_forks || self.config.serve_forks_at_fork;
         let fd = self.config.keeper_fd.filter(|_| forks)?;
-        if !hyperoffload::sys::is_seqpacket(fd) {
+        // A number from the environment: the program may have closed it since.
+        let open = hyperoffload::sys::files::is_open(fd).then(|| {
+            // SAFETY: `fd` is open (checked just now) and is the launcher's socket, which
+            // the shim never closes and the program has no reason to (only the shim's
+            // environment names it); borrowed for the two calls below only.
+            unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+        });
+        let Some(borrowed) = open.filter(|&fd| hyperoffload::sys::sockets::is_seqpacket(fd)) else {
             self.say(&format!(
                 "descriptor {fd} is not the keeper's socket any more (the program closed \
                  it): forked children alive when this process ends by _exit, a signal or an \
                  exec may read zeros where a block was not resident"
             ));
             return None;
-        }
-        // SAFETY: `fd` is open (it is a socket, checked above); it is only borrowed for
-        // the duplication.
-        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        hyperoffload::sys::dup_cloexec(borrowed).ok()
+        };
+        hyperoffload::sys::files::dup_cloexec(borrowed).ok()
     }
 
     /// The process's pager, created at the first managed mapping as `sizing` says (its
@@ -341,7 +345,7 @@ impl Shim {
                     // this.
                     let ceiling = self
                         .config
-                        .auto_ceiling(budget, hyperoffload::sys::physical_ram());
+                        .auto_ceiling(budget, hyperoffload::sys::memory::physical_ram());
                     builder = builder.max_budget(ceiling);
                 }
                 if self.config.trace_path.is_some() || policies.learn.is_some() {

@@ -87,7 +87,7 @@ impl Shim {
             |range| {
                 // SAFETY: the program asked for this range to be unmapped; it is not
                 // managed memory.
-                raw::check(unsafe { sys::munmap(range.start, range.len()) })
+                raw::check(unsafe { sys::memory::munmap(range.start, range.len()) })
             },
         )
     }

@@ -85,7 +85,7 @@ impl Shim {
     pub(super) fn note_refused(
         &self,
         fd: c_int,
-        stat: &sys::Stat,
+        stat: &sys::files::Stat,
         path: Option<&[u8]>,
         refusal: Refusal,
     ) {
@@ -117,7 +117,7 @@ impl Shim {
     }
 
     /// A mapping of the file `stat` describes (named `name`) that the pager serves.
-    pub(super) fn note_served(&self, stat: &sys::Stat, name: &Path, model_len: u64) {
+    pub(super) fn note_served(&self, stat: &sys::files::Stat, name: &Path, model_len: u64) {
         let file = Identified {
             key: (stat.st_dev, stat.st_ino),
             name: name.to_path_buf(),
@@ -143,7 +143,7 @@ impl Shim {
     fn identify(
         &self,
         fd: c_int,
-        stat: &sys::Stat,
+        stat: &sys::files::Stat,
         buffer: &mut [u8; 4096],
         path: Option<&[u8]>,
     ) -> Option<Identified> {
@@ -187,7 +187,7 @@ impl Shim {
     }
 
     /// `fd`'s file by its kernel name, for a record of no model name or header.
-    fn unidentified(&self, fd: c_int, stat: &sys::Stat) -> Option<Identified> {
+    fn unidentified(&self, fd: c_int, stat: &sys::files::Stat) -> Option<Identified> {
         let mut buffer = [0u8; 4096];
         let path = raw::fd_path(fd, &mut buffer)?;
         Some(Identified {

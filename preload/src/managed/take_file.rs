@@ -78,7 +78,7 @@ impl Shim {
     fn screen(
         &self,
         request: &MapRequest,
-        stat: &sys::Stat,
+        stat: &sys::files::Stat,
         path: &[u8],
     ) -> Result<(PathBuf, u64), PassReason> {
         let size = stat.st_size as u64;
@@ -151,7 +151,7 @@ impl Shim {
 }
 
 /// Whether `path` leads to the file `stat` describes (the same device and inode).
-fn names_file(path: &Path, stat: &sys::Stat) -> bool {
+fn names_file(path: &Path, stat: &sys::files::Stat) -> bool {
     std::fs::metadata(path).is_ok_and(|meta| meta.dev() == stat.st_dev && meta.ino() == stat.st_ino)
 }
 
@@ -161,6 +161,6 @@ pub(super) fn starts_as_a_model(fd: i32) -> bool {
     // SAFETY: `fd` is the descriptor the program passed to mmap, open for the duration
     // of this call; it is only read from, at an explicit offset (its position is kept).
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    matches!(sys::pread(fd, &mut start, 0), Ok(n) if n == start.len())
+    matches!(sys::files::pread(fd, &mut start, 0), Ok(n) if n == start.len())
         && hyperoffload::model::has_model_header(&start)
 }

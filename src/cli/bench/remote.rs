@@ -460,7 +460,7 @@ impl<'a> MountChild<'a> {
             if started.elapsed() > self.setup.mount_timeout {
                 let _ = child.kill();
                 let _ = child.wait();
-                let _ = hyperoffload::sys::unmount_lazy(&self.setup.mount_point);
+                let _ = hyperoffload::sys::files::unmount_lazy(&self.setup.mount_point);
                 bail!(
                     "hyperoffload mount did not end in {} s after SIGTERM (killed):\n{}",
                     self.setup.mount_timeout.as_secs_f64(),
@@ -495,7 +495,7 @@ fn detach_if_stale(dir: &Path) -> anyhow::Result<()> {
     if let Err(error) = std::fs::metadata(dir) {
         if error.raw_os_error() == Some(libc::ENOTCONN) {
             eprintln!("bench: {}: a stale mount, detached", dir.display());
-            hyperoffload::sys::unmount_lazy(dir)
+            hyperoffload::sys::files::unmount_lazy(dir)
                 .with_context(|| format!("detaching the stale mount {}", dir.display()))?;
         }
     }

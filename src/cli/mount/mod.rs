@@ -366,7 +366,7 @@ fn end_session(
                 "hyperoffload: mount: unmounting {}: {error}; detaching it (files are open in it)",
                 args.dir.display()
             );
-            if let Err(error) = hyperoffload::sys::unmount_lazy(&args.dir) {
+            if let Err(error) = hyperoffload::sys::files::unmount_lazy(&args.dir) {
                 eprintln!(
                     "hyperoffload: mount: detaching {}: {error}",
                     args.dir.display()

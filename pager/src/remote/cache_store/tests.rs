@@ -92,7 +92,7 @@ fn a_block_with_bad_bytes_is_dropped_not_served() {
         .find(|p| p.extension().is_some_and(|e| e == "data"))
         .unwrap();
     let file = OpenOptions::new().write(true).open(&data).unwrap();
-    crate::sys::punch_hole(file.as_fd(), 0, 4096).unwrap();
+    crate::sys::files::punch_hole(file.as_fd(), 0, 4096).unwrap();
     let cache = Cache::open(&dir, 1 << 20, Box::new(Lru)).unwrap();
     let id = cache.attach("m", "v", 4096, 4096).unwrap();
     let mut buf = [0u8; 16];
