@@ -4,6 +4,11 @@
 //! files, against the whole one. Needs root (cgroups, tracefs, drop_caches), the model
 //! (tools/fetch-model.sh) and llama.cpp (tools/build-llama.sh).
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 
 use common::out_dir;

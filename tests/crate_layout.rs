@@ -55,3 +55,79 @@ fn the_command_line_links_what_the_check_above_looks_for() {
         );
     }
 }
+
+/// The longest source file the workspace keeps (issue 44): past it a file holds more
+/// than one job. Tests kept beside their module (`tests.rs`, `tests/`) are apart.
+const MAX_SOURCE_LINES: usize = 600;
+
+/// Every `.rs` file under `dir`, test files apart.
+fn source_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|error| panic!("read {dir:?}: {error}")) {
+        let path = entry.expect("read a directory entry").path();
+        let name = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .unwrap_or("");
+        if path.is_dir() {
+            if name != "tests" {
+                source_files(&path, out);
+            }
+        } else if name.ends_with(".rs") && name != "tests.rs" {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn no_source_file_is_longer_than_the_limit() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "pager/src", "preload/src", "benches"] {
+        source_files(&root.join(dir), &mut files);
+    }
+    assert!(files.len() > 100, "found the sources: {}", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|path| {
+            let lines = std::fs::read_to_string(path)
+                .expect("read a source")
+                .lines()
+                .count();
+            (lines > MAX_SOURCE_LINES).then(|| format!("{} ({lines} lines)", path.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "over {MAX_SOURCE_LINES} lines: {long:?}");
+}
+
+#[test]
+fn none_of_our_crates_depends_on_nix_itself() {
+    // The system calls go through rustix (pager/src/sys/); nix may come in only with
+    // the userfaultfd and fuser crates.
+    for package in ["hyperoffload", "hyperoffload-pager", "hyperoffload-preload"] {
+        let output = Command::new(env!("CARGO"))
+            .args([
+                "tree",
+                "--offline",
+                "--edges",
+                "normal,dev",
+                "--prefix",
+                "none",
+            ])
+            .args(["--depth", "1", "--format", "{lib}", "--package", package])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("run cargo tree");
+        assert!(output.status.success(), "cargo tree -p {package} failed");
+        let direct = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            direct.lines().any(|line| line.trim() == "libc"),
+            "{package}'s direct dependencies are listed: {direct}"
+        );
+        assert!(
+            !direct
+                .lines()
+                .any(|line| line.trim_end_matches(" (*)").trim() == "nix"),
+            "{package} depends on nix directly: {direct}"
+        );
+    }
+}

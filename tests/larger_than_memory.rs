@@ -12,6 +12,11 @@
 //! in a cgroup this small) reads the model a few KiB at a time and never finishes.
 //! No timing is asserted; the waits are bounded only so that a hang fails.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

@@ -13,6 +13,11 @@
 //! `tools/pressure-bench.sh`, how fast decoding recovered one for
 //! `tools/pressure-decode.sh`. The waits are bounded only so that a hang fails.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

@@ -9,6 +9,11 @@
 //! Needs /dev/fuse and nginx (installed by tools/nginx.sh); without them the tests fail,
 //! unless HYPEROFFLOAD_ALLOW_SKIP=1.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

@@ -10,6 +10,11 @@
 //! the test fails unless HYPEROFFLOAD_ALLOW_SKIP=1. A store the environment names cannot
 //! be stopped: the checks of a stopped gateway then fail the same way.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

@@ -6,6 +6,11 @@
 //! Each test body runs in a process of its own (`in_child_process`): it forks, and a
 //! fork of the multi-threaded test harness is best kept away from the other tests.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 
 use std::time::{Duration, Instant};

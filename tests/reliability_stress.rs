@@ -5,6 +5,11 @@
 //! copying 4 KiB blocks in, and mapping 2 MiB blocks from frames (zero copy), where
 //! installs and evictions replace mappings under the faulting threads.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

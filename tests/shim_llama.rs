@@ -14,6 +14,11 @@
 //! (cached under ${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload); override with
 //! LLAMA_BIN_DIR and HYPEROFFLOAD_TEST_MODEL.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

@@ -8,6 +8,11 @@
 //! Both servers listen on loopback only; every wait is bounded; a server still running
 //! when the test ends (a failure) is killed with its whole process group.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 

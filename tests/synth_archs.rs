@@ -11,6 +11,11 @@
 //! The binaries and the small model come from tools/build-llama.sh and
 //! tools/fetch-model.sh, as for the other llama tests.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "an end-to-end scenario reads best top to bottom, as its steps run"
+)]
+
 mod common;
 mod shim_support;
 
