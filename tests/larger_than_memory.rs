@@ -49,7 +49,7 @@ fn oom_kills(cgroup: &cgroup::MemoryCgroup) -> u64 {
         cgroup::CgroupVersion::V2 => "memory.events",
     };
     let text = std::fs::read_to_string(cgroup.dir().join(file)).unwrap();
-    hyperoffload::memory_pressure::stat_field(&text, "oom_kill").unwrap()
+    hyperoffload::budget::memory_pressure::stat_field(&text, "oom_kill").unwrap()
 }
 
 #[test]

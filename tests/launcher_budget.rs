@@ -132,7 +132,7 @@ fn a_budget_too_small_to_make_progress_in_is_raised_and_the_program_finishes() {
 
 fn mem_total() -> u64 {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let (total, _) = hyperoffload::memory_limits::parse_meminfo(&meminfo);
+    let (total, _) = hyperoffload::budget::memory_limits::parse_meminfo(&meminfo);
     total.unwrap()
 }
 

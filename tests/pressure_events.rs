@@ -12,9 +12,9 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use common::*;
-use hyperoffload::budget_follow::Pressure;
-use hyperoffload::memory_pressure::CgroupFiles;
-use hyperoffload::pressure_events::PressureEvents;
+use hyperoffload::budget::follow::Pressure;
+use hyperoffload::budget::memory_pressure::CgroupFiles;
+use hyperoffload::budget::pressure_events::PressureEvents;
 
 const MIB: u64 = 1 << 20;
 const LIMIT: u64 = 64 * MIB;

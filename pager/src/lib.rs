@@ -3,10 +3,7 @@
 //! within a RAM budget, with prefetch and eviction driven by a dependency graph of the
 //! model.
 
-pub mod budget_check;
-pub mod budget_floor;
-pub mod budget_follow;
-pub mod budget_history;
+pub mod budget;
 mod command;
 mod event;
 pub mod file;
@@ -17,16 +14,11 @@ pub mod hole_fill;
 pub mod keeper;
 pub mod layout;
 mod lock;
-pub mod map_candidate;
 pub mod map_count;
-pub mod memory_limits;
-pub mod memory_pressure;
 pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod policy_name;
-pub mod pressure_events;
-pub mod pressure_follower;
 mod recent_faults;
 pub mod remote;
 pub mod ring;

@@ -4,8 +4,8 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget_floor`) | `auto`: what the process can have less a headroom (`memory_limits::auto_budget`) |
-//! | `HYPEROFFLOAD_BUDGET_MIN`, `HYPEROFFLOAD_BUDGET_MAX` | with `auto`: the least and the most the budget follows memory pressure to (sizes) | the pager's floor (`budget_floor`); the RAM less a quarter (`memory_limits::auto_ceiling`) |
+//! | `HYPEROFFLOAD_BUDGET` | RAM for all managed mappings together: a size (`48M`; a number without a unit only from 1 MiB) or `N%` of the size of the model of the first file the shim manages (all its parts for a split GGUF); or `auto`; raised to what the pager needs to make progress (`budget::floor`) | `auto`: what the process can have less a headroom (`budget::memory_limits::auto_budget`) |
+//! | `HYPEROFFLOAD_BUDGET_MIN`, `HYPEROFFLOAD_BUDGET_MAX` | with `auto`: the least and the most the budget follows memory pressure to (sizes) | the pager's floor (`budget::floor`); the RAM less a quarter (`budget::memory_limits::auto_ceiling`) |
 //! | `HYPEROFFLOAD_MATCH` | comma-separated globs on the file name (on the whole path if the glob has a `/`) | `*.gguf,*.safetensors` |
 //! | `HYPEROFFLOAD_MIN_SIZE` | smaller files are left to the kernel | `64M` |
 //! | `HYPEROFFLOAD_POLICY` | a name from [`crate::policy_name::POLICY_NAMES`] | `graph` |
@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-use crate::budget_floor::{self, Raise};
+use crate::budget::floor::{self, Raise};
 use crate::policy_name::DEFAULT_POLICY;
 use crate::size::{format_size, parse_size, SizeError};
 
@@ -173,7 +173,7 @@ pub const MIN_PLAIN_BUDGET: u64 = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetSpec {
     /// What the process can have when the pager starts (the machine's available memory
-    /// and its memory cgroup's room) less a headroom (`memory_limits::auto_budget`).
+    /// and its memory cgroup's room) less a headroom (`budget::memory_limits::auto_budget`).
     /// The default.
     Auto,
     Bytes(u64),
@@ -311,14 +311,14 @@ impl ShimConfig {
     /// The block size and budget a pager of `budget` bytes starts with, for a model of
     /// `model_len` bytes (see `block_size_for`) and `threads` threads faulting at once:
     /// the budget is raised to what the pager needs to make progress (see
-    /// `budget_floor`), and huge-page blocks the configuration did not ask for give way
+    /// `budget::floor`), and huge-page blocks the configuration did not ask for give way
     /// to the default ones where the budget would have to be raised for them.
     pub fn sizing(&self, budget: u64, model_len: u64, threads: usize) -> Sizing {
         let mut block_size = self.block_size_for(budget, model_len);
-        if self.block_size.is_none() && budget < budget_floor::floor(block_size, threads) {
+        if self.block_size.is_none() && budget < floor::floor(block_size, threads) {
             block_size = crate::pager::DEFAULT_BLOCK_SIZE;
         }
-        let (budget, raised) = budget_floor::raise_to_floor(budget, block_size, threads);
+        let (budget, raised) = floor::raise_to_floor(budget, block_size, threads);
         Sizing {
             block_size,
             budget,
@@ -335,11 +335,11 @@ impl ShimConfig {
 
     /// With `BudgetSpec::Auto`, the most the budget may follow pressure up to, for a
     /// pager starting at `budget` on a machine of `ram` bytes: `--max`, else the RAM less
-    /// the headroom an automatic budget leaves (`memory_limits::auto_ceiling`), never
+    /// the headroom an automatic budget leaves (`budget::memory_limits::auto_ceiling`), never
     /// less than the start.
     pub fn auto_ceiling(&self, budget: u64, ram: u64) -> u64 {
         (self.budget_max)
-            .unwrap_or_else(|| crate::memory_limits::auto_ceiling(ram))
+            .unwrap_or_else(|| crate::budget::memory_limits::auto_ceiling(ram))
             .max(budget)
     }
 

@@ -115,7 +115,7 @@ pub struct Stats {
     pub budget_bytes: u64,
     /// The budget over time: where it started and each change since (see
     /// `budget_history`).
-    pub budget_history: Vec<crate::budget_history::BudgetPoint>,
+    pub budget_history: Vec<crate::budget::history::BudgetPoint>,
     pub resident_bytes: u64,
     pub peak_resident_bytes: u64,
     pub pinned_bytes: u64,

@@ -10,7 +10,7 @@
 
 use libc::{c_char, c_int, c_uint, c_void, off_t, pid_t, size_t, FILE};
 
-use hyperoffload::map_candidate::{screen_request, MapRequest, PassReason};
+use crate::map_candidate::{screen_request, MapRequest, PassReason};
 
 use crate::fork_child;
 use crate::managed::{page, Errno, Shim};

@@ -1,6 +1,6 @@
 //! The LD_PRELOAD shim: makes unmodified programs read their model files through the
 //! hyperoffload pager. It interposes the memory-mapping calls (see `api`), takes over
-//! read-only mappings of matching files (see `hyperoffload::map_candidate`) and hands
+//! read-only mappings of matching files (see `crate::map_candidate`) and hands
 //! everything else to the kernel through the raw system call.
 //!
 //! Behaviour chosen where the kernel's cannot be kept:
@@ -52,6 +52,7 @@ mod fork_plan;
 mod given_name;
 mod heap;
 mod managed;
+mod map_candidate;
 mod periodic;
 mod process_claim;
 mod raw;

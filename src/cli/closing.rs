@@ -7,7 +7,7 @@
 //! Before it, one line for each model file the program opened or mapped and was not
 //! served, with the reason (`served_files`): the closing line stays the last one.
 
-use hyperoffload::budget_history;
+use hyperoffload::budget::history;
 use hyperoffload::served_files::{SeenFiles, REPORT_FLOOR};
 use hyperoffload::shim_config::BudgetSpec;
 use hyperoffload::size::format_size;
@@ -236,11 +236,11 @@ fn served_model(stats: &serde_json::Value) -> String {
 /// end, 14 changes from 2.5 s to 9.5 s)`.
 fn budget_phrase(stats: &serde_json::Value) -> String {
     let now = stats["budget_bytes"].as_u64().unwrap_or(0);
-    let Some(moved) = budget_history::movement(&budget_history::from_stats_json(stats)) else {
+    let Some(moved) = history::movement(&history::from_stats_json(stats)) else {
         return format!("a {} budget", format_size(now));
     };
     // Its extremes where they differ from the start (auto may grow back past it).
-    let extreme = |point: budget_history::BudgetPoint, which: &str| {
+    let extreme = |point: history::BudgetPoint, which: &str| {
         (point.bytes != moved.start).then(|| {
             format!(
                 ", {} at its {which} at {:.1} s",

@@ -27,10 +27,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 
 use anyhow::{bail, Context};
-use hyperoffload::budget_check::check_budget;
+use hyperoffload::budget::check::check_budget;
+use hyperoffload::budget::{floor, memory_limits};
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
 use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VARS};
-use hyperoffload::{budget_floor, memory_limits};
 
 use super::child::end_with_this_process;
 use super::closing::{closing_lines, kept_stats, require_served_line, Outcome};
@@ -302,9 +302,9 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
 }
 
 /// The budget to run with: refused, raised to what the pager needs or warned of before
-/// the program starts (see `budget_check`), each with one line.
+/// the program starts (see `budget::check`), each with one line.
 fn checked_budget(config: &ShimConfig) -> anyhow::Result<BudgetSpec> {
-    let checked = check_budget(config, budget_floor::threads(), &memory_limits::read())
+    let checked = check_budget(config, floor::threads(), &memory_limits::read())
         .context("cannot run with this --budget and --block")?;
     if let Some(raise) = checked.raised {
         eprintln!("hyperoffload: {raise}");

@@ -87,7 +87,10 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(args.passes >= 1, "--passes must be at least 1");
     // The pager opens it again; this gives its size, with the pager's errors.
     let file_len = hyperoffload::file::BackingFile::open(&args.file)?.len();
-    let budget = (args.budget).resolve(file_len, hyperoffload::memory_limits::auto_budget_now);
+    let budget = (args.budget).resolve(
+        file_len,
+        hyperoffload::budget::memory_limits::auto_budget_now,
+    );
     let zero_copy = !args.no_zero_copy;
     let block = args
         .block

@@ -13,6 +13,7 @@ use super::{
     DEFAULT_DEMAND_SPIN, DEFAULT_INSTALL_THREADS, DEFAULT_MAX_READ, DEFAULT_QUEUE_DEPTH,
     DEFAULT_THREAD_NICE, SPARE_FRAMES,
 };
+use crate::budget::floor;
 use crate::command::Shared;
 use crate::event::EventFd;
 use crate::policy::{EvictionKind, EvictionPolicy, PrefetchKind, PrefetchPolicy};
@@ -22,7 +23,7 @@ use crate::service::{FaultService, InstallPool, ServiceConfig};
 use crate::shaped_region::ShapeFiles;
 use crate::shared_store::{FrameStore, Tmpfs};
 use crate::sys::memory::HUGE_PAGE;
-use crate::{budget_floor, sys, uffd_ext};
+use crate::{sys, uffd_ext};
 
 /// Builds a pager.
 pub struct PagerBuilder {
@@ -92,9 +93,9 @@ impl PagerBuilder {
 
     /// The most the budget may grow to, and the least it may shrink to: the floor
     /// below which the program's threads would evict each other's last blocks (see
-    /// `budget_floor`), never above the budget the pager starts with.
+    /// `budget::floor`), never above the budget the pager starts with.
     fn budget_bounds(&self) -> (u64, u64) {
-        let floor = budget_floor::floor(self.block_size, budget_floor::threads()).min(self.budget);
+        let floor = floor::floor(self.block_size, floor::threads()).min(self.budget);
         (floor, self.max_budget.unwrap_or(0).max(self.budget))
     }
 

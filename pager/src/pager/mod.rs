@@ -291,7 +291,7 @@ impl Pager {
     }
 
     /// The least and the most `set_budget` may set: the floor below which the program's
-    /// threads would evict each other's last blocks for good (`budget_floor`, at most
+    /// threads would evict each other's last blocks for good (`budget::floor`, at most
     /// the starting budget) and `PagerBuilder::max_budget`.
     pub fn budget_bounds(&self) -> (u64, u64) {
         self.inner.budget_bounds

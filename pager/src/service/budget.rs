@@ -61,7 +61,7 @@ impl Budget {
     }
 
     /// The limit `set_limit` takes when `asked` for: at least `floor` (below it the
-    /// program's threads evict each other's blocks for good, see `budget_floor`) and the
+    /// program's threads evict each other's blocks for good, see `budget::floor`) and the
     /// pinned bytes and one block more (a pin leaves a block for demand faults), at most
     /// `ceiling` (what the pager was sized for). `floor` is at most `ceiling`, and the
     /// pins leave a block below the limit, so the result is within all three bounds.

@@ -224,7 +224,7 @@ impl FaultService {
         let budget = Budget::new(config.budget);
         let stats = Stats {
             budget_bytes: config.budget,
-            budget_history: vec![crate::budget_history::BudgetPoint {
+            budget_history: vec![crate::budget::history::BudgetPoint {
                 t_s: 0.0,
                 bytes: config.budget,
             }],

@@ -17,7 +17,7 @@
 
 use super::room::Purpose;
 use super::{FaultService, ServiceError};
-use crate::budget_history::{self, BudgetPoint};
+use crate::budget::history::{self, BudgetPoint};
 use crate::policy::{BlockRef, ReadKind};
 
 impl FaultService {
@@ -38,7 +38,7 @@ impl FaultService {
                 t_s: self.start.elapsed().as_secs_f64(),
                 bytes: limit,
             };
-            budget_history::record(&mut self.stats.budget_history, point);
+            history::record(&mut self.stats.budget_history, point);
             // Ranked for the new budget before anything is evicted for it.
             self.eviction.budget_changed(limit);
         }

@@ -17,7 +17,7 @@ use hyperoffload::share::guest::{attach, claim, key_of_stat, release_claim, Atta
 use hyperoffload::share::protocol::FileKey;
 
 use super::{lock, page, MappedFile, Shim};
-use hyperoffload::map_candidate::MapRequest;
+use crate::map_candidate::MapRequest;
 use hyperoffload::Pager;
 
 /// One attached mapping.

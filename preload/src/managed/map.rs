@@ -5,7 +5,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use hyperoffload::map_candidate::MapRequest;
+use crate::map_candidate::MapRequest;
 use hyperoffload::served_files::Refusal;
 use hyperoffload::{MapOptions, Pager};
 

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use hyperoffload::budget_floor;
-use hyperoffload::memory_limits::{self, budget_warning};
+use hyperoffload::budget::floor;
+use hyperoffload::budget::memory_limits::{self, budget_warning};
 use hyperoffload::policy::graph::GraphPrediction;
 use hyperoffload::policy_name::{policies_by_name, ModelHint};
 use hyperoffload::shim_config::{BudgetSpec, ShimConfig, Sizing};
@@ -404,12 +404,12 @@ impl Shim {
         // Another thread may start it meanwhile: `pager` then returns that one.
         let auto = || {
             self.config
-                .bounded_auto(hyperoffload::memory_limits::auto_budget_now())
+                .bounded_auto(hyperoffload::budget::memory_limits::auto_budget_now())
         };
         let sizing = self.config.sizing(
             self.config.budget.resolve(file.model_len, auto),
             file.model_len,
-            budget_floor::threads(),
+            floor::threads(),
         );
         let hint = ModelHint {
             path: &file.name,

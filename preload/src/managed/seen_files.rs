@@ -7,7 +7,7 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use hyperoffload::map_candidate::PassReason;
+use crate::map_candidate::PassReason;
 use hyperoffload::served_files::{FoundBy, Refusal, SeenFile, REPORT_FLOOR};
 use hyperoffload::sys;
 use libc::c_int;

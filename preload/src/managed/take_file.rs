@@ -6,7 +6,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use hyperoffload::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
+use crate::map_candidate::{screen_file, FileFacts, MapRequest, PassReason};
 use hyperoffload::model::split::model_len;
 use hyperoffload::served_files::Refusal;
 use hyperoffload::sys;

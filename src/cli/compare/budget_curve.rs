@@ -4,7 +4,7 @@
 //! The history's times count from the pager's start, a few milliseconds after the run's
 //! (the shim starts the pager as the program maps its model): close enough for a plot.
 
-use hyperoffload::budget_history::BudgetPoint;
+use hyperoffload::budget::history::BudgetPoint;
 
 const MIB: f64 = 1024.0 * 1024.0;
 

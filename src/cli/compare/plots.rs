@@ -6,7 +6,7 @@ use super::figures::request_size_edges;
 use super::record::{RunRecord, Side};
 use super::report::Report;
 use super::svg::{Chart, Mark, Series, KERNEL_COLOR, PAGER_COLOR};
-use hyperoffload::budget_history;
+use hyperoffload::budget::history;
 use hyperoffload::size::format_size;
 
 /// The pager's budget line.
@@ -102,7 +102,7 @@ fn resident_chart(report: &Report) -> Chart {
             let history = run
                 .pager_stats
                 .as_ref()
-                .map(budget_history::from_stats_json)
+                .map(history::from_stats_json)
                 .unwrap_or_default();
             let budget = budget_steps(&history, run.wall_s);
             if !budget.is_empty() {

@@ -1,5 +1,5 @@
 //! The kernel's memory pressure notifications, waited for together (the thin layer
-//! under `budget_follow`):
+//! under `budget::follow`):
 //! - a PSI trigger (Linux 5.2+): `some STALL WINDOW` written to the v2 cgroup's
 //!   `memory.pressure` or the machine's /proc/pressure/memory, then the descriptor
 //!   polls with POLLPRI when tasks stalled on memory for `PSI_STALL_US` within a
@@ -18,8 +18,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::budget_follow::Pressure;
-use crate::memory_pressure::{psi_pressure, CgroupFiles};
+use crate::budget::follow::Pressure;
+use crate::budget::memory_pressure::{psi_pressure, CgroupFiles};
 use crate::sys;
 use crate::sys::files::{PollFd, PollFlags};
 

@@ -197,7 +197,7 @@ pub fn auto_headroom(room: u64) -> u64 {
 /// byte the budget leaves unused is read again from the disk each token (a cap at half
 /// the RAM left 11 GiB of 23.6 unused while a 37 GiB model decoded at 1.3x the kernel,
 /// bench/results.md "Larger than the machine"), and what the rest of the machine needs
-/// later is met by following pressure down (`budget_follow`).
+/// later is met by following pressure down (`budget::follow`).
 pub fn auto_budget(limits: &MemoryLimits) -> Option<u64> {
     let spare = [limits.available, limits.cgroup_spare]
         .into_iter()

@@ -1,7 +1,7 @@
 //! A budget checked before the program runs: refused where the pager could not start
 //! with it, raised where it could not make progress in it, warned of where the machine
 //! or the memory cgroup cannot give it. A plain function of the configuration and the
-//! facts of the machine; the caller reads those (`budget_floor::threads`,
+//! facts of the machine; the caller reads those (`floor::threads`,
 //! `memory_limits::read`) and says what this decides.
 //!
 //! Only a budget in bytes can be checked before the program maps its model: a
@@ -10,8 +10,8 @@
 
 use thiserror::Error;
 
-use crate::budget_floor::{self, Raise, BLOCKS_PER_THREAD};
-use crate::memory_limits::{budget_warning, BudgetWarning, MemoryLimits};
+use crate::budget::floor::{self, Raise, BLOCKS_PER_THREAD};
+use crate::budget::memory_limits::{budget_warning, BudgetWarning, MemoryLimits};
 use crate::shim_config::{BudgetSpec, ShimConfig};
 use crate::size::format_size;
 
@@ -61,7 +61,7 @@ pub fn check_budget(
         return Err(BudgetCheckError::BlockAboveBudget {
             block_size,
             budget: asked,
-            floor: budget_floor::floor(block_size, threads),
+            floor: floor::floor(block_size, threads),
             threads,
         });
     }
@@ -77,7 +77,7 @@ pub fn check_budget(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory_limits::Limit;
+    use crate::budget::memory_limits::Limit;
 
     const GIB: u64 = 1 << 30;
 

@@ -1,15 +1,15 @@
 //! Following memory pressure with a pager's budget (`--budget auto` in the shim): one
 //! `step` waits for a pressure event or `PERIOD`, reads what the process can spare,
-//! asks `budget_follow` what the budget should be, and sets it. The shim calls `step`
+//! asks `budget::follow` what the budget should be, and sets it. The shim calls `step`
 //! on a thread of its own; an embedder can do the same.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::budget_follow::{Bounds, BudgetFollow, Pressure, Reading};
-use crate::memory_pressure::{psi_pressure, psi_total_us, CgroupEvents, CgroupFiles};
+use crate::budget::follow::{Bounds, BudgetFollow, Pressure, Reading};
+use crate::budget::memory_pressure::{psi_pressure, psi_total_us, CgroupEvents, CgroupFiles};
+use crate::budget::pressure_events::{PressureEvents, PSI_STALL_US, PSI_WINDOW_US};
 use crate::pager::Pager;
-use crate::pressure_events::{PressureEvents, PSI_STALL_US, PSI_WINDOW_US};
 
 /// Longest wait between two readings: a hog that allocates faster than the headroom in
 /// this time can still push the cgroup to its limit before the budget follows.

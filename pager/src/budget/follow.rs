@@ -25,7 +25,7 @@
 //!   6 s with a fixed 4 MiB threshold), and each shrink evicts blocks the program reads
 //!   again. Growth needs twice the margin a shrink does, so the two do not alternate.
 
-use crate::memory_limits::auto_headroom;
+use crate::budget::memory_limits::auto_headroom;
 
 /// After the last pressure event, how long the budget does not grow.
 pub const CALM_NS: u64 = 2_000_000_000;

@@ -11,7 +11,7 @@
 //! at a caller-chosen address would replace whatever is there with memory the pager
 //! serves, and no known client asks for it.
 
-use crate::shim_config::ShimConfig;
+use hyperoffload::shim_config::ShimConfig;
 
 /// The arguments of an `mmap` call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 //! What this process can spare while it runs, for following pressure
-//! (`budget_follow`): the memory available (/proc/meminfo) and the room left in its
+//! (`follow`): the memory available (/proc/meminfo) and the room left in its
 //! memory cgroup and each ancestor with a limit: the limit less what the cgroup uses
 //! that reclaim cannot take back (usage less the inactive page cache: v1
 //! `memory.usage_in_bytes` and `total_inactive_file` of `memory.stat`, v2
@@ -13,8 +13,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::budget_follow::Pressure;
-use crate::memory_limits::{cgroup_dirs, parse_limit, parse_meminfo, parse_proc_cgroup};
+use crate::budget::follow::Pressure;
+use crate::budget::memory_limits::{cgroup_dirs, parse_limit, parse_meminfo, parse_proc_cgroup};
 
 /// A field of a cgroup's `memory.stat` (`name value` lines).
 pub fn stat_field(text: &str, name: &str) -> Option<u64> {
