@@ -22,6 +22,7 @@ use std::io::BufRead;
 
 use thiserror::Error;
 
+use crate::geometry::{BlockGeometry, GeometryError};
 use crate::shim_config::{check_block_size, BlockError};
 use crate::trace::{TraceError, TraceReader};
 
@@ -108,6 +109,13 @@ pub enum RegionTraceError {
          may reach without the file's size in its header (size=)"
     )]
     TooFarWithoutSize { line: u64, block: u32 },
+    #[error("the trace's region of {data_len} bytes (size= in its header) in blocks of {block_size}: {source}")]
+    TooLarge {
+        data_len: u64,
+        block_size: u64,
+        #[source]
+        source: GeometryError,
+    },
 }
 
 impl RegionTrace {
@@ -197,6 +205,14 @@ impl RegionTrace {
         // region of the model's exact length: the file's own size where there is one.
         let reached = (max_block as u64 + 1) * trace.block_size;
         trace.data_len = size.map_or(reached, |size| size.max(reached));
+        // A replay keeps state per block: the region must be one a geometry can number.
+        BlockGeometry::new(0, trace.data_len, trace.block_size).map_err(|source| {
+            RegionTraceError::TooLarge {
+                data_len: trace.data_len,
+                block_size: trace.block_size,
+                source,
+            }
+        })?;
         Ok(trace)
     }
 }
@@ -289,6 +305,29 @@ mod tests {
             ),
             "{error:?}"
         );
+    }
+
+    #[test]
+    fn a_size_with_more_blocks_than_a_region_can_number_is_refused() {
+        // Found by the trace_region fuzzer: a size near 2^63 in blocks of 2 MiB is
+        // 3 * 10^12 blocks, past the u32 block numbers a replay keeps state by.
+        let text = format!(
+            "# block_size=2097152 size=6211111111111191456\n{HEADER}\n\
+             18227519,786,0,2097152,1,2097152,resident,2000,0\n"
+        );
+        let error = read(&text).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                RegionTraceError::TooLarge {
+                    data_len: 6_211_111_111_111_191_456,
+                    block_size: 2_097_152,
+                    source: GeometryError::TooManyBlocks { .. },
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("size="), "{error}");
     }
 
     #[test]
