@@ -122,13 +122,7 @@ impl RegionTrace {
     /// Reads the faults of the first region the trace names (the records of others are
     /// skipped), checking each as the module says.
     pub fn read<R: BufRead>(mut reader: TraceReader<R>) -> Result<Self, RegionTraceError> {
-        let size = match reader.metadata_value("size") {
-            Some(text) => Some(
-                text.parse::<u64>()
-                    .map_err(|_| RegionTraceError::BadSize(text.to_string()))?,
-            ),
-            None => None,
-        };
+        let size = header_size(&reader)?;
         let mut region = None;
         let mut trace = RegionTrace {
             block_size: 0,
@@ -157,44 +151,7 @@ impl RegionTrace {
                     found: record.block_size,
                 });
             }
-            let block_size = trace.block_size;
-            let (block, file_offset) = (record.block, record.file_offset);
-            // In range: a u32 block times at most 1 GiB (check_block_size).
-            let (earliest, latest) = (block as u64 * MIN_PAGE, block as u64 * block_size);
-            if !(earliest..=latest).contains(&file_offset) {
-                return Err(RegionTraceError::BlockNotAtOffset {
-                    line,
-                    block,
-                    file_offset,
-                    block_size,
-                    earliest,
-                    latest,
-                });
-            }
-            // A trace from before faults kept their offset says only the block.
-            let offset = record.offset_in_block.unwrap_or(0);
-            if offset as u64 >= block_size {
-                return Err(RegionTraceError::OffsetPastBlock {
-                    line,
-                    block,
-                    offset,
-                    block_size,
-                });
-            }
-            match size {
-                Some(size) if file_offset >= size => {
-                    return Err(RegionTraceError::PastTheFile {
-                        line,
-                        block,
-                        file_offset,
-                        size,
-                    })
-                }
-                None if block as u64 >= MAX_BLOCKS_WITHOUT_SIZE => {
-                    return Err(RegionTraceError::TooFarWithoutSize { line, block })
-                }
-                _ => {}
-            }
+            let (block, offset) = checked_place(&record, line, trace.block_size, size)?;
             trace.blocks.push(block);
             trace.offsets.push(offset);
         }
@@ -214,6 +171,62 @@ impl RegionTrace {
             }
         })?;
         Ok(trace)
+    }
+}
+
+/// The file's size the trace's header names (`size=`), if it names one.
+fn header_size<R: BufRead>(reader: &TraceReader<R>) -> Result<Option<u64>, RegionTraceError> {
+    reader
+        .metadata_value("size")
+        .map(|text| {
+            text.parse::<u64>()
+                .map_err(|_| RegionTraceError::BadSize(text.to_string()))
+        })
+        .transpose()
+}
+
+/// The block `record` (on trace line `line`) faulted in and the offset in it, checked
+/// against the region's `block_size` and the file's `size` where the header names it.
+fn checked_place(
+    record: &crate::trace::TraceRecord,
+    line: u64,
+    block_size: u64,
+    size: Option<u64>,
+) -> Result<(u32, u32), RegionTraceError> {
+    let (block, file_offset) = (record.block, record.file_offset);
+    // In range: a u32 block times at most 1 GiB (check_block_size).
+    let (earliest, latest) = (block as u64 * MIN_PAGE, block as u64 * block_size);
+    if !(earliest..=latest).contains(&file_offset) {
+        return Err(RegionTraceError::BlockNotAtOffset {
+            line,
+            block,
+            file_offset,
+            block_size,
+            earliest,
+            latest,
+        });
+    }
+    // A trace from before faults kept their offset says only the block.
+    let offset = record.offset_in_block.unwrap_or(0);
+    if offset as u64 >= block_size {
+        return Err(RegionTraceError::OffsetPastBlock {
+            line,
+            block,
+            offset,
+            block_size,
+        });
+    }
+    match size {
+        Some(size) if file_offset >= size => Err(RegionTraceError::PastTheFile {
+            line,
+            block,
+            file_offset,
+            size,
+        }),
+        None if block as u64 >= MAX_BLOCKS_WITHOUT_SIZE => {
+            Err(RegionTraceError::TooFarWithoutSize { line, block })
+        }
+        _ => Ok((block, offset)),
     }
 }
 
