@@ -149,6 +149,10 @@ pub enum SimulatedPolicy {
     /// sequence (exact when accesses are drawn independently, as routed experts nearly
     /// are).
     Frequency,
+    /// Online: evict the block used least often so far, demand reads only: `frequency`
+    /// with the counts learned as the sequence goes, so the distance between the two is
+    /// what learning them costs.
+    Lfu,
 }
 
 impl SimulatedPolicy {
@@ -163,6 +167,7 @@ impl SimulatedPolicy {
             SimulatedPolicy::Clock => (SimPolicy::Clock, Some(PrefetchKind::Readahead)),
             SimulatedPolicy::Belady => (SimPolicy::Belady, None),
             SimulatedPolicy::Frequency => (SimPolicy::Frequency, None),
+            SimulatedPolicy::Lfu => (SimPolicy::Lfu, None),
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use hyperoffload::policy::{BlockRef, EvictionPolicy, ReadKind, RegionId};
+use hyperoffload::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId};
 
 pub struct FrequencyEviction {
     /// Accesses of each block in the whole sequence.
@@ -68,6 +68,73 @@ impl EvictionPolicy for FrequencyEviction {
     }
 }
 
+/// Online LFU: evict the block accessed least often so far, the least recently used
+/// among equals. It hears of every access (as the simulator's LRU does), so it is what
+/// learning the counts online costs against `FrequencyEviction`, which knows them from
+/// the start: on independent routing it is the best a policy without foresight and
+/// without the counts in advance can do, and the distance from it to `frequency` is
+/// the learning no policy avoids.
+#[derive(Default)]
+pub struct OnlineFrequencyEviction {
+    /// Accesses of each block so far.
+    uses: HashMap<u32, u64>,
+    /// Resident blocks by (uses, last access): the least used, then the least recently
+    /// used, first.
+    tracked: BTreeSet<(u64, u64, BlockRef)>,
+    keys: HashMap<BlockRef, (u64, u64)>,
+    clock: u64,
+}
+
+impl OnlineFrequencyEviction {
+    /// Files `block` under its current count and the current time.
+    fn track(&mut self, block: BlockRef) {
+        self.removed(block);
+        let key = (
+            self.uses.get(&block.index).copied().unwrap_or(0),
+            self.clock,
+        );
+        self.clock += 1;
+        self.tracked.insert((key.0, key.1, block));
+        self.keys.insert(block, key);
+    }
+}
+
+impl EvictionPolicy for OnlineFrequencyEviction {
+    fn name(&self) -> &'static str {
+        "lfu"
+    }
+
+    fn region_removed(&mut self, region: RegionId) {
+        self.tracked.retain(|&(_, _, block)| block.region != region);
+        self.keys.retain(|block, _| block.region != region);
+    }
+
+    fn inserted(&mut self, block: BlockRef) {
+        self.track(block);
+    }
+
+    fn removed(&mut self, block: BlockRef) {
+        if let Some((uses, stamp)) = self.keys.remove(&block) {
+            self.tracked.remove(&(uses, stamp, block));
+        }
+    }
+
+    /// Every access counts, resident or not: a block read again later starts from its
+    /// whole history.
+    fn touched(&mut self, fault: &FaultEvent) {
+        *self.uses.entry(fault.block.index).or_insert(0) += 1;
+        if self.keys.contains_key(&fault.block) {
+            self.track(fault.block);
+        }
+    }
+
+    fn victim(&mut self, _incoming: BlockRef, _kind: ReadKind) -> Option<BlockRef> {
+        let (_, _, block) = self.tracked.pop_first()?;
+        self.keys.remove(&block);
+        Some(block)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +151,39 @@ mod tests {
         assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(4)));
         assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(3)));
         policy.removed(block(2));
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(1)));
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), None);
+    }
+
+    fn touch(policy: &mut OnlineFrequencyEviction, index: u32) {
+        policy.touched(&FaultEvent {
+            block: BlockRef::new(RegionId(0), index),
+            time_ns: 0,
+            outcome: hyperoffload::policy::FaultOutcome::Resident,
+            offset_in_block: None,
+        });
+    }
+
+    #[test]
+    fn online_lfu_evicts_the_least_used_so_far_then_the_least_recent() {
+        let block = |index| BlockRef::new(RegionId(0), index);
+        let mut policy = OnlineFrequencyEviction::default();
+        // 1 used three times, 2 twice, 3 and 4 once each (4 most recently).
+        for index in [1, 2, 1, 3, 2, 1, 4] {
+            touch(&mut policy, index);
+            if !policy.keys.contains_key(&block(index)) {
+                policy.inserted(block(index));
+            }
+        }
+        let incoming = block(9);
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(3)));
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(4)));
+        // Evicted and read again, 3 keeps its history: two uses, as many as 2, and
+        // more recent, so 2 goes first.
+        touch(&mut policy, 3);
+        policy.inserted(block(3));
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(2)));
+        assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(3)));
         assert_eq!(policy.victim(incoming, ReadKind::Demand), Some(block(1)));
         assert_eq!(policy.victim(incoming, ReadKind::Demand), None);
     }

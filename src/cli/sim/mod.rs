@@ -29,7 +29,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 pub use belady::BeladyEviction;
-pub use frequency::FrequencyEviction;
+pub use frequency::{FrequencyEviction, OnlineFrequencyEviction};
 pub use workload::Workload;
 
 use hyperoffload::geometry::BlockGeometry;
@@ -419,6 +419,10 @@ pub enum SimPolicy {
     /// sequence (exact when accesses are drawn independently, as routed experts nearly
     /// are).
     Frequency,
+    /// Online: evict the block accessed least often so far (the least recent among
+    /// equals), hearing of every access. `frequency` with the counts learned as the
+    /// sequence goes: what learning them costs any policy without the counts in advance.
+    Lfu,
 }
 
 impl SimPolicy {
@@ -430,6 +434,7 @@ impl SimPolicy {
             SimPolicy::Fifo => "fifo",
             SimPolicy::Belady => "belady",
             SimPolicy::Frequency => "frequency",
+            SimPolicy::Lfu => "lfu",
         }
     }
 }
@@ -464,6 +469,7 @@ pub fn simulate(
         SimPolicy::Fifo => (Box::new(FifoEviction::default()), false),
         SimPolicy::Belady => (Box::new(BeladyEviction::new(&workload.accesses)), true),
         SimPolicy::Frequency => (Box::new(FrequencyEviction::new(&workload.accesses)), true),
+        SimPolicy::Lfu => (Box::new(OnlineFrequencyEviction::default()), true),
     };
     // The pager's own policies are modelled as the launcher runs them: zero copy, so
     // their watch requests are honoured.

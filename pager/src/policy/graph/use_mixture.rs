@@ -47,11 +47,23 @@ fn prior_tokens(half_life: f64) -> f64 {
     (half_life / 4.0).clamp(0.5, 16.0)
 }
 /// Step of the exponentiated gradient per token: a token's outcomes (one per observed
-/// expert of the layer) are averaged into one step.
-const LEARNING_RATE: f64 = 2.0;
+/// expert of the layer) are averaged into one step. The log-losses of memories that
+/// rank experts alike differ little, so a small step leaves weight on a noisy memory
+/// for hundreds of tokens.
+const LEARNING_RATE: f64 = 4.0;
 /// The share of the mixture spread evenly over the memories after every step (fixed
 /// share): no memory's weight falls so low that it cannot come back within tokens.
-const FIXED_SHARE: f64 = 0.02;
+/// Every memory keeps at least `FIXED_SHARE / PREDICTORS` (under a thousandth); with
+/// `LEARNING_RATE` a memory that starts predicting better takes the lead within tens
+/// of tokens.
+///
+/// Measured with the simulator's synthetic suite (coarse, fine and qwen3-like shapes,
+/// independent and locality routing, 25/50/75 %, 512 tokens, seeds 11, 23, 37):
+/// against a step of 2 and a share of 0.02, a step of 4 and a share of 0.005 read
+/// less on 39 of the 54 rows (by up to 5.5 %), the same on 9 and at most 0.8 % more on
+/// 6; the largest gains where recency and frequency compete (coarse locality at 75 %:
+/// 5.5 down to 5.2 MiB per token on seed 11, 1.155x LRU to 1.093x).
+const FIXED_SHARE: f64 = 0.005;
 /// The weights before any outcome: mostly the longest memory, the estimate that is
 /// right where routing carries nothing from token to token; recency earns its weight
 /// from the run's outcomes (on sticky routing within tens of tokens).
