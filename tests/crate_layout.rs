@@ -173,7 +173,7 @@ const KNOWN_CYCLES: &[(&str, &str)] = &[
     ),
     (
         "[crate] {service, service::children, service::injection, service::install_pool, \
-         service::installs, service::reads, service::reads::tag, service::sharing, service::staging}",
+         service::page_tables, service::reads, service::reads::tag, service::sharing, service::staging}",
         "service/mod.rs's FaultService has its methods in its parts, and holds their state",
     ),
     (
@@ -186,10 +186,6 @@ const KNOWN_CYCLES: &[(&str, &str)] = &[
     ),
     (
         "[model::synth::*] {fill, quantize, router}",
-        "not yet untangled",
-    ),
-    (
-        "[service::*] {children, install_pool, installs}",
         "not yet untangled",
     ),
 ];
