@@ -177,10 +177,6 @@ const KNOWN_CYCLES: &[(&str, &str)] = &[
         "service/mod.rs's FaultService has its methods in its parts, and holds their state",
     ),
     (
-        "[crate::*] {budget, command, pager, service, shim_config, stats}",
-        "not yet untangled",
-    ),
-    (
         "[model::synth::*] {arch, hf_order, metadata, mix, plan}",
         "not yet untangled",
     ),
