@@ -4,6 +4,7 @@
 //! model.
 
 pub mod budget;
+pub mod budget_check;
 mod command;
 mod event;
 pub mod file;
@@ -19,6 +20,7 @@ pub mod model;
 pub mod pager;
 pub mod policy;
 pub mod policy_name;
+pub mod pressure_follower;
 mod recent_faults;
 pub mod remote;
 pub mod ring;

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use hyperoffload::budget::pressure_follower::PressureFollower;
+use hyperoffload::pressure_follower::PressureFollower;
 use hyperoffload::shim_config::{BudgetSpec, ShimConfig};
 use libc::{c_char, c_int};
 
@@ -239,7 +239,7 @@ fn on_pager_start() {
 static FOLLOWING_STARTED: AtomicBool = AtomicBool::new(false);
 
 /// Under `--budget auto`, starts the thread (once) whose steps make the pager's budget
-/// follow memory pressure (`hyperoffload::budget::pressure_follower`): each waits for a
+/// follow memory pressure (`hyperoffload::pressure_follower`): each waits for a
 /// pressure event or a period, then sets the budget if it is to change.
 fn start_following() {
     let Some(shim) = SHIM.get() else {

@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 
 use anyhow::{bail, Context};
-use hyperoffload::budget::check::check_budget;
 use hyperoffload::budget::{floor, memory_limits};
+use hyperoffload::budget_check::check_budget;
 use hyperoffload::policy_name::{check_policy_name, DEFAULT_POLICY, POLICY_NAMES};
 use hyperoffload::shim_config::{parse_block_size, BudgetSpec, ShimConfig, ALL_VARS};
 
@@ -302,7 +302,7 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
 }
 
 /// The budget to run with: refused, raised to what the pager needs or warned of before
-/// the program starts (see `budget::check`), each with one line.
+/// the program starts (see `budget_check`), each with one line.
 fn checked_budget(config: &ShimConfig) -> anyhow::Result<BudgetSpec> {
     let checked = check_budget(config, floor::threads(), &memory_limits::read())
         .context("cannot run with this --budget and --block")?;

@@ -2,7 +2,7 @@
 //! memory cgroup can spare now, and whether the kernel reported pressure, what the
 //! budget should be. A plain function of its readings (`BudgetFollow::next`); the
 //! readings and the pressure events are `memory_pressure`'s and `pressure_events`'s, and
-//! `pressure_follower` applies the answer with `Pager::set_budget`.
+//! `crate::pressure_follower` applies the answer with `Pager::set_budget`.
 //!
 //! The rule:
 //! - What the pager could have is what it holds now plus what is spare (the memory

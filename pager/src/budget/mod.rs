@@ -1,19 +1,19 @@
 //! The RAM budget and the memory pressure it answers to: the smallest budget the pager
-//! can work in (`floor`), a budget checked before the program runs (`check`), what the
-//! machine and the memory cgroup allow (`memory_limits`), what they can spare while the
-//! program runs (`memory_pressure`, with the kernel's notifications in
-//! `pressure_events`), the next budget under `--budget auto` (`follow`), and the budget
-//! over time as the stats report it (`history`).
+//! can work in (`floor`), what the machine and the memory cgroup allow
+//! (`memory_limits`), what they can spare while the program runs (`memory_pressure`,
+//! with the kernel's notifications in `pressure_events`), the next budget under
+//! `--budget auto` (`follow`), and the budget over time as the stats report it
+//! (`history`). These know nothing of the shim's configuration or of a pager, which use
+//! them.
 //!
-//! The fault service keeps resident bytes within the budget (`service/budget.rs`);
-//! `pressure_follower::PressureFollower` reads the pressure and resizes a pager, on the
-//! shim's thread under `--budget auto` or on a library user's.
+//! Beside this folder: `crate::budget_check` checks a configuration's budget before the
+//! program runs, and `crate::pressure_follower::PressureFollower` reads the pressure and
+//! resizes a pager, on the shim's thread under `--budget auto` or on a library user's.
+//! The fault service keeps resident bytes within the budget (`service/budget.rs`).
 
-pub mod check;
 pub mod floor;
 pub mod follow;
 pub mod history;
 pub mod memory_limits;
 pub mod memory_pressure;
 pub mod pressure_events;
-pub mod pressure_follower;

@@ -14,7 +14,7 @@
 //! A fork makes the parent's UFFDIO_COPY fail with EAGAIN from the moment the child's
 //! copy of a registered range is made until the service has read the fork event (the
 //! forking thread waits for that too). An install that meets it reads the program's
-//! events into `Backlog` and tries again (`installs::install`); the backlog is served
+//! events into `Backlog` and tries again (`page_tables::install`); the backlog is served
 //! right after.
 
 use std::os::fd::{AsFd, AsRawFd};
@@ -22,7 +22,7 @@ use std::os::fd::{AsFd, AsRawFd};
 use userfaultfd::{Event, EventBuffer, Uffd};
 
 use super::block_state::BlockState;
-use super::installs::poison_range;
+use super::page_tables::poison_range;
 use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, RegionId};

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::mpsc::SyncSender;
 
 use super::block_state::{BlockEvent, BlockState};
-use super::installs::release_frame;
+use super::page_tables::release_frame;
 use super::region::ServedRegion;
 use super::watch::Watch;
 use super::{FaultService, ServiceError};

@@ -1,5 +1,5 @@
 //! Worker threads that install prefetched reads into regions (UFFDIO_COPY,
-//! `installs::install`) beside the fault service thread.
+//! `page_tables::install`) beside the fault service thread.
 //!
 //! Installing is most of the pager's CPU time: per 4 KiB page the kernel allocates a
 //! page, charges the memory cgroup, copies, maps and adds the page to an LRU list. Perf
@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use userfaultfd::Uffd;
 
-use super::installs::{install, InstallError};
+use super::page_tables::{install, InstallError};
 use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::event::EventFd;

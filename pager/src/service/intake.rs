@@ -8,7 +8,7 @@ use userfaultfd::Event;
 use super::block_state::{BlockEvent, BlockState};
 use super::children::Source;
 use super::fault_log::Waiter;
-use super::installs::{continue_mapped, discard_pages, map_frame, page_present, poison_range};
+use super::page_tables::{continue_mapped, discard_pages, map_frame, page_present, poison_range};
 use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::layout::Location;

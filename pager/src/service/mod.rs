@@ -15,9 +15,9 @@
 //!   policies hear of it and plan prefetches.
 //! - `reads`: queued blocks become io_uring reads within the queue depth, after `room`
 //!   made space in the `budget`; completions are checked, retried or failed.
-//! - `installs`: finished reads are copied or mapped in and waiters woken; the only part
-//!   that changes page tables. `staging` holds prefetch markers back until the program
-//!   touches them.
+//! - `installs`: finished reads are copied or mapped in and waiters woken, through
+//!   `page_tables`, the only part that changes page tables. `staging` holds prefetch
+//!   markers back until the program touches them.
 //! - `commands`: the API side's requests (`crate::command`): regions, drops, pins.
 //!
 //! Each block's state lives in its `region` and changes only through `block_state`'s
@@ -37,6 +37,7 @@ mod installs;
 mod intake;
 mod keeping;
 mod outliving;
+mod page_tables;
 mod reads;
 mod region;
 mod resize;
@@ -63,7 +64,7 @@ use self::fault_log::{FaultLog, Waiter};
 pub(crate) use self::injection::InjectedFaults;
 pub(crate) use self::install_pool::InstallPool;
 use self::install_pool::{raise_priority, Installed};
-use self::installs::InstallError;
+use self::page_tables::InstallError;
 use self::reads::{ReadLoad, ReadTag};
 use self::region::ServedRegion;
 use self::staging::max_staged;

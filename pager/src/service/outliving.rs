@@ -23,7 +23,7 @@
 use std::os::fd::AsFd;
 
 use super::block_state::BlockState;
-use super::installs::punch_region_pages;
+use super::page_tables::punch_region_pages;
 use super::region::ServedRegion;
 use super::{FaultService, ServiceError};
 use crate::hole_fill::{chunk_around, fill_holes, rewrite, FillSource, Filled, FILL_CHUNK};

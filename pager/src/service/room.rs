@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState};
-use super::installs::{discard_pages, punch_pages, release_frame};
+use super::page_tables::{discard_pages, punch_pages, release_frame};
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, ReadKind, RegionId};
 

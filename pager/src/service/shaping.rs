@@ -43,7 +43,7 @@ use std::sync::atomic::Ordering;
 use userfaultfd::RegisterMode;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::installs::release_frame;
+use super::page_tables::release_frame;
 use super::region::PendingMove;
 use super::{FaultService, ServiceError};
 use crate::command::RegionMove;

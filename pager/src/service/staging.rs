@@ -4,7 +4,7 @@
 //! reservation in the budget until it is installed or discarded.
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::installs::{punch_region_pages, release_frame};
+use super::page_tables::{punch_region_pages, release_frame};
 use super::FaultService;
 use crate::policy::BlockRef;
 

@@ -11,7 +11,7 @@ use std::io;
 use std::ops::Range;
 
 use super::block_state::{BlockEvent, BlockState, StagedIn};
-use super::installs::{poison_range, punch_region_pages, release_frame};
+use super::page_tables::{poison_range, punch_region_pages, release_frame};
 use super::staging::max_staged;
 use super::{FaultService, ServiceError};
 use crate::policy::{BlockRef, Install, PrefetchRequest, ReadKind};

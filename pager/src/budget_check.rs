@@ -1,8 +1,8 @@
 //! A budget checked before the program runs: refused where the pager could not start
 //! with it, raised where it could not make progress in it, warned of where the machine
 //! or the memory cgroup cannot give it. A plain function of the configuration and the
-//! facts of the machine; the caller reads those (`floor::threads`,
-//! `memory_limits::read`) and says what this decides.
+//! facts of the machine; the caller reads those (`budget::floor::threads`,
+//! `budget::memory_limits::read`) and says what this decides.
 //!
 //! Only a budget in bytes can be checked before the program maps its model: a
 //! percentage of the model is checked by the shim when the pager starts, the same way
