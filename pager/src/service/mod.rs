@@ -404,8 +404,15 @@ impl FaultService {
             Completion::Read { slot, result } => self.read_done(slot, result),
             Completion::Readable { token, rearm } => match Watch::from_token(token) {
                 Some(watch) => self.readable(watch, rearm),
-                // No poll carries a number no watch gives.
-                None => Ok(()),
+                // Every poll is armed with a watch's token (`Watch::token`), so another
+                // number is a bug in the ring's bookkeeping: no part owns the
+                // descriptor, and serving nothing for it is all the service can do.
+                None => {
+                    self.breaches.record(format_args!(
+                        "a poll completed with token {token}, which no watch gives"
+                    ));
+                    Ok(())
+                }
             },
         }
     }
