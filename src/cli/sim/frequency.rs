@@ -10,13 +10,52 @@ use std::collections::{BTreeSet, HashMap};
 
 use hyperoffload::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId};
 
+/// Resident blocks in eviction order: the fewest uses first, then the earliest filed.
+#[derive(Default)]
+struct ByUses {
+    order: BTreeSet<(u64, u64, BlockRef)>,
+    keys: HashMap<BlockRef, (u64, u64)>,
+    /// Stamps each filing, so equal uses go earliest filed first.
+    clock: u64,
+}
+
+impl ByUses {
+    /// Files `block` (again) under `uses`, after every block filed before.
+    fn file(&mut self, block: BlockRef, uses: u64) {
+        self.remove(block);
+        let key = (uses, self.clock);
+        self.clock += 1;
+        self.order.insert((key.0, key.1, block));
+        self.keys.insert(block, key);
+    }
+
+    fn remove(&mut self, block: BlockRef) {
+        if let Some((uses, stamp)) = self.keys.remove(&block) {
+            self.order.remove(&(uses, stamp, block));
+        }
+    }
+
+    fn contains(&self, block: BlockRef) -> bool {
+        self.keys.contains_key(&block)
+    }
+
+    fn remove_region(&mut self, region: RegionId) {
+        self.order.retain(|&(_, _, block)| block.region != region);
+        self.keys.retain(|block, _| block.region != region);
+    }
+
+    fn pop_least_used(&mut self) -> Option<BlockRef> {
+        let (_, _, block) = self.order.pop_first()?;
+        self.keys.remove(&block);
+        Some(block)
+    }
+}
+
 pub struct FrequencyEviction {
     /// Accesses of each block in the whole sequence.
     uses: HashMap<u32, u64>,
-    /// Tracked blocks by (uses, arrival): the least used, then the oldest, first.
-    tracked: BTreeSet<(u64, u64, BlockRef)>,
-    keys: HashMap<BlockRef, (u64, u64)>,
-    arrivals: u64,
+    /// Tracked blocks: the least used, then the oldest, first.
+    resident: ByUses,
 }
 
 impl FrequencyEviction {
@@ -27,9 +66,7 @@ impl FrequencyEviction {
         }
         Self {
             uses,
-            tracked: BTreeSet::new(),
-            keys: HashMap::new(),
-            arrivals: 0,
+            resident: ByUses::default(),
         }
     }
 }
@@ -40,31 +77,20 @@ impl EvictionPolicy for FrequencyEviction {
     }
 
     fn region_removed(&mut self, region: RegionId) {
-        self.tracked.retain(|&(_, _, block)| block.region != region);
-        self.keys.retain(|block, _| block.region != region);
+        self.resident.remove_region(region);
     }
 
     fn inserted(&mut self, block: BlockRef) {
-        self.removed(block);
-        let key = (
-            self.uses.get(&block.index).copied().unwrap_or(0),
-            self.arrivals,
-        );
-        self.arrivals += 1;
-        self.tracked.insert((key.0, key.1, block));
-        self.keys.insert(block, key);
+        let uses = self.uses.get(&block.index).copied().unwrap_or(0);
+        self.resident.file(block, uses);
     }
 
     fn removed(&mut self, block: BlockRef) {
-        if let Some((uses, arrival)) = self.keys.remove(&block) {
-            self.tracked.remove(&(uses, arrival, block));
-        }
+        self.resident.remove(block);
     }
 
     fn victim(&mut self, _incoming: BlockRef, _kind: ReadKind) -> Option<BlockRef> {
-        let (_, _, block) = self.tracked.pop_first()?;
-        self.keys.remove(&block);
-        Some(block)
+        self.resident.pop_least_used()
     }
 }
 
@@ -78,24 +104,15 @@ impl EvictionPolicy for FrequencyEviction {
 pub struct OnlineFrequencyEviction {
     /// Accesses of each block so far.
     uses: HashMap<u32, u64>,
-    /// Resident blocks by (uses, last access): the least used, then the least recently
-    /// used, first.
-    tracked: BTreeSet<(u64, u64, BlockRef)>,
-    keys: HashMap<BlockRef, (u64, u64)>,
-    clock: u64,
+    /// Resident blocks: the least used, then the least recently used, first (each
+    /// access files its block again).
+    resident: ByUses,
 }
 
 impl OnlineFrequencyEviction {
-    /// Files `block` under its current count and the current time.
-    fn track(&mut self, block: BlockRef) {
-        self.removed(block);
-        let key = (
-            self.uses.get(&block.index).copied().unwrap_or(0),
-            self.clock,
-        );
-        self.clock += 1;
-        self.tracked.insert((key.0, key.1, block));
-        self.keys.insert(block, key);
+    fn file(&mut self, block: BlockRef) {
+        let uses = self.uses.get(&block.index).copied().unwrap_or(0);
+        self.resident.file(block, uses);
     }
 }
 
@@ -105,33 +122,28 @@ impl EvictionPolicy for OnlineFrequencyEviction {
     }
 
     fn region_removed(&mut self, region: RegionId) {
-        self.tracked.retain(|&(_, _, block)| block.region != region);
-        self.keys.retain(|block, _| block.region != region);
+        self.resident.remove_region(region);
     }
 
     fn inserted(&mut self, block: BlockRef) {
-        self.track(block);
+        self.file(block);
     }
 
     fn removed(&mut self, block: BlockRef) {
-        if let Some((uses, stamp)) = self.keys.remove(&block) {
-            self.tracked.remove(&(uses, stamp, block));
-        }
+        self.resident.remove(block);
     }
 
     /// Every access counts, resident or not: a block read again later starts from its
     /// whole history.
     fn touched(&mut self, fault: &FaultEvent) {
         *self.uses.entry(fault.block.index).or_insert(0) += 1;
-        if self.keys.contains_key(&fault.block) {
-            self.track(fault.block);
+        if self.resident.contains(fault.block) {
+            self.file(fault.block);
         }
     }
 
     fn victim(&mut self, _incoming: BlockRef, _kind: ReadKind) -> Option<BlockRef> {
-        let (_, _, block) = self.tracked.pop_first()?;
-        self.keys.remove(&block);
-        Some(block)
+        self.resident.pop_least_used()
     }
 }
 
@@ -171,7 +183,7 @@ mod tests {
         // 1 used three times, 2 twice, 3 and 4 once each (4 most recently).
         for index in [1, 2, 1, 3, 2, 1, 4] {
             touch(&mut policy, index);
-            if !policy.keys.contains_key(&block(index)) {
+            if !policy.resident.contains(block(index)) {
                 policy.inserted(block(index));
             }
         }
