@@ -140,6 +140,18 @@ launch() {
   echo $! >"$(pidfile "$name")"
 }
 
+# " with status N" for daemon $1 if this script launched it and it has exited (a daemon
+# from an earlier invocation is not our child: nothing to report). Ceph's daemons often
+# exit before their log is flushed, so the status may be all there is.
+exit_status() {
+  local pid status
+  pid=$(<"$(pidfile "$1")") 2>/dev/null || return 0
+  wait "$pid" 2>/dev/null && status=0 || status=$?
+  [ "$status" != 127 ] || return 0
+  echo -n " with status $status"
+  [ "$status" != 28 ] || echo -n " (ENOSPC: the filesystem under $D is nearly full)"
+}
+
 # Runs "$@" until it succeeds or TIMEOUT seconds pass; on timeout names $what, shows
 # the tail of $who's log and fails.
 wait_for() { # what who cmd...
@@ -148,7 +160,7 @@ wait_for() { # what who cmd...
   until "$@" >/dev/null 2>&1; do
     if [ -n "$who" ] && ! daemon_pid "$who" >/dev/null; then
       log_tail "$who"
-      die "$what: $who exited"
+      die "$what: $who exited$(exit_status "$who")"
     fi
     if ((SECONDS >= deadline)); then
       [ -z "$who" ] || log_tail "$who"
@@ -252,8 +264,11 @@ mon_warn_on_insecure_global_id_reclaim_allowed = false
 # this grace after mkfs (default 120 s) has passed; a year keeps health at HEALTH_OK.
 mon_mgr_mkfs_grace = 31536000
 # The root filesystem is shared with everything else; its free space is not this
-# cluster's health.
+# cluster's health. Below mon_data_avail_crit (default 5 % of the filesystem) the mon
+# refuses to start (exit 28, ENOSPC) without a word in its log: on a 250 GiB disk that is
+# any less than 12.5 GiB free, far more than this cluster ever writes.
 mon_data_avail_warn = 1
+mon_data_avail_crit = 0
 # Startup is a chain of map changes (OSD boot, then rgw's pools one by one), each waiting
 # for the mon's proposal interval (1 s by default): 0.05 s cuts start from ~25 s.
 paxos_propose_interval = 0.05
