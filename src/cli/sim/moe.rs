@@ -13,12 +13,16 @@ use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
 use hyperoffload::geometry::BlockGeometry;
+use hyperoffload::graph::experts::expert_block_cuts;
 use hyperoffload::model::TensorInfo;
 
 use super::llama::{file_end, lay_out, TensorEntry};
 use super::router::{Router, Routing};
 use super::Workload;
 
+/// The page the cuts are rounded to: x86_64's, fixed so that a shape's workload is the
+/// same on every machine.
+const PAGE: u64 = 4096;
 const Q8_0_BLOCK_ELEMENTS: u64 = 32;
 const Q8_0_BLOCK_BYTES: u64 = 34;
 
@@ -147,8 +151,12 @@ impl MoeShape {
     /// whole file in blocks of `block_size`, each token's experts drawn with `seed`.
     pub fn workload(&self, block_size: u64, tokens: u32, seed: u64) -> Workload {
         let tensors = self.tensors();
-        // A synthetic file is far from 2^32 blocks of any size.
+        // Cut at the experts' slices, as the pager cuts a GGUF (`model_block_cuts`): a
+        // token that runs an expert reads its bytes, not its neighbours' in a shared
+        // block. A synthetic file is far from 2^32 blocks of any size.
+        let cuts = expert_block_cuts(&tensors, PAGE);
         let layout = BlockGeometry::new(0, self.file_len(), block_size.max(1))
+            .and_then(|layout| layout.with_file_cuts(cuts))
             .expect("a synthetic model's geometry is valid");
         let range_of = |name: &str| {
             tensors
