@@ -340,6 +340,15 @@ impl ExpertUse {
             .is_some_and(|use_| use_.uses > 0.0)
     }
 
+    /// Tokens since `group` was last seen used (0: in the current one); `u64::MAX`
+    /// if never in this run.
+    pub fn tokens_since_use(&self, group: u32) -> u64 {
+        match self.groups.get(group as usize) {
+            Some(use_) if use_.last_use > 0 => self.token + 1 - use_.last_use,
+            _ => u64::MAX,
+        }
+    }
+
     /// The estimated probability that the next token uses `group`: recency and
     /// frequency mixed as the layer's routing has rewarded (`UseMixture`).
     pub fn probability(&self, group: u32) -> f64 {
@@ -465,6 +474,22 @@ mod tests {
         let counts: Vec<(u32, f64, f64)> = use_.counts().collect();
         assert_eq!(counts[3], (3, 4.0, 4.0), "used in each of 4 tokens");
         assert_eq!(counts[5], (5, 0.0, 3.0), "3 completed tokens, unused");
+    }
+
+    #[test]
+    fn the_tokens_since_an_expert_ran_count_from_its_last_seen_use() {
+        let mut use_ = ExpertUse::new(&map(), |_| true);
+        assert_eq!(use_.tokens_since_use(0), u64::MAX, "never ran");
+        use_.used(0);
+        use_.used(4);
+        assert_eq!(use_.tokens_since_use(0), 0, "in the current token");
+        for _ in 0..3 {
+            use_.used(1);
+            use_.used(4);
+        }
+        assert_eq!(use_.tokens_since_use(0), 3);
+        assert_eq!(use_.tokens_since_use(1), 0);
+        assert_eq!(use_.tokens_since_use(99), u64::MAX, "no such expert");
     }
 
     #[test]
