@@ -6,12 +6,12 @@
 //! is expected to be used furthest ahead goes first (`Progress::expected_next_use`,
 //! stretched by the tokens since it ran where the run shows recency pays:
 //! `eviction_distance`). That expectation is only as good as the use counts
-//! (`ExpertUse`), and a wholly resident expert is used without faulting. Where the pager can watch resident blocks, each
-//! wholly resident expert has one block watched (its *sentinel*: a block holding only
-//! its bytes where it has one), from the time the program has left the expert's layer
-//! until its next use, which then costs one fault without a read and is counted. The
-//! watch is taken again once the program has left the layer again, so every token of a
-//! resident expert is observed.
+//! (`ExpertUse`), and a wholly resident expert is used without faulting. Where the
+//! pager can watch resident blocks, each wholly resident expert has one block watched
+//! (its *sentinel*: a block holding only its bytes where it has one), from the time the
+//! program has left the expert's layer until its next use, which then costs one fault
+//! without a read and is counted. The watch is taken again once the program has left
+//! the layer again, so every token of a resident expert is observed.
 
 use std::collections::HashMap;
 

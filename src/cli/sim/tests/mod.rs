@@ -178,7 +178,7 @@ fn on_mixture_of_experts_the_graph_policy_reads_no_more_than_lru_or_frequency() 
                     // policy must find out how much. Where a quarter of the model fits
                     // it reads less than LRU; where half or more does, LRU's exact
                     // order of the few experts left out is what it has to match (the
-                    // age term of `eviction_distance`: 0.98-1.03x here, at most 1.06x
+                    // age term of `eviction_distance`: 0.92-1.02x here, at most 1.07x
                     // on seeds 23 and 37).
                     Routing::Locality(_) => {
                         let allowed = if share < 0.3 { 1.0 } else { 1.08 };
@@ -192,7 +192,7 @@ fn on_mixture_of_experts_the_graph_policy_reads_no_more_than_lru_or_frequency() 
                     // an online LFU that hears of every access learns them as the
                     // tokens go and reads 1.02-1.25x it here. The policy hears only
                     // faults and watches, and mixes in recency until the run shows it
-                    // does not pay: at most a tenth over the online LFU (1.01-1.06x
+                    // does not pay: at most a tenth over the online LFU (1.00-1.06x
                     // here).
                     Routing::Independent => {
                         assert!(graph <= lru, "{name} at {share}: graph {graph} > lru {lru}");
