@@ -477,14 +477,21 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
     // `graph-small`: a budget below one layer's experts in use (4 MiB, 4 KiB blocks),
     // where everything held is an expert being read; a demand read must still evict one,
     // or the fault waits for room no read in flight frees.
+    // `graph-fresh`: `--fresh-experts` neither reads the saved counts nor replaces them.
+    let mut saved_before_fresh = None;
     for (label, policy, budget_arg) in [
         ("graph", "graph", "25%"),
         ("lru", "lru", "25%"),
         ("graph-warm", "graph", "25%"),
+        ("graph-fresh", "graph", "25%"),
         ("graph-small", "graph", "4M"),
     ] {
         let stats = dir.path(&format!("stats-{label}.json"));
         let mut paged = launcher();
+        if label == "graph-fresh" {
+            saved_before_fresh = Some(std::fs::read(&counts).expect("counts saved by now"));
+            paged.arg("--fresh-experts");
+        }
         paged
             .args(["--policy", policy, "--budget", budget_arg, "--stats"])
             .arg(&stats)
@@ -512,6 +519,17 @@ fn a_synthetic_mixture_of_experts_generates_the_same_text_under_the_pager() {
                 in_use.contains("experts from") && in_use.contains("hyperoffload-experts"),
                 "the second run did not start from the saved counts: {in_use}"
             ),
+            "graph-fresh" => {
+                assert!(
+                    !in_use.contains("experts from"),
+                    "--fresh-experts started from the saved counts: {in_use}"
+                );
+                assert_eq!(
+                    std::fs::read(&counts).ok(),
+                    saved_before_fresh,
+                    "--fresh-experts replaced the saved counts"
+                );
+            }
             _ => {}
         }
         let resident = json["peak_resident_bytes"].as_u64().unwrap();

@@ -3,7 +3,8 @@
 # llama-perplexity evaluates plain English one token at a time (-b 1 -ub 1, so every
 # token is its own forward pass and reads only its own experts), under the kernel (a
 # memory cgroup at the budget) and under `hyperoffload run` with the default policy,
-# sides alternating, page cache dropped before every run (`hyperoffload compare`).
+# sides alternating, page cache dropped before every run and each pager run learning the
+# routing from its own tokens (`hyperoffload compare` without --saved-experts).
 # Prints per budget each side's tokens per second (llama.cpp's own `prompt eval time`),
 # medians and every run, the ratio, bytes read per token and the cgroup peaks, with
 # the command, date and commit, ready for bench/moe.md.

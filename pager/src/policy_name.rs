@@ -68,7 +68,7 @@ pub struct UnknownPolicy {
 
 /// The model file a policy is for: the file range the first region presents, the
 /// pager's block size, and where the region's blocks are cut besides
-/// (`MapOptions::block_cuts`).
+/// (`MapOptions::block_cuts`); and whether what earlier runs learned of it counts.
 #[derive(Debug, Clone, Copy)]
 pub struct ModelHint<'a> {
     pub path: &'a Path,
@@ -76,6 +76,9 @@ pub struct ModelHint<'a> {
     pub data_len: u64,
     pub block_size: u64,
     pub block_cuts: &'a [u64],
+    /// Start a mixture of experts' ranking from the expert use an earlier run saved
+    /// beside the model (`graph::expert_store`); without it the run learns alone.
+    pub saved_experts: bool,
 }
 
 impl ModelHint<'_> {
@@ -119,7 +122,9 @@ pub fn policies_by_name(
             if has_experts {
                 // A model is used more than once: what an earlier run learned of its
                 // routing ranks the experts from the first token.
-                let path = model.map(|hint| hint.path);
+                let path = model
+                    .filter(|hint| hint.saved_experts)
+                    .map(|hint| hint.path);
                 match path.map(expert_store::load) {
                     Some(Ok(LoadedCounts::Fresh { path, counts })) => {
                         let matched = prediction.seed_expert_counts(&counts);
@@ -296,6 +301,7 @@ mod tests {
             data_len: 1 << 20,
             block_size: 4096,
             block_cuts: &[],
+            saved_experts: true,
         };
         let pair = policies_by_name("graph", Some(&hint)).unwrap();
         assert_eq!(
@@ -323,6 +329,7 @@ mod tests {
             data_len: 16 * 4096,
             block_size: 4096,
             block_cuts: &[],
+            saved_experts: true,
         };
         let recording = policies_by_name("graph", Some(&hint)).unwrap();
         let layout = recording.learn.expect("no graph yet: a recording run");
@@ -351,6 +358,7 @@ mod tests {
             data_len,
             block_size: 4096,
             block_cuts: &[],
+            saved_experts: true,
         };
         let whole = policies_by_name("graph", Some(&hint(0, len))).unwrap();
         assert!(

@@ -14,6 +14,7 @@
 //! | `HYPEROFFLOAD_ZERO_COPY` | `1`: map blocks from a huge-page store instead of copying them in, where the blocks are whole 2M pages and the process may (see `PagerBuilder::zero_copy`); `0`: always copy | `1` |
 //! | `HYPEROFFLOAD_SERVE_FORKS` | `fork`: zero copy until the program first forks, which makes the regions file-shaped so that every child of `fork` is served by the pager, sharing its resident blocks and budget (`PagerBuilder::serve_forks_at_fork`); `1`: file-shaped from the start (`PagerBuilder::serve_forks`); `0`: a forked child maps the files from the page cache | `fork` |
 //! | `HYPEROFFLOAD_EXPERT_BLOCKS` | `1`: each routed expert's slice of a mixture-of-experts model's tensors is blocks of its own (`graph::experts::expert_block_cuts`), so a token reads the experts it runs and not their neighbours; `0`: blocks follow the block-size grid alone | `1` |
+//! | `HYPEROFFLOAD_SAVED_EXPERTS` | `1`: the graph policy starts from the expert use an earlier run saved beside the model (`graph::expert_store`) and saves what this run learned; `0`: it learns from this run alone and saves nothing (a cold measurement, or a run on text unlike the usual) | `1` |
 //! | `HYPEROFFLOAD_STATS` | where to write the stats JSON at exit (created, never overwritten) | none |
 //! | `HYPEROFFLOAD_SNAPSHOTS` | a directory where, while the pager runs, its stats JSON is written every half second as `snapshot-<pid>.json` (replaced atomically each time), so that a program killed by a signal, which runs no exit handlers, still leaves what it did | none |
 //! | `HYPEROFFLOAD_TRACE` | where to write the shim's mapping events (JSON lines) at exit | none |
@@ -44,6 +45,7 @@ pub const ENV_INSTALL_THREADS: &str = "HYPEROFFLOAD_INSTALL_THREADS";
 pub const ENV_ZERO_COPY: &str = "HYPEROFFLOAD_ZERO_COPY";
 pub const ENV_SERVE_FORKS: &str = "HYPEROFFLOAD_SERVE_FORKS";
 pub const ENV_EXPERT_BLOCKS: &str = "HYPEROFFLOAD_EXPERT_BLOCKS";
+pub const ENV_SAVED_EXPERTS: &str = "HYPEROFFLOAD_SAVED_EXPERTS";
 pub const ENV_STATS: &str = "HYPEROFFLOAD_STATS";
 pub const ENV_SNAPSHOTS: &str = "HYPEROFFLOAD_SNAPSHOTS";
 pub const ENV_TRACE: &str = "HYPEROFFLOAD_TRACE";
@@ -70,6 +72,7 @@ pub const ALL_VARS: &[&str] = &[
     ENV_ZERO_COPY,
     ENV_SERVE_FORKS,
     ENV_EXPERT_BLOCKS,
+    ENV_SAVED_EXPERTS,
     ENV_STATS,
     ENV_SNAPSHOTS,
     ENV_TRACE,
@@ -280,6 +283,9 @@ pub struct ShimConfig {
     pub serve_forks_at_fork: bool,
     /// Whether routed experts' slices are blocks of their own (see `ENV_EXPERT_BLOCKS`).
     pub expert_blocks: bool,
+    /// Whether expert use saved by earlier runs seeds this one, and this one's is saved
+    /// (see `ENV_SAVED_EXPERTS`).
+    pub saved_experts: bool,
     pub stats_path: Option<PathBuf>,
     /// Where the stats are written while the pager runs (see `ENV_SNAPSHOTS`).
     pub snapshot_dir: Option<PathBuf>,
@@ -358,6 +364,7 @@ impl ShimConfig {
             serve_forks: false,
             serve_forks_at_fork: true,
             expert_blocks: true,
+            saved_experts: true,
             stats_path: None,
             snapshot_dir: None,
             trace_path: None,
@@ -389,6 +396,7 @@ impl ShimConfig {
             (ENV_ZERO_COPY, u8::from(self.zero_copy).to_string()),
             (ENV_SERVE_FORKS, self.serve_forks_value().to_string()),
             (ENV_EXPERT_BLOCKS, u8::from(self.expert_blocks).to_string()),
+            (ENV_SAVED_EXPERTS, u8::from(self.saved_experts).to_string()),
             // Not configuration: filled by the process the launcher starts.
             (ENV_PROCESS, PROCESS_UNCLAIMED.to_string()),
         ];

@@ -70,7 +70,7 @@ pub fn write(run: &Run<'_>) {
     if let Some((model, layout)) = &run.learning {
         save_graph(run, model, layout.clone(), &records);
     }
-    if let Some((model, prediction)) = &run.experts {
+    if let Some((model, prediction)) = run.experts.as_ref().filter(|_| config.saved_experts) {
         save_expert_counts(run, model, prediction);
     }
     if let Some(graph) = &run.followed_graph {

@@ -102,6 +102,10 @@ pub struct RunArgs {
     /// then reads the neighbours of the experts it runs).
     #[arg(long)]
     no_expert_blocks: bool,
+    /// Learn a mixture of experts' routing from this run alone: neither start from the
+    /// expert use an earlier run saved beside the model nor save this run's.
+    #[arg(long)]
+    fresh_experts: bool,
     /// Also write the pager's stats (JSON) to this new file.
     #[arg(long)]
     stats: Option<PathBuf>,
@@ -287,6 +291,7 @@ fn shim_config(args: &RunArgs, shim_stats: &Path) -> anyhow::Result<ShimConfig> 
     config.install_threads = args.install_threads.map(usize::from);
     config.zero_copy = !args.no_zero_copy;
     config.expert_blocks = !args.no_expert_blocks;
+    config.saved_experts = !args.fresh_experts;
     config.stats_path = Some(shim_stats.to_path_buf());
     config.snapshot_dir = shim_stats.parent().map(Path::to_path_buf);
     config.trace_path = args.trace.as_ref().map(absolute).transpose()?;

@@ -101,6 +101,7 @@ pub fn run(args: ScanArgs) -> anyhow::Result<ExitCode> {
         data_len: file_len,
         block_size: block,
         block_cuts: &[],
+        saved_experts: true,
     };
     let policies = policies_by_name(&args.policy, Some(&hint))?;
     if !args.json {

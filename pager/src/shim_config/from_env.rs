@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use super::{
     parse_block_size, BudgetSpec, ConfigError, ShimConfig, ENV_BLOCK, ENV_BUDGET, ENV_BUDGET_MAX,
     ENV_BUDGET_MIN, ENV_EXPERT_BLOCKS, ENV_INHERIT, ENV_INSTALL_THREADS, ENV_KEEPER, ENV_MATCH,
-    ENV_MIN_SIZE, ENV_POLICY, ENV_SERVE_FORKS, ENV_SHARE_DIR, ENV_SNAPSHOTS, ENV_STATS, ENV_TRACE,
-    ENV_VERBOSE, ENV_ZERO_COPY, MAX_INSTALL_THREADS,
+    ENV_MIN_SIZE, ENV_POLICY, ENV_SAVED_EXPERTS, ENV_SERVE_FORKS, ENV_SHARE_DIR, ENV_SNAPSHOTS,
+    ENV_STATS, ENV_TRACE, ENV_VERBOSE, ENV_ZERO_COPY, MAX_INSTALL_THREADS,
 };
 use crate::policy_name::check_policy_name;
 use crate::size::parse_size;
@@ -104,6 +104,9 @@ impl ShimConfig {
         (self.serve_forks, self.serve_forks_at_fork) = serve_forks(lookup)?;
         if lookup(ENV_EXPERT_BLOCKS).is_some() {
             self.expert_blocks = flag(lookup, ENV_EXPERT_BLOCKS)?;
+        }
+        if lookup(ENV_SAVED_EXPERTS).is_some() {
+            self.saved_experts = flag(lookup, ENV_SAVED_EXPERTS)?;
         }
         Ok(())
     }

@@ -174,6 +174,7 @@ fn round_trips_through_the_environment() {
     config.verbose = true;
     config.inherit = true;
     config.zero_copy = false;
+    config.saved_experts = false;
     config.budget_min = Some(300 << 20);
     config.budget_max = Some(3 << 30);
     let env: HashMap<String, String> = config

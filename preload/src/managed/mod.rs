@@ -417,6 +417,7 @@ impl Shim {
             data_len,
             block_size: sizing.block_size,
             block_cuts,
+            saved_experts: self.config.saved_experts,
         };
         self.pager(&hint, &sizing)
     }

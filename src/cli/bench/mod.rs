@@ -201,6 +201,10 @@ fn measure_budget(
             out_dir,
             model: Some(args.model().to_path_buf()),
             launcher: std::env::current_exe()?,
+            // The bench removes the saved counts once, before its first pager run
+            // (`floors::forget_expert_counts`); later runs start from what earlier
+            // ones learned, as a user's second run would.
+            saved_experts: true,
         })
     };
     // The device's rate drifts over minutes, so each budget's floor uses the device as

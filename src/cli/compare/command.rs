@@ -36,6 +36,11 @@ pub struct CompareArgs {
     /// first *.gguf / *.safetensors argument).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Let pager runs start from the expert use earlier runs saved beside a mixture of
+    /// experts (and save their own). By default each pager run learns the routing from
+    /// its own tokens, as each kernel run starts with the page cache dropped.
+    #[arg(long)]
+    saved_experts: bool,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     program: Vec<OsString>,
@@ -93,6 +98,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
         out_dir: args.out.clone(),
         model: Some(model),
         launcher: std::env::current_exe().context("finding this executable for `run`")?,
+        saved_experts: args.saved_experts,
     };
     let progress = ProgressBar::new(2 * args.runs as u64);
     progress.set_style(

@@ -112,6 +112,10 @@ pub struct CompareConfig {
     pub model: Option<PathBuf>,
     /// The `hyperoffload` binary (for `run`).
     pub launcher: PathBuf,
+    /// Pager runs start from the expert use earlier runs saved beside the model and save
+    /// their own; otherwise each learns alone (`run --fresh-experts`), as each kernel
+    /// run starts with its page cache dropped.
+    pub saved_experts: bool,
 }
 
 /// Runs both sides `runs` times, alternately (kernel first), and writes `report.md`,
@@ -170,6 +174,7 @@ fn run_sides(
                 model,
                 out_dir: &config.out_dir,
                 launcher: &config.launcher,
+                saved_experts: config.saved_experts,
                 interrupted,
             };
             let record = run_once(&spec).map_err(|source| CompareError::Run {

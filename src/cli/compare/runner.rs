@@ -67,6 +67,8 @@ pub struct RunSpec<'a> {
     /// The `hyperoffload` binary, whose `run` subcommand starts a program under the
     /// shim.
     pub launcher: &'a Path,
+    /// Whether a pager run uses the expert use earlier runs saved (`CompareConfig`).
+    pub saved_experts: bool,
     /// Set by a signal handler: the run is stopped and cleaned up.
     pub interrupted: &'a AtomicBool,
 }

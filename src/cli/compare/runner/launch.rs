@@ -146,9 +146,11 @@ pub(super) fn program_command(spec: &RunSpec, files: &RunFiles) -> Result<Comman
                 .arg("--stats")
                 .arg(out(&files.stats))
                 .arg("--trace")
-                .arg(out(&files.pager_trace))
-                .arg("--")
-                .args(spec.program);
+                .arg(out(&files.pager_trace));
+            if !spec.saved_experts {
+                command.arg("--fresh-experts");
+            }
+            command.arg("--").args(spec.program);
             command
         }
     };
