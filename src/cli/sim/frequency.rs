@@ -1,10 +1,13 @@
 //! The offline frequency optimum: evict the block the whole sequence accesses least
-//! often. It knows how often each block is used, not when: when accesses are drawn
-//! independently (a router picking experts with fixed odds, token after token), keeping
-//! the most used blocks is the best any policy can do that does not know the future
-//! sequence itself, so this is the floor for learning how often experts are used, as
-//! Belady's is for knowing the whole sequence. Where accesses follow one another (a
-//! decoder's cyclic pass), order-aware policies beat it.
+//! often. It knows how often each block is used in the very sequence replayed, not
+//! when. When accesses are drawn independently with fixed odds (a router picking
+//! experts token after token), keeping the blocks of the highest odds is the best an
+//! online policy can do (the independent reference model's optimum, A0 of Aho, Denning
+//! and Ullman, 1971); these counts are the odds plus this one sample's fluctuations,
+//! which no online policy can know, so it reads less than that optimum, most where few
+//! blocks are left out (`MoeShape::resampled` estimates the odds from other tokens of
+//! the same router, and the MoE suite measures both). Where accesses follow one another
+//! (a decoder's cyclic pass), order-aware policies beat it.
 
 use std::collections::{BTreeSet, HashMap};
 

@@ -150,6 +150,29 @@ impl MoeShape {
     /// The blocks a program generating `tokens` tokens accesses through a region of the
     /// whole file in blocks of `block_size`, each token's experts drawn with `seed`.
     pub fn workload(&self, block_size: u64, tokens: u32, seed: u64) -> Workload {
+        self.generate(block_size, tokens, seed, None)
+    }
+
+    /// `tokens` other tokens of the router `workload(block_size, _, seed)` runs: the
+    /// same popularity per layer, the picks drawn afresh with `picks_seed`. On the
+    /// independent router, counted over many tokens, it is that popularity itself: what
+    /// the best online policy would keep if it knew it from the start (see
+    /// `sim::frequency`). The locality router's popularity drifts along another path,
+    /// so there it is no such reference.
+    #[cfg(test)]
+    pub fn resampled(&self, block_size: u64, tokens: u32, seed: u64, picks_seed: u64) -> Workload {
+        self.generate(block_size, tokens, seed, Some(picks_seed))
+    }
+
+    /// `workload`, the picks drawn with `picks_seed` if given, else with the generator
+    /// that drew the router's popularity.
+    fn generate(
+        &self,
+        block_size: u64,
+        tokens: u32,
+        seed: u64,
+        picks_seed: Option<u64>,
+    ) -> Workload {
         let tensors = self.tensors();
         // Cut at the experts' slices, as the pager cuts a GGUF (`model_block_cuts`): a
         // token that runs an expert reads its bytes, not its neighbours' in a shared
@@ -186,6 +209,7 @@ impl MoeShape {
             self.skew,
             &mut rng,
         );
+        let mut rng = picks_seed.map_or(rng, SmallRng::seed_from_u64);
         let embd = range_of("token_embd.weight");
         let row_bytes = Self::q8_0(1, self.n_embd);
         let mut accesses = Vec::new();
