@@ -15,13 +15,6 @@ bin="$(bash tools/build-llama.sh | tail -n 1)"
 cargo build --release --workspace
 
 size="${HYPEROFFLOAD_BENCH_MODEL_SIZE:-3G}"
-models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-model="$models/synth-llama-$size-q8_0.gguf"
-if [ ! -f "$model" ]; then
-  mkdir -p "$models"
-  target/release/hyperoffload synth --like "$small" --size "$size" --type Q8_0 \
-    --order file --force --out "$model.tmp"
-  mv "$model.tmp" "$model"
-fi
+model="$(bash tools/synth-dense.sh target/release/hyperoffload "$small" "$size" | tail -n 1)"
 exec target/release/hyperoffload bench --model "$model" --llama-bin "$bin" \
   --out "${HYPEROFFLOAD_BENCH_OUT:-bench}" "$@"

@@ -25,14 +25,7 @@ small="$(bash tools/fetch-model.sh | tail -n 1)"
 cargo build --release --quiet --workspace
 hyperoffload="$PWD/target/release/hyperoffload"
 
-models="${XDG_CACHE_HOME:-$HOME/.cache}/hyperoffload/models"
-model="$models/synth-llama-3G-q8_0.gguf"
-if [ ! -f "$model" ]; then
-  mkdir -p "$models"
-  "$hyperoffload" synth --like "$small" --size 3G --type Q8_0 --order file --force \
-    --out "$model.tmp"
-  mv "$model.tmp" "$model"
-fi
+model="$(bash tools/synth-dense.sh "$hyperoffload" "$small" | tail -n 1)"
 
 if [ -n "${DIR:-}" ]; then
   dir="$DIR"
