@@ -40,7 +40,6 @@ mod expert_use;
 mod idle_fill;
 mod prefetch;
 pub mod streaming;
-mod unplaced;
 mod use_mixture;
 
 pub use self::eviction::GraphEviction;
