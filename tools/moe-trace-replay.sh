@@ -42,9 +42,9 @@ for model in "$@"; do
   [ -f "$model" ] || { echo "no model at $model" >&2; exit 1; }
   trace="$out/$(basename "$model" .gguf)-c$ctx.csv"
   if [ ! -s "$trace" ] || [ "${RERECORD:-0}" = 1 ]; then
+    # No cache drop: the trace is the order the program touches blocks in, which the
+    # page cache does not change (the pager reads with O_DIRECT).
     rm -f "$trace" "$trace.events.jsonl"
-    sync
-    echo 3 >/proc/sys/vm/drop_caches
     echo "moe-trace-replay: recording $trace" >&2
     "$hyperoffload" run --policy demand --block 2M --budget 16M --trace "$trace" -- \
       "$bin/llama-perplexity" -m "$model" -f "$text" -c "$ctx" -b 1 -ub 1 --chunks 1 -t 2 \
