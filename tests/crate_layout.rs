@@ -99,6 +99,46 @@ fn no_source_file_is_longer_than_the_limit() {
     assert!(long.is_empty(), "over {MAX_SOURCE_LINES} lines: {long:?}");
 }
 
+/// The most lines a function may have (issue 44): past it a function does several
+/// things, each of which deserves a name. Test code is apart (`function_lengths`).
+const MAX_FUNCTION_LINES: usize = 80;
+
+#[test]
+fn no_function_is_longer_than_the_limit() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "pager/src", "preload/src", "benches"] {
+        source_files(&root.join(dir), &mut files);
+    }
+    let mut measured = 0;
+    let mut long = Vec::new();
+    for path in &files {
+        let source = std::fs::read_to_string(path).expect("read a source");
+        let lengths = function_lengths::function_lengths(&source)
+            .unwrap_or_else(|error| panic!("parse {}: {error}", path.display()));
+        measured += lengths.len();
+        long.extend(
+            lengths
+                .into_iter()
+                .filter(|f| f.lines > MAX_FUNCTION_LINES)
+                .map(|f| {
+                    format!(
+                        "{}:{} {} ({} lines)",
+                        path.display(),
+                        f.line,
+                        f.name,
+                        f.lines
+                    )
+                }),
+        );
+    }
+    assert!(measured > 1000, "found the functions: {measured}");
+    assert!(
+        long.is_empty(),
+        "over {MAX_FUNCTION_LINES} lines: {long:#?}"
+    );
+}
+
 #[test]
 fn none_of_our_crates_depends_on_nix_itself() {
     // The system calls go through rustix (pager/src/sys/); nix may come in only with
@@ -134,6 +174,8 @@ fn none_of_our_crates_depends_on_nix_itself() {
 
 #[path = "crate_layout/cycles.rs"]
 mod cycles;
+#[path = "crate_layout/function_lengths.rs"]
+mod function_lengths;
 #[path = "crate_layout/module_graph.rs"]
 mod module_graph;
 #[path = "crate_layout/source_text.rs"]

@@ -110,86 +110,96 @@ pub fn policies_by_name(
             followed_graph: None,
         });
     }
-    match model.map(model_graph) {
-        Some(Ok((graph, source))) => {
-            let followed_graph = (graph.source() == GraphSource::Learned)
-                .then(|| model.map(|hint| store::graph_path(hint.path)))
-                .flatten();
-            let blocks = graph.geometry().block_count();
-            let has_experts = !graph.experts().is_empty();
-            let prediction = GraphPrediction::new(Arc::new(graph));
-            let mut description = format!("graph ({source}, {blocks} blocks)");
-            if has_experts {
-                // A model is used more than once: what an earlier run learned of its
-                // routing ranks the experts from the first token.
-                let path = model
-                    .filter(|hint| hint.saved_experts)
-                    .map(|hint| hint.path);
-                match path.map(expert_store::load) {
-                    Some(Ok(LoadedCounts::Fresh { path, counts })) => {
-                        let matched = prediction.seed_expert_counts(&counts);
-                        description.push_str(&format!(
-                            "; use of {matched} experts from {}",
-                            path.display()
-                        ));
-                    }
-                    Some(Ok(LoadedCounts::Stale { path, reason })) => {
-                        description.push_str(&format!("; {} ignored: {reason}", path.display()))
-                    }
-                    Some(Err(error)) => {
-                        description.push_str(&format!("; saved expert use ignored: {error}"))
-                    }
-                    Some(Ok(LoadedCounts::Absent)) | None => {}
-                }
-            }
-            Ok(PolicyPair {
-                prefetch: prefetch.build_with(Some(&prediction)),
-                eviction: eviction.build_with(Some(&prediction)),
-                experts: has_experts.then(|| Arc::clone(&prediction)),
-                description,
-                // A run with a graph learns nothing: it prefetches, so only mispredicted
-                // blocks fault, and the transitions among those few are no access order.
-                // Saving them would replace the recording with a poorer graph, and the
-                // run after that would be nearly as bad as none. The recording is kept
-                // until the model changes (its key no longer matches) or the graph file
-                // is deleted, which makes the next run record again.
-                learn: None,
-                followed_graph,
-            })
+    Ok(match model.map(model_graph) {
+        Some(Ok((graph, source))) => graph_pair(prefetch, eviction, graph, source, model),
+        Some(Err(why)) => recording_pair(&why, model),
+        None => recording_pair("no model file", model),
+    })
+}
+
+/// The graph policies of `graph` (found by `source`), their experts seeded with what
+/// an earlier run of `model` learned of its routing.
+fn graph_pair(
+    prefetch: PrefetchKind,
+    eviction: EvictionKind,
+    graph: ModelGraph,
+    source: String,
+    model: Option<&ModelHint<'_>>,
+) -> PolicyPair {
+    let followed_graph = (graph.source() == GraphSource::Learned)
+        .then(|| model.map(|hint| store::graph_path(hint.path)))
+        .flatten();
+    let blocks = graph.geometry().block_count();
+    let has_experts = !graph.experts().is_empty();
+    let prediction = GraphPrediction::new(Arc::new(graph));
+    let mut description = format!("graph ({source}, {blocks} blocks)");
+    if has_experts {
+        description.push_str(&seed_saved_experts(&prediction, model));
+    }
+    PolicyPair {
+        prefetch: prefetch.build_with(Some(&prediction)),
+        eviction: eviction.build_with(Some(&prediction)),
+        experts: has_experts.then(|| Arc::clone(&prediction)),
+        description,
+        // A run with a graph learns nothing: it prefetches, so only mispredicted
+        // blocks fault, and the transitions among those few are no access order.
+        // Saving them would replace the recording with a poorer graph, and the
+        // run after that would be nearly as bad as none. The recording is kept
+        // until the model changes (its key no longer matches) or the graph file
+        // is deleted, which makes the next run record again.
+        learn: None,
+        followed_graph,
+    }
+}
+
+/// Seeds `prediction`'s experts with the use an earlier run of `model` saved, when the
+/// run allows it, and says what came of it (for the policies' description).
+fn seed_saved_experts(prediction: &GraphPrediction, model: Option<&ModelHint<'_>>) -> String {
+    // A model is used more than once: what an earlier run learned of its routing ranks
+    // the experts from the first token.
+    let path = model
+        .filter(|hint| hint.saved_experts)
+        .map(|hint| hint.path);
+    match path.map(expert_store::load) {
+        Some(Ok(LoadedCounts::Fresh { path, counts })) => {
+            let matched = prediction.seed_expert_counts(&counts);
+            format!("; use of {matched} experts from {}", path.display())
         }
-        failed => {
-            let why = match failed {
-                Some(Err(why)) => why,
-                _ => "no model file".to_string(),
-            };
-            // Nothing predicts this file yet: a recording run. Demand paging makes every
-            // block fault (once per pass under a budget smaller than the file), so the
-            // trace holds the whole access order to learn from; readahead would hide
-            // most of it.
-            let learn = model.and_then(|hint| hint.geometry().ok());
-            let (prefetch, eviction, what): (_, Box<dyn EvictionPolicy>, _) = match learn {
-                // Resident blocks are watched (with zero copy), so that every access is
-                // recorded, not only the misses.
-                Some(_) => (
-                    PrefetchKind::None,
-                    Box::new(RecordingEviction::default()),
-                    "demand paging, recording the access order to learn a graph",
-                ),
-                None => (
-                    PrefetchKind::Readahead,
-                    EvictionKind::Fifo.build(),
-                    "readahead",
-                ),
-            };
-            Ok(PolicyPair {
-                prefetch: prefetch.build(),
-                eviction,
-                description: format!("{what} (graph unavailable: {why})"),
-                learn,
-                experts: None,
-                followed_graph: None,
-            })
+        Some(Ok(LoadedCounts::Stale { path, reason })) => {
+            format!("; {} ignored: {reason}", path.display())
         }
+        Some(Err(error)) => format!("; saved expert use ignored: {error}"),
+        Some(Ok(LoadedCounts::Absent)) | None => String::new(),
+    }
+}
+
+/// The policies of a run whose model has no graph yet (`why`): a recording run.
+fn recording_pair(why: &str, model: Option<&ModelHint<'_>>) -> PolicyPair {
+    // Demand paging makes every block fault (once per pass under a budget smaller than
+    // the file), so the trace holds the whole access order to learn from; readahead
+    // would hide most of it.
+    let learn = model.and_then(|hint| hint.geometry().ok());
+    let (prefetch, eviction, what): (_, Box<dyn EvictionPolicy>, _) = match learn {
+        // Resident blocks are watched (with zero copy), so that every access is
+        // recorded, not only the misses.
+        Some(_) => (
+            PrefetchKind::None,
+            Box::new(RecordingEviction::default()),
+            "demand paging, recording the access order to learn a graph",
+        ),
+        None => (
+            PrefetchKind::Readahead,
+            EvictionKind::Fifo.build(),
+            "readahead",
+        ),
+    };
+    PolicyPair {
+        prefetch: prefetch.build(),
+        eviction,
+        description: format!("{what} (graph unavailable: {why})"),
+        learn,
+        experts: None,
+        followed_graph: None,
     }
 }
 

@@ -49,51 +49,23 @@ pub fn read_rate(
     landing_bytes: usize,
 ) -> Result<f64, DeviceError> {
     let name = || path.display().to_string();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(|source| DeviceError::Open {
-            path: name(),
-            source,
-        })?;
-    let len = file
-        .metadata()
-        .map_err(|source| DeviceError::Open {
-            path: name(),
-            source,
-        })?
-        .len();
+    let (file, len) = open_direct(path)?;
     let chunk = chunk.next_multiple_of(4096);
     let landings = (landing_bytes / chunk).max(depth as usize);
-    // Huge-page aligned, as the ring's own buffers and the pager's frames: a read into
-    // 4 KiB pages is split into many device segments.
-    let landing = BufferArena::new(landings, chunk).map_err(DeviceError::Memory)?;
-    // Faulted in before the clock starts, as the pager's frames are in steady state.
-    for index in 0..landings {
-        // SAFETY: buffer `index` is `chunk` bytes of the arena's own fresh mapping,
-        // which nothing else references.
-        unsafe { std::ptr::write_bytes(landing.ptr(index as u32), 0, chunk) };
-    }
-    // Which landings are taken; each read's tag is (file offset, landing).
-    let mut taken = vec![false; landings];
+    let landing = faulted_in_arena(landings, chunk)?;
+    let mut turns = LandingTurns::new(landings);
+    // Each read's tag is (file offset, landing).
     let mut ring: ReadRing<(u64, usize)> = ReadRing::new(depth, 4096)?;
     let started = Instant::now();
-    let (mut next, mut in_flight, mut turn) = (0u64, 0, 0usize);
+    let (mut next, mut in_flight) = (0u64, 0);
     let mut completions = Vec::new();
     loop {
         while next < len {
             let Some(slot) = ring.checkout() else { break };
-            // The next free landing in turn (completions may come out of order).
-            while taken[turn % landings] {
-                turn += 1;
-            }
-            let index = turn % landings;
-            turn += 1;
-            taken[index] = true;
+            let index = turns.take();
             let n = ((len - next) as usize).min(chunk).next_multiple_of(4096);
             // SAFETY: landing `index` is `chunk` bytes inside `landing` (n <= chunk),
-            // marked taken until this read's completion, so no other read lands there
+            // taken until this read's completion, so no other read lands there
             // meanwhile. The mapping outlives every read: the loop reaps them all
             // before it ends, and on an early error return the ring (declared later)
             // is closed first; a direct read pins the pages it lands in either way.
@@ -123,19 +95,78 @@ pub fn read_rate(
         for completion in completions.drain(..) {
             if let Completion::Read { slot, result } = completion {
                 let (offset, index) = ring.checkin(slot).unwrap_or_default();
-                taken[index] = false;
+                turns.free(index);
                 in_flight -= 1;
-                if let Err(error) = result {
-                    return Err(DeviceError::Read {
-                        path: name(),
-                        offset,
-                        error,
-                    });
-                }
+                result.map_err(|error| DeviceError::Read {
+                    path: name(),
+                    offset,
+                    error,
+                })?;
             }
         }
     }
     Ok(len as f64 / started.elapsed().as_secs_f64())
+}
+
+/// `path` opened for direct reads, and its length.
+fn open_direct(path: &Path) -> Result<(std::fs::File, u64), DeviceError> {
+    let open_error = |source| DeviceError::Open {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(open_error)?;
+    let len = file.metadata().map_err(open_error)?.len();
+    Ok((file, len))
+}
+
+/// `count` landings of `len` bytes, huge-page aligned as the ring's own buffers and the
+/// pager's frames (a read into 4 KiB pages is split into many device segments), and
+/// faulted in before the clock starts, as the pager's frames are in steady state.
+fn faulted_in_arena(count: usize, len: usize) -> Result<BufferArena, DeviceError> {
+    let arena = BufferArena::new(count, len).map_err(DeviceError::Memory)?;
+    for index in 0..count {
+        // SAFETY: buffer `index` is `len` bytes of the arena's own fresh mapping, which
+        // nothing else references.
+        unsafe { std::ptr::write_bytes(arena.ptr(index as u32), 0, len) };
+    }
+    Ok(arena)
+}
+
+/// Which landings are taken, handed out in turn so that reads land across all of them
+/// (completions may come out of order, so the next in turn may still be taken).
+struct LandingTurns {
+    taken: Vec<bool>,
+    turn: usize,
+}
+
+impl LandingTurns {
+    fn new(count: usize) -> Self {
+        LandingTurns {
+            taken: vec![false; count],
+            turn: 0,
+        }
+    }
+
+    /// The next free landing in turn, now taken. At least one must be free: there are
+    /// at least as many landings as reads in flight.
+    fn take(&mut self) -> usize {
+        let count = self.taken.len();
+        while self.taken[self.turn % count] {
+            self.turn += 1;
+        }
+        let index = self.turn % count;
+        self.turn += 1;
+        self.taken[index] = true;
+        index
+    }
+
+    fn free(&mut self, index: usize) {
+        self.taken[index] = false;
+    }
 }
 
 /// Drops clean pages from the page cache (root only); false if it could not.

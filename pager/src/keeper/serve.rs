@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use userfaultfd::{Event, EventBuffer, Uffd};
 
-use super::protocol::Message;
+use super::protocol::{Message, SessionId};
 use super::state::{Ending, HeldRegion, Keeper};
 use crate::hole_fill::{fill_holes, rewrite_chunk, FillSource, FILL_CHUNK};
 use crate::sys;
@@ -115,47 +115,16 @@ fn keep(socket: OwnedFd, ended: OwnedFd, report_tx: SyncSender<KeeperReport>) {
     let mut program_ended = false;
     let mut last_probe = Instant::now();
     loop {
-        let mut finished = Vec::new();
-        let mut readable = Vec::new();
-        {
-            let sessions: Vec<_> = keeper.pidfds().map(|(id, fd)| (id, fd.as_fd())).collect();
-            let mut fds = Vec::with_capacity(sessions.len() + orphans.len() + 2);
-            fds.push(PollFd::new(&ended, PollFlags::IN));
-            fds.push(PollFd::new(&socket, PollFlags::IN));
-            for (_, pidfd) in &sessions {
-                fds.push(PollFd::from_borrowed_fd(*pidfd, PollFlags::IN));
-            }
-            for orphan in &orphans {
-                fds.push(PollFd::from_borrowed_fd(orphan.uffd.as_fd(), PollFlags::IN));
-            }
-            if program_ended || !socket_open {
-                // Not watched any more (`PollFd` has no empty set: poll the eventfd
-                // twice instead).
-                fds[1] = PollFd::new(&ended, PollFlags::empty());
-            }
-            if program_ended {
-                fds[0] = PollFd::new(&ended, PollFlags::empty());
-            }
-            if let Err(error) = sys::files::poll(&mut fds, PROBE_EVERY) {
-                let text = format!("hyperoffload: the keeper cannot wait ({error})\n");
-                sys::files::write_stderr(text.as_bytes());
-                program_ended = true;
-            }
-            if !program_ended && !fds[0].revents().is_empty() {
-                program_ended = true;
-            }
-            for (index, (session, _)) in sessions.iter().enumerate() {
-                if !fds[2 + index].revents().is_empty() {
-                    finished.push(*session);
-                }
-            }
-            let first_orphan = 2 + sessions.len();
-            for index in 0..orphans.len() {
-                if !fds[first_orphan + index].revents().is_empty() {
-                    readable.push(index);
-                }
-            }
-        }
+        let ready = wait_ready(
+            &ended,
+            &socket,
+            &keeper,
+            &orphans,
+            socket_open,
+            program_ended,
+        );
+        program_ended |= ready.program_ended;
+        let (finished, readable) = (ready.finished_sessions, ready.readable_orphans);
         // Everything a service sent before its thread ended is queued by now: take it
         // all before deciding what that service's children need.
         if socket_open {
@@ -186,6 +155,71 @@ fn keep(socket: OwnedFd, ended: OwnedFd, report_tx: SyncSender<KeeperReport>) {
             }
         }
     }
+}
+
+/// What one wait of the keeper found ready.
+struct Ready {
+    /// Sessions whose service's process ended (their pidfd is readable).
+    finished_sessions: Vec<SessionId>,
+    /// Orphans (by index) whose userfaultfd has events.
+    readable_orphans: Vec<usize>,
+    /// The program ended (or the keeper cannot wait any more).
+    program_ended: bool,
+}
+
+/// Waits up to `PROBE_EVERY` for the program's end (`ended`), a message on `socket`
+/// (while `socket_open` and the program runs), a session's end, or an orphan's fault.
+fn wait_ready(
+    ended: &OwnedFd,
+    socket: &OwnedFd,
+    keeper: &Keeper<OwnedFd>,
+    orphans: &[Orphan],
+    socket_open: bool,
+    program_ended: bool,
+) -> Ready {
+    let sessions: Vec<_> = keeper.pidfds().map(|(id, fd)| (id, fd.as_fd())).collect();
+    let mut fds = Vec::with_capacity(sessions.len() + orphans.len() + 2);
+    fds.push(PollFd::new(ended, PollFlags::IN));
+    fds.push(PollFd::new(socket, PollFlags::IN));
+    for (_, pidfd) in &sessions {
+        fds.push(PollFd::from_borrowed_fd(*pidfd, PollFlags::IN));
+    }
+    for orphan in orphans {
+        fds.push(PollFd::from_borrowed_fd(orphan.uffd.as_fd(), PollFlags::IN));
+    }
+    if program_ended || !socket_open {
+        // Not watched any more (`PollFd` has no empty set: poll the eventfd twice
+        // instead).
+        fds[1] = PollFd::new(ended, PollFlags::empty());
+    }
+    if program_ended {
+        fds[0] = PollFd::new(ended, PollFlags::empty());
+    }
+    let mut ready = Ready {
+        finished_sessions: Vec::new(),
+        readable_orphans: Vec::new(),
+        program_ended: false,
+    };
+    if let Err(error) = sys::files::poll(&mut fds, PROBE_EVERY) {
+        let text = format!("hyperoffload: the keeper cannot wait ({error})\n");
+        sys::files::write_stderr(text.as_bytes());
+        ready.program_ended = true;
+    }
+    if !program_ended && !fds[0].revents().is_empty() {
+        ready.program_ended = true;
+    }
+    for (index, (session, _)) in sessions.iter().enumerate() {
+        if !fds[2 + index].revents().is_empty() {
+            ready.finished_sessions.push(*session);
+        }
+    }
+    let first_orphan = 2 + sessions.len();
+    for index in 0..orphans.len() {
+        if !fds[first_orphan + index].revents().is_empty() {
+            ready.readable_orphans.push(index);
+        }
+    }
+    ready
 }
 
 /// Takes every queued message; false once every sender is gone.
@@ -261,10 +295,50 @@ fn finish_session(ending: Ending<OwnedFd>, report: &mut KeeperReport) -> Vec<Orp
     }
     let outliving = live.iter().filter(|&&alive| alive).count() as u64;
     report.outliving_children += outliving;
+    fill_for_children(&ending, &to_fill, outliving, report);
+    let Ending {
+        regions, children, ..
+    } = ending;
+    let regions: Arc<Vec<HeldRegion<OwnedFd>>> = Arc::new(
+        regions
+            .into_iter()
+            .filter(|(id, _)| to_fill.contains(id))
+            .map(|(_, region)| region)
+            .collect(),
+    );
+    let mut orphans = Vec::new();
+    for (child, live) in children.into_iter().zip(live) {
+        if !live {
+            continue;
+        }
+        // SAFETY: the descriptor is a userfaultfd (a fork event's), owned here and
+        // handed whole to the `Uffd`, which closes it.
+        let uffd = unsafe { Uffd::from_raw_fd(child.uffd.into_raw_fd()) };
+        // Every fault that waited through the end of the service and the fill finds its
+        // page now.
+        for region in regions.iter() {
+            let _ = uffd.wake(region.base as *mut libc::c_void, region.shape_len as usize);
+        }
+        orphans.push(Orphan {
+            uffd,
+            regions: regions.clone(),
+        });
+    }
+    orphans
+}
+
+/// Fills regions `to_fill` of `ending` from their files for the `outliving` children
+/// that still map them, and says so (and what failed) on stderr.
+fn fill_for_children(
+    ending: &Ending<OwnedFd>,
+    to_fill: &[u32],
+    outliving: u64,
+    report: &mut KeeperReport,
+) {
     let mut buffer = vec![0u8; FILL_CHUNK as usize];
     let mut bytes = 0;
     let mut failures = Vec::new();
-    for id in &to_fill {
+    for id in to_fill {
         let region = &ending.regions[id];
         let filled = fill_holes(
             region.shape.as_fd(),
@@ -295,35 +369,6 @@ fn finish_session(ending: Ending<OwnedFd>, report: &mut KeeperReport) -> Vec<Orp
         }
         sys::files::write_stderr(text.as_bytes());
     }
-    let Ending {
-        regions, children, ..
-    } = ending;
-    let regions: Arc<Vec<HeldRegion<OwnedFd>>> = Arc::new(
-        regions
-            .into_iter()
-            .filter(|(id, _)| to_fill.contains(id))
-            .map(|(_, region)| region)
-            .collect(),
-    );
-    let mut orphans = Vec::new();
-    for (child, live) in children.into_iter().zip(live) {
-        if !live {
-            continue;
-        }
-        // SAFETY: the descriptor is a userfaultfd (a fork event's), owned here and
-        // handed whole to the `Uffd`, which closes it.
-        let uffd = unsafe { Uffd::from_raw_fd(child.uffd.into_raw_fd()) };
-        // Every fault that waited through the end of the service and the fill finds its
-        // page now.
-        for region in regions.iter() {
-            let _ = uffd.wake(region.base as *mut libc::c_void, region.shape_len as usize);
-        }
-        orphans.push(Orphan {
-            uffd,
-            regions: regions.clone(),
-        });
-    }
-    orphans
 }
 
 fn source(region: &HeldRegion<OwnedFd>) -> FillSource<'_> {

@@ -12,7 +12,7 @@ use super::page_tables::{continue_mapped, discard_pages, map_frame, page_present
 use super::watch::Watch;
 use super::{FaultService, ServiceError};
 use crate::layout::Location;
-use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, Urgency};
+use crate::policy::{BlockRef, FaultEvent, FaultOutcome, PrefetchRequest, RegionId, Urgency};
 use crate::uffd_ext;
 
 /// Most prefetch requests held waiting for a free read slot.
@@ -110,20 +110,7 @@ impl FaultService {
         let page = self.page();
         let page_addr = addr & !(page - 1);
         let Some((id, offset)) = self.locator.lookup(addr) else {
-            if let Source::Guest(guest) = source {
-                // Checked when the message came: not reached. Told to look for itself.
-                self.answer_guest_at(guest, page_addr, true);
-                return None;
-            }
-            if let Source::Child(child) = source {
-                // The program unmapped the region the child still maps: nothing is
-                // served there any more.
-                self.orphaned_child_fault(child, page_addr);
-                return None;
-            }
-            // A range being unmapped: its owner is waiting for us to let go. Waking is
-            // harmless; the thread retries against whatever is mapped there now.
-            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
+            self.answer_outside_regions(source, page_addr);
             return None;
         };
         if let Source::Child(child) = source {
@@ -154,36 +141,14 @@ impl FaultService {
         }
         let page_offset = offset & !(page as u64 - 1);
         let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
-        if let (Source::Guest(guest), true) = (
-            source,
-            in_a_hole || region.state(index) == BlockState::Unmapped,
-        ) {
-            // The program unmapped this page: the guest reads it into the memfd itself
-            // (it checks the page on `Ready`).
-            self.answer_guest(guest, id.0, page_offset, true);
-            return None;
-        }
-        if let (Source::Child(child), true) = (source, in_a_hole) {
-            // The program unmapped this page after the fork: installs go through its
-            // mapping and would never reach the child's (the child would fault again
-            // and again). The page is written into the file instead.
-            self.fill_page_for_child(child, id, page_offset, page_addr);
-            return None;
-        }
-        if region.state(index) == BlockState::Unmapped {
-            if let Source::Child(child) = source {
-                self.fill_page_for_child(child, id, page_offset, page_addr);
-                return None;
-            }
-            // The program is unmapping it: the service has been told, the kernel's
-            // munmap follows. (A region of ours mapped there since is newer, and
-            // `lookup` answers with it.) Woken, the thread faults again until the range
-            // is gone, then as without a pager: SIGSEGV. Not a model access: the
-            // policies do not hear of it.
-            let _ = self.uffd.wake(page_addr as *mut libc::c_void, page);
-            return None;
-        }
+        let unmapped = region.state(index) == BlockState::Unmapped;
         let block_start = region.layout.geometry.block_start(index);
+        // The program's own faults in a hole are served: its mapping there is ours
+        // until the unmap reaches the service.
+        if unmapped || (in_a_hole && source != Source::Parent) {
+            self.answer_unmapped_page(source, id, page_offset, page_addr);
+            return None;
+        }
         if let Source::Child(_) = source {
             self.stats.child_faults += 1;
         }
@@ -198,6 +163,50 @@ impl FaultService {
                 offset_in_block: (offset - block_start) as u32,
             },
         })
+    }
+
+    /// Answers a fault at `page_addr` where no live region is.
+    fn answer_outside_regions(&mut self, source: Source, page_addr: usize) {
+        match source {
+            // Checked when the message came: not reached. Told to look for itself.
+            Source::Guest(guest) => self.answer_guest_at(guest, page_addr, true),
+            // The program unmapped the region the child still maps: nothing is served
+            // there any more.
+            Source::Child(child) => self.orphaned_child_fault(child, page_addr),
+            // A range being unmapped: its owner is waiting for us to let go. Waking is
+            // harmless; the thread retries against whatever is mapped there now.
+            Source::Parent => {
+                let _ = self.uffd.wake(page_addr as *mut libc::c_void, self.page());
+            }
+        }
+    }
+
+    /// Answers a fault on a page of region `id` that the program unmapped: a child's or
+    /// a guest's inside a hole cut in the region, or anyone's on a block being unmapped.
+    fn answer_unmapped_page(
+        &mut self,
+        source: Source,
+        id: RegionId,
+        page_offset: u64,
+        page_addr: usize,
+    ) {
+        match source {
+            // The guest reads the page into the memfd itself (it checks the page on
+            // `Ready`).
+            Source::Guest(guest) => self.answer_guest(guest, id.0, page_offset, true),
+            // Installs go through the program's mapping and would never reach the
+            // child's (the child would fault again and again): the page is written into
+            // the file instead.
+            Source::Child(child) => self.fill_page_for_child(child, id, page_offset, page_addr),
+            // The program is unmapping the block: the service has been told, the
+            // kernel's munmap follows. (A region of ours mapped there since is newer,
+            // and `lookup` answers with it.) Woken, the thread faults again until the
+            // range is gone, then as without a pager: SIGSEGV. Not a model access: the
+            // policies do not hear of it.
+            Source::Parent => {
+                let _ = self.uffd.wake(page_addr as *mut libc::c_void, self.page());
+            }
+        }
     }
 
     /// Serves a fault on a block: by its state, maps, wakes, waits on a read or queues
@@ -267,45 +276,7 @@ impl FaultService {
             ..fault.waiter
         };
         let outcome = match region.state(block.index) {
-            BlockState::Resident => {
-                if let Some(store) = &self.store {
-                    // The install raced with the fault, the block is watched, or the
-                    // program dropped the pages of the frame's mapping (a minor fault):
-                    // map the frame again.
-                    map_frame(&self.uffd, store, region, block.index)?;
-                    let watched = &mut region.watched[block.index as usize];
-                    return Ok((FaultOutcome::Resident, std::mem::take(watched)));
-                }
-                // The fault raced with the install that already woke it (or, in a
-                // forked child, the install woke the program's threads only); read in
-                // place, the block is in the file but not yet in this process's page
-                // tables (a minor fault).
-                let page = self.config.page_size as usize;
-                let in_place = region.minor;
-                let memory = region.layout.block_memory(block.index);
-                if let Source::Guest(guest) = fault.source {
-                    self.answer_guest_at(guest, fault.page_addr, true);
-                } else if in_place && fault.source == Source::Parent {
-                    let region = self
-                        .regions
-                        .get_mut(&block.region)
-                        .expect("located in a live region");
-                    continue_mapped(&self.uffd, region, memory, page);
-                    // Watched since the first fork made the region file-shaped.
-                    let watched = region.watched.get_mut(block.index as usize);
-                    return Ok((FaultOutcome::Resident, watched.is_some_and(std::mem::take)));
-                } else if in_place {
-                    // A child: its mapping is the program's as it was at the fork.
-                    let (base, uffd) = (region.base, self.uffd_of(fault.source));
-                    let (start, len) = (base + memory.start as usize, memory.end - memory.start);
-                    uffd_ext::continue_or_wake(uffd.as_fd(), start, len as usize, page);
-                } else {
-                    let _ = self
-                        .uffd_of(fault.source)
-                        .wake(fault.page_addr as *mut libc::c_void, page);
-                }
-                FaultOutcome::Resident
-            }
+            BlockState::Resident => return self.fault_on_resident(fault),
             BlockState::Reading => FaultOutcome::InFlight,
             BlockState::Queued => {
                 // Whatever queue it is in, it is now needed: serve it first.
@@ -318,12 +289,7 @@ impl FaultService {
                     .entry(block)
                     .or_default()
                     .push(waiter(FaultOutcome::Staged));
-                if fault.source != Source::Parent {
-                    let base = self.regions[&block.region].base;
-                    let offset = (fault.page_addr - base) as u64;
-                    self.children
-                        .wait(fault.source, block, fault.page_addr, offset);
-                }
+                self.wait_as_child(&fault);
                 self.install_staged(block, place)?;
                 return Ok((FaultOutcome::Staged, false));
             }
@@ -334,18 +300,66 @@ impl FaultService {
             }
             BlockState::Unmapped => unreachable!("answered by locate_fault"),
         };
-        if outcome != FaultOutcome::Resident {
-            self.waiters.entry(block).or_default().push(waiter(outcome));
-            if fault.source != Source::Parent {
-                // Installs wake the program's threads; a child's are woken (a guest's
-                // answered) once the block settles (`settle_children`).
-                let base = self.regions[&block.region].base;
-                let offset = (fault.page_addr - base) as u64;
-                self.children
-                    .wait(fault.source, block, fault.page_addr, offset);
-            }
-        }
+        self.waiters.entry(block).or_default().push(waiter(outcome));
+        self.wait_as_child(&fault);
         Ok((outcome, false))
+    }
+
+    /// Installs wake the program's threads; a child's are woken (a guest's answered)
+    /// once the block settles (`settle_children`), which this records.
+    fn wait_as_child(&mut self, fault: &BlockFault) {
+        if fault.source != Source::Parent {
+            let base = self.regions[&fault.block.region].base;
+            let offset = (fault.page_addr - base) as u64;
+            self.children
+                .wait(fault.source, fault.block, fault.page_addr, offset);
+        }
+    }
+
+    /// A fault on a resident block, answered: its frame mapped again, its page
+    /// continued from the file, or its thread woken. Whether it was the first access
+    /// to a watched block.
+    fn fault_on_resident(
+        &mut self,
+        fault: BlockFault,
+    ) -> Result<(FaultOutcome, bool), ServiceError> {
+        let block = fault.block;
+        let region = self
+            .regions
+            .get_mut(&block.region)
+            .expect("located in a live region");
+        if let Some(store) = &self.store {
+            // The install raced with the fault, the block is watched, or the program
+            // dropped the pages of the frame's mapping (a minor fault): map the frame
+            // again.
+            map_frame(&self.uffd, store, region, block.index)?;
+            let watched = &mut region.watched[block.index as usize];
+            return Ok((FaultOutcome::Resident, std::mem::take(watched)));
+        }
+        // The fault raced with the install that already woke it (or, in a forked child,
+        // the install woke the program's threads only); read in place, the block is in
+        // the file but not yet in this process's page tables (a minor fault).
+        let page = self.config.page_size as usize;
+        let in_place = region.minor;
+        let memory = region.layout.block_memory(block.index);
+        if let Source::Guest(guest) = fault.source {
+            self.answer_guest_at(guest, fault.page_addr, true);
+        } else if in_place && fault.source == Source::Parent {
+            continue_mapped(&self.uffd, region, memory, page);
+            // Watched since the first fork made the region file-shaped.
+            let watched = region.watched.get_mut(block.index as usize);
+            return Ok((FaultOutcome::Resident, watched.is_some_and(std::mem::take)));
+        } else if in_place {
+            // A child: its mapping is the program's as it was at the fork.
+            let (base, uffd) = (region.base, self.uffd_of(fault.source));
+            let (start, len) = (base + memory.start as usize, memory.end - memory.start);
+            uffd_ext::continue_or_wake(uffd.as_fd(), start, len as usize, page);
+        } else {
+            let _ = self
+                .uffd_of(fault.source)
+                .wake(fault.page_addr as *mut libc::c_void, page);
+        }
+        Ok((FaultOutcome::Resident, false))
     }
 
     /// Tells the policies of an access: eviction learns, prefetch plans, and (with zero

@@ -320,46 +320,15 @@ impl Shim {
                 self.say(&warning.to_string());
             }
         }
-        let built = policies_by_name(&self.config.policy, Some(first))
-            .map_err(|error| error.to_string())
-            .and_then(|policies| {
-                let mut builder = Pager::builder()
-                    .budget(budget)
-                    .block_size(first.block_size)
-                    .zero_copy(self.config.zero_copy)
-                    .serve_forks(self.config.serve_forks)
-                    .serve_forks_at_fork(self.config.serve_forks_at_fork)
-                    .prefetch(policies.prefetch)
-                    .eviction(policies.eviction);
-                if let Some(threads) = self.config.install_threads {
-                    builder = builder.install_threads(threads);
-                }
-                if let Some(socket) = self.keeper_socket() {
-                    builder = builder.keeper(socket);
-                }
-                if let Some(dir) = &self.config.share_dir {
-                    builder = builder.share_dir(dir.clone());
-                }
-                if self.config.budget == BudgetSpec::Auto {
-                    // The budget follows pressure (see `state::start_following`), up to
-                    // this.
-                    let ceiling = self
-                        .config
-                        .auto_ceiling(budget, hyperoffload::sys::memory::physical_ram());
-                    builder = builder.max_budget(ceiling);
-                }
-                if self.config.trace_path.is_some() || policies.learn.is_some() {
-                    builder = builder.trace(TRACE_LIMIT);
-                }
-                let (learn, experts) = (policies.learn, policies.experts);
-                let followed = policies.followed_graph;
-                builder
-                    .build()
-                    .map(|pager| (pager, policies.description, learn, experts, followed))
-                    .map_err(|error| error.to_string())
-            });
+        let built = self.build_pager(first, budget);
         match built {
-            Ok((pager, policy, learn, experts, followed)) => {
+            Ok(BuiltPager {
+                pager,
+                policy,
+                learn,
+                experts,
+                followed,
+            }) => {
                 *lock(&self.followed_graph) = followed;
                 *slot = PagerSlot::Running(pager.clone());
                 *lock(&self.policy_in_use) = policy.clone();
@@ -384,6 +353,48 @@ impl Shim {
                 None
             }
         }
+    }
+
+    /// A pager of `budget` with the policies the configuration names, for the model
+    /// `first` was mapped from.
+    fn build_pager(&self, first: &ModelHint<'_>, budget: u64) -> Result<BuiltPager, String> {
+        let policies = policies_by_name(&self.config.policy, Some(first))
+            .map_err(|error| error.to_string())?;
+        let mut builder = Pager::builder()
+            .budget(budget)
+            .block_size(first.block_size)
+            .zero_copy(self.config.zero_copy)
+            .serve_forks(self.config.serve_forks)
+            .serve_forks_at_fork(self.config.serve_forks_at_fork)
+            .prefetch(policies.prefetch)
+            .eviction(policies.eviction);
+        if let Some(threads) = self.config.install_threads {
+            builder = builder.install_threads(threads);
+        }
+        if let Some(socket) = self.keeper_socket() {
+            builder = builder.keeper(socket);
+        }
+        if let Some(dir) = &self.config.share_dir {
+            builder = builder.share_dir(dir.clone());
+        }
+        if self.config.budget == BudgetSpec::Auto {
+            // The budget follows pressure (see `state::start_following`), up to this.
+            let ceiling = self
+                .config
+                .auto_ceiling(budget, hyperoffload::sys::memory::physical_ram());
+            builder = builder.max_budget(ceiling);
+        }
+        if self.config.trace_path.is_some() || policies.learn.is_some() {
+            builder = builder.trace(TRACE_LIMIT);
+        }
+        let pager = builder.build().map_err(|error| error.to_string())?;
+        Ok(BuiltPager {
+            pager,
+            policy: policies.description,
+            learn: policies.learn,
+            experts: policies.experts,
+            followed: policies.followed_graph,
+        })
     }
 
     /// The pager, to map `data_len` bytes at `offset` of `file` (blocks cut at
@@ -459,4 +470,17 @@ impl Shim {
         drop(state);
         let _ = managed.region.prefetch(grant.read);
     }
+}
+
+/// A pager just built, and what its policies said of themselves.
+struct BuiltPager {
+    pager: Pager,
+    /// The policies' description, for people.
+    policy: String,
+    /// The geometry of the model to learn a graph for, if this run records one.
+    learn: Option<hyperoffload::geometry::BlockGeometry>,
+    /// The mixture of experts whose routing this run learns, if it is one.
+    experts: Option<Arc<GraphPrediction>>,
+    /// The learned graph the run follows, if it follows one.
+    followed: Option<PathBuf>,
 }

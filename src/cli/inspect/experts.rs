@@ -136,17 +136,6 @@ pub(super) fn print_experts(
         slices.iter().copied().min().unwrap_or(0),
         slices.iter().copied().max().unwrap_or(0),
     );
-    let geometry = graph.geometry();
-    let block = geometry.block_size;
-    // What a miss on a slice reads: the blocks holding any of it.
-    let worst_read = groups
-        .iter()
-        .flat_map(|g| g.bytes.iter())
-        .map(|slice| {
-            let read = geometry.data_range(geometry.blocks_overlapping(slice.clone()));
-            (read.end - read.start) as f64 / (slice.end - slice.start).max(1) as f64
-        })
-        .fold(0.0, f64::max);
     let used = experts.prior_use();
     let per_token = weights.saturating_sub(expert_bytes) as f64 + expert_bytes as f64 * used;
     println!("\n## experts\n");
@@ -177,6 +166,25 @@ pub(super) fn print_experts(
             names.join(", ")
         );
     }
+    print_slices(graph, (smallest, largest), per_token, weights);
+}
+
+/// An expert slice's size against the blocks, what one token reads (`per_token` bytes
+/// of `weights`), and how the blocks are cut.
+fn print_slices(graph: &ModelGraph, (smallest, largest): (u64, u64), per_token: f64, weights: u64) {
+    let geometry = graph.geometry();
+    let block = geometry.block_size;
+    // What a miss on a slice reads: the blocks holding any of it.
+    let worst_read = graph
+        .experts()
+        .groups()
+        .iter()
+        .flat_map(|g| g.bytes.iter())
+        .map(|slice| {
+            let read = geometry.data_range(geometry.blocks_overlapping(slice.clone()));
+            (read.end - read.start) as f64 / (slice.end - slice.start).max(1) as f64
+        })
+        .fold(0.0, f64::max);
     println!(
         "an expert's slice is {} to {} ({:.2} to {:.2} blocks of {}); one token reads about {} \
          ({:.1} % of the weights): the tensors every token reads and its experts",

@@ -73,16 +73,27 @@ impl FaultService {
     /// Issues queued reads: demand first, then prefetch, within the budget and the
     /// queue depth. Prefetch leaves a quarter of the slots for demand reads.
     pub(super) fn pump(&mut self) -> Result<(), ServiceError> {
+        self.pump_demand()?;
+        self.pump_prefetch()?;
+        self.pump_idle_fill()
+    }
+
+    /// Whether `block` still waits in a queue (its region removed or it read since: stale).
+    fn still_queued(&self, block: BlockRef) -> bool {
+        self.regions.get(&block.region).is_some_and(|region| {
+            !region.removed && region.state(block.index) == BlockState::Queued
+        })
+    }
+
+    /// Reads the blocks threads wait on, one block a read, while the ring has slots,
+    /// the frame store frames and the budget room.
+    fn pump_demand(&mut self) -> Result<(), ServiceError> {
         while let Some(&block) = self.demand.front() {
-            let Some(region) = self.regions.get(&block.region) else {
-                self.demand.pop_front();
-                continue;
-            };
-            if region.removed || region.state(block.index) != BlockState::Queued {
+            if !self.still_queued(block) {
                 self.demand.pop_front();
                 continue;
             }
-            let bytes = region.layout.block_bytes(block.index);
+            let bytes = self.regions[&block.region].layout.block_bytes(block.index);
             if !self.ring.has_free_slot() || !self.frame_free(bytes) {
                 break;
             }
@@ -96,6 +107,12 @@ impl FaultService {
             self.demand.pop_front();
             self.start_read(slot, block, 1, bytes, Install::Eager, false)?;
         }
+        Ok(())
+    }
+
+    /// Reads the prefetch queue's requests, neighbours merged into reads of up to
+    /// `max_read`, while the device takes more prefetch and the budget makes room.
+    fn pump_prefetch(&mut self) -> Result<(), ServiceError> {
         let max_blocks = (self.config.max_read / self.config.block_size) as u32;
         let device_limit = self.prefetch.device_bytes().unwrap_or(u64::MAX);
         let mut refused_in_a_row = 0;
@@ -107,15 +124,11 @@ impl FaultService {
             let Some(&first) = self.prefetch_queue.front() else {
                 break;
             };
-            let Some(region) = self.regions.get(&first.block.region) else {
-                self.prefetch_queue.pop_front();
-                continue;
-            };
-            if region.removed || region.state(first.block.index) != BlockState::Queued {
+            if !self.still_queued(first.block) {
                 self.prefetch_queue.pop_front();
                 continue;
             }
-            let install = first.install;
+            let region = &self.regions[&first.block.region];
             let count = merged_count(
                 &first,
                 self.prefetch_queue.iter().skip(1),
@@ -157,10 +170,10 @@ impl FaultService {
             for _ in 0..count {
                 self.prefetch_queue.pop_front();
             }
-            self.start_read(slot, first.block, count, bytes, install, true)?;
+            self.start_read(slot, first.block, count, bytes, first.install, true)?;
             self.stats.blocks_prefetched += count as u64;
         }
-        self.pump_idle_fill()
+        Ok(())
     }
 
     /// Reads idle-fill blocks (`Urgency::IdleFill`) while nothing the program needs is
@@ -169,11 +182,7 @@ impl FaultService {
     /// queue is dropped: its blocks are missing again and the policy asks anew.
     fn pump_idle_fill(&mut self) -> Result<(), ServiceError> {
         while let Some(&block) = self.idle_fill.front() {
-            let Some(region) = self.regions.get(&block.region) else {
-                self.idle_fill.pop_front();
-                continue;
-            };
-            if region.removed || region.state(block.index) != BlockState::Queued {
+            if !self.still_queued(block) {
                 self.idle_fill.pop_front();
                 continue;
             }
@@ -184,7 +193,7 @@ impl FaultService {
             if !device_idle || !self.ring.has_free_slot() {
                 break;
             }
-            let bytes = region.layout.block_bytes(block.index);
+            let bytes = self.regions[&block.region].layout.block_bytes(block.index);
             if self.budget.shortfall(bytes) > 0 || !self.frame_free(bytes) {
                 for block in std::mem::take(&mut self.idle_fill) {
                     self.cancel_request(block);

@@ -76,34 +76,7 @@ pub(super) fn tensors_in_exec_order(
     let mut add = |name: String, role: &str, layer: u32, ggml_type: GgmlType| {
         let dims = shape.dims(role).unwrap_or_default();
         let locality = context.and_then(|context| router::fill_for(role, layer, &context));
-        let what = if let Some(what) = locality {
-            what
-        } else if role.contains("norm") || role.starts_with("rope_freqs") {
-            Fill::Constant(1.0)
-        } else if role == "attn_sinks.weight" {
-            // A sink logit of 0: the softmax's denominator gains exp(0), as an extra
-            // key with a score of 0 would give.
-            Fill::Constant(0.0)
-        } else if role == "ffn_gate_inp.weight" {
-            Fill::Router {
-                std: 1.0 / (shape.n_embd.max(1) as f32).sqrt(),
-                skew: moe.map_or(0.0, |moe| moe.skew),
-                affinity: moe.map_or(0.0, |moe| moe.affinity),
-                layer,
-                row_len: shape.n_embd,
-            }
-        } else if role == "token_embd.weight" && moe.is_some_and(|moe| moe.affinity > 0.0) {
-            Fill::Weight {
-                std: AFFINE_EMBEDDING_STD,
-            }
-        } else if role.ends_with(".bias") {
-            Fill::Weight { std: 0.01 }
-        } else {
-            // Unit-variance outputs from unit-variance inputs.
-            Fill::Weight {
-                std: 1.0 / (dims.first().copied().unwrap_or(1).max(1) as f32).sqrt(),
-            }
-        };
+        let what = locality.unwrap_or_else(|| plain_fill(role, layer, &dims, shape, moe));
         fills.insert(name.clone(), what);
         tensors.push(NewTensor {
             name,
@@ -153,4 +126,41 @@ pub(super) fn tensors_in_exec_order(
     }
 
     (tensors, fills)
+}
+
+/// How a tensor of `role` in layer `layer`, of `dims`, is filled where no locality
+/// router's attention says otherwise.
+fn plain_fill(
+    role: &str,
+    layer: u32,
+    dims: &[u64],
+    shape: &LlamaShape,
+    moe: Option<MoeSpec>,
+) -> Fill {
+    if role.contains("norm") || role.starts_with("rope_freqs") {
+        Fill::Constant(1.0)
+    } else if role == "attn_sinks.weight" {
+        // A sink logit of 0: the softmax's denominator gains exp(0), as an extra key
+        // with a score of 0 would give.
+        Fill::Constant(0.0)
+    } else if role == "ffn_gate_inp.weight" {
+        Fill::Router {
+            std: 1.0 / (shape.n_embd.max(1) as f32).sqrt(),
+            skew: moe.map_or(0.0, |moe| moe.skew),
+            affinity: moe.map_or(0.0, |moe| moe.affinity),
+            layer,
+            row_len: shape.n_embd,
+        }
+    } else if role == "token_embd.weight" && moe.is_some_and(|moe| moe.affinity > 0.0) {
+        Fill::Weight {
+            std: AFFINE_EMBEDDING_STD,
+        }
+    } else if role.ends_with(".bias") {
+        Fill::Weight { std: 0.01 }
+    } else {
+        // Unit-variance outputs from unit-variance inputs.
+        Fill::Weight {
+            std: 1.0 / (dims.first().copied().unwrap_or(1).max(1) as f32).sqrt(),
+        }
+    }
 }
