@@ -204,8 +204,9 @@ const KNOWN_CYCLES: &[(&str, &str)] = &[
         "synth/mod.rs defines the SynthError its parts return and offers their types",
     ),
     (
-        "[crate] {pager, pager::builder, pager::map_extent, pager::region}",
-        "pager/mod.rs's Pager is what builder makes and map_extent and region extend",
+        "[crate] {pager, pager::builder, pager::map_extent, pager::region, pager::uffd}",
+        "pager/mod.rs's Pager is what builder makes and map_extent and region extend; \
+         uffd's refusals are its PagerError",
     ),
     (
         "[crate] {policy, policy::fifo, policy::graph, policy::graph::eviction, \
@@ -215,7 +216,7 @@ const KNOWN_CYCLES: &[(&str, &str)] = &[
     ),
     (
         "[crate] {service, service::children, service::injection, service::install_pool, \
-         service::page_tables, service::reads, service::reads::tag, service::sharing, service::staging}",
+         service::page_tables, service::reads, service::reads::tag, service::staging}",
         "service/mod.rs's FaultService has its methods in its parts, and holds their state",
     ),
     (

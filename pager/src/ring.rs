@@ -1,6 +1,6 @@
 //! io_uring for the fault service: reads into buffers the ring owns, and polls that wake
-//! the service when a uffd event or a command arrives. The one place that submits
-//! io_uring entries.
+//! the service when a uffd event or a command arrives. `driver` is the one place that
+//! submits io_uring entries; unit tests put a scripted stand-in there (`scripted`).
 //!
 //! As in tokio-uring, the ring owns every buffer it reads into (a slab keyed by
 //! `user_data`, `slots`), and each slot's state says who may touch its buffer: nobody
@@ -11,32 +11,14 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
-use thiserror::Error;
-
+mod driver;
+#[cfg(test)]
+pub(crate) mod scripted;
 mod slots;
 
+pub use driver::RingError;
+use driver::{Driver, Posted, Request};
 use slots::ReadSlots;
-
-/// Why the service cannot use io_uring.
-#[derive(Debug, Error)]
-pub enum RingError {
-    #[error(
-        "io_uring is not permitted ({source}); check sysctl kernel.io_uring_disabled \
-         (0 allows it for everyone, 1 for members of kernel.io_uring_group, 2 for no one)"
-    )]
-    NotPermitted { source: io::Error },
-    #[error("io_uring is not available in this kernel ({source})")]
-    Unsupported { source: io::Error },
-    #[error("cannot create an io_uring with {entries} entries: {source} (RLIMIT_MEMLOCK too low on an old kernel?)")]
-    Setup { entries: u32, source: io::Error },
-    #[error("this kernel's io_uring lacks {0}")]
-    MissingOpcode(&'static str),
-    #[error("cannot allocate {bytes} bytes of read buffers: {source}")]
-    Buffers { bytes: usize, source: io::Error },
-    #[error("io_uring submit failed: {0}")]
-    Submit(io::Error),
-}
 
 /// The read buffers: one anonymous mapping, aligned to and advised for transparent huge
 /// pages.
@@ -150,7 +132,9 @@ pub struct Landing {
 
 /// The ring, its read buffers and what each one is doing.
 pub struct ReadRing<Tag> {
-    ring: IoUring,
+    /// Who carries out the reads and polls: io_uring (a scripted stand-in in unit
+    /// tests).
+    driver: Driver,
     buffers: BufferArena,
     /// What each buffer is doing (one slot per buffer).
     slots: ReadSlots<Tag>,
@@ -161,42 +145,22 @@ impl<Tag> ReadRing<Tag> {
     /// A ring with room for `max_reads` reads of up to `buffer_len` bytes in flight.
     pub fn new(max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
         let entries = (max_reads + 8).next_power_of_two();
-        // Cooperative task running: a completion (or a poll readiness) is not signalled
-        // to the service thread with an inter-processor interrupt while it runs; it is
-        // processed at its next system call, which the service makes constantly, or
-        // when the taskrun flag tells a polling loop to enter. A sleeping service is
-        // still woken.
-        // Kernels before 5.19 refuse the flags (EINVAL): run without them there.
-        let build = |cooperative: bool| {
-            let mut builder = IoUring::builder();
-            builder.setup_cqsize(entries * 2);
-            if cooperative {
-                builder.setup_coop_taskrun().setup_taskrun_flag();
-            }
-            builder.build(entries)
-        };
-        let ring = build(true)
-            .or_else(|error| match error.raw_os_error() {
-                Some(libc::EINVAL) => build(false),
-                _ => Err(error),
-            })
-            .map_err(|source| match source.raw_os_error() {
-                Some(libc::EPERM) => RingError::NotPermitted { source },
-                Some(libc::ENOSYS) => RingError::Unsupported { source },
-                _ => RingError::Setup { entries, source },
-            })?;
-        let mut probe = Probe::new();
-        ring.submitter()
-            .register_probe(&mut probe)
-            .map_err(|source| RingError::Unsupported { source })?;
-        for (code, name) in [
-            (opcode::Read::CODE, "IORING_OP_READ"),
-            (opcode::PollAdd::CODE, "IORING_OP_POLL_ADD"),
-        ] {
-            if !probe.is_supported(code) {
-                return Err(RingError::MissingOpcode(name));
-            }
-        }
+        Self::on(Driver::uring(entries)?, max_reads, buffer_len)
+    }
+
+    /// A ring whose reads and polls a script carries out (`scripted`), for unit tests
+    /// of what uses it.
+    #[cfg(test)]
+    pub(crate) fn scripted(
+        max_reads: u32,
+        buffer_len: usize,
+        script: scripted::ReadScript,
+    ) -> Result<Self, RingError> {
+        let driver = Driver::Scripted(scripted::ScriptedDriver::new(script));
+        Self::on(driver, max_reads, buffer_len)
+    }
+
+    fn on(driver: Driver, max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
         let buffers = BufferArena::new(max_reads as usize, buffer_len).map_err(|source| {
             RingError::Buffers {
                 bytes: max_reads as usize * buffer_len,
@@ -204,7 +168,7 @@ impl<Tag> ReadRing<Tag> {
             }
         })?;
         Ok(Self {
-            ring,
+            driver,
             buffers,
             slots: ReadSlots::new(max_reads),
             buffer_len,
@@ -308,48 +272,40 @@ impl<Tag> ReadRing<Tag> {
         landing: Landing,
         tag: Tag,
     ) -> Result<(), RingError> {
-        let mut entry = opcode::Read::new(types::Fd(fd), landing.dest, landing.len as u32)
-            .offset(offset)
-            .build()
-            .user_data(slot as u64);
-        if landing.off_thread {
-            entry = entry.flags(squeue::Flags::ASYNC);
-        }
+        let request = Request::Read {
+            fd,
+            dest: landing.dest,
+            len: landing.len as u32,
+            offset,
+            off_thread: landing.off_thread,
+            user_data: slot as u64,
+        };
         self.slots.issue(slot, tag);
-        self.push(&entry)
+        // SAFETY: the landing stays valid until the completion is reaped (this
+        // function's contract).
+        unsafe { self.driver.push(request) }
     }
 
     /// Watches `fd` for readability with a multishot poll; completions carry `token`.
     pub fn watch(&mut self, fd: RawFd, token: u32) -> Result<(), RingError> {
-        let entry = opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
-            .multi(true)
-            .build()
-            .user_data(POLL_BIT | token as u64);
-        self.push(&entry)
+        let request = Request::Poll {
+            fd,
+            user_data: POLL_BIT | token as u64,
+        };
+        // SAFETY: a poll references no memory.
+        unsafe { self.driver.push(request) }
     }
 
     /// Ends the multishot poll `watch` started with `token`. Its last completion comes
     /// as `Readable` like any other: the caller ignores tokens it no longer watches.
     /// This request's own completion is not reaped as anything.
     pub fn unwatch(&mut self, token: u32) -> Result<(), RingError> {
-        let entry = opcode::PollRemove::new(POLL_BIT | token as u64)
-            .build()
-            .user_data(UNWATCH);
-        self.push(&entry)
-    }
-
-    fn push(&mut self, entry: &squeue::Entry) -> Result<(), RingError> {
-        loop {
-            // SAFETY: a read entry points into a buffer of `self.buffers`, which is
-            // neither freed nor handed out again until its completion is reaped and the
-            // slot checked in, or into memory `read_into`'s caller keeps for it; poll
-            // entries reference no memory.
-            if unsafe { self.ring.submission().push(entry) }.is_ok() {
-                return Ok(());
-            }
-            // Submission queue full: hand what is queued to the kernel and retry.
-            self.ring.submit().map_err(RingError::Submit)?;
-        }
+        let request = Request::PollRemove {
+            target: POLL_BIT | token as u64,
+            user_data: UNWATCH,
+        };
+        // SAFETY: a poll's removal references no memory.
+        unsafe { self.driver.push(request) }
     }
 
     /// The tag of the read `slot` carries (in flight or reaped).
@@ -386,15 +342,7 @@ impl<Tag> ReadRing<Tag> {
 
     /// Submits queued entries and waits until at least `want` completions are ready.
     pub fn submit_and_wait(&mut self, want: usize) -> Result<(), RingError> {
-        loop {
-            match self.ring.submit_and_wait(want) {
-                Ok(_) => return Ok(()),
-                Err(error) if error.raw_os_error() == Some(libc::EINTR) => continue,
-                // The completion queue is full: the caller must reap before submitting.
-                Err(error) if error.raw_os_error() == Some(libc::EBUSY) => return Ok(()),
-                Err(error) => return Err(RingError::Submit(error)),
-            }
-        }
+        self.driver.submit_and_wait(want)
     }
 
     /// Submits queued entries, then polls the completion queue for up to `spin` before
@@ -403,57 +351,30 @@ impl<Tag> ReadRing<Tag> {
     /// one that must first be woken itself (an inter-processor interrupt and a context
     /// switch, tens of microseconds on a virtual machine).
     pub fn submit_and_spin(&mut self, spin: std::time::Duration) -> Result<(), RingError> {
-        loop {
-            match self.ring.submit() {
-                Ok(_) => break,
-                Err(error) if error.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(error) if error.raw_os_error() == Some(libc::EBUSY) => return Ok(()),
-                Err(error) => return Err(RingError::Submit(error)),
-            }
-        }
-        let deadline = std::time::Instant::now() + spin;
-        loop {
-            if self.ring.submission().taskrun() {
-                // Completions wait as task work (cooperative task running): enter the
-                // kernel to have them posted.
-                self.submit_and_wait(0)?;
-            }
-            let ready = {
-                let mut completions = self.ring.completion();
-                completions.sync();
-                !completions.is_empty()
-            };
-            if ready {
-                return Ok(());
-            }
-            if std::time::Instant::now() >= deadline {
-                return self.submit_and_wait(1);
-            }
-            std::hint::spin_loop();
-        }
+        self.driver.submit_and_spin(spin)
     }
 
     /// Moves every ready completion into `out` (but `unwatch`'s own).
     pub fn reap(&mut self, out: &mut Vec<Completion>) {
-        for entry in self.ring.completion() {
-            let user_data = entry.user_data();
-            if user_data == UNWATCH {
-                continue;
+        let slots = &mut self.slots;
+        self.driver.reap(|posted: Posted| {
+            if posted.user_data == UNWATCH {
+                return;
             }
-            if user_data & POLL_BIT != 0 {
+            if posted.user_data & POLL_BIT != 0 {
                 out.push(Completion::Readable {
-                    token: (user_data & !POLL_BIT) as u32,
-                    rearm: !cqueue::more(entry.flags()),
+                    token: (posted.user_data & !POLL_BIT) as u32,
+                    rearm: !posted.more,
                 });
             } else {
-                let slot = user_data as u32;
-                self.slots.reaped(slot);
+                let slot = posted.user_data as u32;
+                slots.reaped(slot);
                 out.push(Completion::Read {
                     slot,
-                    result: read_result(entry.result()),
+                    result: read_result(posted.result),
                 });
             }
-        }
+        });
     }
 }
 

@@ -6,8 +6,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex};
 
-use userfaultfd::{FeatureFlags, Uffd, UffdBuilder};
+use userfaultfd::{FeatureFlags, Uffd};
 
+use super::uffd::create_uffd;
 use super::{
     default_demand_spin_min_reads, Pager, PagerError, PagerInner, DEFAULT_BLOCK_SIZE,
     DEFAULT_DEMAND_SPIN, DEFAULT_INSTALL_THREADS, DEFAULT_MAX_READ, DEFAULT_QUEUE_DEPTH,
@@ -47,6 +48,9 @@ pub struct PagerBuilder {
     share_dir: Option<std::path::PathBuf>,
     #[cfg(feature = "fault-injection")]
     faults: InjectedFaults,
+    /// Unit tests: the reads' outcomes, carried out by a scripted ring, not io_uring.
+    #[cfg(test)]
+    read_script: Option<crate::ring::scripted::ReadScript>,
 }
 
 impl Default for PagerBuilder {
@@ -72,6 +76,8 @@ impl Default for PagerBuilder {
             share_dir: None,
             #[cfg(feature = "fault-injection")]
             faults: InjectedFaults::default(),
+            #[cfg(test)]
+            read_script: None,
         }
     }
 }
@@ -378,6 +384,14 @@ impl PagerBuilder {
         self
     }
 
+    /// Unit tests: reads end as `script` says, carried out by a scripted ring
+    /// (`crate::ring::scripted`) instead of io_uring.
+    #[cfg(test)]
+    pub(crate) fn read_script(mut self, script: crate::ring::scripted::ReadScript) -> Self {
+        self.read_script = Some(script);
+        self
+    }
+
     pub fn build(self) -> Result<Pager, PagerError> {
         let page = sys::memory::page_size();
         let max_read = self.checked_max_read(page)?;
@@ -424,6 +438,8 @@ impl PagerBuilder {
                 share_dir: self.share_dir.filter(|_| serve_forks),
                 #[cfg(feature = "fault-injection")]
                 faults: self.faults,
+                #[cfg(test)]
+                read_script: self.read_script,
             },
             uffd.clone(),
             shared.clone(),
@@ -559,41 +575,3 @@ type UffdAndFrames = (
     Option<String>,
     Result<(), Option<String>>,
 );
-
-/// The pager's userfaultfd, with `extra` features beside those always needed.
-fn create_uffd(extra: u64) -> Result<Uffd, PagerError> {
-    let build = |features: u64| {
-        UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            // Kernel-mode accesses (write(2) from a region, O_DIRECT into... ) must fault
-            // like user accesses, not fail with EFAULT: needs root or /dev/userfaultfd.
-            .user_mode_only(false)
-            .require_features(FeatureFlags::from_bits_retain(features))
-            .create()
-    };
-    let features = FeatureFlags::THREAD_ID.bits()
-        | uffd_ext::FEATURE_POISON
-        | uffd_ext::FEATURE_EXACT_ADDRESS
-        | extra;
-    match build(features) {
-        Ok(uffd) => Ok(uffd),
-        // The `userfaultfd` crate's errors carry its own errno type, matched by number.
-        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EPERM => {
-            Err(PagerError::UffdNotPermitted(errno.desc().into()))
-        }
-        Err(userfaultfd::Error::OpenDevUserfaultfd(error))
-            if error.kind() == std::io::ErrorKind::PermissionDenied =>
-        {
-            Err(PagerError::UffdNotPermitted(error.to_string()))
-        }
-        Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EINVAL => {
-            // The API handshake refused the features: check whether POISON is the reason.
-            match UffdBuilder::new().user_mode_only(false).create() {
-                Ok(_) => Err(PagerError::UffdNoPoison),
-                Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
-            }
-        }
-        Err(error) => Err(PagerError::UffdUnavailable(error.to_string())),
-    }
-}

@@ -37,6 +37,7 @@ mod builder;
 mod fork_guard;
 mod map_extent;
 mod region;
+mod uffd;
 
 pub use self::builder::PagerBuilder;
 use self::map_extent::MapExtent;

@@ -45,6 +45,8 @@ mod room;
 mod shaping;
 mod sharing;
 mod staging;
+#[cfg(test)]
+mod tests;
 mod watch;
 
 use std::collections::{HashMap, VecDeque};
@@ -121,6 +123,9 @@ pub(crate) struct ServiceConfig {
     pub share_dir: Option<std::path::PathBuf>,
     #[cfg(feature = "fault-injection")]
     pub faults: InjectedFaults,
+    /// Unit tests: reads end as this says, on a scripted ring instead of io_uring.
+    #[cfg(test)]
+    pub read_script: Option<crate::ring::scripted::ReadScript>,
 }
 
 pub(crate) struct FaultService {
@@ -207,7 +212,7 @@ enum ServiceError {
 
 impl FaultService {
     pub(crate) fn new(
-        config: ServiceConfig,
+        mut config: ServiceConfig,
         uffd: Arc<Uffd>,
         shared: Arc<Shared>,
         prefetch: Box<dyn PrefetchPolicy>,
@@ -215,7 +220,7 @@ impl FaultService {
         installs: Option<InstallPool>,
         store: Option<FrameStore>,
     ) -> Result<Self, RingError> {
-        let ring = ReadRing::new(config.queue_depth, config.max_read as usize)?;
+        let ring = read_ring(&mut config)?;
         let stash = Stash::new(
             max_staged(config.queue_depth, config.block_size) as u32,
             config.block_size as usize,
@@ -459,6 +464,17 @@ impl FaultService {
         let snapshot = self.snapshot();
         self.shared.publish(snapshot);
     }
+}
+
+/// The ring the service reads through: io_uring, or in unit tests the scripted ring the
+/// configuration asks for (`crate::ring::scripted`).
+fn read_ring(config: &mut ServiceConfig) -> Result<ReadRing<ReadTag>, RingError> {
+    let (depth, buffer_len) = (config.queue_depth, config.max_read as usize);
+    #[cfg(test)]
+    if let Some(script) = config.read_script.take() {
+        return ReadRing::scripted(depth, buffer_len, script);
+    }
+    ReadRing::new(depth, buffer_len)
 }
 
 /// Reports why the service stopped and ends the process: threads waiting on faults
