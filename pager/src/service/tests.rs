@@ -11,6 +11,7 @@ use std::sync::Arc;
 use crate::pager::{MapOptions, Pager, PagerError};
 use crate::policy::{EvictionKind, PrefetchKind};
 use crate::ring::scripted::{ReadScript, ScriptLog, ScriptedRead};
+use crate::stats::Stats;
 
 const BLOCK: u64 = 256 << 10;
 const FILE_LEN: u64 = 16 * BLOCK + 12345;
@@ -91,19 +92,31 @@ fn read_and_check(pager: &Pager, file: &TestFile, threads: u64) {
     });
 }
 
+/// Serves the test file `name` through a pager on a ring scripted by `script`, reads it
+/// whole with `threads` threads checking every byte, and gives the pager's stats after
+/// and the ring's log; None where skipped.
+fn serve_scripted(
+    name: &str,
+    script: ReadScript,
+    prefetch: PrefetchKind,
+    threads: u64,
+) -> Option<(Stats, Arc<ScriptLog>)> {
+    let file = TestFile::new(name);
+    let log = Arc::clone(&script.log);
+    let pager = scripted_pager(script, prefetch)?;
+    read_and_check(&pager, &file, threads);
+    Some((pager.stats(), log))
+}
+
 #[test]
 fn a_failed_read_is_retried_and_the_region_holds_the_files_bytes() {
-    let file = TestFile::new("failed");
     let script = ReadScript {
         reads: VecDeque::from([ScriptedRead::Fail(libc::EIO)]),
         ..ReadScript::default()
     };
-    let log = Arc::clone(&script.log);
-    let Some(pager) = scripted_pager(script, PrefetchKind::None) else {
+    let Some((stats, log)) = serve_scripted("failed", script, PrefetchKind::None, 1) else {
         return;
     };
-    read_and_check(&pager, &file, 1);
-    let stats = pager.stats();
     assert_eq!(ScriptLog::get(&log.scripted), 1, "the failure was scripted");
     assert_eq!(stats.read_retries, 1, "{stats:?}");
     assert_eq!(stats.read_errors, 0, "{stats:?}");
@@ -112,19 +125,15 @@ fn a_failed_read_is_retried_and_the_region_holds_the_files_bytes() {
 
 #[test]
 fn short_reads_are_continued_to_the_end_of_each_block() {
-    let file = TestFile::new("short");
     // Every block's first read delivers one 64 KiB piece of its 256 KiB; the rest
     // must be read by continuing it, else the region shows zeros there.
     let script = ReadScript {
         reads: std::iter::repeat_n(ScriptedRead::Short(64 << 10), 16).collect(),
         ..ReadScript::default()
     };
-    let log = Arc::clone(&script.log);
-    let Some(pager) = scripted_pager(script, PrefetchKind::None) else {
+    let Some((stats, log)) = serve_scripted("short", script, PrefetchKind::None, 1) else {
         return;
     };
-    read_and_check(&pager, &file, 1);
-    let stats = pager.stats();
     assert_eq!(ScriptLog::get(&log.scripted), 16);
     assert!(
         ScriptLog::get(&log.reads) > stats.read_requests,
@@ -141,24 +150,19 @@ fn short_reads_are_continued_to_the_end_of_each_block() {
 
 #[test]
 fn reads_completed_in_reverse_land_in_their_own_blocks() {
-    let file = TestFile::new("reverse");
     // Readahead issues several reads a turn; each turn's completions come back last
     // first, as a device may finish them.
     let script = ReadScript {
         reverse: true,
         ..ReadScript::default()
     };
-    let log = Arc::clone(&script.log);
-    let Some(pager) = scripted_pager(script, PrefetchKind::Readahead) else {
+    let Some((stats, log)) = serve_scripted("reverse", script, PrefetchKind::Readahead, 4) else {
         return;
     };
-    read_and_check(&pager, &file, 4);
     assert!(
         ScriptLog::get(&log.reversed) > 0,
-        "no turn had two completions to reverse: {:?}",
-        pager.stats()
+        "no turn had two completions to reverse: {stats:?}"
     );
-    let stats = pager.stats();
     assert_eq!(stats.read_errors, 0, "{stats:?}");
     assert_eq!(stats.invariant_breaches, 0, "{stats:?}");
 }
