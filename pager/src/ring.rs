@@ -145,7 +145,7 @@ impl<Tag> ReadRing<Tag> {
     /// A ring with room for `max_reads` reads of up to `buffer_len` bytes in flight.
     pub fn new(max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
         let entries = (max_reads + 8).next_power_of_two();
-        Self::on(Driver::uring(entries)?, max_reads, buffer_len)
+        Self::with_driver(Driver::uring(entries)?, max_reads, buffer_len)
     }
 
     /// A ring whose reads and polls a script carries out (`scripted`), for unit tests
@@ -157,10 +157,11 @@ impl<Tag> ReadRing<Tag> {
         script: scripted::ReadScript,
     ) -> Result<Self, RingError> {
         let driver = Driver::Scripted(scripted::ScriptedDriver::new(script));
-        Self::on(driver, max_reads, buffer_len)
+        Self::with_driver(driver, max_reads, buffer_len)
     }
 
-    fn on(driver: Driver, max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
+    /// A ring carried out by `driver`, with its buffers and slots.
+    fn with_driver(driver: Driver, max_reads: u32, buffer_len: usize) -> Result<Self, RingError> {
         let buffers = BufferArena::new(max_reads as usize, buffer_len).map_err(|source| {
             RingError::Buffers {
                 bytes: max_reads as usize * buffer_len,

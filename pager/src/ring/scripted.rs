@@ -190,8 +190,11 @@ impl ScriptedDriver {
             .iter()
             .map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN))
             .collect();
-        if poll(&mut fds, timeout).is_err() {
-            return Vec::new();
+        match poll(&mut fds, timeout) {
+            Ok(_) => {}
+            // A signal: the caller waits again.
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => return Vec::new(),
+            Err(error) => panic!("scripted ring: poll failed: {error}"),
         }
         fds.iter()
             .zip(&self.polls)

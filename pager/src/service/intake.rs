@@ -143,8 +143,9 @@ impl FaultService {
         let in_a_hole = region.cuts(page_offset..page_offset + page as u64);
         let unmapped = region.state(index) == BlockState::Unmapped;
         let block_start = region.layout.geometry.block_start(index);
-        // The program's own faults in a hole are served: its mapping there is ours
-        // until the unmap reaches the service.
+        // A hole is a range the program unmapped: its own faults there are not on this
+        // region (userfaultfd no longer covers it), only a child's or a guest's mapping
+        // can still fault there.
         if unmapped || (in_a_hole && source != Source::Parent) {
             self.answer_unmapped_page(source, id, page_offset, page_addr);
             return None;
