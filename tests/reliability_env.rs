@@ -187,6 +187,7 @@ fn a_filesystem_refusing_o_direct_is_read_through_the_page_cache() {
     std::fs::create_dir(&mount_point).unwrap();
     let exe = std::env::current_exe().unwrap();
     let test = "a_filesystem_refusing_o_direct_is_read_through_the_page_cache";
+    assert_one_test_named(test);
     let spawned = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c"])
         .arg(r#"mount -t ramfs none "$TEST_DIR" && exec "$0" "$1" --exact --nocapture --test-threads=1"#)

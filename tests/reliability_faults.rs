@@ -10,7 +10,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -19,11 +19,8 @@ use hyperoffload::{MapOptions, Pager, PagerBuilder, Region};
 
 /// Like `run_child`, but also returns the child's stderr (the service's messages).
 fn run_child_stderr(test: &str, env: &[(&str, String)], limit: Duration) -> (ExitStatus, String) {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("HYPEROFFLOAD_CHILD", "1")
-        .stderr(Stdio::piped());
+    let mut command = child_test_command(test);
+    command.stderr(Stdio::piped());
     for (key, value) in env {
         command.env(key, value);
     }

@@ -130,14 +130,43 @@ pub fn pages_present(base: usize, len: usize) -> Vec<bool> {
         .collect()
 }
 
-/// Runs the test named `test` of this test binary in a child process with
-/// `HYPEROFFLOAD_CHILD=1`, and returns its exit status. Fails if it runs past `limit`
-/// (a hang is a bug, never an outcome to wait out).
-pub fn run_child(test: &str, env: &[(&str, String)], limit: Duration) -> std::process::ExitStatus {
+/// Panics unless `test` names exactly one test of this test binary (as `--exact` takes
+/// it): a child run with a filter that matches nothing runs no test and exits 0.
+pub fn assert_one_test_named(test: &str) {
+    let exe = std::env::current_exe().unwrap();
+    let listed = Command::new(&exe)
+        .args(["--list", "--exact", test])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let tests: Vec<&str> = listed
+        .lines()
+        .filter_map(|line| line.strip_suffix(": test"))
+        .collect();
+    assert_eq!(
+        tests,
+        [test],
+        "no single test named {test} in {}",
+        exe.display()
+    );
+}
+
+/// The command that runs the test named `test` of this test binary, alone, in a child
+/// process with `HYPEROFFLOAD_CHILD=1` (`test` checked by `assert_one_test_named`).
+pub fn child_test_command(test: &str) -> Command {
+    assert_one_test_named(test);
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env("HYPEROFFLOAD_CHILD", "1");
+    command
+}
+
+/// Runs the test named `test` of this test binary in a child process with
+/// `HYPEROFFLOAD_CHILD=1`, and returns its exit status. Fails if it runs past `limit`
+/// (a hang is a bug, never an outcome to wait out).
+pub fn run_child(test: &str, env: &[(&str, String)], limit: Duration) -> std::process::ExitStatus {
+    let mut command = child_test_command(test);
     for (key, value) in env {
         command.env(key, value);
     }
@@ -234,10 +263,8 @@ pub fn run_child_sampling_rss(
     let dir = TempDir::new("rss-sampling");
     let list = dir.path("regions");
     std::fs::write(&list, "").unwrap();
-    let mut command = Command::new(std::env::current_exe().unwrap());
+    let mut command = child_test_command(test);
     command
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
-        .env("HYPEROFFLOAD_CHILD", "1")
         .env("HYPEROFFLOAD_REGIONS_FILE", &list)
         .envs(env.iter().copied());
     let mut child = command.spawn().unwrap();
