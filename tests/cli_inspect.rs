@@ -51,5 +51,12 @@ fn inspect_prints_the_model_for_people_and_as_json() {
     assert!(json["order"].as_array().unwrap().len() > 100);
     assert!(json["experts"].is_null());
     // --dot and --json are two different outputs.
-    assert!(!inspect(&[model, "--json", "--dot"]).status.success());
+    let both = inspect(&[model, "--json", "--dot"]);
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert!(!both.status.success());
+    assert!(
+        stderr.contains("'--dot' cannot be used with '--json'")
+            || stderr.contains("'--json' cannot be used with '--dot'"),
+        "{stderr}"
+    );
 }

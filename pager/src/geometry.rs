@@ -362,7 +362,13 @@ mod tests {
             })
         );
         // 2^32 blocks is one too many (block indexes are u32).
-        assert!(BlockGeometry::new(0, 1 << 32, 1).is_err());
+        assert_eq!(
+            BlockGeometry::new(0, 1 << 32, 1),
+            Err(GeometryError::TooManyBlocks {
+                data_len: 1 << 32,
+                block_size: 1
+            })
+        );
         assert!(BlockGeometry::new(0, u32::MAX as u64, 1).is_ok());
     }
 }

@@ -52,7 +52,7 @@ impl Landed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::service::block_state::{transition, BlockEvent, StagedIn};
+    use crate::service::block_state::{transition, BlockEvent, InvalidTransition, StagedIn};
 
     fn landed(install: Install, state: BlockState, in_place: bool) -> Landed {
         Landed {
@@ -106,7 +106,13 @@ mod tests {
                 true => BlockEvent::Staged(StagedIn::InPlace),
                 false => BlockEvent::Staged(StagedIn::Stash(0)),
             };
-            assert!(transition(BlockState::Unmapped, staged).is_err());
+            assert_eq!(
+                transition(BlockState::Unmapped, staged),
+                Err(InvalidTransition {
+                    from: BlockState::Unmapped,
+                    event: staged
+                })
+            );
         }
     }
 }

@@ -113,10 +113,19 @@ fn embedding_rows_share_their_norm_and_anchor_exactly() {
         let spread = (norm(&rows[0]) / f64::from(n_embd)).sqrt() as f32;
         assert!((spread - embedding_spread(n_embd)).abs() < 1e-3, "{spread}");
     }
-    assert!(check_type("token_embd.weight", GgmlType::Q4_1, &fill).is_err());
+    assert!(matches!(
+        check_type("token_embd.weight", GgmlType::Q4_1, &fill),
+        Err(SynthError::LocalityType { tensor, ty: GgmlType::Q4_1 }) if tensor == "token_embd.weight"
+    ));
     let query = fill_for("attn_q.weight", 0, &ctx).unwrap();
     assert!(check_type("blk.0.attn_q.weight", GgmlType::Q4_1, &query).is_ok());
-    assert!(check_type("blk.0.attn_q.weight", GgmlType::Q4K, &query).is_err());
+    assert!(matches!(
+        check_type("blk.0.attn_q.weight", GgmlType::Q4K, &query),
+        Err(SynthError::LocalityType {
+            ty: GgmlType::Q4K,
+            ..
+        })
+    ));
 }
 
 /// Q8_0, F16 or F32 row bytes as floats.
