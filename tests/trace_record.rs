@@ -76,21 +76,6 @@ fn every_fault_is_traced_in_order_and_round_trips_through_csv() {
     assert!(pager.take_trace().0.is_empty());
 }
 
-#[test]
-fn the_fuzzers_seed_files_parse() {
-    // The fuzz targets start from these; a seed the parsers reject would leave the
-    // fuzzers exploring error paths only.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
-    let csv = std::fs::read(root.join("trace_reader/small.csv")).unwrap();
-    let records: Vec<_> = TraceReader::new(&csv[..]).unwrap().collect();
-    assert_eq!(records.len(), 4);
-    assert!(records.iter().all(|r| r.is_ok()));
-    let graph = std::fs::read_to_string(root.join("learned_graph/small.json")).unwrap();
-    let saved =
-        hyperoffload::graph::store::decode(&graph, std::path::Path::new("small.json")).unwrap();
-    assert_eq!(saved.layout.block_size, 65536);
-}
-
 /// A recording, as `hyperoffload run --trace` writes it: the fuzzers' seed.
 fn recording() -> Vec<u8> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));

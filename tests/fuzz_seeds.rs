@@ -1,0 +1,151 @@
+//! Every fuzz target's seed files are accepted by what the target fuzzes, as what they
+//! are meant to be: a seed the decoder refuses would leave its fuzzer exploring error
+//! paths only. CI runs each fuzzer for seconds, so the seeds decide what it reaches.
+
+use std::path::{Path, PathBuf};
+
+use hyperoffload::model::gguf::GgufFile;
+use hyperoffload::model::safetensors::SafetensorsFile;
+use hyperoffload::trace::TraceReader;
+use hyperoffload::trace_region::RegionTrace;
+use hyperoffload::{keeper, share};
+
+fn seeds(target: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/seeds")
+        .join(target)
+}
+
+/// Each seed of `target` by name, sorted.
+fn seed_files(target: &str) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(seeds(target))
+        .unwrap()
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&path).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The names of the seeds of `target`, so a seed added or renamed is checked here too.
+fn names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
+    files.iter().map(|(name, _)| name.as_str()).collect()
+}
+
+/// The protocols' fuzz targets read the first byte as the descriptor count (modulo 4).
+fn split_descriptors(bytes: &[u8]) -> (usize, &[u8]) {
+    let (&fds, message) = bytes.split_first().expect("a seed has its descriptor byte");
+    (usize::from(fds % 4), message)
+}
+
+#[test]
+fn the_keeper_protocol_seeds_decode_to_their_messages() {
+    use keeper::protocol::Message;
+    let files = seed_files("keeper_protocol");
+    assert_eq!(
+        names(&files),
+        [
+            "child.bin",
+            "child_gone.bin",
+            "region.bin",
+            "region_gone.bin",
+            "session.bin"
+        ]
+    );
+    for (name, bytes) in &files {
+        let (fds, message) = split_descriptors(bytes);
+        let decoded =
+            Message::decode(message, fds).unwrap_or_else(|error| panic!("{name}: {error:?}"));
+        let kind = match decoded {
+            Message::Session { .. } => "session.bin",
+            Message::Region { .. } => "region.bin",
+            Message::RegionGone { .. } => "region_gone.bin",
+            Message::Child { .. } => "child.bin",
+            Message::ChildGone { .. } => "child_gone.bin",
+        };
+        assert_eq!(kind, name, "{decoded:?}");
+    }
+}
+
+#[test]
+fn the_share_protocol_seeds_decode_to_their_messages() {
+    use share::protocol::Message;
+    let files = seed_files("share_protocol");
+    assert_eq!(
+        names(&files),
+        [
+            "attach.bin",
+            "attached.bin",
+            "fault.bin",
+            "poison.bin",
+            "ready.bin",
+            "refused.bin"
+        ]
+    );
+    for (name, bytes) in &files {
+        let (fds, message) = split_descriptors(bytes);
+        let decoded =
+            Message::decode(message, fds).unwrap_or_else(|error| panic!("{name}: {error:?}"));
+        let kind = match decoded {
+            Message::Attach { .. } => "attach.bin",
+            Message::Attached { .. } => "attached.bin",
+            Message::Refused { .. } => "refused.bin",
+            Message::Fault { .. } => "fault.bin",
+            Message::Ready { .. } => "ready.bin",
+            Message::Poison { .. } => "poison.bin",
+        };
+        assert_eq!(kind, name, "{decoded:?}");
+    }
+}
+
+#[test]
+fn the_trace_seeds_are_read_and_the_region_seeds_sized_or_refused() {
+    let csv = std::fs::read(seeds("trace_reader").join("small.csv")).unwrap();
+    let records: Vec<_> = TraceReader::new(&csv[..]).unwrap().collect();
+    assert_eq!(records.len(), 4);
+    assert!(records.iter().all(|r| r.is_ok()));
+
+    let files = seed_files("trace_region");
+    assert_eq!(
+        names(&files),
+        ["offsets.csv", "size-past-u32-blocks", "small.csv"]
+    );
+    for (name, bytes) in &files {
+        let read = RegionTrace::read(TraceReader::new(&bytes[..]).unwrap());
+        match name.as_str() {
+            // Traces naming their file's size: 6 MiB in 2 MiB blocks, 1 MiB in 64 KiB.
+            "offsets.csv" | "small.csv" => {
+                let trace = read.unwrap_or_else(|error| panic!("{name}: {error}"));
+                let expected = match name.as_str() {
+                    "offsets.csv" => (2 << 20, 6 << 20),
+                    _ => (64 << 10, 1 << 20),
+                };
+                assert_eq!((trace.block_size, trace.data_len), expected, "{name}");
+                assert!(!trace.blocks.is_empty(), "{name}");
+            }
+            // The edge the fuzzer is to explore: a size whose blocks do not fit u32.
+            _ => assert!(read.is_err(), "{name} is refused"),
+        }
+    }
+}
+
+#[test]
+fn the_graph_and_model_seeds_parse() {
+    let graph = std::fs::read_to_string(seeds("learned_graph").join("small.json")).unwrap();
+    let saved = hyperoffload::graph::store::decode(&graph, Path::new("small.json")).unwrap();
+    assert_eq!(saved.layout.block_size, 65536);
+
+    let files = seed_files("gguf");
+    assert_eq!(names(&files), ["python.gguf", "writer.gguf"]);
+    for (name, bytes) in &files {
+        let model = GgufFile::parse(bytes).unwrap_or_else(|error| panic!("{name}: {error}"));
+        assert!(!model.tensors.is_empty(), "{name}");
+    }
+    let files = seed_files("safetensors");
+    assert_eq!(names(&files), ["python.safetensors"]);
+    let model = SafetensorsFile::parse(&files[0].1).unwrap();
+    assert!(!model.tensors.is_empty());
+}
