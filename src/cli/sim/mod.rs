@@ -21,6 +21,7 @@ mod frequency;
 pub mod llama;
 pub mod moe;
 pub mod router;
+mod text;
 mod workload;
 
 use std::path::Path;

@@ -18,6 +18,7 @@ use hyperoffload::model::TensorInfo;
 
 use super::llama::{file_end, lay_out, TensorEntry};
 use super::router::{Router, Routing};
+use super::text::TextTokens;
 use super::Workload;
 
 /// The page the cuts are rounded to: x86_64's, fixed so that a shape's workload is the
@@ -212,12 +213,12 @@ impl MoeShape {
         let mut rng = picks_seed.map_or(rng, SmallRng::seed_from_u64);
         let embd = range_of("token_embd.weight");
         let row_bytes = Self::q8_0(1, self.n_embd);
+        let mut text = TextTokens::new(self.vocab, seed);
         let mut accesses = Vec::new();
         let mut token_starts = Vec::new();
-        for token in 0..tokens as u64 {
+        for _ in 0..tokens {
             token_starts.push(accesses.len());
-            let row = token.wrapping_mul(2_654_435_761) % self.vocab.max(1);
-            let start = embd.start + row * row_bytes;
+            let start = embd.start + text.next_row() * row_bytes;
             sweep(&mut accesses, start..start + row_bytes);
             for layer in 0..self.layers {
                 for tensor in DENSE_BEFORE_EXPERTS {
