@@ -40,6 +40,7 @@ mod expert_use;
 mod idle_fill;
 mod prefetch;
 pub mod streaming;
+mod unplaced;
 mod use_mixture;
 
 pub use self::eviction::GraphEviction;

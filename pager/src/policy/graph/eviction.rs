@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::expert_blocks::ExpertBlocks;
+use super::unplaced::UnplacedBlocks;
 use super::{is_routed_expert, local_in, GraphPrediction, Progress};
 use crate::graph::{CyclicOrder, ModelGraph};
 use crate::policy::per_block::PerBlock;
@@ -16,10 +17,9 @@ use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId, Re
 ///
 /// Blocks of other regions go first, in the order they arrived. Blocks of the model the
 /// order does not place (the embedding table, of which each token reads a row or two)
-/// are ranked as experts are, by how often the run has read each (a word the text
-/// repeats reads its row again): the one expected furthest ahead goes when that is
-/// further than any predicted block's next use and any expert's expected one (see
-/// `furthest_unplaced`). Among predicted blocks, the one used furthest ahead of the
+/// are ranked as experts are, by how often the run uses each (a word the text repeats
+/// reads its row again): the one expected furthest ahead goes when that is further than
+/// any predicted block's next use and any expert's expected one (see `unplaced`). Among predicted blocks, the one used furthest ahead of the
 /// current position goes; when the model does not fit, a streamed block (see
 /// [`streaming`]) before a kept one used as far ahead in the same sense (passed, or
 /// still to come this pass).
@@ -36,15 +36,9 @@ pub struct GraphEviction {
     tracked: PerBlock<Tracked>,
     /// The arrival of each block in `other_regions`.
     other_region_arrivals: HashMap<BlockRef, u64>,
-    /// Tracked blocks of the model the order does not place, with their block of the
-    /// graph.
-    unplaced: BTreeMap<BlockRef, u32>,
-    /// Per unplaced block ever read: its reads, and where the program
-    /// was along the order (`Progress::travelled`) at the first.
-    unplaced_reads: HashMap<u32, (u32, u64)>,
-    /// The use per token each unplaced block is given before its reads: one of the
-    /// graph's blocks the order does not place and no expert holds, a token.
-    unplaced_prior: f64,
+    /// Tracked blocks of the model the order does not place: ranked by their uses,
+    /// watched to count them.
+    unplaced: UnplacedBlocks<BlockRef>,
     /// Routed-expert blocks: ranked by expected use, watched to learn it.
     experts: ExpertBlocks,
     tracked_count: usize,
@@ -74,7 +68,7 @@ struct RegionPositions {
 
 impl GraphEviction {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
-        let unplaced_prior = unplaced_prior(&prediction.graph);
+        let unplaced = UnplacedBlocks::new(unplaced_blocks(&prediction.graph));
         Self {
             experts: ExpertBlocks::new(&prediction.graph),
             prediction,
@@ -83,9 +77,7 @@ impl GraphEviction {
             other_regions: BTreeMap::new(),
             tracked: PerBlock::default(),
             other_region_arrivals: HashMap::new(),
-            unplaced: BTreeMap::new(),
-            unplaced_reads: HashMap::new(),
-            unplaced_prior,
+            unplaced,
             tracked_count: 0,
             arrivals: 0,
             watch_resident: false,
@@ -117,6 +109,12 @@ impl GraphEviction {
         self.watch_resident && !graph.experts().is_empty() && graph.geometry().data_len > budget
     }
 
+    /// Whether resident unplaced blocks are watched: the pager honours watches and the
+    /// model does not fit (one that fits never evicts, so use counts change nothing).
+    fn watches_unplaced(&self, budget: u64) -> bool {
+        self.watch_resident && self.prediction.graph.geometry().data_len > budget
+    }
+
     fn forget(&mut self, block: BlockRef, progress: &mut Progress) {
         let state = std::mem::replace(self.tracked_mut(block), Tracked::No);
         match state {
@@ -141,7 +139,7 @@ impl GraphEviction {
                 if let Some(arrival) = self.other_region_arrivals.remove(&block) {
                     self.other_regions.remove(&arrival);
                 }
-                self.unplaced.remove(&block);
+                self.unplaced.remove(block);
                 self.tracked_count -= 1;
             }
             Tracked::No => {}
@@ -309,6 +307,7 @@ impl EvictionPolicy for GraphEviction {
             // Use counts matter only where experts get evicted.
             self.watch_resident = info.watch_resident;
             self.experts.watching = self.watches_experts(info.budget);
+            self.unplaced.watching = self.watches_unplaced(info.budget);
         }
     }
 
@@ -341,6 +340,7 @@ impl EvictionPolicy for GraphEviction {
             mark_positions(&mut self.streamed_positions, order, block, global, true);
         }
         self.experts.watching = self.watches_experts(budget);
+        self.unplaced.watching = self.watches_unplaced(budget);
     }
 
     fn region_removed(&mut self, region: RegionId) {
@@ -382,10 +382,9 @@ impl EvictionPolicy for GraphEviction {
         } else {
             match global {
                 Some(global) => {
-                    self.unplaced.insert(block, global);
-                    let travelled = progress.travelled;
-                    let reads = self.unplaced_reads.entry(global).or_insert((0, travelled));
-                    reads.0 = reads.0.saturating_add(1);
+                    let pass = u64::from(graph.order().len());
+                    self.unplaced
+                        .insert(block, global, progress.travelled, pass);
                 }
                 None => {
                     self.other_regions.insert(self.arrivals, block);
@@ -409,6 +408,8 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let mut progress = prediction.lock();
         progress.advance(graph, fault);
+        let pass = u64::from(graph.order().len());
+        self.unplaced.fault(fault.block, progress.travelled, pass);
         if let Some(global) = progress.global(graph, fault.block) {
             if is_routed_expert(graph, global) {
                 self.experts.fault(global, graph, &mut progress.experts);
@@ -425,6 +426,8 @@ impl EvictionPolicy for GraphEviction {
         } = &mut *progress;
         let local = |global| local_in(regions, graph, global, None);
         self.experts.watch(experts, local, out);
+        let pass = u64::from(graph.order().len());
+        self.unplaced.watch(out, progress.travelled, pass);
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
@@ -438,56 +441,33 @@ impl EvictionPolicy for GraphEviction {
     }
 }
 
-/// The use per token an unplaced block of `graph` is given before its reads: one of the
-/// blocks the order does not place and no expert holds, a token.
-fn unplaced_prior(graph: &ModelGraph) -> f64 {
+/// How many blocks of `graph` the order does not place and no expert holds.
+fn unplaced_blocks(graph: &ModelGraph) -> usize {
     let order = graph.order();
-    let blocks = (0..graph.geometry().block_count())
+    (0..graph.geometry().block_count())
         .filter(|&block| !order.contains(block) && !is_routed_expert(graph, block))
-        .count();
-    1.0 / blocks.max(1) as f64
+        .count()
 }
 
 impl GraphEviction {
     /// The tracked unplaced block expected to be used furthest ahead, with that
-    /// expectation in positions of the order: to the start of the next pass, then a pass
-    /// more for every `1/p` (`p`: its reads per token since its first, with
-    /// a prior of one such block a token spread evenly over them, worth 16 tokens, so
-    /// that the first reads of a uniform table do not rank its blocks apart). Reads are
-    /// what the pager sees of a block's use: a hot block read once stays resident, its
-    /// estimate falls while it is, and it is read and counted again if it goes. The
-    /// first block of the order is where a pass starts (the embedding rows precede it).
+    /// expectation in positions of the order (`UnplacedBlocks::furthest`). The first
+    /// block of the order is where a pass starts (the embedding rows precede it).
     fn furthest_unplaced(
         &self,
         graph: &ModelGraph,
         progress: &Progress,
     ) -> Option<(BlockRef, f64)> {
-        const PRIOR_TOKENS: f64 = 16.0;
         if self.unplaced.is_empty() {
             return None;
         }
         let order = graph.order();
-        let pass = order.len().max(1) as f64;
         let to_next_pass = match order.len() {
             0 => 0.0,
             len => f64::from(order.distance(progress.cursor.min(len - 1), 0)),
         };
-        let mut furthest: Option<(BlockRef, f64)> = None;
-        for (&block, global) in &self.unplaced {
-            // Every tracked unplaced block was counted when it was inserted.
-            let Some(&(reads, first)) = self.unplaced_reads.get(global) else {
-                continue;
-            };
-            let tokens = progress.travelled.saturating_sub(first) as f64 / pass;
-            let p = ((f64::from(reads) + self.unplaced_prior * PRIOR_TOKENS)
-                / (tokens + 1.0 + PRIOR_TOKENS))
-                .clamp(1e-6, 1.0);
-            let expected = to_next_pass + pass * (1.0 - p) / p;
-            if furthest.is_none_or(|(_, known)| expected > known) {
-                furthest = Some((block, expected));
-            }
-        }
-        furthest
+        self.unplaced
+            .furthest(progress.travelled, u64::from(order.len()), to_next_pass)
     }
 
     /// `EvictionPolicy::victim`'s choice, forgotten once chosen.

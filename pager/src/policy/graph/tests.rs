@@ -364,6 +364,54 @@ fn an_unplaced_block_read_in_every_token_outlasts_one_read_once() {
 }
 
 #[test]
+fn a_resident_unplaced_block_is_watched_and_its_uses_counted() {
+    // As above, but block 8 stays resident and the pager watches: its use in each of
+    // 8 tokens is a watch fault, counted, so it outlasts block 9 read once after it.
+    let pass = [0, 1, 2];
+    let layout = BlockGeometry::new(0, 10 * BLOCK, BLOCK).unwrap();
+    let graph = Arc::new(ModelGraph::from_pass(layout.clone(), &pass));
+    let (_, mut eviction) = graph_policies(graph);
+    eviction.region_added(&RegionInfo {
+        id: RegionId(0),
+        path: Path::new("/model"),
+        geometry: layout,
+        budget: 5 * BLOCK,
+        watch_resident: true,
+    });
+    let mut time = 0;
+    let watch = |eviction: &mut GraphEviction| {
+        let mut out = Vec::new();
+        eviction.watch(&mut out);
+        out
+    };
+    // Read in the first pass: watched from the next.
+    eviction.inserted(b(8));
+    for position in 0..3 {
+        time += 1;
+        eviction.touched(&fault(position, time));
+    }
+    for _ in 0..8 {
+        time += 1;
+        eviction.touched(&fault(0, time));
+        assert_eq!(watch(&mut eviction), [b(8)], "watched again in each pass");
+        eviction.touched(&FaultEvent {
+            block: b(8),
+            time_ns: time,
+            outcome: FaultOutcome::Resident,
+            offset_in_block: None,
+        });
+        assert!(watch(&mut eviction).is_empty(), "once a pass");
+        for position in 1..3 {
+            time += 1;
+            eviction.touched(&fault(position, time));
+        }
+    }
+    eviction.inserted(b(9));
+    assert_eq!(eviction.victim(b(2), ReadKind::Demand), Some(b(9)));
+    assert_eq!(eviction.victim(b(2), ReadKind::Demand), Some(b(8)));
+}
+
+#[test]
 fn a_block_used_twice_per_pass_counts_its_nearest_use() {
     // Block 1 is used at positions 0 and 3.
     let (_, mut eviction) = policies(&[1, 2, 3, 1, 4], 5);
