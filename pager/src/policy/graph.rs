@@ -74,8 +74,9 @@ struct Progress {
     planned: Option<Planned>,
     /// The latest fault judged: both policies hear of each fault, it is judged once.
     judged: Option<(u64, BlockRef)>,
-    /// The token (`ExpertUse::tokens`) of the latest eviction the graph eviction chose.
-    evicted_in_token: Option<u64>,
+    /// Whether the graph eviction has chosen a victim since the budget was last set
+    /// (`budget_filled`).
+    budget_filled: bool,
     /// Positions the program has moved along the order since the start, as faults show
     /// it (`progress_steps`): the clock by which unpredicted blocks age.
     travelled: u64,
@@ -98,7 +99,7 @@ impl GraphPrediction {
                 ),
                 planned: None,
                 judged: None,
-                evicted_in_token: None,
+                budget_filled: false,
                 travelled: 0,
             }),
             graph,
@@ -427,13 +428,12 @@ impl Progress {
         to_layer + order.len().max(1) as f64 * (1.0 - this_token).max(0.0) / probability
     }
 
-    /// Whether the budget has been evicting lately: in this token or the one before.
-    /// Room free now is then the odd bytes between a victim and a smaller block read in
-    /// its place, which the program's next read takes back; room that stays free for a
-    /// whole token is room the program does not fill (`idle_fill`).
-    fn evicting(&self) -> bool {
-        self.evicted_in_token
-            .is_some_and(|token| self.experts.tokens() <= token + 1)
+    /// Whether the budget has filled: the graph eviction has chosen a victim since the
+    /// budget was last set. Room free after that is the odd bytes a victim larger than
+    /// the block read in its place leaves, or room the program's reads take back within
+    /// a few tokens, not room the program leaves idle (`idle_fill`).
+    fn budget_filled(&self) -> bool {
+        self.budget_filled
     }
 
     /// Positions behind the cursor that a lagging thread may still be reading: back to

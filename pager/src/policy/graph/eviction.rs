@@ -314,7 +314,9 @@ impl EvictionPolicy for GraphEviction {
     fn budget_changed(&mut self, budget: u64) {
         let prediction = Arc::clone(&self.prediction);
         prediction.replan_streaming(budget);
-        let progress = prediction.lock();
+        let mut progress = prediction.lock();
+        // A larger budget has room again; a smaller one evicts at once and is full.
+        progress.budget_filled = false;
         // The streamed positions again, from the tracked predicted blocks that stream
         // under the new set: those go first from now on.
         self.streamed_positions.clear();
@@ -435,7 +437,7 @@ impl EvictionPolicy for GraphEviction {
         let mut progress = prediction.lock();
         let victim = self.choose_victim(&prediction, &mut progress, incoming, kind);
         if victim.is_some() {
-            progress.evicted_in_token = Some(progress.experts.tokens());
+            progress.budget_filled = true;
         }
         victim
     }

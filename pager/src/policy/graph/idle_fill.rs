@@ -8,9 +8,10 @@
 //! (`ExpertUse::probability`, which starts from the counts an earlier run saved) turns
 //! those first uses into hits. The requests are `Urgency::IdleFill`: the service reads
 //! them only into free budget and only while no read the program needs is queued, and
-//! the policy asks for none while the budget is evicting (a victim larger than the block
-//! read in its place leaves room the program's next read takes back), so once the budget
-//! is full they cost nothing, and eviction stays the eviction policy's.
+//! the policy asks for none once the budget has filled (room freed after that, by a
+//! victim larger than the block read in its place or by a token without misses, is
+//! taken back by the program's next reads), so once the budget is full they cost
+//! nothing, and eviction stays the eviction policy's.
 //!
 //! Pure: ranks group numbers by probability and walks them once per token.
 

@@ -983,7 +983,7 @@ fn a_dense_model_asks_for_no_idle_fill() {
 }
 
 #[test]
-fn idle_fill_waits_while_the_budget_is_evicting() {
+fn idle_fill_stops_once_the_budget_has_filled_until_it_is_set_again() {
     let (graph, mut prefetch, mut eviction) = moe_policies(false);
     let counts = ExpertCounts {
         experts: (graph.experts().groups().iter())
@@ -1009,7 +1009,7 @@ fn idle_fill_waits_while_the_budget_is_evicting() {
         asked
     };
     assert!(!token(&mut eviction, &mut prefetch).is_empty());
-    // The budget evicts: no fill in this token or the next.
+    // The budget evicts: no fill from then on.
     let resident = distinct_blocks(&graph, group_of(&graph, 3, 2));
     for &block in &resident {
         eviction.inserted(b(block));
@@ -1020,8 +1020,13 @@ fn idle_fill_waits_while_the_budget_is_evicting() {
     let event = expert_fault(&graph, group_of(&graph, 7, 0), FaultOutcome::Missing);
     eviction.touched(&event);
     assert!(idle_fill_asked(&mut prefetch, &event).is_empty());
-    let asked = token(&mut eviction, &mut prefetch);
-    assert!(asked.is_empty(), "asked while evicting: {asked:?}");
-    // After a whole token without an eviction the room left is the program's no more.
+    for _ in 0..4 {
+        // Tokens without an eviction: the room left is still the program's.
+        let asked = token(&mut eviction, &mut prefetch);
+        assert!(asked.is_empty(), "asked once the budget filled: {asked:?}");
+    }
+    // A budget set again (grown) has room to fill.
+    eviction.budget_changed(1 << 40);
+    prefetch.budget_changed(1 << 40);
     assert!(!token(&mut eviction, &mut prefetch).is_empty());
 }

@@ -218,7 +218,7 @@ fn on_mixture_of_experts_the_graph_policy_reads_no_more_than_lru_or_frequency() 
                     // policy must find out how much. Where a quarter of the model fits
                     // it reads less than LRU; where half or more does, LRU's exact
                     // order of the few experts left out is what it has to match (the
-                    // age term of `eviction_distance`: 0.92-1.02x here, at most 1.07x
+                    // age term of `eviction_distance`: 0.97-1.00x here, at most 1.04x
                     // on seeds 23 and 37).
                     Routing::Locality(_) => {
                         let allowed = if share < 0.3 { 1.0 } else { 1.08 };
