@@ -190,10 +190,6 @@ mod source_text;
 /// gone, which is then struck off here.
 const KNOWN_CYCLES: &[(&str, &str)] = &[
     (
-        "[crate] {graph, graph::steps}",
-        "graph/mod.rs builds the graph from steps' edges; steps labels them with mod.rs's Node",
-    ),
-    (
         "[crate] {model, model::gguf, model::gguf::read, model::gguf::write, model::safetensors}",
         "mod.rs opens either format and both fill its TensorInfo; gguf/mod.rs's GgufFile is what read and write make",
     ),

@@ -19,13 +19,13 @@ mod block_lengths;
 pub mod expert_store;
 pub mod experts;
 pub mod learn;
+mod node;
 mod order;
 pub mod rank;
 pub mod routing_stats;
 mod steps;
 pub mod store;
 
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use petgraph::graph::DiGraph;
@@ -35,6 +35,7 @@ pub use arch::{Architecture, ExecutionOrder};
 pub use block_lengths::BlockLengths;
 pub use experts::{ExpertGroup, ExpertMap, ExpertSlice};
 pub use learn::Transitions;
+pub use node::{Node, NodeLabel};
 pub use order::CyclicOrder;
 use steps::{largest_span, step_edges, unit_starts, work_units, Step};
 
@@ -50,28 +51,6 @@ pub enum GraphError {
 
 /// PageRank's damping factor: the usual 0.85.
 const DAMPING: f64 = 0.85;
-
-/// What a node stands for.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub enum NodeLabel {
-    /// Piece `part` of a tensor (of one expert, for a mixture-of-experts tensor).
-    Extent {
-        tensor: String,
-        part: u32,
-        expert: Option<u32>,
-    },
-    /// One block, in a graph learned with no model knowledge.
-    Block,
-}
-
-/// A node: a piece of the file and the blocks it covers. A block shared by two
-/// neighbouring pieces belongs to both.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Node {
-    pub label: NodeLabel,
-    pub file_range: Range<u64>,
-    pub blocks: Range<u32>,
-}
 
 /// Where the graph's edges came from.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]

@@ -7,8 +7,8 @@ use petgraph::graph::{DiGraph, NodeIndex};
 
 use super::arch;
 use super::experts::ExpertSlice;
+use super::node::{Node, NodeLabel};
 use super::order::CyclicOrder;
-use super::{Node, NodeLabel};
 use crate::geometry::BlockGeometry;
 use crate::model::TensorInfo;
 

@@ -1,3 +1,4 @@
+use std::ops::Range;
 use std::path::Path;
 
 use petgraph::graph::NodeIndex;
