@@ -35,70 +35,73 @@ fn names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
     files.iter().map(|(name, _)| name.as_str()).collect()
 }
 
-/// The protocols' fuzz targets read the first byte as the descriptor count (modulo 4).
-fn split_descriptors(bytes: &[u8]) -> (usize, &[u8]) {
-    let (&fds, message) = bytes.split_first().expect("a seed has its descriptor byte");
-    (usize::from(fds % 4), message)
+/// Checks that the seeds of a protocol's fuzz target are exactly `expected` and that each
+/// decodes to the message its name says (`kind` names the file a message's seed has).
+/// The target reads the first byte as the descriptor count, modulo 4.
+fn check_protocol_seeds<M: std::fmt::Debug, E: std::fmt::Debug>(
+    target: &str,
+    expected: &[&str],
+    decode: impl Fn(&[u8], usize) -> Result<M, E>,
+    kind: impl Fn(&M) -> &'static str,
+) {
+    let files = seed_files(target);
+    assert_eq!(names(&files), expected);
+    for (name, bytes) in &files {
+        let (&fds, message) = bytes.split_first().expect("a seed has its descriptor byte");
+        let decoded = decode(message, usize::from(fds % 4))
+            .unwrap_or_else(|error| panic!("{name}: {error:?}"));
+        assert_eq!(kind(&decoded), name, "{decoded:?}");
+    }
 }
 
 #[test]
 fn the_keeper_protocol_seeds_decode_to_their_messages() {
     use keeper::protocol::Message;
-    let files = seed_files("keeper_protocol");
-    assert_eq!(
-        names(&files),
-        [
-            "child.bin",
-            "child_gone.bin",
-            "region.bin",
-            "region_gone.bin",
-            "session.bin"
-        ]
-    );
-    for (name, bytes) in &files {
-        let (fds, message) = split_descriptors(bytes);
-        let decoded =
-            Message::decode(message, fds).unwrap_or_else(|error| panic!("{name}: {error:?}"));
-        let kind = match decoded {
+    let names = [
+        "child.bin",
+        "child_gone.bin",
+        "region.bin",
+        "region_gone.bin",
+        "session.bin",
+    ];
+    check_protocol_seeds(
+        "keeper_protocol",
+        &names,
+        Message::decode,
+        |message| match message {
             Message::Session { .. } => "session.bin",
             Message::Region { .. } => "region.bin",
             Message::RegionGone { .. } => "region_gone.bin",
             Message::Child { .. } => "child.bin",
             Message::ChildGone { .. } => "child_gone.bin",
-        };
-        assert_eq!(kind, name, "{decoded:?}");
-    }
+        },
+    );
 }
 
 #[test]
 fn the_share_protocol_seeds_decode_to_their_messages() {
     use share::protocol::Message;
-    let files = seed_files("share_protocol");
-    assert_eq!(
-        names(&files),
-        [
-            "attach.bin",
-            "attached.bin",
-            "fault.bin",
-            "poison.bin",
-            "ready.bin",
-            "refused.bin"
-        ]
-    );
-    for (name, bytes) in &files {
-        let (fds, message) = split_descriptors(bytes);
-        let decoded =
-            Message::decode(message, fds).unwrap_or_else(|error| panic!("{name}: {error:?}"));
-        let kind = match decoded {
+    let names = [
+        "attach.bin",
+        "attached.bin",
+        "fault.bin",
+        "poison.bin",
+        "ready.bin",
+        "refused.bin",
+    ];
+    check_protocol_seeds(
+        "share_protocol",
+        &names,
+        Message::decode,
+        |message| match message {
             Message::Attach { .. } => "attach.bin",
             Message::Attached { .. } => "attached.bin",
             Message::Refused { .. } => "refused.bin",
             Message::Fault { .. } => "fault.bin",
             Message::Ready { .. } => "ready.bin",
             Message::Poison { .. } => "poison.bin",
-        };
-        assert_eq!(kind, name, "{decoded:?}");
-    }
+        },
+    );
 }
 
 #[test]
