@@ -175,6 +175,10 @@ pub struct Stats {
     /// from token to token, high where it repeats and drifts as real routers do.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_recency: Option<f64>,
+    /// For a mixture of experts under the graph policy: resident experts' blocks it asked
+    /// to watch, and the watch faults that showed them used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_watches: Option<crate::policy::ExpertWatches>,
     /// Time from reading a fault event to waking its thread.
     pub fault_latency_us: LatencySummary,
     /// Time from submitting a read to its completion.

@@ -46,6 +46,14 @@ mod use_mixture;
 pub use self::eviction::GraphEviction;
 pub use self::prefetch::{GraphPrefetch, STREAM_LOOKAHEAD_MAX};
 
+/// How the graph eviction watched routed experts' blocks (`expert_blocks`): blocks it
+/// asked the service to watch, and watch faults on them (a resident expert's use seen).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertWatches {
+    pub asked: u64,
+    pub faults: u64,
+}
+
 /// The prediction both graph policies follow, and the progress along it.
 pub struct GraphPrediction {
     graph: Arc<ModelGraph>,
@@ -74,9 +82,11 @@ struct Progress {
     planned: Option<Planned>,
     /// The latest fault judged: both policies hear of each fault, it is judged once.
     judged: Option<(u64, BlockRef)>,
-    /// Whether the graph eviction has chosen a victim since the budget was last set
-    /// (`budget_filled`).
+    /// Whether the graph eviction has chosen a victim since the budget was last set or
+    /// a region came or went (`budget_filled`).
     budget_filled: bool,
+    /// Routed experts' blocks watched, and their watch faults.
+    expert_watches: ExpertWatches,
     /// Positions the program has moved along the order since the start, as faults show
     /// it (`progress_steps`): the clock by which unpredicted blocks age.
     travelled: u64,
@@ -100,6 +110,7 @@ impl GraphPrediction {
                 planned: None,
                 judged: None,
                 budget_filled: false,
+                expert_watches: ExpertWatches::default(),
                 travelled: 0,
             }),
             graph,
@@ -261,6 +272,11 @@ impl GraphPrediction {
     /// recency (`ExpertUse::recency_weight`); `None` for a model without routed experts.
     pub fn expert_recency(&self) -> Option<f64> {
         (!self.graph.experts().is_empty()).then(|| self.lock().experts.recency_weight())
+    }
+
+    /// How routed experts' blocks were watched; `None` for a model without them.
+    pub fn expert_watches(&self) -> Option<ExpertWatches> {
+        (!self.graph.experts().is_empty()).then(|| self.lock().expert_watches)
     }
 
     /// The streamed set chosen for the bound model (empty until a region binds).
@@ -429,9 +445,11 @@ impl Progress {
     }
 
     /// Whether the budget has filled: the graph eviction has chosen a victim since the
-    /// budget was last set. Room free after that is the odd bytes a victim larger than
-    /// the block read in its place leaves, or room the program's reads take back within
-    /// a few tokens, not room the program leaves idle (`idle_fill`).
+    /// budget was last set or a region was mapped or unmapped. Room free after that is
+    /// the odd bytes a victim larger than the block read in its place leaves, or room
+    /// the program's reads take back within a few tokens, not room the program leaves
+    /// idle (`idle_fill`). (Room a hint drops is not counted as free again: the fill
+    /// waits for the next budget change there.)
     fn budget_filled(&self) -> bool {
         self.budget_filled
     }

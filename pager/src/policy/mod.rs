@@ -30,8 +30,8 @@ mod recording;
 
 pub use fifo::FifoEviction;
 pub use graph::{
-    graph_policies, CoActivationSummary, ConfidenceSummary, GraphEviction, GraphPrediction,
-    GraphPrefetch,
+    graph_policies, CoActivationSummary, ConfidenceSummary, ExpertWatches, GraphEviction,
+    GraphPrediction, GraphPrefetch,
 };
 pub use lru::{ClockEviction, LruEviction};
 pub use readahead::{NoPrefetch, SequentialReadahead};
@@ -228,6 +228,12 @@ pub trait PrefetchPolicy: Send {
     /// For a policy that estimates a mixture of experts' next token from recency and
     /// frequency: the weight it has learned to give recency (0 to 1, mean over layers).
     fn expert_recency(&self) -> Option<f64> {
+        None
+    }
+
+    /// For a policy that watches resident experts' blocks to see them used: how many it
+    /// watched and saw used.
+    fn expert_watches(&self) -> Option<ExpertWatches> {
         None
     }
 }

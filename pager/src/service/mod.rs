@@ -447,6 +447,7 @@ impl FaultService {
         stats.prediction = self.prefetch.confidence();
         stats.co_activation = self.prefetch.co_activation();
         stats.expert_recency = self.prefetch.expert_recency();
+        stats.expert_watches = self.prefetch.expert_watches();
         let refused = self
             .regions
             .values()

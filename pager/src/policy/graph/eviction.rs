@@ -19,8 +19,9 @@ use crate::policy::{BlockRef, EvictionPolicy, FaultEvent, ReadKind, RegionId, Re
 /// order does not place (the embedding table, of which each token reads a row or two)
 /// are ranked as experts are, by how often the run uses each (a word the text repeats
 /// reads its row again): the one expected furthest ahead goes when that is further than
-/// any predicted block's next use and any expert's expected one (see `unplaced`). Among predicted blocks, the one used furthest ahead of the
-/// current position goes; when the model does not fit, a streamed block (see
+/// any predicted block's next use and any expert's expected one (see `unplaced`). Among
+/// predicted blocks, the one used furthest ahead of the current position goes; when
+/// the model does not fit, a streamed block (see
 /// [`streaming`]) before a kept one used as far ahead in the same sense (passed, or
 /// still to come this pass).
 pub struct GraphEviction {
@@ -303,11 +304,17 @@ impl EvictionPolicy for GraphEviction {
 
     fn region_added(&mut self, info: &RegionInfo<'_>) {
         self.prediction.region_added(info);
-        if self.prediction.lock().bound(info.id) {
+        let prediction = Arc::clone(&self.prediction);
+        let mut progress = prediction.lock();
+        if progress.bound(info.id) {
             // Use counts matter only where experts get evicted.
             self.watch_resident = info.watch_resident;
             self.experts.watching = self.watches_experts(info.budget);
-            self.unplaced.watching = self.watches_unplaced(info.budget);
+            let watching = self.watches_unplaced(info.budget);
+            let pass = u64::from(prediction.graph.order().len());
+            (self.unplaced).set_watching(watching, progress.travelled, pass);
+            // A model mapped again has the budget's room to fill.
+            progress.budget_filled = false;
         }
     }
 
@@ -342,7 +349,9 @@ impl EvictionPolicy for GraphEviction {
             mark_positions(&mut self.streamed_positions, order, block, global, true);
         }
         self.experts.watching = self.watches_experts(budget);
-        self.unplaced.watching = self.watches_unplaced(budget);
+        let watching = self.watches_unplaced(budget);
+        let (travelled, pass) = (prediction.lock().travelled, u64::from(order.len()));
+        self.unplaced.set_watching(watching, travelled, pass);
     }
 
     fn region_removed(&mut self, region: RegionId) {
@@ -363,6 +372,8 @@ impl EvictionPolicy for GraphEviction {
         self.positions.retain(|sets| sets.region != region);
         self.streamed_positions.retain(|sets| sets.region != region);
         progress.regions.retain(|&(r, _)| r != region);
+        // Its blocks' room is free again, for the fill too.
+        progress.budget_filled = false;
     }
 
     fn inserted(&mut self, block: BlockRef) {
@@ -413,8 +424,10 @@ impl EvictionPolicy for GraphEviction {
         let pass = u64::from(graph.order().len());
         self.unplaced.fault(fault.block, progress.travelled, pass);
         if let Some(global) = progress.global(graph, fault.block) {
-            if is_routed_expert(graph, global) {
-                self.experts.fault(global, graph, &mut progress.experts);
+            if is_routed_expert(graph, global)
+                && self.experts.fault(global, graph, &mut progress.experts)
+            {
+                progress.expert_watches.faults += 1;
             }
         }
     }
@@ -424,10 +437,15 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let mut progress = prediction.lock();
         let Progress {
-            regions, experts, ..
+            regions,
+            experts,
+            expert_watches,
+            ..
         } = &mut *progress;
         let local = |global| local_in(regions, graph, global, None);
+        let before = out.len();
         self.experts.watch(experts, local, out);
+        expert_watches.asked += (out.len() - before) as u64;
         let pass = u64::from(graph.order().len());
         self.unplaced.watch(out, progress.travelled, pass);
     }

@@ -127,10 +127,10 @@ impl ExpertBlocks {
 
     /// A fault on the graph's block `global` (after `use_` counted the groups it shows
     /// in use): a watched block is watched no more, and its groups are watched again
-    /// after their layer.
-    pub(super) fn fault(&mut self, global: u32, graph: &ModelGraph, use_: &mut ExpertUse) {
+    /// after their layer. True if it was watched.
+    pub(super) fn fault(&mut self, global: u32, graph: &ModelGraph, use_: &mut ExpertUse) -> bool {
         if !std::mem::take(&mut self.watched[global as usize]) {
-            return;
+            return false;
         }
         for &group in graph.experts().groups_of(global) {
             if self.sentinels[group as usize] == Some(global) {
@@ -139,6 +139,7 @@ impl ExpertBlocks {
                 self.queue(group);
             }
         }
+        true
     }
 
     fn queue(&mut self, group: u32) {

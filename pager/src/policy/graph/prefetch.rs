@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::co_activation::CoActivationSummary;
 use super::confidence::{ConfidenceSummary, Planned};
 use super::idle_fill::IdleFill;
-use super::{is_routed_expert, progress_steps, GraphPrediction, Progress};
+use super::{is_routed_expert, progress_steps, ExpertWatches, GraphPrediction, Progress};
 use crate::graph::{CyclicOrder, ModelGraph};
 use crate::policy::{BlockRef, FaultEvent, PrefetchPolicy, PrefetchRequest, RegionId, RegionInfo};
 
@@ -213,6 +213,10 @@ impl PrefetchPolicy for GraphPrefetch {
 
     fn expert_recency(&self) -> Option<f64> {
         self.prediction.expert_recency()
+    }
+
+    fn expert_watches(&self) -> Option<ExpertWatches> {
+        self.prediction.expert_watches()
     }
 
     fn device_bytes(&self) -> Option<u64> {

@@ -776,6 +776,15 @@ fn a_resident_expert_is_watched_once_the_program_has_left_its_layer() {
     assert!(watched(&mut eviction).is_empty());
     eviction.touched(&expert_fault(&graph, later, FaultOutcome::Missing));
     assert_eq!(watched(&mut eviction), first);
+    // Counted for the stats: two watches asked, one fired.
+    let counts = eviction.prediction.expert_watches();
+    assert_eq!(
+        counts,
+        Some(ExpertWatches {
+            asked: 2,
+            faults: 1
+        })
+    );
 
     // A pager that cannot watch is never asked to.
     let (graph, _, mut eviction) = moe_policies(false);

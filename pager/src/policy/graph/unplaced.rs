@@ -33,13 +33,13 @@ pub(super) struct UnplacedBlocks<B> {
     /// The use per token each block is given before its uses.
     prior: f64,
     /// Whether watches are asked for: the pager honours them, and the model does not
-    /// fit the budget.
-    pub(super) watching: bool,
+    /// fit the budget (`set_watching`).
+    watching: bool,
     /// Tracked blocks to watch again, with the pass they were last used in: watched
     /// from the next pass on. A use reads a row, or a whole block while the program
     /// loads, page by page; watched again at once, each page would fault, where one
     /// use a pass is all that is counted.
-    pending: Vec<(B, u64)>,
+    pending: HashMap<B, u64>,
     /// Tracked blocks watched now.
     watched: HashSet<B>,
 }
@@ -60,7 +60,7 @@ impl<B: Copy + Ord + Hash> UnplacedBlocks<B> {
             uses: HashMap::new(),
             prior: 1.0 / blocks.max(1) as f64,
             watching: false,
-            pending: Vec::new(),
+            pending: HashMap::new(),
             watched: HashSet::new(),
         }
     }
@@ -71,8 +71,24 @@ impl<B: Copy + Ord + Hash> UnplacedBlocks<B> {
         self.tracked.insert(block, global);
         self.count_use(global, travelled, pass);
         if self.watching {
-            self.pending.push((block, travelled / pass.max(1)));
+            self.pending.insert(block, travelled / pass.max(1));
         }
+    }
+
+    /// Whether to ask for watches from now, with the program `travelled` positions along
+    /// an order of `pass` positions. Turned on, every tracked block is watched from the
+    /// next pass: one resident since before is as hot as its uses, which only a watch
+    /// shows.
+    pub(super) fn set_watching(&mut self, watching: bool, travelled: u64, pass: u64) {
+        if watching && !self.watching {
+            let this_pass = travelled / pass.max(1);
+            for &block in self.tracked.keys() {
+                if !self.watched.contains(&block) {
+                    self.pending.insert(block, this_pass);
+                }
+            }
+        }
+        self.watching = watching;
     }
 
     /// `block` is no longer resident or evictable (a watch on it goes with it). False
@@ -90,7 +106,7 @@ impl<B: Copy + Ord + Hash> UnplacedBlocks<B> {
         }
         if let Some(&global) = self.tracked.get(&block) {
             self.count_use(global, travelled, pass);
-            self.pending.push((block, travelled / pass.max(1)));
+            self.pending.insert(block, travelled / pass.max(1));
         }
     }
 
@@ -117,7 +133,7 @@ impl<B: Copy + Ord + Hash> UnplacedBlocks<B> {
         }
         let this_pass = travelled / pass.max(1);
         let (tracked, watched) = (&self.tracked, &mut self.watched);
-        self.pending.retain(|&(block, used_in)| {
+        self.pending.retain(|&block, &mut used_in| {
             if used_in >= this_pass {
                 return tracked.contains_key(&block);
             }
@@ -181,7 +197,7 @@ mod tests {
     #[test]
     fn a_resident_block_used_every_pass_outlasts_one_read_once_when_watched() {
         let mut unplaced = UnplacedBlocks::new(100);
-        unplaced.watching = true;
+        unplaced.set_watching(true, 0, PASS);
         // Block 1 is read in pass 0 and used in each of the 19 passes after it,
         // resident throughout; block 2 is read in pass 19 and not used since.
         unplaced.insert(b(1), 1, 0, PASS);
@@ -216,9 +232,26 @@ mod tests {
     }
 
     #[test]
+    fn blocks_resident_when_watching_starts_are_watched_from_the_next_pass() {
+        let mut unplaced = UnplacedBlocks::new(100);
+        unplaced.insert(b(1), 1, 0, PASS);
+        unplaced.insert(b(2), 2, 0, PASS);
+        assert!(watched(&mut unplaced, 2 * PASS).is_empty(), "not watching");
+        // The budget falls below the model in pass 2: both are watched from pass 3.
+        unplaced.set_watching(true, 2 * PASS + 5, PASS);
+        assert!(watched(&mut unplaced, 2 * PASS + 6).is_empty());
+        let mut both = watched(&mut unplaced, 3 * PASS);
+        both.sort_unstable();
+        assert_eq!(both, [b(1), b(2)]);
+        // Turned on again while on: nothing watched twice.
+        unplaced.set_watching(true, 3 * PASS, PASS);
+        assert!(watched(&mut unplaced, 4 * PASS).is_empty());
+    }
+
+    #[test]
     fn a_removed_block_is_neither_watched_nor_ranked() {
         let mut unplaced = UnplacedBlocks::new(100);
-        unplaced.watching = true;
+        unplaced.set_watching(true, 0, PASS);
         unplaced.insert(b(1), 1, 0, PASS);
         assert!(unplaced.remove(b(1)));
         assert!(!unplaced.remove(b(1)));
