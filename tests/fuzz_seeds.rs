@@ -1,13 +1,17 @@
-//! Every fuzz target's seed files are accepted by what the target fuzzes, as what they
-//! are meant to be: a seed the decoder refuses would leave its fuzzer exploring error
-//! paths only. CI runs each fuzzer for seconds, so the seeds decide what it reaches.
+//! Every fuzz target's seed files are taken by what the target fuzzes as what they are
+//! meant to be: a seed the decoder refuses by mistake would leave its fuzzer exploring
+//! error paths only, and one meant to be refused must be refused for its reason. CI runs
+//! each fuzzer for seconds, so the seeds decide what it reaches. Every target has seeds
+//! and a check here (`every_fuzz_target_has_seeds_checked_here`).
 
 use std::path::{Path, PathBuf};
 
+use hyperoffload::geometry::GeometryError;
 use hyperoffload::model::gguf::GgufFile;
 use hyperoffload::model::safetensors::SafetensorsFile;
+use hyperoffload::remote::cache_index::{self, IndexError};
 use hyperoffload::trace::TraceReader;
-use hyperoffload::trace_region::RegionTrace;
+use hyperoffload::trace_region::{RegionTrace, RegionTraceError};
 use hyperoffload::{keeper, share};
 
 fn seeds(target: &str) -> PathBuf {
@@ -106,10 +110,13 @@ fn the_share_protocol_seeds_decode_to_their_messages() {
 
 #[test]
 fn the_trace_seeds_are_read_and_the_region_seeds_sized_or_refused() {
-    let csv = std::fs::read(seeds("trace_reader").join("small.csv")).unwrap();
-    let records: Vec<_> = TraceReader::new(&csv[..]).unwrap().collect();
-    assert_eq!(records.len(), 4);
-    assert!(records.iter().all(|r| r.is_ok()));
+    let files = seed_files("trace_reader");
+    assert_eq!(names(&files), ["offsets.csv", "small.csv"]);
+    for (name, bytes) in &files {
+        let records: Vec<_> = TraceReader::new(&bytes[..]).unwrap().collect();
+        assert!(records.len() >= 3, "{name}: {} records", records.len());
+        assert!(records.iter().all(|r| r.is_ok()), "{name}: {records:?}");
+    }
 
     let files = seed_files("trace_region");
     assert_eq!(
@@ -130,13 +137,52 @@ fn the_trace_seeds_are_read_and_the_region_seeds_sized_or_refused() {
                 assert!(!trace.blocks.is_empty(), "{name}");
             }
             // The edge the fuzzer is to explore: a size whose blocks do not fit u32.
-            _ => assert!(read.is_err(), "{name} is refused"),
+            _ => assert!(
+                matches!(
+                    read,
+                    Err(RegionTraceError::TooLarge {
+                        source: GeometryError::TooManyBlocks { .. },
+                        ..
+                    })
+                ),
+                "{name}: {:?}",
+                read.map(|trace| trace.data_len)
+            ),
+        }
+    }
+}
+
+#[test]
+fn the_cache_index_seeds_decode_or_are_refused_for_their_reason() {
+    let files = seed_files("cache_index");
+    assert_eq!(
+        names(&files),
+        ["cut_short.idx", "not_utf8_version.idx", "three_blocks.idx"]
+    );
+    for (name, bytes) in &files {
+        let decoded = cache_index::decode(bytes);
+        match name.as_str() {
+            "three_blocks.idx" => {
+                let (header, _, entries) = decoded.unwrap();
+                assert_eq!((header.blocks(), entries.len()), (3, 3));
+            }
+            // Written before its last blocks were: the entries it has are kept.
+            "cut_short.idx" => {
+                let (header, _, entries) = decoded.unwrap();
+                assert_eq!((header.blocks(), entries.len()), (3, 1));
+            }
+            _ => assert!(
+                matches!(decoded, Err(IndexError::NotUtf8(_))),
+                "{name}: {:?}",
+                decoded.map(|(_, len, _)| len)
+            ),
         }
     }
 }
 
 #[test]
 fn the_graph_and_model_seeds_parse() {
+    assert_eq!(names(&seed_files("learned_graph")), ["small.json"]);
     let graph = std::fs::read_to_string(seeds("learned_graph").join("small.json")).unwrap();
     let saved = hyperoffload::graph::store::decode(&graph, Path::new("small.json")).unwrap();
     assert_eq!(saved.layout.block_size, 65536);
@@ -151,4 +197,34 @@ fn the_graph_and_model_seeds_parse() {
     assert_eq!(names(&files), ["python.safetensors"]);
     let model = SafetensorsFile::parse(&files[0].1).unwrap();
     assert!(!model.tensors.is_empty());
+}
+
+/// The targets checked above, by their file names under fuzz/fuzz_targets.
+const CHECKED_TARGETS: [&str; 8] = [
+    "cache_index",
+    "gguf",
+    "keeper_protocol",
+    "learned_graph",
+    "safetensors",
+    "share_protocol",
+    "trace_reader",
+    "trace_region",
+];
+
+#[test]
+fn every_fuzz_target_has_seeds_checked_here() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let listed = |dir: &str, strip: &str| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(root.join(dir))
+            .unwrap()
+            .map(|entry| {
+                let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+                name.strip_suffix(strip).unwrap_or(&name).to_owned()
+            })
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(listed("fuzz_targets", ".rs"), CHECKED_TARGETS);
+    assert_eq!(listed("seeds", ""), CHECKED_TARGETS);
 }
