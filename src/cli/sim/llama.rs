@@ -8,6 +8,7 @@
 use hyperoffload::geometry::BlockGeometry;
 use hyperoffload::model::TensorInfo;
 
+use super::text::TextTokens;
 use super::Workload;
 
 /// Q8_0: 32 weights in 34 bytes (an f16 scale and 32 int8).
@@ -187,13 +188,13 @@ impl LlamaShape {
 
         let embd = range_of("token_embd.weight");
         let row_bytes = self.embedding_row_bytes();
+        // The rows of running text's tokens, the same text for every workload.
+        let mut text = TextTokens::new(self.vocab, 0);
         let mut accesses = Vec::new();
         let mut token_starts = Vec::new();
-        for token in 0..tokens as u64 {
+        for _ in 0..tokens {
             token_starts.push(accesses.len());
-            // A fixed pseudo-random row per token (Knuth's multiplicative hash).
-            let row = token.wrapping_mul(2_654_435_761) % self.vocab.max(1);
-            let start = embd.start + row * row_bytes;
+            let start = embd.start + text.next_row() * row_bytes;
             sweep(&mut accesses, start..start + row_bytes);
             for &block in &pass_after_rows {
                 if accesses.last() != Some(&block) {
