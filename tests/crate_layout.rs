@@ -190,10 +190,6 @@ mod source_text;
 /// gone, which is then struck off here.
 const KNOWN_CYCLES: &[(&str, &str)] = &[
     (
-        "[crate] {model, model::gguf, model::gguf::read, model::gguf::write, model::safetensors}",
-        "mod.rs opens either format and both fill its TensorInfo; gguf/mod.rs's GgufFile is what read and write make",
-    ),
-    (
         "[crate] {model::synth, model::synth::arch, model::synth::fill, model::synth::hf_order, \
          model::synth::metadata, model::synth::mix, model::synth::plan, model::synth::plan::moe, \
          model::synth::plan::order, model::synth::plan::roles, model::synth::plan::shape, \

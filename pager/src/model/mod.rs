@@ -5,29 +5,17 @@ pub mod gguf;
 pub mod safetensors;
 pub mod split;
 pub mod synth;
+mod tensor;
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
 use gguf::{GgufError, GgufFile};
 use safetensors::{SafetensorsError, SafetensorsFile};
-
-/// One tensor of a model file.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct TensorInfo {
-    pub name: String,
-    /// The format's type name (`Q4_1`, `F32`, `BF16`, ...).
-    pub dtype: String,
-    /// Outermost dimension first (`[rows, row length]`), in every format: GGUF's
-    /// ggml-order dims are reversed to match.
-    pub shape: Vec<u64>,
-    /// Absolute byte range of the tensor's data in the file.
-    pub file_range: Range<u64>,
-}
+pub use tensor::TensorInfo;
 
 /// The parsed header of a model file, by format.
 #[derive(Debug, Clone, PartialEq)]

@@ -14,7 +14,7 @@ use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess,
 use serde::Deserialize;
 use thiserror::Error;
 
-use super::TensorInfo;
+use super::tensor::TensorInfo;
 
 /// The largest header accepted, as the reference implementation (100 MB).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;

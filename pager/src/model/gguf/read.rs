@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use std::io::{self, Read};
 
 use super::error::GgufError;
+use super::file::{GgufFile, GgufTensor, DEFAULT_ALIGNMENT, MAGIC};
 use super::value::{GgufValue, GgufValueType};
-use super::{GgufFile, GgufTensor, DEFAULT_ALIGNMENT, MAGIC};
 use crate::model::ggml_type::GgmlType;
 
 /// ggml's GGML_MAX_DIMS.

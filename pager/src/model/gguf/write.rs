@@ -7,9 +7,9 @@ use std::io::{self, Write};
 
 use thiserror::Error;
 
+use super::file::{GgufTensor, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC};
 use super::read::MAX_DIMS;
 use super::value::{GgufValue, GgufValueType};
-use super::{GgufTensor, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC};
 use crate::model::ggml_type::GgmlType;
 
 /// A GGUF file that could not be written, and why.
