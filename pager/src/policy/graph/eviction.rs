@@ -69,7 +69,8 @@ struct RegionPositions {
 
 impl GraphEviction {
     pub fn new(prediction: Arc<GraphPrediction>) -> Self {
-        let unplaced = UnplacedBlocks::new(unplaced_blocks(&prediction.graph));
+        let pass = u64::from(prediction.graph.order().len());
+        let unplaced = UnplacedBlocks::new(unplaced_blocks(&prediction.graph), pass);
         Self {
             experts: ExpertBlocks::new(&prediction.graph),
             prediction,
@@ -311,8 +312,7 @@ impl EvictionPolicy for GraphEviction {
             self.watch_resident = info.watch_resident;
             self.experts.watching = self.watches_experts(info.budget);
             let watching = self.watches_unplaced(info.budget);
-            let pass = u64::from(prediction.graph.order().len());
-            (self.unplaced).set_watching(watching, progress.travelled, pass);
+            self.unplaced.set_watching(watching, progress.travelled);
             // A model mapped again has the budget's room to fill.
             progress.budget_filled = false;
         }
@@ -350,8 +350,8 @@ impl EvictionPolicy for GraphEviction {
         }
         self.experts.watching = self.watches_experts(budget);
         let watching = self.watches_unplaced(budget);
-        let (travelled, pass) = (prediction.lock().travelled, u64::from(order.len()));
-        self.unplaced.set_watching(watching, travelled, pass);
+        let travelled = prediction.lock().travelled;
+        self.unplaced.set_watching(watching, travelled);
     }
 
     fn region_removed(&mut self, region: RegionId) {
@@ -395,9 +395,7 @@ impl EvictionPolicy for GraphEviction {
         } else {
             match global {
                 Some(global) => {
-                    let pass = u64::from(graph.order().len());
-                    self.unplaced
-                        .insert(block, global, progress.travelled, pass);
+                    self.unplaced.insert(block, global, progress.travelled);
                 }
                 None => {
                     self.other_regions.insert(self.arrivals, block);
@@ -421,8 +419,7 @@ impl EvictionPolicy for GraphEviction {
         let graph = &prediction.graph;
         let mut progress = prediction.lock();
         progress.advance(graph, fault);
-        let pass = u64::from(graph.order().len());
-        self.unplaced.fault(fault.block, progress.travelled, pass);
+        self.unplaced.fault(fault.block, progress.travelled);
         if let Some(global) = progress.global(graph, fault.block) {
             if is_routed_expert(graph, global)
                 && self.experts.fault(global, graph, &mut progress.experts)
@@ -446,8 +443,7 @@ impl EvictionPolicy for GraphEviction {
         let before = out.len();
         self.experts.watch(experts, local, out);
         expert_watches.asked += (out.len() - before) as u64;
-        let pass = u64::from(graph.order().len());
-        self.unplaced.watch(out, progress.travelled, pass);
+        self.unplaced.watch(out, progress.travelled);
     }
 
     fn victim(&mut self, incoming: BlockRef, kind: ReadKind) -> Option<BlockRef> {
@@ -486,8 +482,7 @@ impl GraphEviction {
             0 => 0.0,
             len => f64::from(order.distance(progress.cursor.min(len - 1), 0)),
         };
-        self.unplaced
-            .furthest(progress.travelled, u64::from(order.len()), to_next_pass)
+        self.unplaced.furthest(progress.travelled, to_next_pass)
     }
 
     /// `EvictionPolicy::victim`'s choice, forgotten once chosen.
